@@ -1,0 +1,140 @@
+"""The `soma` command line: thin wiring over the pipelines. Bad input exits 2 with one line."""
+from __future__ import annotations
+
+import sys
+import time
+from typing import Callable, Optional
+
+import typer
+
+from pipelines.common import console, load_config, open_store
+from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve
+from soma_cluster.errors import SomaError
+
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray.")
+
+PresetOpt = typer.Option("tiny", "--preset", "-p", help="preset name (soma_cluster/presets/*.yaml)")
+ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file layered over the preset")
+SetOpt = typer.Option(None, "--set", "-s", help="override, e.g. --set spsa.n_pert=16 (repeatable)")
+CorpusOpt = typer.Option(None, "--corpus", help="corpus path or s3:// URL (default: the built-in corpus)")
+ExpertsOpt = typer.Option(None, "--experts", "-n", help="number of experts N")
+AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+QuietOpt = typer.Option(False, "--no-progress", help="no progress bars")
+
+
+def _run(fn: Callable[[], None]) -> None:
+    try:
+        fn()
+    except SomaError as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(2) from None
+
+
+def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
+    overrides = parse_overrides(sets or [])
+    if corpus:
+        overrides.setdefault("corpus", {})["source"] = corpus
+    if experts:
+        overrides["n_experts"] = experts
+    return resolve(preset, overrides, config)
+
+
+@app.command()
+def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = ConfigOpt, set: Optional[list[str]] = SetOpt,
+            corpus: Optional[str] = CorpusOpt, experts: Optional[int] = ExpertsOpt) -> None:
+    """Build the corpus, fit the router and write one Arrow shard per expert under CAMPAIGN."""
+    def go() -> None:
+        from pipelines.prepare import prepare as run
+        run(open_store(campaign), _config(preset, config, set, corpus, experts))
+    _run(go)
+
+
+@app.command()
+def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+    """Train the seed model (N = 1) on the whole corpus."""
+    def go() -> None:
+        from pipelines.raysession import ray_session
+        from pipelines.seed import train_seed
+        store = open_store(campaign)
+        cfg = load_config(store)
+        with ray_session(cfg, address):
+            train_seed(store, cfg, not no_progress)
+    _run(go)
+
+
+def _launch(campaign: str, address: Optional[str], no_progress: bool) -> None:
+    from pipelines.campaign import launch as run
+    from pipelines.raysession import ray_session
+    store = open_store(campaign)
+    cfg = load_config(store)
+    with ray_session(cfg, address):
+        run(store, cfg, not no_progress)
+
+
+@app.command()
+def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+    """Train one expert actor per shard; finished experts are never retrained."""
+    _run(lambda: _launch(campaign, address, no_progress))
+
+
+@app.command()
+def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+    """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash)."""
+    _run(lambda: _launch(campaign, address, no_progress))
+
+
+@app.command("eval")
+def evaluate(campaign: str) -> None:
+    """Evaluate the routed ensemble (and the seed) on the held-out test windows."""
+    def go() -> None:
+        from pipelines.evaluate import evaluate as run
+        store = open_store(campaign)
+        m = run(store, load_config(store))
+        console.print(f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
+                      f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md")
+    _run(go)
+
+
+@app.command()
+def status(campaign: str) -> None:
+    """Show every job's state, step, expert-val loss, GPU-hours and retries."""
+    def go() -> None:
+        from pipelines.status import status_table
+        store = open_store(campaign)
+        console.print(status_table(store, load_config(store)))
+    _run(go)
+
+
+@app.command()
+def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, set: Optional[list[str]] = SetOpt,
+         address: Optional[str] = AddressOpt) -> None:
+    """prepare -> seed -> launch -> eval on a preset (tiny by default), then print where the report is."""
+    def go() -> None:
+        from pipelines.campaign import launch as run_launch
+        from pipelines.evaluate import evaluate as run_eval
+        from pipelines.prepare import prepare as run_prepare
+        from pipelines.raysession import ray_session
+        from pipelines.seed import train_seed
+        t0 = time.monotonic()
+        store = open_store(campaign)
+        cfg = _config(preset, None, set, None, None)
+        run_prepare(store, cfg)
+        with ray_session(cfg, address):
+            train_seed(store, cfg)
+            run_launch(store, cfg)
+        m = run_eval(store, cfg)
+        console.print(f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
+                      f"vs seed {m['seed']['nats_per_byte']:.4f} vs uniform {m['uniform']['nats_per_byte']:.4f}")
+        console.print(f"report: {store.url}/eval/report.md")
+    _run(go)
+
+
+@app.command()
+def presets() -> None:
+    """List the presets."""
+    for name in preset_names():
+        print(name)
+
+
+if __name__ == "__main__":
+    app()

@@ -1,0 +1,48 @@
+"""Shared driver plumbing: open a campaign directory, the console, progress bars."""
+from __future__ import annotations
+
+from contextlib import contextmanager
+from typing import Iterator
+
+from rich.console import Console
+from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+
+from soma_cluster.config import CONFIG_FILE as CONFIG
+from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
+from soma_cluster.errors import SomaError
+from soma_cluster.storage import Store
+
+console = Console(stderr=True, highlight=False)
+CONFIG = "campaign.yaml"
+
+
+def open_store(url: str, storage_options: dict | None = None) -> Store:
+    return Store(url, storage_options)
+
+
+def load_config(store: Store) -> CampaignConfig:
+    return load_campaign_config(store)
+
+
+def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> bool:
+    """Bind the directory to this config. True if it was already bound to the same config;
+    an empty or absent directory is claimed (unless write=False: only checked); anything else is
+    refused, never overwritten."""
+    if store.exists(CONFIG):
+        existing = load_config(store)
+        if existing.digest() != cfg.digest():
+            raise SomaError(f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); use a new campaign URL")
+        return True
+    if store.listdir(""):
+        raise SomaError(f"{store.url} is not empty and holds no {CONFIG}; choose an empty or new directory")
+    if write:
+        store.write_new(CONFIG, to_yaml_text(cfg).encode())
+    return False
+
+
+@contextmanager
+def progress(enabled: bool = True) -> Iterator[Progress]:
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   TimeRemainingColumn(), console=console, disable=not enabled, transient=False)
+    with bar:
+        yield bar

@@ -1,0 +1,173 @@
+"""`soma prepare`: corpus -> packed sequences -> router fit on a sample -> per-expert Arrow shards.
+
+The corpus is read once; train sequences are spilled to a local Arrow stream so assignment and
+shard writing stream in batches with bounded memory.
+"""
+from __future__ import annotations
+
+import os
+import random
+import tempfile
+import time
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from pipelines.common import claim_campaign, console, progress
+from soma_cluster.config import CampaignConfig
+from soma_cluster.corpus import Packer, describe_counts, documents, is_test_doc
+from soma_cluster.errors import SomaError
+from soma_cluster.ledger import Ledger
+from soma_cluster.router import Router, fit_router, save_router
+from soma_cluster.shards import ShardWriter, expert_name, rows_to_numpy, schema
+from soma_cluster.storage import Store, file_sha256, put_file
+
+SPILL_BATCH = 4096
+EMBED_BATCH = 4096
+
+
+def _text(seq: bytes) -> str:
+    return seq.decode("utf-8", errors="ignore")
+
+
+class _Spill:
+    """Train sequences on local disk, in write order, plus a reservoir sample of their texts."""
+
+    def __init__(self, seq_bytes: int, sample_size: int, seed: int, tmpdir: str):
+        self.seq_bytes, self.sample_size = seq_bytes, sample_size
+        self.path = os.path.join(tmpdir, "spill.arrow")
+        self.sink = pa.OSFile(self.path, "wb")
+        self.writer = ipc.new_stream(self.sink, schema(seq_bytes))
+        self.buf: list[bytes] = []
+        self.n = 0
+        self.sample: list[str] = []
+        self.rng = random.Random(seed)
+
+    def add(self, seq: bytes) -> None:
+        if len(self.sample) < self.sample_size:
+            self.sample.append(_text(seq))
+        else:
+            j = self.rng.randrange(self.n + 1)
+            if j < self.sample_size:
+                self.sample[j] = _text(seq)
+        self.n += 1
+        self.buf.append(seq)
+        if len(self.buf) >= SPILL_BATCH:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.buf:
+            self.writer.write_batch(pa.record_batch([pa.array(self.buf, type=pa.binary(self.seq_bytes))], schema=schema(self.seq_bytes)))
+            self.buf = []
+
+    def close(self) -> None:
+        self.flush()
+        self.writer.close()
+        self.sink.close()
+
+    def batches(self):
+        with pa.OSFile(self.path, "rb") as fh:
+            for batch in ipc.open_stream(fh):
+                yield batch.column(0)
+
+
+def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill, dict, int]:
+    """Stream documents: held-out ones become evaluation windows, the rest packed train sequences."""
+    spill = _Spill(cfg.shards.seq_bytes, cfg.router.sample_chunks, cfg.seed, tmpdir)
+    win = cfg.eval.window_bytes
+    test_path = os.path.join(tmpdir, "windows.arrow")
+    test_schema = pa.schema([pa.field("window", pa.binary(win)), pa.field("doc", pa.int64())])
+    train_pack = Packer(cfg.shards.seq_bytes)
+    test_pack = Packer(win, owner_at=cfg.eval.context_bytes + 1)
+    counts: dict[str, int] = {}
+    n_docs = n_test = 0
+    windows, owners = [], []
+    with progress() as bar:
+        task = bar.add_task("reading corpus (MB)", total=round(cfg.corpus.max_bytes / 1e6))
+        read = 0
+        for doc in documents(cfg.corpus, counts):
+            n_docs += 1
+            read += len(doc.data)
+            bar.update(task, completed=min(round(read / 1e6), round(cfg.corpus.max_bytes / 1e6)))
+            if is_test_doc(doc.doc_id, cfg.corpus.test_fraction, cfg.seed):
+                n_test += 1
+                for w, owner in test_pack.add(doc.data):
+                    windows.append(w)
+                    owners.append(owner)
+            else:
+                for seq, _ in train_pack.add(doc.data):
+                    spill.add(seq)
+    spill.close()
+    if n_docs == 0 or read == 0:
+        raise SomaError(f"corpus {cfg.corpus.source} holds no text; point corpus.source at files with text in them")
+    with pa.OSFile(test_path, "wb") as sink, ipc.new_file(sink, test_schema) as w:
+        w.write_table(pa.table({"window": pa.array(windows, type=pa.binary(win)), "doc": pa.array(owners, type=pa.int64())}, schema=test_schema))
+    if not windows:
+        raise SomaError(f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {win}-byte evaluation window; add data or raise corpus.test_fraction")
+    console.print(f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(counts)}); "
+                  f"{spill.n} train sequences, {len(windows)} test windows from {n_test} held-out documents")
+    return spill, {"documents": n_docs, "bytes": read, "sources": counts, "test_documents": n_test,
+                   "test_windows": len(windows), "test_path": test_path}, spill.n
+
+
+def _assign(spill: _Spill, router: Router) -> np.ndarray:
+    labels = []
+    with progress() as bar:
+        task = bar.add_task("assigning sequences", total=spill.n)
+        for col in spill.batches():
+            seqs = rows_to_numpy(col, spill.seq_bytes)
+            for a in range(0, len(seqs), EMBED_BATCH):
+                texts = [_text(s.tobytes()) for s in seqs[a:a + EMBED_BATCH]]
+                labels.append(router.nearest(router.embed(texts)))
+                bar.advance(task, len(texts))
+    return np.concatenate(labels)
+
+
+def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
+    val_every = max(2, round(1.0 / cfg.shards.val_fraction))
+    for e, n in enumerate(sizes):
+        n_val = n // val_every
+        if n - n_val < cfg.shards.min_train_seqs or n_val < 1:
+            raise SomaError(f"{expert_name(e)} would get {n} sequences ({n_val} val), below shards.min_train_seqs="
+                            f"{cfg.shards.min_train_seqs} train and 1 val; lower n_experts or add data")
+
+
+def prepare(store: Store, cfg: CampaignConfig) -> dict:
+    """Run the stage; returns the shard summary. Idempotent for the same config, refuses another."""
+    t0 = time.monotonic()
+    if store.exists("campaign.yaml") and store.exists("shards/manifest.json"):
+        claim_campaign(store, cfg)
+        console.print(f"{store.url} is already prepared for this config; skipping prepare")
+        return store.read_json("shards/manifest.json")
+    claim_campaign(store, cfg, write=False)           # refuse a foreign directory before reading any data
+    with tempfile.TemporaryDirectory(prefix="soma-prepare-") as tmp:
+        spill, corpus_info, n_seqs = _read_corpus(cfg, tmp, store)
+        if n_seqs < cfg.n_experts:
+            raise SomaError(f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than n_experts={cfg.n_experts}; lower n_experts or add data")
+        console.print(f"fitting router on {len(spill.sample)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, N={cfg.n_experts})")
+        router, sample_labels = fit_router(spill.sample, cfg.n_experts, cfg.router, cfg.seed)
+        labels = _assign(spill, router)
+        sizes = np.bincount(labels, minlength=cfg.n_experts)
+        _check_sizes(cfg, sizes)
+        claim_campaign(store, cfg)                      # nothing is written before the data is known to fit
+        save_router(store, router)
+        writer = ShardWriter(store, cfg.n_experts, cfg.shards.seq_bytes, cfg.shards.val_fraction, cfg.shards.rows_per_file)
+        pos = 0
+        for col in spill.batches():
+            for seq, lab in zip(col.to_pylist(), labels[pos:pos + len(col)]):
+                writer.add(int(lab), seq)
+            pos += len(col)
+        manifests = writer.close()
+        test_sha = file_sha256(corpus_info["test_path"])
+        put_file(store, corpus_info.pop("test_path"), "test/windows.arrow")
+    store.write_json("test/manifest.json", {"windows": corpus_info["test_windows"], "window_bytes": cfg.eval.window_bytes, "sha256": test_sha})
+    fit_sizes = np.bincount(sample_labels, minlength=cfg.n_experts)
+    summary = {"complete": True, "n_experts": cfg.n_experts, "seq_bytes": cfg.shards.seq_bytes, "corpus": corpus_info,
+               "train_rows": [m["train_rows"] for m in manifests], "val_rows": [m["val_rows"] for m in manifests],
+               "fit_cluster_sizes": fit_sizes.tolist(), "top_terms": router.top_terms, "wall_seconds": time.monotonic() - t0}
+    store.write_json("shards/manifest.json", summary)
+    Ledger(store).record("preprocessing", 0.0, summary["wall_seconds"], note="driver CPU: corpus, router fit, shard writing")
+    for e, terms in enumerate(router.top_terms):
+        console.print(f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  top terms: {', '.join(terms[:8])}")
+    return summary

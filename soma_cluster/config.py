@@ -1,0 +1,239 @@
+"""Campaign configuration as data: pydantic models, defaults <- YAML preset <- overrides.
+
+The resolved model is dumped to `<campaign>/campaign.yaml` once and is the only source of
+truth afterwards (workers and `soma resume` read it back from there).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from importlib import resources
+from pathlib import Path
+from typing import Any, Literal
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from soma_cluster.errors import SomaError
+
+
+class _Section(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+
+class CorpusConfig(_Section):
+    source: str = "builtin"          # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
+    max_bytes: int = Field(64_000_000, gt=0)   # cap on corpus bytes read
+    text_field: str = "text"         # JSONL / Parquet column holding the text
+    test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
+    storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
+
+
+class RouterConfig(_Section):
+    max_features: int = Field(50_000, gt=0)
+    min_df: int = Field(5, ge=1)
+    svd_dim: int = Field(128, ge=2)
+    sample_chunks: int = Field(400_000, gt=0)   # chunks the vectorizer, SVD and k-means are fit on
+    prefix_bytes: int = Field(256, gt=0)        # bytes of a window the router reads at inference
+    top_k: int = Field(4, ge=1)
+    weighting: Literal["uniform", "softmax"] = "uniform"   # softmax(-d^2/T) is c-BTM's option
+    temperature: float = Field(0.1, gt=0.0)
+    kmeans_iters: int = Field(20, ge=1)
+    balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster
+
+
+class ShardConfig(_Section):
+    seq_bytes: int = Field(1024, ge=16)
+    val_fraction: float = Field(0.01, gt=0.0, lt=0.5)
+    rows_per_file: int = Field(65_536, gt=0)
+    min_train_seqs: int = Field(16, ge=1)       # an expert with fewer is an error, not a silent no-op
+
+
+class ModelConfig(_Section):
+    d: int = Field(32, ge=4)                # body width
+    depth: int = Field(2, ge=1)             # residual blocks (LSTM + MLP each)
+    embed_dim: int = Field(32, ge=4)        # tied byte embedding width (E is 256 x embed_dim)
+    head: Literal["shared_frozen", "own"] = "shared_frozen"
+
+
+class SPSAConfig(_Section):
+    n_pert: int = Field(64, ge=1)
+    batch: int = Field(64, ge=1)
+    seq_len: int = Field(1024, ge=2)        # bytes per training window (<= shards.seq_bytes)
+    accum: int = Field(1, ge=1)
+    eps: float = Field(1e-3, gt=0.0)
+    lr: float = Field(1e-3, gt=0.0)
+    weight_decay: float = Field(1e-4, ge=0.0)
+    beta1: float = 0.9
+    beta2: float = 0.999
+    adam_eps: float = 1e-8
+    patience: int = Field(1000, ge=1)       # updates without expert-val improvement before halving
+    floor: float = Field(1e-5, gt=0.0)
+    pert_chunk: int = Field(32, ge=1)       # perturbed copies evaluated per batched pass (memory knob)
+
+
+class SeedStageConfig(_Section):
+    updates: int = Field(1000, ge=0)
+    eps: float = Field(2.5e-3, gt=0.0)
+    lr: float = Field(2.5e-3, gt=0.0)
+
+
+class TrainConfig(_Section):
+    updates: int = Field(1000, ge=1)        # updates per expert
+    chunk_updates: int = Field(10, ge=1)    # updates between heartbeats (and budget checks)
+    checkpoint_every: int = Field(100, ge=1)
+    val_every: int = Field(50, ge=1)
+    val_batches: int = Field(2, ge=1)
+    threads: int = Field(1, ge=1)           # torch intra-op threads per worker on CPU
+
+
+class ResourcesConfig(_Section):
+    num_gpus: float = Field(1.0, gt=0.0)    # per expert actor: 1, 0.5, 0.125 ...
+    num_cpus: float = Field(0.0, ge=0.0)    # stated explicitly: Ray's default of 1 CPU starves small hosts
+    local_gpus: int = Field(4, ge=1)        # logical GPUs of a local Ray started when no address is given
+
+
+class BudgetConfig(_Section):
+    expert_gpu_hours: float | None = Field(None, gt=0.0)
+    campaign_gpu_hours: float | None = Field(None, gt=0.0)
+
+
+class RetryConfig(_Section):
+    max_retries: int = Field(3, ge=0)
+    backoff_s: float = Field(1.0, ge=0.0)
+    heartbeat_timeout_s: float = Field(600.0, gt=0.0)
+
+
+class EvalConfig(_Section):
+    window_bytes: int = Field(1025, ge=3)
+    context_bytes: int = Field(256, ge=1)   # predictions before this index are not scored
+    max_windows: int = Field(2048, ge=1)
+    bootstrap: int = Field(10_000, ge=100)
+    batch: int = Field(32, ge=1)
+
+
+class CampaignConfig(_Section):
+    name: str = "campaign"
+    preset: str = "custom"
+    n_experts: int = Field(4, ge=1)
+    seed: int = 0
+    corpus: CorpusConfig = CorpusConfig()
+    router: RouterConfig = RouterConfig()
+    shards: ShardConfig = ShardConfig()
+    model: ModelConfig = ModelConfig()
+    spsa: SPSAConfig = SPSAConfig()
+    seed_stage: SeedStageConfig = SeedStageConfig()
+    train: TrainConfig = TrainConfig()
+    resources: ResourcesConfig = ResourcesConfig()
+    budget: BudgetConfig = BudgetConfig()
+    retry: RetryConfig = RetryConfig()
+    eval: EvalConfig = EvalConfig()
+
+    @model_validator(mode="after")
+    def _consistent(self) -> "CampaignConfig":
+        if self.spsa.seq_len > self.shards.seq_bytes:
+            raise ValueError(f"spsa.seq_len {self.spsa.seq_len} exceeds shards.seq_bytes {self.shards.seq_bytes}")
+        if self.eval.context_bytes >= self.eval.window_bytes - 1:
+            raise ValueError("eval.context_bytes must leave predictions to score inside eval.window_bytes")
+        if self.model.head == "shared_frozen" and self.model.d != self.model.embed_dim:
+            raise ValueError("model.head shared_frozen needs d == embed_dim; wide experts keep their own head")
+        return self
+
+    def digest(self) -> str:
+        """A stable hash of the resolved config: tells 'same campaign' from 'a different one'."""
+        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        return hashlib.sha256(blob).hexdigest()[:16]
+
+
+def preset_names() -> list[str]:
+    root = resources.files("soma_cluster") / "presets"
+    return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
+
+
+def _preset_dict(name: str) -> dict[str, Any]:
+    path = resources.files("soma_cluster") / "presets" / f"{name}.yaml"
+    if not path.is_file():
+        raise SomaError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())}")
+    return yaml.safe_load(path.read_text()) or {}
+
+
+def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+    keys = dotted.split(".")
+    node = tree
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+        if not isinstance(node, dict):
+            raise SomaError(f"override {dotted!r}: {key!r} is not a section; use section.field=value")
+    node[keys[-1]] = value
+
+
+def parse_overrides(items: list[str]) -> dict[str, Any]:
+    """`["spsa.n_pert=16", "corpus.source=/data"]` -> nested dict; values are parsed as YAML scalars."""
+    tree: dict[str, Any] = {}
+    for item in items:
+        if "=" not in item:
+            raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
+        key, raw = item.split("=", 1)
+        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+    return tree
+
+
+def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in top.items():
+        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+    return out
+
+
+def _validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
+    try:
+        return CampaignConfig.model_validate(tree)
+    except ValidationError as exc:
+        first = exc.errors()[0]
+        where = ".".join(str(p) for p in first["loc"]) or "config"
+        raise SomaError(f"{origin}: {where}: {first['msg']}; fix that field") from None
+
+
+def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, config_file: str | None = None) -> CampaignConfig:
+    """Defaults <- preset file <- optional user YAML <- key=value overrides."""
+    tree = _preset_dict(preset)
+    tree["preset"] = preset
+    origin = f"preset {preset}"
+    if config_file:
+        path = Path(config_file)
+        if not path.is_file():
+            raise SomaError(f"config file {config_file} not found; pass an existing YAML file")
+        try:
+            user = yaml.safe_load(path.read_text()) or {}
+        except yaml.YAMLError as exc:
+            raise SomaError(f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax") from None
+        if not isinstance(user, dict):
+            raise SomaError(f"config file {config_file} must hold a mapping of sections; see soma_cluster/presets/")
+        tree, origin = _merge(tree, user), f"config file {config_file}"
+    if overrides:
+        tree, origin = _merge(tree, overrides), "overrides"
+    return _validated(tree, origin)
+
+
+def from_yaml_text(text: str, origin: str) -> CampaignConfig:
+    try:
+        tree = yaml.safe_load(text)
+    except yaml.YAMLError:
+        raise SomaError(f"{origin} is not valid YAML; restore it from a backup or start a new campaign") from None
+    if not isinstance(tree, dict):
+        raise SomaError(f"{origin} does not hold a campaign config; restore it or start a new campaign")
+    return _validated(tree, origin)
+
+
+CONFIG_FILE = "campaign.yaml"
+
+
+def load_campaign_config(store) -> CampaignConfig:
+    """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store)."""
+    if not store.exists(CONFIG_FILE):
+        raise SomaError(f"{store.url} holds no {CONFIG_FILE}; run soma prepare {store.url} first")
+    return from_yaml_text(store.read_bytes(CONFIG_FILE).decode(), f"{store.url}/{CONFIG_FILE}")
+
+
+def to_yaml_text(cfg: CampaignConfig) -> str:
+    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)

@@ -1,0 +1,214 @@
+"""One campaign URL (local path or s3://bucket/prefix) behind fsspec, with atomic writes and checksums.
+
+Object stores cannot append or rename, so every write here is a single whole-object PUT (local files:
+temp name + rename), and an "append-only log" is a local JSONL file or, on object stores, a sequence
+of small ordered objects that readers list and merge.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import tempfile
+import time
+import uuid
+from pathlib import Path, PurePosixPath
+from typing import Any, Callable, Iterator, TypeVar
+
+import fsspec
+
+from soma_cluster.errors import ChecksumError, SomaError
+
+T = TypeVar("T")
+_SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
+
+
+def sha256(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()
+
+
+def canonical_json(obj: Any) -> bytes:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()
+
+
+def safe_relpath(rel: str) -> str:
+    """Reject anything that could escape the campaign root (absolute, '..', odd characters)."""
+    parts = PurePosixPath(rel).parts
+    if not parts or rel.startswith("/") or any(p in ("..", ".") or not _SAFE_PART.match(p) for p in parts):
+        raise SomaError(f"refusing path {rel!r}: campaign paths are relative names of [A-Za-z0-9._=-] only")
+    return "/".join(parts)
+
+
+class Store:
+    """Reads and writes artifacts under one campaign root."""
+
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retries: int = 5):
+        self.url = url.rstrip("/")
+        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.root = root.rstrip("/")
+        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        self.retries = retries
+        self.storage_options = dict(storage_options or {})
+
+    # -- plumbing -----------------------------------------------------------------------------------------
+    def full(self, rel: str) -> str:
+        """Absolute path of `rel` under the root; '' is the root itself."""
+        return self.root if rel == "" else f"{self.root}/{safe_relpath(rel)}"
+
+    def _retry(self, what: str, fn: Callable[[], T]) -> T:
+        """Retry transient remote errors (an object store restarting) with bounded backoff."""
+        if self.local:
+            return fn()
+        delay = 0.2
+        for attempt in range(self.retries + 1):
+            try:
+                return fn()
+            except (FileNotFoundError, ChecksumError, SomaError):
+                raise
+            except OSError as exc:  # connection refused/reset, 5xx surfaced by s3fs as OSError
+                if attempt == self.retries:
+                    raise SomaError(f"storage {self.url}: {what} failed after {self.retries + 1} tries ({type(exc).__name__}); check the endpoint") from None
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+        raise AssertionError("unreachable")
+
+    # -- whole objects ------------------------------------------------------------------------------------
+    def exists(self, rel: str) -> bool:
+        return self._retry(f"exists {rel}", lambda: self.fs.exists(self.full(rel)))
+
+    def read_bytes(self, rel: str) -> bytes:
+        return self._retry(f"read {rel}", lambda: self.fs.cat_file(self.full(rel)))
+
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Atomic: readers see the old object or the new one, never a torn write."""
+        path = self.full(rel)
+        if self.local:
+            directory = os.path.dirname(path)
+            os.makedirs(directory, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+            try:
+                with os.fdopen(fd, "wb") as fh:
+                    fh.write(data)
+                    fh.flush()
+                    os.fsync(fh.fileno())
+                os.replace(tmp, path)
+            except BaseException:
+                if os.path.exists(tmp):
+                    os.unlink(tmp)
+                raise
+        else:
+            self._retry(f"write {rel}", lambda: self.fs.pipe_file(path, data))
+
+    def write_new(self, rel: str, data: bytes) -> None:
+        """Write once: refuse to replace an existing artifact (data that was there is never lost)."""
+        if self.exists(rel):
+            raise SomaError(f"{self.url}/{rel} already exists; it is never overwritten (use a new campaign URL)")
+        self.write_bytes(rel, data)
+
+    def write_json(self, rel: str, obj: dict[str, Any]) -> None:
+        body = dict(obj)
+        body.pop("checksum", None)
+        body["checksum"] = sha256(canonical_json(body))
+        self.write_bytes(rel, json.dumps(body, indent=1, sort_keys=True).encode())
+
+    def read_json(self, rel: str) -> dict[str, Any]:
+        try:
+            raw = self.read_bytes(rel)
+        except FileNotFoundError:
+            raise SomaError(f"{self.url}/{rel} is missing; re-run the stage that writes it") from None
+        return parse_checked_json(raw, f"{self.url}/{rel}")
+
+    def listdir(self, rel: str) -> list[str]:
+        """Names (not paths) directly under rel; empty when rel does not exist."""
+        path = self.full(rel)
+
+        def ls() -> list[str]:
+            try:
+                return sorted(PurePosixPath(p).name for p in self.fs.ls(path, detail=False, refresh=True) if p.rstrip("/") != path)
+            except FileNotFoundError:
+                return []
+        return self._retry(f"list {rel}", ls)
+
+    def local_copy(self, rel: str, cache_dir: str) -> str:
+        """A local filesystem path to the artifact (itself when local; a cached download otherwise)."""
+        if self.local:
+            return self.full(rel)
+        target = Path(cache_dir) / safe_relpath(rel)
+        if not target.exists():
+            target.parent.mkdir(parents=True, exist_ok=True)
+            data = self.read_bytes(rel)
+            tmp = target.with_name(f".tmp-{uuid.uuid4().hex}")
+            tmp.write_bytes(data)
+            os.replace(tmp, target)
+        return str(target)
+
+    # -- append-only logs ---------------------------------------------------------------------------------
+    def append(self, log: str, record: dict[str, Any]) -> None:
+        """Append one record to the log `log` (e.g. 'events.jsonl')."""
+        body = dict(record)
+        body["checksum"] = sha256(canonical_json(body))
+        line = json.dumps(body, sort_keys=True)
+        if self.local:
+            path = self.full(log)
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            try:
+                os.write(fd, (line + "\n").encode())
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        else:
+            name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
+            self.write_bytes(f"{log}.d/{name}", line.encode())
+
+    def read_log(self, log: str) -> list[dict[str, Any]]:
+        return list(self._iter_log(log))
+
+    def _iter_log(self, log: str) -> Iterator[dict[str, Any]]:
+        where = f"{self.url}/{log}"
+        if self.local:
+            path = self.full(log)
+            if not os.path.exists(path):
+                return
+            lines = Path(path).read_bytes().split(b"\n")
+            torn = lines[-1]  # no trailing newline: a write interrupted by a crash, never acknowledged
+            for i, raw in enumerate(lines[:-1]):
+                yield parse_checked_json(raw, f"{where} line {i + 1}")
+            if torn.strip():
+                return
+        else:
+            for name in self.listdir(f"{log}.d"):
+                yield parse_checked_json(self.read_bytes(f"{log}.d/{name}"), f"{where}.d/{name}")
+
+
+def parse_checked_json(raw: bytes, where: str) -> dict[str, Any]:
+    try:
+        obj = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise ChecksumError(f"{where} is not valid JSON (truncated or corrupt); restore or delete it") from None
+    if not isinstance(obj, dict) or "checksum" not in obj:
+        raise ChecksumError(f"{where} carries no checksum; it was not written by soma-cluster")
+    want = obj.pop("checksum")
+    if sha256(canonical_json(obj)) != want:
+        raise ChecksumError(f"{where} fails its checksum (corrupt or edited); restore or delete it")
+    return obj
+
+
+def file_sha256(path: str, block: int = 1 << 20) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        while chunk := fh.read(block):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def put_file(store: Store, local_path: str, rel: str) -> None:
+    """Move a finished local file into the campaign (rename locally; one multipart upload remotely)."""
+    target = store.full(rel)
+    if store.local:
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        os.replace(local_path, target)
+    else:
+        store._retry(f"upload {rel}", lambda: store.fs.put_file(local_path, target))
+        os.unlink(local_path)

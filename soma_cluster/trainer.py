@@ -1,0 +1,163 @@
+"""One expert's training loop state: data order, SPSA updates, the decoder rule, validation.
+
+Everything an update depends on is either in `TrainState` (checkpointed) or regenerated from
+(campaign seed, expert, step), so a run resumed from a checkpoint continues bitwise identically.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from soma_cluster.config import ModelConfig, SPSAConfig
+from soma_cluster.model import Layout, body_forward, copy_losses, decoder_gradient
+from soma_cluster.shards import Shard
+from soma_cluster.spsa import Adam, Schedule, derive_seed, probes, spsa_estimate
+
+
+class NonFiniteLoss(RuntimeError):
+    """The loss went NaN/inf: the expert fails (and is retried from its checkpoint) instead of training on garbage."""
+
+
+def pick_device() -> torch.device:
+    if torch.cuda.is_available():
+        torch.backends.cuda.matmul.allow_tf32 = True
+        torch.backends.cudnn.allow_tf32 = True
+        return torch.device("cuda")
+    return torch.device("cpu")
+
+
+@dataclass
+class TrainState:
+    body: torch.Tensor                 # (M,) float32
+    head: torch.Tensor                 # (256, e) float32
+    body_opt: Adam
+    head_opt: Adam | None              # None when the head is shared and frozen
+    schedule: Schedule
+    step: int = 0
+    epoch: int = 0
+    cursor: int = 0                    # next position in this epoch's permutation of train rows
+    forwards: int = 0                  # perturbed-copy forwards (B windows each) spent so far
+    tokens: int = 0                    # byte-tokens processed by those forwards
+    history: list[dict] = field(default_factory=list)   # (step, train, val) points for the curve
+
+    def tensors(self) -> dict[str, torch.Tensor]:
+        out = {"body": self.body, "head": self.head, "body_m": self.body_opt.m, "body_v": self.body_opt.v}
+        if self.head_opt is not None:
+            out |= {"head_m": self.head_opt.m, "head_v": self.head_opt.v}
+        return {k: v.detach().cpu().contiguous() for k, v in out.items()}
+
+    def scalars(self) -> dict:
+        s = self.schedule
+        return {"step": self.step, "epoch": self.epoch, "cursor": self.cursor, "forwards": self.forwards,
+                "tokens": self.tokens, "body_t": self.body_opt.t, "head_t": self.head_opt.t if self.head_opt else 0,
+                "eps": s.eps, "lr": s.lr, "best_val": s.best_val if math.isfinite(s.best_val) else None,
+                "since_best": s.since_best, "halvings": s.halvings, "history": self.history}
+
+    @classmethod
+    def restore(cls, tensors: dict[str, torch.Tensor], scalars: dict, device: torch.device) -> "TrainState":
+        t = {k: v.to(device) for k, v in tensors.items()}
+        head_opt = Adam(t["head_m"], t["head_v"], scalars["head_t"]) if "head_m" in t else None
+        best = scalars["best_val"]
+        sched = Schedule(scalars["eps"], scalars["lr"], float("inf") if best is None else best, scalars["since_best"], scalars["halvings"])
+        return cls(t["body"], t["head"], Adam(t["body_m"], t["body_v"], scalars["body_t"]), head_opt, sched,
+                   scalars["step"], scalars["epoch"], scalars["cursor"], scalars["forwards"], scalars["tokens"], list(scalars["history"]))
+
+    @classmethod
+    def fresh(cls, body: torch.Tensor, head: torch.Tensor, train_head: bool, eps: float, lr: float) -> "TrainState":
+        return cls(body.clone(), head.clone(), Adam.zeros_like(body), Adam.zeros_like(head) if train_head else None, Schedule(eps, lr))
+
+
+@dataclass
+class UpdateStats:
+    step: int
+    loss: float          # nats/byte on this update's batch (near theta)
+    forwards: int
+
+
+class Trainer:
+    """Trains one expert on one shard. `seed` and `expert` name the RNG streams."""
+
+    def __init__(self, model: ModelConfig, spsa: SPSAConfig, shard: Shard, state: TrainState, seed: int, expert: int,
+                 device: torch.device, val_rows: int):
+        self.model, self.spsa, self.shard, self.state = model, spsa, shard, state
+        self.seed, self.expert, self.device = seed, expert, device
+        self.layout = Layout(model)
+        self.gain_mask = self.layout.gain_mask(device)
+        self._perm: tuple[int, np.ndarray] | None = None
+        n_val = min(val_rows, sum(len(a) for a in shard.val))
+        self.val_x, self.val_y = self._xy(shard.gather(np.arange(n_val), "val")[:, : spsa.seq_len]) if n_val else (None, None)
+
+    # -- data ---------------------------------------------------------------------------------------------
+    def _permutation(self, epoch: int) -> np.ndarray:
+        if self._perm is None or self._perm[0] != epoch:
+            rng = np.random.default_rng(derive_seed(self.seed, self.expert, "data", epoch))
+            self._perm = (epoch, rng.permutation(self.shard.n_train))
+        return self._perm[1]
+
+    def _next_rows(self, n: int) -> np.ndarray:
+        st, rows = self.state, []
+        while n > 0:
+            perm = self._permutation(st.epoch)
+            take = perm[st.cursor: st.cursor + n]
+            rows.append(take)
+            n -= len(take)
+            st.cursor += len(take)
+            if st.cursor >= len(perm):
+                st.epoch, st.cursor = st.epoch + 1, 0
+        return np.concatenate(rows)
+
+    def _xy(self, seqs: np.ndarray) -> tuple[torch.Tensor, torch.Tensor]:
+        t = torch.from_numpy(np.ascontiguousarray(seqs)).to(self.device)
+        return t[:, :-1], t[:, 1:]
+
+    def batch(self, micro: int) -> tuple[torch.Tensor, torch.Tensor]:
+        """B windows of seq_len bytes at random offsets: x (B, T-1) inputs, y (B, T-1) next bytes."""
+        seqs = self.shard.gather(self._next_rows(self.spsa.batch))
+        span = self.shard.seq_bytes - self.spsa.seq_len
+        rng = np.random.default_rng(derive_seed(self.seed, self.expert, "crop", self.state.step, micro))
+        offs = rng.integers(0, span + 1, size=len(seqs))
+        return self._xy(np.stack([s[o:o + self.spsa.seq_len] for s, o in zip(seqs, offs)]))
+
+    # -- one update ---------------------------------------------------------------------------------------
+    @torch.no_grad()
+    def update(self) -> UpdateStats:
+        st, cfg = self.state, self.spsa
+        grad = torch.zeros_like(st.body)
+        head_grad = torch.zeros_like(st.head) if st.head_opt is not None else None
+        loss, forwards = 0.0, 0
+        for micro in range(cfg.accum):
+            x, y = self.batch(micro)
+            z = probes(cfg.n_pert, self.gain_mask, derive_seed(self.seed, self.expert, "probe", st.step, micro))
+            est = spsa_estimate(st.body, z, st.schedule.eps, lambda bodies: copy_losses(self.model, bodies, st.head, x, y), cfg.pert_chunk)
+            grad += est.grad / cfg.accum
+            loss += est.loss / cfg.accum
+            forwards += est.forwards
+            if head_grad is not None:      # the decoder learns from h at theta itself: one more forward
+                h = body_forward(self.model, st.body[None], st.head, x)
+                head_grad += decoder_gradient(h, st.head, y) / cfg.accum
+                forwards += 1
+        if not math.isfinite(loss) or not torch.isfinite(grad).all():
+            raise NonFiniteLoss(f"expert {self.expert}: non-finite loss {loss} at step {st.step}")
+        grad.add_(st.body, alpha=cfg.weight_decay)               # coupled weight decay
+        st.body_opt.step(st.body, grad, st.schedule.lr, cfg)
+        if head_grad is not None:
+            st.head_opt.step(st.head, head_grad, st.schedule.lr, cfg)
+        st.step += 1
+        st.forwards += forwards
+        st.tokens += forwards * x.numel()
+        return UpdateStats(st.step, loss, forwards)
+
+    @torch.no_grad()
+    def validate(self) -> float:
+        """Mean nats/byte on the expert-validation rows (fixed rows, offset 0)."""
+        if self.val_x is None:
+            return float("nan")
+        losses = [copy_losses(self.model, self.state.body[None], self.state.head, self.val_x[i:i + 64], self.val_y[i:i + 64]) * len(self.val_x[i:i + 64])
+                  for i in range(0, len(self.val_x), 64)]
+        return float(torch.stack(losses).sum() / len(self.val_x))
+
+    def observe_val(self, val: float, updates_since_last: int) -> bool:
+        return self.state.schedule.observe(val, updates_since_last, self.spsa.patience, self.spsa.floor)

@@ -1,0 +1,18 @@
+"""Ray actors. `workers` imports `soma_cluster`; nothing here imports `pipelines`."""
+from __future__ import annotations
+
+import ray
+
+from workers.expert_worker import ExpertWorker, model_dir
+
+RemoteExpertWorker = ray.remote(ExpertWorker)
+
+
+def start_worker(campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float, num_cpus: float):
+    """One actor per expert: its own GPU share, an explicit CPU share (Ray defaults to 1 CPU), no restarts
+    (the driver owns retries, from the checkpoint)."""
+    return RemoteExpertWorker.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
+                                      name=None).remote(campaign_url, storage_options, role, expert, attempt, num_gpus)
+
+
+__all__ = ["ExpertWorker", "RemoteExpertWorker", "model_dir", "start_worker"]
