@@ -165,7 +165,8 @@ def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) 
 
 # -- persistence ------------------------------------------------------------------------------------------
 def save_router(store: Store, router: Router) -> None:
-    arrays = st_save({"idf": router.idf, "components": router.components, "mean": router.mean, "centroids": router.centroids})
+    arrays = st_save({k: np.ascontiguousarray(v) for k, v in {"idf": router.idf, "components": router.components,
+                                                              "mean": router.mean, "centroids": router.centroids}.items()})
     vocab = json.dumps(router.vocabulary).encode()
     store.write_bytes("router/arrays.safetensors", arrays)
     store.write_bytes("router/vocabulary.json", vocab)

@@ -76,7 +76,7 @@ class ShardWriter:
         self.seen[expert] += 1
         buf = self.pending.setdefault((expert, kind), [])
         buf.append(seq)
-        if len(buf) >= BATCH_ROWS:
+        if len(buf) >= min(BATCH_ROWS, self.rows_per_file):
             self._flush(expert, kind)
 
     def _flush(self, expert: int, kind: str) -> None:

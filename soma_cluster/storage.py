@@ -52,9 +52,9 @@ class Store:
         self.storage_options = dict(storage_options or {})
 
     # -- plumbing -----------------------------------------------------------------------------------------
-    def full(self, rel: str) -> str:
-        """Absolute path of `rel` under the root; '' is the root itself."""
-        return self.root if rel == "" else f"{self.root}/{safe_relpath(rel)}"
+    def full(self, rel: str, root_ok: bool = False) -> str:
+        """Absolute path of `rel` under the root ('' names the root itself only where root_ok)."""
+        return self.root if (rel == "" and root_ok) else f"{self.root}/{safe_relpath(rel)}"
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         """Retry transient remote errors (an object store restarting) with bounded backoff."""
@@ -121,7 +121,7 @@ class Store:
 
     def listdir(self, rel: str) -> list[str]:
         """Names (not paths) directly under rel; empty when rel does not exist."""
-        path = self.full(rel)
+        path = self.full(rel, root_ok=True)
 
         def ls() -> list[str]:
             try:

@@ -1,0 +1,59 @@
+"""Shared fixtures: Ray on loopback only, a small real-text corpus, a micro campaign config."""
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+import pytest  # noqa: E402
+
+from soma_cluster.config import resolve  # noqa: E402
+from soma_cluster.corpus import builtin_documents  # noqa: E402
+
+MICRO = {
+    "name": "micro",
+    "n_experts": 2,
+    "corpus": {"max_bytes": 1_500_000, "test_fraction": 0.05},
+    "router": {"max_features": 5000, "min_df": 3, "svd_dim": 16, "sample_chunks": 2000, "kmeans_iters": 10},
+    "shards": {"min_train_seqs": 16},
+    "spsa": {"n_pert": 4, "batch": 4, "seq_len": 64, "pert_chunk": 4},
+    "seed_stage": {"updates": 6},
+    "train": {"updates": 12, "chunk_updates": 3, "checkpoint_every": 6, "val_every": 6, "val_batches": 1},
+    "resources": {"num_gpus": 1.0, "num_cpus": 0.0, "local_gpus": 4},
+    "retry": {"max_retries": 2, "backoff_s": 0.1, "heartbeat_timeout_s": 120},
+    "eval": {"max_windows": 24, "bootstrap": 200, "batch": 8},
+}
+
+
+def micro_config(**sections):
+    tree = {k: (dict(v) if isinstance(v, dict) else v) for k, v in MICRO.items()}
+    for key, value in sections.items():
+        if isinstance(value, dict):
+            tree[key] = {**tree.get(key, {}), **value}
+        else:
+            tree[key] = value
+    return resolve("tiny", tree)
+
+
+@pytest.fixture(scope="session")
+def text_corpus(tmp_path_factory) -> Path:
+    """A directory of real text files taken from the built-in sources (~1.5 MB)."""
+    root = tmp_path_factory.mktemp("corpus")
+    for i, doc in enumerate(builtin_documents(1_500_000)):
+        (root / f"doc-{i:05d}.txt").write_bytes(doc.data)
+    return root
+
+
+@pytest.fixture(scope="module")
+def ray_local():
+    import ray
+
+    tmp = tempfile.mkdtemp(prefix="soma-ray-t-", dir="/tmp")
+    ray.init(num_gpus=4, num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False, logging_level="WARNING")
+    yield ray
+    ray.shutdown()
+    shutil.rmtree(tmp, ignore_errors=True)

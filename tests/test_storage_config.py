@@ -1,0 +1,62 @@
+import pytest
+import yaml
+
+from soma_cluster.config import parse_overrides, resolve
+from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.storage import Store
+
+
+@pytest.mark.parametrize("bad", ["../x", "/etc/passwd", "a/../../b", "", "a b"])
+def test_paths_cannot_escape_the_campaign(tmp_path, bad):
+    with pytest.raises(SomaError):
+        Store(str(tmp_path)).write_bytes(bad, b"x")
+
+
+def test_json_checksums_and_write_once(tmp_path):
+    store = Store(str(tmp_path))
+    store.write_json("a/b.json", {"x": 1})
+    assert store.read_json("a/b.json") == {"x": 1}
+    (tmp_path / "a" / "b.json").write_text((tmp_path / "a" / "b.json").read_text().replace("1", "2"))
+    with pytest.raises(ChecksumError, match="b.json"):
+        store.read_json("a/b.json")
+    store.write_new("once", b"1")
+    with pytest.raises(SomaError, match="never overwritten"):
+        store.write_new("once", b"2")
+    assert (tmp_path / "once").read_bytes() == b"1"
+
+
+def test_log_ignores_a_torn_last_line_but_not_a_corrupt_middle(tmp_path):
+    store = Store(str(tmp_path))
+    for i in range(3):
+        store.append("events.jsonl", {"i": i})
+    with open(tmp_path / "events.jsonl", "ab") as fh:
+        fh.write(b'{"i": 3, "check')                    # a crash mid-write
+    assert [r["i"] for r in store.read_log("events.jsonl")] == [0, 1, 2]
+    lines = (tmp_path / "events.jsonl").read_bytes().split(b"\n")
+    lines[1] = lines[1].replace(b'"i":1', b'"i":9').replace(b'"i": 1', b'"i": 9')
+    (tmp_path / "events.jsonl").write_bytes(b"\n".join(lines))
+    with pytest.raises(ChecksumError, match="line 2"):
+        store.read_log("events.jsonl")
+
+
+def test_config_layers_and_errors(tmp_path):
+    cfg = resolve("tiny", parse_overrides(["spsa.n_pert=16", "n_experts=3"]))
+    assert cfg.spsa.n_pert == 16 and cfg.n_experts == 3 and cfg.preset == "tiny"
+    with pytest.raises(SomaError, match="spsa.n_pert"):
+        resolve("tiny", parse_overrides(["spsa.n_pert=-1"]))
+    with pytest.raises(SomaError, match="unknown preset"):
+        resolve("nope")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spsa: [1, 2\n")
+    with pytest.raises(SomaError, match="not valid YAML"):
+        resolve("tiny", config_file=str(bad))
+    extra = tmp_path / "extra.yaml"
+    extra.write_text(yaml.safe_dump({"spsa": {"bogus": 1}}))
+    with pytest.raises(SomaError, match="bogus"):
+        resolve("tiny", config_file=str(extra))
+
+
+def test_presets_resolve():
+    from soma_cluster.config import preset_names
+    for name in preset_names():
+        resolve(name)
