@@ -132,6 +132,7 @@ def _text_rows(table: pa.Table, field: str, where: str) -> Iterator[str]:
 
 def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Iterator[Document]:
     name = path.rsplit("/", 1)[-1]
+    kind = name.split(".", 1)[1] if "." in name else "text"     # bytes are reported per file kind
     if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
         with fs.open(path, "rb", compression="infer") as fh:
             for i, line in enumerate(io.TextIOWrapper(fh, encoding="utf-8", errors="ignore")):
@@ -143,7 +144,7 @@ def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Ite
                     raise SomaError(f"corpus file {path} line {i + 1} is not JSON; fix or remove that line") from None
                 text = row.get(field) if isinstance(row, dict) else None
                 if isinstance(text, str):
-                    yield Document(f"{path}:{i}", name, text.encode())
+                    yield Document(f"{path}:{i}", kind, text.encode())
         return
     if name.endswith(".parquet") or name.endswith(".arrow"):
         with fs.open(path, "rb") as fh:
@@ -152,10 +153,10 @@ def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Ite
             except (pa.ArrowInvalid, OSError) as exc:
                 raise SomaError(f"corpus file {path} is not readable {name.rsplit('.', 1)[-1]} ({exc}); replace it") from None
         for i, text in enumerate(_text_rows(table, field, path)):
-            yield Document(f"{path}:{i}", name, text.encode())
+            yield Document(f"{path}:{i}", kind, text.encode())
         return
     with fs.open(path, "rb", compression="infer") as fh:
-        yield Document(path, name, fh.read())
+        yield Document(path, kind, fh.read())
 
 
 def user_documents(cfg: CorpusConfig) -> Iterator[Document]:

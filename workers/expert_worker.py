@@ -108,9 +108,10 @@ class ExpertWorker:
         if reason and self.last_ckpt_step != st.step:     # a clean stop always leaves a checkpoint
             ckpt = self._checkpoint()
         done = st.step >= self.target or reason is not None
+        held = time.monotonic() - self.t0                     # one clock read for wall and GPU-seconds
         return {"step": st.step, "target": self.target, "updates": todo, "loss": sum(losses) / len(losses) if losses else None,
                 "val": val, "best_val": st.schedule.best_val if st.schedule.best_val != float("inf") else None,
                 "eps": st.schedule.eps, "lr": st.schedule.lr, "checkpoint": ckpt, "done": done,
-                "reason": reason or ("finished" if done else None), "gpu_seconds": self.gpu_seconds(),
-                "wall_seconds": time.monotonic() - self.t0, "forwards": st.forwards - self.start_forwards,
+                "reason": reason or ("finished" if done else None), "gpu_seconds": held * self.num_gpus,
+                "wall_seconds": held, "forwards": st.forwards - self.start_forwards,
                 "tokens": st.tokens - self.start_tokens, "sec_per_update": self.sec_per_update}

@@ -1,0 +1,91 @@
+"""The `soma` CLI end to end on a small real-text corpus, and its one-line errors (exit 2) on bad input."""
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import yaml
+
+from conftest import MICRO
+
+
+def soma(*args, timeout=300):
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def micro_yaml(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cfg") / "micro.yaml"
+    path.write_text(yaml.safe_dump(MICRO))
+    return str(path)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
+
+
+def test_end_to_end(tmp_path, text_corpus, micro_yaml):
+    camp = str(tmp_path / "camp")
+    for args in (["prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)], ["seed", camp, "--no-progress"],
+                 ["launch", camp, "--no-progress"], ["eval", camp], ["status", camp]):
+        proc = soma(*args)
+        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
+    metrics = json.loads((tmp_path / "camp" / "eval" / "metrics.json").read_text())
+    assert metrics["ensemble"]["nats_per_byte"] < metrics["uniform"]["nats_per_byte"] - 1.0
+    assert metrics["scored_bytes"] == metrics["windows"] * 768
+    assert "expert-0001" in proc.stdout + proc.stderr and "finished" in proc.stdout + proc.stderr
+    report = (tmp_path / "camp" / "eval" / "report.md").read_text()
+    assert "not" in report and "backprop" in report
+    # preparing again with the same config is a no-op; `resume` on a finished campaign retrains nothing
+    assert soma("prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
+    events = (tmp_path / "camp" / "events.jsonl").read_text().count("\n")
+    assert soma("resume", camp, "--no-progress").returncode == 0
+    assert (tmp_path / "camp" / "events.jsonl").read_text().count("\n") == events
+
+
+def test_missing_corpus_path(tmp_path, micro_yaml):
+    assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(tmp_path / "nope")),
+                          "corpus path", "not found")
+    assert not (tmp_path / "c").exists()
+
+
+def test_empty_corpus(tmp_path, micro_yaml):
+    (tmp_path / "empty").mkdir()
+    (tmp_path / "empty" / "a.txt").write_bytes(b"")
+    assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(tmp_path / "empty")),
+                          "holds no text")
+
+
+def test_more_experts_than_sequences(tmp_path, text_corpus, micro_yaml):
+    proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(text_corpus), "--experts", "5000")
+    assert_one_line_error(proc, "n_experts=5000", "lower n_experts")
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
+
+
+def test_directory_with_a_different_campaign_is_never_overwritten(tmp_path, text_corpus, micro_yaml):
+    camp = tmp_path / "c"
+    assert soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
+    before = {p: p.read_bytes() for p in camp.rglob("*") if p.is_file()}
+    proc = soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus), "--experts", "3")
+    assert_one_line_error(proc, "different campaign", "new campaign URL")
+    assert {p: p.read_bytes() for p in camp.rglob("*") if p.is_file()} == before
+
+
+def test_foreign_directory_and_bad_config(tmp_path, text_corpus, micro_yaml):
+    foreign = tmp_path / "mine"
+    foreign.mkdir()
+    (foreign / "notes.txt").write_text("keep me")
+    assert_one_line_error(soma("prepare", str(foreign), "--config", micro_yaml, "--corpus", str(text_corpus)), "not empty")
+    assert (foreign / "notes.txt").read_text() == "keep me" and len(list(foreign.iterdir())) == 1
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("spsa: {n_pert: -3}\n")
+    assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--config", str(bad)), "spsa.n_pert")
+    assert_one_line_error(soma("eval", str(tmp_path / "nothing")), "run soma prepare")
+    assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--set", "spsa.n_pert"), "key=value")
