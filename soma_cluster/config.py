@@ -69,7 +69,8 @@ class SPSAConfig(_Section):
     adam_eps: float = 1e-8
     patience: int = Field(1000, ge=1)       # updates without expert-val improvement before halving
     floor: float = Field(1e-5, gt=0.0)
-    pert_chunk: int = Field(32, ge=1)       # perturbed copies evaluated per batched pass (memory knob)
+    pert_chunk: int = Field(32, ge=1)       # probes per batched pass (2 x pert_chunk copies; memory knob)
+    compile: bool = False                   # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
 
 
 class SeedStageConfig(_Section):

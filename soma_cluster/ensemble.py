@@ -58,8 +58,8 @@ def window_logprobs(model: ModelConfig, body: torch.Tensor, head: torch.Tensor, 
     for a in range(0, len(windows), batch):
         w = torch.from_numpy(windows[a:a + batch]).to(device)
         x, y = w[:, :-1], w[:, 1:]
-        lp = target_logprobs(body_forward(model, body[None].to(device), head.to(device), x), head.to(device), y)  # (T, 1, B)
-        out.append(lp[context:, 0].t().double().cpu().numpy())
+        lp = target_logprobs(body_forward(model, body[None].to(device), head.to(device), x), head.to(device), y)  # (1, T, B)
+        out.append(lp[0, context:].t().double().cpu().numpy())
     return np.concatenate(out) if out else np.zeros((0, windows.shape[1] - 1 - context))
 
 

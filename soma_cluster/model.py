@@ -2,7 +2,8 @@
 
 Parameters live in one flat body vector per copy, so SPSA can perturb it as a whole and the forward
 evaluates P perturbed copies in one batched pass (a leading copy axis on every weight). Activations
-are time-major, (T, P, B, d): each recurrent step reads one contiguous (P, B, 4d) slab.
+are copy-major, (P, T, B, d): the hoisted matmuls are one bmm each, and a recurrent step reads the
+(P, B, 4d) slab of time t.
 
     E        (256, e)   tied byte embedding / decoder, logits = h E^T, never perturbed
     proj_in  (d, e)     only when d != e (wide experts), likewise proj_out (e, d)
@@ -116,37 +117,55 @@ def init_head(cfg: ModelConfig, generator: torch.Generator) -> torch.Tensor:
 
 
 def layer_norm(x: torch.Tensor, gain: torch.Tensor) -> torch.Tensor:
-    """Gain-only LayerNorm over the last axis. x (T, P, B, d), gain (P, d)."""
-    return F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * gain[None, :, None, :]
+    """Gain-only LayerNorm over the last axis. x (P or 1, T, B, d), gain (P, d)."""
+    return F.layer_norm(x, x.shape[-1:], eps=LN_EPS) * gain[:, None, None, :]
 
 
 def copy_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """Per-copy x W^T. x (T, P, B, i), w (P, o, i) -> (T, P, B, o); one bmm over the copy axis."""
-    t, p, b, i = x.shape
-    flat = x.permute(1, 0, 2, 3).reshape(p, t * b, i)
-    return torch.bmm(flat, w.transpose(1, 2)).view(p, t, b, -1).permute(1, 0, 2, 3)
+    """Per-copy x W^T. x (P, T, B, i), w (P, o, i) -> (P, T, B, o); one bmm over the copy axis, no copies."""
+    p, t, b, i = x.shape
+    return torch.bmm(x.reshape(p, t * b, i), w.transpose(1, 2)).view(p, t, b, -1)
 
 
-def lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor) -> torch.Tensor:
-    """Bias-free LSTM, gate order (i, f, g, o) as torch.nn.LSTM. x (T, P, B, d) -> h (T, P, B, d).
+def _cell(gates_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One LSTM step for all copies: gates (P, B, 4d) with the g rows pre-scaled by 2."""
+    s = torch.sigmoid(torch.baddbmm(gates_t, h, w_hh_t))
+    i, f, g, o = s.chunk(4, dim=-1)
+    c = f * c + i * (2.0 * g - 1.0)                 # tanh(z) = 2 sigmoid(2z) - 1
+    return o * torch.tanh(c), c
+
+
+_compiled_cell = None
+
+
+def cell_fn(compiled: bool):
+    """The step function: eager, or fused by torch.compile (one bmm + one pointwise kernel per step)."""
+    global _compiled_cell
+    if not compiled:
+        return _cell
+    if _compiled_cell is None:
+        _compiled_cell = torch.compile(_cell, dynamic=False)
+    return _compiled_cell
+
+
+def lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Bias-free LSTM, gate order (i, f, g, o) as torch.nn.LSTM. x (P, T, B, d) -> h (P, T, B, d).
 
     The input matmul is hoisted out of the time loop; only h W_hh^T is sequential. The g rows are
-    pre-scaled by 2 so one sigmoid serves all four gates: tanh(z) = 2 sigmoid(2z) - 1.
+    pre-scaled by 2 so one sigmoid serves all four gates.
     """
-    t_len, p, b, d = x.shape
+    p, t_len, b, d = x.shape
     scale = torch.ones(4 * d, 1, dtype=x.dtype, device=x.device)
     scale[2 * d:3 * d] = 2.0
-    gates_in = copy_matmul(x, w_ih * scale).contiguous()          # (T, P, B, 4d)
+    gates_in = copy_matmul(x, w_ih * scale).transpose(0, 1).contiguous()   # (T, P, B, 4d): step t is one slab
     w_hh_t = (w_hh * scale).transpose(1, 2).contiguous()           # (P, d, 4d)
+    step = cell_fn(compiled)
     h = x.new_zeros(p, b, d)
     c = x.new_zeros(p, b, d)
-    out = x.new_empty(t_len, p, b, d)
+    out = x.new_empty(p, t_len, b, d)
     for t in range(t_len):
-        s = torch.sigmoid(torch.baddbmm(gates_in[t], h, w_hh_t))   # (P, B, 4d)
-        i, f, g, o = s.split(d, dim=-1)
-        c = torch.addcmul(f * c, i, g * 2.0 - 1.0)
-        h = o * torch.tanh(c)
-        out[t] = h
+        h, c = step(gates_in[t], h, c, w_hh_t)
+        out[:, t] = h
     return out
 
 
@@ -154,40 +173,66 @@ def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
     return copy_matmul(F.gelu(copy_matmul(x, w1)), w2)
 
 
-def body_forward(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
-    """P copies of the body on one batch. body (P, M), head (256, e), x (B, T) bytes -> h (T, P, B, e)."""
+def embed(head: torch.Tensor, x: torch.Tensor, copies: int) -> torch.Tensor:
+    """Input embeddings. One batch x (B, T) -> (1, T, B, e), broadcast over all copies; a leading expert
+    axis x (G, B, T) with heads (G, 256, e) or one shared (256, e) -> (G*P, T, B, e), P = copies // G."""
+    if x.dim() == 2:
+        return head[x.t().long()][None]
+    g = x.shape[0]
+    heads = head if head.dim() == 3 else head.expand(g, -1, -1)
+    emb = heads[torch.arange(g, device=x.device)[:, None, None], x.transpose(1, 2).long()]   # (G, T, B, e)
+    return emb.repeat_interleave(copies // g, dim=0)
+
+
+def body_forward(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Copies of the body in one batched pass. body (C, M), head (256, e) or (G, 256, e), x (B, T) or
+    (G, B, T) bytes -> h (C, T, B, e). With an expert axis, copies g*P .. g*P+P-1 belong to expert g."""
     layout = Layout(cfg)
     w = layout.views(body)
     p = body.shape[0]
-    emb = head[x.t().long()]                                        # (T, B, e), shared by all copies
-    h = emb[:, None].expand(-1, p, -1, -1)                          # (T, P, B, e)
+    h = embed(head, x, p)                                           # (1 or C, T, B, e)
     if layout.wide:
-        h = copy_matmul(h, w["proj_in"])                             # (T, P, B, d)
+        h = copy_matmul(h.expand(p, -1, -1, -1), w["proj_in"])       # (C, T, B, d)
     for blk in range(cfg.depth):
-        h = h + lstm(layer_norm(h, w[f"b{blk}.ln1"]), w[f"b{blk}.w_ih"], w[f"b{blk}.w_hh"])
+        h = h + lstm(layer_norm(h, w[f"b{blk}.ln1"]), w[f"b{blk}.w_ih"], w[f"b{blk}.w_hh"], compiled)
         h = h + mlp(layer_norm(h, w[f"b{blk}.ln2"]), w[f"b{blk}.w1"], w[f"b{blk}.w2"])
     h = layer_norm(h, w["lnf"])
     if layout.wide:
-        h = copy_matmul(h, w["proj_out"])                            # (T, P, B, e)
+        h = copy_matmul(h, w["proj_out"])                            # (C, T, B, e)
     return h
 
 
-def target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """log p(y) per position. h (T, P, B, e), y (B, T) -> (T, P, B) in float32."""
-    logits = h @ head.t()                                           # (T, P, B, 256)
-    tgt = y.t().long()[:, None, :, None].expand(-1, h.shape[1], -1, 1)
-    return logits.gather(-1, tgt).squeeze(-1) - torch.logsumexp(logits, dim=-1)
+def _target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
+    p, t, b, e = h.shape
+    flat = h.reshape(-1, e)
+    tgt = y.t().reshape(-1).long()                                   # (T*B,), the same for every copy
+    out = torch.empty(flat.shape[0], dtype=h.dtype, device=h.device)
+    for a in range(0, flat.shape[0], block):
+        rows = torch.arange(a, min(a + block, flat.shape[0]), device=h.device)
+        out[a:a + block] = -F.cross_entropy(flat[a:a + block] @ head.t(), tgt[rows % (t * b)], reduction="none")
+    return out.view(p, t, b)
 
 
-def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+def target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block: int = 8192) -> torch.Tensor:
+    """log p(y) per position, in row blocks so the (rows, 256) logits stay cache-sized.
+    h (C, T, B, e), y (B, T) or (G, B, T) with head (256, e) or (G, 256, e) -> (C, T, B) float32."""
+    if y.dim() == 2:
+        return _target_logprobs(h, head, y, block)
+    g = y.shape[0]
+    p = h.shape[0] // g
+    heads = head if head.dim() == 3 else head.expand(g, -1, -1)
+    return torch.cat([_target_logprobs(h[i * p:(i + 1) * p], heads[i], y[i], block) for i in range(g)])
+
+
+def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, compiled: bool = False) -> torch.Tensor:
     """Mean next-byte cross-entropy (nats/byte) of each copy. body (P, M) -> (P,)."""
-    return -target_logprobs(body_forward(cfg, body, head, x), head, y).mean(dim=(0, 2))
+    return -target_logprobs(body_forward(cfg, body, head, x, compiled), head, y).mean(dim=(1, 2))
 
 
 def decoder_gradient(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Exact local cross-entropy gradient w.r.t. the decoder E with h held fixed (no BPTT):
-    (1/BT) sum (softmax(E h) - onehot(y)) h^T.  h (T, 1, B, e), y (B, T) -> (256, e)."""
-    hf = h[:, 0].reshape(-1, h.shape[-1])                            # (T*B, e)
+    (1/BT) sum (softmax(E h) - onehot(y)) h^T.  h (1, T, B, e), y (B, T) -> (256, e)."""
+    hf = h[0].reshape(-1, h.shape[-1])                               # (T*B, e)
     probs = torch.softmax(hf @ head.t(), dim=-1)                      # (T*B, 256)
     probs[torch.arange(len(hf), device=hf.device), y.t().reshape(-1).long()] -= 1.0
     return probs.t() @ hf / len(hf)

@@ -30,29 +30,38 @@ def probes(n_pert: int, gain_mask: torch.Tensor, seed: int) -> torch.Tensor:
     return torch.where(gain_mask, dense, sparse)
 
 
-LossFn = Callable[[torch.Tensor], torch.Tensor]        # (P, M) bodies -> (P,) losses on the shared batch
+LossFn = Callable[[torch.Tensor], torch.Tensor]        # (C, M) bodies -> (C,) losses, C = G * 2c copies
 
 
 @dataclass
 class Estimate:
-    grad: torch.Tensor          # (M,)
-    loss: float                 # mean of (L+ + L-)/2 over probes: the batch loss near theta
-    forwards: int               # perturbed-copy forwards spent
+    grad: torch.Tensor          # (G, M), or (M,) for a single expert
+    loss: torch.Tensor          # (G,) mean of (L+ + L-)/2 over probes: the batch loss near theta
+    forwards: int               # perturbed-copy forwards per expert
 
 
-def spsa_estimate(theta: torch.Tensor, z: torch.Tensor, eps: float, loss_fn: LossFn, pert_chunk: int) -> Estimate:
-    """Central-difference SPSA on one batch: probes in chunks, each chunk one batched forward of +/- copies."""
-    n = z.shape[0]
+def spsa_estimate(theta: torch.Tensor, z: torch.Tensor, eps, loss_fn: LossFn, pert_chunk: int) -> Estimate:
+    """Central-difference SPSA, each expert on its own batch: probes in chunks, and each chunk of every
+    expert's +/- copies is ONE batched forward. theta (G, M) with z (G, n, M) and eps (G,) -- or a single
+    expert: theta (M,), z (n, M), eps float."""
+    single = theta.dim() == 1
+    if single:
+        theta, z = theta[None], z[None]
+    g, n, _ = z.shape
+    eps_t = torch.as_tensor(eps, dtype=theta.dtype, device=theta.device).reshape(-1).expand(g)[:, None, None]
     diffs, sums = [], []
     for a in range(0, n, pert_chunk):
-        zc = z[a:a + pert_chunk]
-        bodies = torch.cat([theta + eps * zc, theta - eps * zc])   # (2c, M)
-        losses = loss_fn(bodies)
-        lp, lm = losses[: len(zc)], losses[len(zc):]
-        diffs.append((lp - lm) / (2 * eps))
+        zc = z[:, a:a + pert_chunk]                                  # (G, c, M)
+        c = zc.shape[1]
+        bodies = torch.cat([theta[:, None] + eps_t * zc, theta[:, None] - eps_t * zc], dim=1)   # (G, 2c, M)
+        losses = loss_fn(bodies.reshape(g * 2 * c, -1)).view(g, 2 * c)
+        lp, lm = losses[:, :c], losses[:, c:]
+        diffs.append((lp - lm) / (2 * eps_t[:, :, 0]))
         sums.append(lp + lm)
-    d = torch.cat(diffs)
-    return Estimate(grad=(d @ z) / n, loss=float(torch.cat(sums).mean() / 2), forwards=2 * n)
+    d = torch.cat(diffs, dim=1)                                      # (G, n)
+    grad = torch.einsum("gn,gnm->gm", d, z) / n
+    loss = torch.cat(sums, dim=1).mean(dim=1) / 2
+    return Estimate(grad[0] if single else grad, loss[0] if single else loss, 2 * n)
 
 
 @dataclass

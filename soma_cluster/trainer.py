@@ -122,32 +122,21 @@ class Trainer:
         return self._xy(np.stack([s[o:o + self.spsa.seq_len] for s, o in zip(seqs, offs)]))
 
     # -- one update ---------------------------------------------------------------------------------------
-    @torch.no_grad()
     def update(self) -> UpdateStats:
+        return update_experts([self])[0]
+
+    def apply(self, grad: torch.Tensor, head_grad: torch.Tensor | None, loss: float, forwards: int, tokens: int) -> UpdateStats:
+        """Coupled weight decay, then Adam on the body (and on the head when it trains)."""
         st, cfg = self.state, self.spsa
-        grad = torch.zeros_like(st.body)
-        head_grad = torch.zeros_like(st.head) if st.head_opt is not None else None
-        loss, forwards = 0.0, 0
-        for micro in range(cfg.accum):
-            x, y = self.batch(micro)
-            z = probes(cfg.n_pert, self.gain_mask, derive_seed(self.seed, self.expert, "probe", st.step, micro))
-            est = spsa_estimate(st.body, z, st.schedule.eps, lambda bodies: copy_losses(self.model, bodies, st.head, x, y), cfg.pert_chunk)
-            grad += est.grad / cfg.accum
-            loss += est.loss / cfg.accum
-            forwards += est.forwards
-            if head_grad is not None:      # the decoder learns from h at theta itself: one more forward
-                h = body_forward(self.model, st.body[None], st.head, x)
-                head_grad += decoder_gradient(h, st.head, y) / cfg.accum
-                forwards += 1
         if not math.isfinite(loss) or not torch.isfinite(grad).all():
             raise NonFiniteLoss(f"expert {self.expert}: non-finite loss {loss} at step {st.step}")
-        grad.add_(st.body, alpha=cfg.weight_decay)               # coupled weight decay
+        grad = grad + cfg.weight_decay * st.body
         st.body_opt.step(st.body, grad, st.schedule.lr, cfg)
         if head_grad is not None:
             st.head_opt.step(st.head, head_grad, st.schedule.lr, cfg)
         st.step += 1
         st.forwards += forwards
-        st.tokens += forwards * x.numel()
+        st.tokens += tokens
         return UpdateStats(st.step, loss, forwards)
 
     @torch.no_grad()
@@ -161,3 +150,38 @@ class Trainer:
 
     def observe_val(self, val: float, updates_since_last: int) -> bool:
         return self.state.schedule.observe(val, updates_since_last, self.spsa.patience, self.spsa.floor)
+
+
+@torch.no_grad()
+def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
+    """One SPSA update of G independent experts in shared batched passes (the expert axis).
+
+    Each expert keeps its own data, probes, eps, optimizer and head; only the forward is shared, so
+    the result for each expert is what it would get alone (up to float reassociation in bmm)."""
+    t0 = trainers[0]
+    model, cfg = t0.model, t0.spsa
+    train_head = t0.state.head_opt is not None
+    g = len(trainers)
+    grad = torch.zeros(g, t0.layout.size, device=t0.device)
+    head_grad = [torch.zeros_like(t.state.head) for t in trainers] if train_head else None
+    loss = torch.zeros(g, dtype=torch.float64)
+    forwards = 0
+    for micro in range(cfg.accum):
+        batches = [t.batch(micro) for t in trainers]
+        x = torch.stack([b[0] for b in batches]) if g > 1 else batches[0][0]
+        y = torch.stack([b[1] for b in batches]) if g > 1 else batches[0][1]
+        heads = torch.stack([t.state.head for t in trainers]) if g > 1 else t0.state.head
+        z = torch.stack([probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers])
+        theta = torch.stack([t.state.body for t in trainers])
+        eps = [t.state.schedule.eps for t in trainers]
+        est = spsa_estimate(theta, z, eps, lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile), cfg.pert_chunk)
+        grad += est.grad / cfg.accum
+        loss += est.loss.double() / cfg.accum
+        forwards += est.forwards
+        if train_head:      # the decoder learns from h at theta itself: one more forward per expert
+            h = body_forward(model, theta, heads, x, cfg.compile)
+            for i, t in enumerate(trainers):
+                head_grad[i] += decoder_gradient(h[i:i + 1], t.state.head, y if g == 1 else y[i]) / cfg.accum
+            forwards += 1
+    tokens = forwards * batches[0][0].numel()
+    return [t.apply(grad[i], head_grad[i] if train_head else None, float(loss[i]), forwards, tokens) for i, t in enumerate(trainers)]

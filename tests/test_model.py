@@ -22,16 +22,17 @@ def test_body_count_formula():
 def test_lstm_matches_torch_lstm():
     torch.manual_seed(0)
     t, p, b, d = 7, 3, 2, 8
-    x = torch.randn(t, p, b, d)
+    x = torch.randn(p, t, b, d)
     w_ih, w_hh = torch.randn(p, 4 * d, d) * 0.4, torch.randn(p, 4 * d, d) * 0.4
     out = lstm(x, w_ih, w_hh)
+    assert torch.equal(out, lstm(x, w_ih, w_hh))
     for c in range(p):
         ref = torch.nn.LSTM(d, d, bias=False)
         with torch.no_grad():
             ref.weight_ih_l0.copy_(w_ih[c])
             ref.weight_hh_l0.copy_(w_hh[c])
-            expect, _ = ref(x[:, c])
-        torch.testing.assert_close(out[:, c], expect, rtol=1e-5, atol=1e-6)
+            expect, _ = ref(x[c])
+        torch.testing.assert_close(out[c], expect, rtol=1e-5, atol=1e-6)
 
 
 @pytest.mark.parametrize("d", [32, 48])
