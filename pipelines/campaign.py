@@ -17,7 +17,8 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.ledger import Ledger
 from soma_cluster.shards import expert_name
 from soma_cluster.storage import Store
-from workers import start_worker
+from soma_cluster.budget import BudgetBook
+from workers import actor_name, start_worker
 
 POLL_S = 0.5
 
@@ -44,37 +45,52 @@ class Attempt:
     ref: object = None
     phase: str = "setup"             # "setup" until the actor reports in, then "chunk"
     last_beat: float = field(default_factory=time.monotonic)
-    reported_gpu_s: float = 0.0
-    reported_wall_s: float = 0.0
-    reported_forwards: int = 0
-    reported_tokens: int = 0
+    cap_s: float | None = None       # GPU-seconds this attempt may hold (its budget when the chunk was sent)
+    reported: dict = field(default_factory=lambda: {"gpu_seconds": 0.0, "wall_seconds": 0.0, "forwards": 0, "tokens": 0})
+    ckpt_gpu_s: float = 0.0          # GPU-seconds held at this attempt's last checkpoint
+    ckpt_forwards: int = 0           # forwards done by this attempt up to that checkpoint
     seq: int = 0
     step: int = 0
+    improving: bool = True
 
 
 class Driver:
-    def __init__(self, store: Store, cfg: CampaignConfig, jobs: list[Job], show_progress: bool = True):
+    """Runs jobs to an end state; every transition goes to events.jsonl, every GPU-second to the ledger."""
+
+    def __init__(self, store: Store, cfg: CampaignConfig, jobs: list[Job], show_progress: bool = True, actor_factory=start_worker):
         self.store, self.cfg, self.jobs, self.show = store, cfg, jobs, show_progress
+        self.start_actor = actor_factory
         self.ledger = Ledger(store)
+        self.book = BudgetBook(cfg.budget)
         self.live: dict[str, Attempt] = {}
         self.retry_at: dict[str, float] = {}
         self.outcome: dict[str, str] = {}
+        self.campaign_id = cfg.digest()[:8]
+        totals = self.ledger.totals()
+        self.spent = dict(totals.per_expert_gpu_seconds)    # running totals, kept in step with every record written
+        self.spent_total = sum(totals.gpu_seconds.values())
 
-    # -- budgets --------------------------------------------------------------------------------------
-    def _spent(self) -> tuple[dict[int, float], float]:
-        t = self.ledger.totals()
-        return dict(t.per_expert_gpu_seconds), sum(t.gpu_seconds.values())
+    # -- ledger + budgets ---------------------------------------------------------------------------------
+    def _record(self, category: str, gpu_s: float, wall_s: float, job: Job, attempt: int, seq: int, **kw) -> None:
+        expert = job.expert if job.role == "expert" else None
+        self.ledger.record(category, gpu_s, wall_s, expert=expert, attempt=attempt, seq=seq, **kw)
+        if expert is not None and category in ("expert_training", "wasted"):
+            self.spent[expert] = self.spent.get(expert, 0.0) + gpu_s
+        self.spent_total += gpu_s
 
     def _budget_left(self, job: Job) -> float | None:
-        """GPU-seconds this job may still spend (expert cap and campaign cap), or None if unlimited."""
-        per_expert, total = self._spent()
-        caps = []
-        if self.cfg.budget.expert_gpu_hours is not None and job.role == "expert":
-            caps.append(self.cfg.budget.expert_gpu_hours * 3600 - per_expert.get(job.expert, 0.0))
-        if self.cfg.budget.campaign_gpu_hours is not None:
-            live = sum(a.reported_gpu_s for a in self.live.values())
-            caps.append(self.cfg.budget.campaign_gpu_hours * 3600 - total - live)
-        return min(caps) if caps else None
+        """GPU-seconds the job may still spend; the campaign's remainder is shared among the live jobs."""
+        expert = job.expert if job.role == "expert" else None
+        share = max(1, len(self.live) + (0 if job.name in self.live else 1))
+        return self.book.left(expert, self.spent.get(expert, 0.0) if expert is not None else 0.0, self.spent_total, share)
+
+    def _reclassify_lost(self, a: Attempt, lost_s: float, lost_forwards: int, why: str) -> None:
+        """Work after the attempt's last checkpoint is lost: move its GPU-seconds and forwards from
+        training to wasted (fixed record ids, so doing it twice counts once)."""
+        if lost_s > 0 or lost_forwards > 0:
+            note = f"lost after checkpoint: {why}"
+            self._record(a.job.category, -lost_s, 0.0, a.job, a.attempt, -1, forwards=-lost_forwards, step=a.step, note=note)
+            self._record("wasted", lost_s, 0.0, a.job, a.attempt, -1, forwards=lost_forwards, step=a.step, note=note)
 
     # -- launching ------------------------------------------------------------------------------------
     def _slots(self) -> int:
@@ -84,10 +100,11 @@ class Driver:
     def _launch(self, job: Job, attempt: int) -> None:
         left = self._budget_left(job)
         if left is not None and left <= 0:
-            self._finish(job, "budget_exhausted", note="no budget left to launch")
+            self._finish(job, "budget_exhausted", note="budget cannot cover a launch")
             return
         r = self.cfg.resources
-        actor = start_worker(self.store.url, self.store.storage_options, job.role, job.expert, attempt, r.num_gpus, r.num_cpus)
+        actor = self.start_actor(self.store.url, self.store.storage_options, job.role, job.expert, attempt, r.num_gpus, r.num_cpus,
+                                 name=actor_name(self.campaign_id, job.name, attempt))
         a = Attempt(job, attempt, actor)
         a.ref = actor.setup.remote()
         self.live[job.name] = a
@@ -95,29 +112,26 @@ class Driver:
 
     def _next_chunk(self, a: Attempt) -> None:
         a.phase = "chunk"
-        a.ref = a.actor.run_chunk.remote(self.cfg.train.chunk_updates, self._attempt_budget(a))
+        left = self._budget_left(a.job)
+        a.cap_s = None if left is None else left + a.reported["gpu_seconds"]   # the worker compares its own cumulative clock
+        a.ref = a.actor.run_chunk.remote(self.cfg.train.chunk_updates, a.cap_s)
         a.last_beat = time.monotonic()
 
-    def _attempt_budget(self, a: Attempt) -> float | None:
-        left = self._budget_left(a.job)
-        return None if left is None else left + a.reported_gpu_s   # the worker compares its own cumulative clock
-
     # -- outcomes -------------------------------------------------------------------------------------
-    def _account(self, a: Attempt, hb: dict) -> None:
-        a.seq += 1
-        self.ledger.record(a.job.category, hb["gpu_seconds"] - a.reported_gpu_s, hb["wall_seconds"] - a.reported_wall_s,
-                           expert=a.job.expert if a.job.role == "expert" else None, attempt=a.attempt, seq=a.seq,
-                           forwards=hb["forwards"] - a.reported_forwards, tokens=hb["tokens"] - a.reported_tokens, step=hb["step"])
-        a.reported_gpu_s, a.reported_wall_s = hb["gpu_seconds"], hb["wall_seconds"]
-        a.reported_forwards, a.reported_tokens = hb["forwards"], hb["tokens"]
-
     def _on_heartbeat(self, a: Attempt, hb: dict) -> None:
-        self._account(a, hb)
+        a.seq += 1
+        delta = {k: hb[k] - a.reported[k] for k in a.reported}
+        self._record(a.job.category, delta["gpu_seconds"], delta["wall_seconds"], a.job, a.attempt, a.seq,
+                     forwards=delta["forwards"], tokens=delta["tokens"], step=hb["step"])
+        a.reported = {k: hb[k] for k in a.reported}
+        if hb["val"] is not None:
+            a.improving = hb["best_val"] is not None and hb["val"] <= hb["best_val"]
         a.step, a.last_beat = hb["step"], time.monotonic()
+        a.ckpt_gpu_s, a.ckpt_forwards = hb["checkpoint_gpu_seconds"], hb["checkpoint_forwards"]
         emit(self.store, "heartbeat", a.job.name, attempt=a.attempt, step=hb["step"], loss=hb["loss"], val=hb["val"],
              gpu_seconds=hb["gpu_seconds"], eps=hb["eps"], lr=hb["lr"])
         if hb["checkpoint"]:
-            emit(self.store, "checkpointed", a.job.name, attempt=a.attempt, step=hb["step"], checkpoint=hb["checkpoint"])
+            emit(self.store, "checkpointed", a.job.name, attempt=a.attempt, step=hb["checkpoint_step"], checkpoint=hb["checkpoint"])
         if hb["done"]:
             self._stop(a)
             self._finish(a.job, hb["reason"], step=hb["step"], val=hb["best_val"])
@@ -128,23 +142,35 @@ class Driver:
         self.live.pop(a.job.name, None)
         ray.kill(a.actor, no_restart=True)
 
-    def _finish(self, job: Job, reason: str, **fields) -> None:
-        self.outcome[job.name] = reason
-        emit(self.store, reason, job.name, **fields)
+    def _finish(self, job: Job, end: str, **fields) -> None:
+        self.outcome[job.name] = end
+        emit(self.store, end, job.name, **fields)
+        if job.role == "expert" and end != "finished":
+            self._release(job)
 
-    def _on_failure(self, a: Attempt, reason: str) -> None:
+    def _release(self, job: Job) -> None:
+        """An expert that converged or ended for good returns its unspent budget to the pool."""
+        candidates = {a.job.expert: a.improving for a in self.live.values() if a.job.role == "expert"}
+        candidates |= {j.expert: True for j in self.jobs if j.role == "expert" and j.name not in self.outcome and j.name not in self.live}
+        for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
+            emit(self.store, "budget_granted", expert_name(expert), gpu_seconds=s, source=job.name)
+
+    def _on_failure(self, a: Attempt, reason: str, retry: bool = True) -> None:
         """Record what was lost, then retry from the latest checkpoint with backoff, or give up."""
         self._stop(a)
-        lost = max(0.0, time.monotonic() - a.last_beat) * self.cfg.resources.num_gpus
-        self.ledger.record("wasted", lost, lost / self.cfg.resources.num_gpus, expert=a.job.expert if a.job.role == "expert" else None,
-                           attempt=a.attempt, seq=a.seq + 1, step=a.step, note=f"unreported time before failure: {reason}")
+        unreported = max(0.0, time.monotonic() - a.last_beat) * self.cfg.resources.num_gpus
+        self._record("wasted", unreported, unreported / self.cfg.resources.num_gpus, a.job, a.attempt, a.seq + 1,
+                     step=a.step, note=f"unreported time before failure: {reason}")
+        self._reclassify_lost(a, a.reported["gpu_seconds"] - a.ckpt_gpu_s, a.reported["forwards"] - a.ckpt_forwards, reason)
         emit(self.store, "failed", a.job.name, attempt=a.attempt, step=a.step, reason=reason)
-        if a.attempt >= self.cfg.retry.max_retries:
+        if not retry:
+            self._finish(a.job, "budget_exhausted", step=a.step, reason=reason)
+        elif a.attempt >= self.cfg.retry.max_retries:
             self._finish(a.job, "failed_permanently", step=a.step, reason=reason)
-            return
-        delay = self.cfg.retry.backoff_s * 2 ** a.attempt
-        self.retry_at[a.job.name] = time.monotonic() + delay
-        emit(self.store, "retry_scheduled", a.job.name, attempt=a.attempt + 1, delay_s=delay)
+        else:
+            delay = self.cfg.retry.backoff_s * 2 ** a.attempt
+            self.retry_at[a.job.name] = time.monotonic() + delay
+            emit(self.store, "retry_scheduled", a.job.name, attempt=a.attempt + 1, delay_s=delay)
 
     def _collect(self, ref) -> None:
         a = next(x for x in self.live.values() if x.ref == ref)
@@ -168,32 +194,63 @@ class Driver:
         else:
             self._on_heartbeat(a, result)
 
-    def _check_hangs(self) -> None:
+    def _watchdog(self) -> None:
+        """Hangs (no heartbeat in time) are failures; an actor past its cap plus the grace is hard-stopped."""
         now = time.monotonic()
         for a in list(self.live.values()):
-            if a.phase == "chunk" and now - a.last_beat > self.cfg.retry.heartbeat_timeout_s:
-                self._on_failure(a, f"hang: no heartbeat for {now - a.last_beat:.0f} s")
+            if a.phase != "chunk":
+                continue
+            silent = now - a.last_beat
+            if silent > self.cfg.retry.heartbeat_timeout_s:
+                self._on_failure(a, f"hang: no heartbeat for {silent:.0f} s")
+            elif a.cap_s is not None and a.reported["gpu_seconds"] + silent * self.cfg.resources.num_gpus > a.cap_s + self.cfg.budget.grace_gpu_seconds:
+                self._on_failure(a, "budget_exhausted: hard stop past the grace", retry=False)
 
-    # -- main loop ------------------------------------------------------------------------------------
-    def run(self) -> dict[str, str]:
+    # -- resume ---------------------------------------------------------------------------------------
+    def _restore(self) -> tuple[list[Job], dict[str, int]]:
+        """Rebuild from the campaign directory: ended jobs stay ended, grants are replayed, and work an
+        interrupted attempt did after its last checkpoint is reclassified as wasted (idempotently)."""
         past = history(self.store)
-        queue = []
+        for h in past.values():
+            for ev in h.events:
+                if ev["event"] == "budget_granted":
+                    e = int(h.job.split("-")[1])
+                    self.book.granted[e] = self.book.granted.get(e, 0.0) + ev["gpu_seconds"]
+        pending, attempts = [], {}
         for job in self.jobs:
             h = past.get(job.name)
             if h and h.terminal:
                 self.outcome[job.name] = h.state
-            else:
-                queue.append((job, h.attempts if h else 0))
-        done_before = len(self.outcome)
-        if done_before:
-            console.print(f"{done_before} job(s) already ended in this campaign; not retraining them")
+                continue
+            pending.append(job)
+            attempts[job.name] = h.attempts if h else 0
+            if h and h.attempts and not any(ev["event"] == "failed" and ev.get("attempt") == h.attempts - 1 for ev in h.events):
+                self._reclassify_interrupted(job, h)
+        return pending, attempts
+
+    def _reclassify_interrupted(self, job: Job, h) -> None:
+        last = h.attempts - 1
+        ckpt = max((ev["step"] for ev in h.events if ev["event"] == "checkpointed" and ev.get("attempt") == last), default=-1)
+        expert = job.expert if job.role == "expert" else None
+        lost = [r for r in self.ledger.records() if r["category"] == job.category and r["attempt"] == last and r["seq"] > 0
+                and r["expert"] == expert and r["step"] is not None and r["step"] > ckpt]
+        self._reclassify_lost(Attempt(job, last, None, step=h.step), sum(r["gpu_seconds"] for r in lost),
+                              sum(r["forwards"] for r in lost), "driver lost")
+
+    # -- main loop ------------------------------------------------------------------------------------
+    def run(self) -> dict[str, str]:
+        pending, attempts = self._restore()
+        if self.outcome:
+            console.print(f"{len(self.outcome)} job(s) already ended in this campaign; not retraining them")
+        per, total = self.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, self._slots())
+        if self.book.expert_s is not None or self.book.campaign_s is not None:
+            console.print(f"budget: worst-case overrun {per:.1f} GPU-s per expert, {total:.1f} GPU-s for the campaign "
+                          f"(grace {self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {self._slots()} concurrent)")
         by_name = {j.name: j for j in self.jobs}
-        attempts = {job.name: n for job, n in queue}
-        pending = [job for job, _ in queue]
+        targets = {j.name: self.cfg.seed_stage.updates if j.role == "seed" else self.cfg.train.updates for j in pending}
         with progress(self.show) as bar:
-            tasks = {j.name: bar.add_task(j.name, total=self.cfg.seed_stage.updates if j.role == "seed" else self.cfg.train.updates)
-                     for j in pending} if len(pending) <= 16 else {}
-            overall = bar.add_task("all jobs (updates)", total=sum(self.cfg.seed_stage.updates if j.role == "seed" else self.cfg.train.updates for j in pending)) if len(pending) > 1 else None
+            overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
+            tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
             while pending or self.live or self.retry_at:
                 now = time.monotonic()
                 for name, at in list(self.retry_at.items()):
@@ -207,21 +264,20 @@ class Driver:
                     self._launch(job, attempts[job.name])
                 refs = [a.ref for a in self.live.values()]
                 if refs:
-                    ready, _ = ray.wait(refs, num_returns=1, timeout=POLL_S)
-                    for ref in ready:
+                    for ref in ray.wait(refs, num_returns=len(refs), timeout=POLL_S)[0]:
                         self._collect(ref)
                 else:
                     time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
-                self._check_hangs()
-                steps = {a.job.name: a.step for a in self.live.values()}
-                for name, task in tasks.items():
-                    if name in steps:
-                        bar.update(task, completed=steps[name])
-                    elif self.outcome.get(name) == "finished":
-                        bar.update(task, completed=bar.tasks[task].total)
-                if overall is not None:
-                    bar.update(overall, completed=sum(steps.values()) + sum(bar.tasks[t].total for n, t in tasks.items() if self.outcome.get(n) == "finished"))
+                self._watchdog()
+                self._show(bar, overall, tasks, targets)
         return self.outcome
+
+    def _show(self, bar, overall, tasks, targets) -> None:
+        steps = {n: (t if self.outcome.get(n) == "finished" else 0) for n, t in targets.items()}
+        steps |= {a.job.name: a.step for a in self.live.values()}
+        for name, task in tasks.items():
+            bar.update(task, completed=steps.get(name, 0))
+        bar.update(overall, completed=sum(steps.values()))
 
 
 def expert_jobs(cfg: CampaignConfig) -> list[Job]:

@@ -97,6 +97,8 @@ class ResourcesConfig(_Section):
 class BudgetConfig(_Section):
     expert_gpu_hours: float | None = Field(None, gt=0.0)
     campaign_gpu_hours: float | None = Field(None, gt=0.0)
+    grace_gpu_seconds: float = Field(30.0, ge=0.0)   # overrun past a cap before the driver kills the actor
+    pool_policy: Literal["none", "even", "improving"] = "none"   # who gets an ended expert's unspent budget
 
 
 class RetryConfig(_Section):

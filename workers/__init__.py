@@ -8,11 +8,20 @@ from workers.expert_worker import ExpertWorker, model_dir
 RemoteExpertWorker = ray.remote(ExpertWorker)
 
 
-def start_worker(campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float, num_cpus: float):
+NAMESPACE = "soma"
+
+
+def actor_name(campaign_id: str, job: str, attempt: int) -> str:
+    return f"{campaign_id}/{job}/{attempt}"
+
+
+def start_worker(campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float,
+                 num_cpus: float, name: str | None = None):
     """One actor per expert: its own GPU share, an explicit CPU share (Ray defaults to 1 CPU), no restarts
-    (the driver owns retries, from the checkpoint)."""
+    (the driver owns retries, from the checkpoint). `name` lets operators (and tests) find it."""
     return RemoteExpertWorker.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
-                                      name=None).remote(campaign_url, storage_options, role, expert, attempt, num_gpus)
+                                      name=name, namespace=NAMESPACE if name else None).remote(
+        campaign_url, storage_options, role, expert, attempt, num_gpus)
 
 
-__all__ = ["ExpertWorker", "RemoteExpertWorker", "model_dir", "start_worker"]
+__all__ = ["NAMESPACE", "ExpertWorker", "RemoteExpertWorker", "actor_name", "model_dir", "start_worker"]

@@ -72,12 +72,15 @@ class ExpertWorker:
         self.trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, seed_expert, device, cfg.train.val_batches * cfg.spsa.batch)
         self.start_forwards, self.start_tokens = state.forwards, state.tokens
         self.last_ckpt_step = state.step if resumed else -1
+        self.last_ckpt_gpu_s = 0.0                              # GPU-seconds held when that checkpoint was written
+        self.last_ckpt_forwards = 0
         return {"step": state.step, "target": self.target, "resumed": resumed, "device": str(device), "pid": os.getpid(),
                 "gpu_seconds": self.gpu_seconds(), "n_train": shard.n_train}
 
     def _checkpoint(self) -> str:
         st = self.trainer.state
-        self.last_ckpt_step = st.step
+        self.last_ckpt_step, self.last_ckpt_gpu_s = st.step, self.gpu_seconds()
+        self.last_ckpt_forwards = st.forwards - self.start_forwards
         return save_checkpoint(self.store, self.dir, st, {"role": self.role, "expert": self.expert, "attempt": self.attempt,
                                                           "config_digest": self.cfg.digest()})
 
@@ -105,6 +108,9 @@ class ExpertWorker:
         if todo:
             per = (time.monotonic() - t_start) / todo
             self.sec_per_update = per if self.sec_per_update is None else 0.5 * (self.sec_per_update + per)
+        sched = st.schedule
+        if reason is None and sched.lr <= cfg.spsa.floor and sched.since_best >= cfg.spsa.patience:
+            reason = "converged"                               # at the floor and still not improving
         if reason and self.last_ckpt_step != st.step:     # a clean stop always leaves a checkpoint
             ckpt = self._checkpoint()
         done = st.step >= self.target or reason is not None
@@ -114,4 +120,6 @@ class ExpertWorker:
                 "eps": st.schedule.eps, "lr": st.schedule.lr, "checkpoint": ckpt, "done": done,
                 "reason": reason or ("finished" if done else None), "gpu_seconds": held * self.num_gpus,
                 "wall_seconds": held, "forwards": st.forwards - self.start_forwards,
-                "tokens": st.tokens - self.start_tokens, "sec_per_update": self.sec_per_update}
+                "tokens": st.tokens - self.start_tokens, "sec_per_update": self.sec_per_update,
+                "checkpoint_step": self.last_ckpt_step, "checkpoint_gpu_seconds": self.last_ckpt_gpu_s,
+                "checkpoint_forwards": self.last_ckpt_forwards}

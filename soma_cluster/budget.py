@@ -1,0 +1,58 @@
+"""Budget arithmetic in GPU-seconds: per-expert caps, the campaign cap, and the pool of unspent budget.
+
+Pure bookkeeping (no Ray, no clocks): the driver feeds it what the ledger says was spent.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from soma_cluster.config import BudgetConfig
+
+
+@dataclass
+class BudgetBook:
+    cfg: BudgetConfig
+    granted: dict[int, float] = field(default_factory=dict)   # extra GPU-seconds given to an expert from the pool
+
+    @property
+    def expert_s(self) -> float | None:
+        return None if self.cfg.expert_gpu_hours is None else self.cfg.expert_gpu_hours * 3600.0
+
+    @property
+    def campaign_s(self) -> float | None:
+        return None if self.cfg.campaign_gpu_hours is None else self.cfg.campaign_gpu_hours * 3600.0
+
+    def expert_cap(self, expert: int) -> float | None:
+        return None if self.expert_s is None else self.expert_s + self.granted.get(expert, 0.0)
+
+    def left(self, expert: int | None, spent_expert: float, spent_campaign: float, share: int = 1) -> float | None:
+        """GPU-seconds the job may still spend: min of its own cap and its 1/share of what the campaign
+        has left (so concurrent jobs cannot jointly overrun it); None = unlimited."""
+        caps = []
+        cap = self.expert_cap(expert) if expert is not None else None
+        if cap is not None:
+            caps.append(cap - spent_expert)
+        if self.campaign_s is not None:
+            caps.append((self.campaign_s - spent_campaign) / share)
+        return min(caps) if caps else None
+
+    def release(self, expert: int, spent_expert: float, candidates: dict[int, bool]) -> dict[int, float]:
+        """An expert ended early: its unspent cap goes to the pool and, per policy, to `candidates`
+        (expert -> still improving on expert-val). Returns the grants made (also applied here)."""
+        cap = self.expert_cap(expert)
+        if cap is None or self.cfg.pool_policy == "none" or not candidates:
+            return {}
+        pool = max(0.0, cap - spent_expert)
+        chosen = [e for e, improving in candidates.items() if improving] if self.cfg.pool_policy == "improving" else list(candidates)
+        if pool <= 0 or not chosen:
+            return {}
+        grants = {e: pool / len(chosen) for e in chosen}
+        for e, s in grants.items():
+            self.granted[e] = self.granted.get(e, 0.0) + s
+        return grants
+
+    def worst_overrun_s(self, num_gpus: float, poll_s: float, concurrent: int) -> tuple[float, float]:
+        """Bound on overrun past a cap, per expert and for the campaign: the driver hard-stops an actor
+        once its GPU-seconds pass the cap by the grace, noticed within one poll."""
+        per_expert = self.cfg.grace_gpu_seconds + poll_s * num_gpus
+        return per_expert, per_expert * concurrent

@@ -1,0 +1,181 @@
+"""Chaos on a real local Ray: SIGKILL, ray.kill, NaN, a hang (SIGSTOP), budgets. Each expert is
+independent; a retried expert must end bitwise identical to the same expert trained without a fault."""
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import micro_config
+from pipelines.campaign import Driver, Job, expert_jobs
+from pipelines.events import history
+from pipelines.prepare import prepare
+from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
+from soma_cluster.ledger import Ledger
+from soma_cluster.storage import Store
+from workers import NAMESPACE, actor_name
+
+CHAOS = dict(spsa={"n_pert": 4, "batch": 6, "seq_len": 160, "pert_chunk": 4},
+             train={"updates": 24, "chunk_updates": 3, "checkpoint_every": 6, "val_every": 6, "val_batches": 1},
+             retry={"max_retries": 2, "backoff_s": 0.2, "heartbeat_timeout_s": 60})
+
+
+def config(**extra):
+    sections = {k: dict(v) for k, v in CHAOS.items()}
+    for key, value in extra.items():
+        sections[key] = {**sections.get(key, {}), **value}
+    return micro_config(**sections)
+
+
+@pytest.fixture(scope="module")
+def seeded(tmp_path_factory, text_corpus, ray_local):
+    """A prepared campaign with a finished seed, copied by each test (so they never share state)."""
+    root = tmp_path_factory.mktemp("seeded") / "c"
+    cfg = config(corpus={"source": str(text_corpus)})
+    store = Store(str(root))
+    prepare(store, cfg)
+    assert Driver(store, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
+    return root, cfg
+
+
+def clone(seeded, dest: Path, cfg=None):
+    root, base = seeded
+    shutil.copytree(root, dest)
+    cfg = cfg or base
+    if cfg is not base:                      # a test's own budget/retry settings: rewrite the resolved config
+        from soma_cluster.config import to_yaml_text
+        (dest / "campaign.yaml").write_text(to_yaml_text(cfg))
+    return Store(str(dest)), cfg
+
+
+def events(store, job=None, kind=None):
+    out = [json.loads(line) for line in Path(store.full("events.jsonl")).read_text().splitlines()]
+    return [e for e in out if (job is None or e["job"] == job) and (kind is None or e["event"] == kind)]
+
+
+def wait_for(pred, timeout=120.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:           # bounded in time
+        value = pred()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def run_in_thread(store, cfg):
+    result = {}
+    t = threading.Thread(target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True)
+    t.start()
+    return t, result
+
+
+def final_tensors(store, e):
+    return load_checkpoint(store, f"experts/expert-{e:04d}").tensors
+
+
+@pytest.fixture(scope="module")
+def reference(seeded, tmp_path_factory, ray_local):
+    store, cfg = clone(seeded, tmp_path_factory.mktemp("ref") / "c")
+    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
+    return store
+
+
+def assert_bitwise(store, reference, experts):
+    for e in experts:
+        a, b = final_tensors(store, e), final_tensors(reference, e)
+        assert a.keys() == b.keys()
+        for k in a:
+            assert torch.equal(a[k], b[k]), (e, k)
+
+
+def test_sigkill_and_ray_kill_are_retried_bitwise(seeded, reference, tmp_path, ray_local):
+    store, cfg = clone(seeded, tmp_path / "c")
+    thread, result = run_in_thread(store, cfg)
+    for e in (0, 1):
+        wait_for(lambda: [x for x in events(store, f"expert-{e:04d}", "checkpointed") if x["attempt"] == 0], what=f"expert {e} checkpoint")
+    pid = events(store, "expert-0000", "started")[0]["pid"]
+    os.kill(pid, signal.SIGKILL)                                          # a real SIGKILL of the worker process
+    ray_local.kill(ray_local.get_actor(actor_name(cfg.digest()[:8], "expert-0001", 0), namespace=NAMESPACE))
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert result == {"expert-0000": "finished", "expert-0001": "finished"}
+    for e in (0, 1):
+        failed = events(store, f"expert-{e:04d}", "failed")
+        assert len(failed) == 1 and failed[0]["reason"].startswith("actor_died")
+        assert events(store, f"expert-{e:04d}", "started")[-1]["resumed"] is True
+    assert_bitwise(store, reference, [0, 1])
+    mine, ref = Ledger(store).totals(), Ledger(reference).totals()
+    assert mine.forwards["expert_training"] == ref.forwards["expert_training"]    # lost work moved to wasted
+    assert mine.forwards["wasted"] > 0 and mine.gpu_seconds["wasted"] > 0
+
+
+def test_nan_expert_fails_after_retries_while_others_finish(seeded, tmp_path, ray_local):
+    store, cfg = clone(seeded, tmp_path / "c")
+    state = load_checkpoint(store, "seed").state(torch.device("cpu"))
+    state.body.fill_(float("nan"))
+    save_checkpoint(store, "experts/expert-0001", state)                 # a valid checkpoint of NaN weights
+    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    assert result == {"expert-0000": "finished", "expert-0001": "failed_permanently"}
+    failed = events(store, "expert-0001", "failed")
+    assert len(failed) == cfg.retry.max_retries + 1
+    assert all("NonFiniteLoss" in f["reason"] for f in failed)
+    assert history(store)["expert-0000"].step == cfg.train.updates
+
+
+def test_hung_expert_is_killed_and_retried(seeded, reference, tmp_path, ray_local):
+    store, cfg = clone(seeded, tmp_path / "c", config(retry={"heartbeat_timeout_s": 3.0}))
+    thread, result = run_in_thread(store, cfg)
+    wait_for(lambda: [x for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0], what="checkpoint")
+    pid = events(store, "expert-0000", "started")[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)                                          # alive but silent: a hang
+    try:
+        thread.join(timeout=300)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert result == {"expert-0000": "finished", "expert-0001": "finished"}
+    assert events(store, "expert-0000", "failed")[0]["reason"].startswith("hang")
+    assert not events(store, "expert-0001", "failed")
+    assert_bitwise(store, reference, [0, 1])
+
+
+def test_expert_budget_stops_cleanly_within_the_bound(seeded, tmp_path, ray_local):
+    cap_s = 4.0
+    store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0},
+                                                      train={"updates": 100000}))
+    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    assert set(result.values()) == {"budget_exhausted"}
+    totals = Ledger(store).totals()
+    bound = cfg.budget.grace_gpu_seconds + 0.5 * cfg.resources.num_gpus
+    for e in range(cfg.n_experts):
+        spent = totals.per_expert_gpu_seconds[e]
+        assert cap_s * 0.5 < spent <= cap_s + bound, (e, spent)
+        ck = load_checkpoint(store, f"experts/expert-{e:04d}")          # the clean stop left a checkpoint
+        assert ck.meta["state"]["step"] == history(store)[f"expert-{e:04d}"].step
+
+
+def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, ray_local):
+    root, base = seeded
+    seed_s = Ledger(Store(str(root))).totals().gpu_hours * 3600
+    extra_s = 5.0
+    cfg = config(budget={"campaign_gpu_hours": (seed_s + extra_s) / 3600, "grace_gpu_seconds": 2.0}, train={"updates": 100000})
+    store, cfg = clone(seeded, tmp_path / "c", cfg)
+    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"budget_exhausted"}
+    spent = Ledger(store).totals().gpu_hours * 3600
+    bound = (cfg.budget.grace_gpu_seconds + 0.5) * cfg.n_experts
+    assert seed_s + extra_s * 0.5 < spent <= seed_s + extra_s + bound
+    # the budget is now spent: nothing more is launched
+    launched = len(events(store, kind="launched"))
+    store2 = Store(str(tmp_path / "c"))
+    Driver(store2, cfg, expert_jobs(cfg), show_progress=False).run()
+    assert len(events(store2, kind="launched")) == launched
