@@ -179,3 +179,35 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
     store2 = Store(str(tmp_path / "c"))
     Driver(store2, cfg, expert_jobs(cfg), show_progress=False).run()
     assert len(events(store2, kind="launched")) == launched
+
+
+def test_driver_sigkill_then_resume_finishes_without_double_counting(seeded, reference, tmp_path):
+    """The driver (with the local Ray it started) is SIGKILLed mid-campaign; `soma resume` finishes it."""
+    import subprocess
+    import sys
+    store, cfg = clone(seeded, tmp_path / "c")
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    cmd = [sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"]
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
+    try:
+        wait_for(lambda: events(store, "expert-0000", "checkpointed") or proc.poll() is not None, what="first checkpoint")
+        assert proc.poll() is None, "driver ended before it could be killed"
+        os.killpg(proc.pid, signal.SIGKILL)                               # driver and its local Ray, at once
+        proc.wait(timeout=30)
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    before = {e["job"] for e in events(store) if e["event"] == "finished"}
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "resume", str(tmp_path / "c"), "--no-progress"],
+                         env=env, capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    hist = history(store)
+    assert all(hist[f"expert-{e:04d}"].state == "finished" for e in range(cfg.n_experts))
+    for job in before:                                                    # finished experts were not retrained
+        assert hist[job].attempts == 1
+    raw = [json.loads(line)["id"] for line in Path(store.full("ledger/ledger.jsonl")).read_text().splitlines()]
+    assert len(raw) == len(set(raw))                                      # no GPU-second record written twice
+    assert_bitwise(store, reference, range(cfg.n_experts))
+    mine, ref = Ledger(store).totals(), Ledger(reference).totals()
+    assert mine.forwards["expert_training"] <= ref.forwards["expert_training"] + 2 * cfg.spsa.n_pert * cfg.train.chunk_updates * cfg.n_experts
