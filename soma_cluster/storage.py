@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -21,6 +22,7 @@ import fsspec
 from soma_cluster.errors import ChecksumError, SomaError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
 
 # Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
@@ -124,6 +126,9 @@ class Store:
             except _transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
                 if attempt == self.retries:
                     raise SomaError(f"storage {self.url}: {what} failed after {self.retries + 1} tries ({type(exc).__name__}); check the endpoint") from None
+                # the type only: messages and storage options are never logged (they can name credentials)
+                log.warning("storage %s: %s failed (%s), retry %d/%d in %.1f s", self.url, what, type(exc).__name__,
+                            attempt + 1, self.retries, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
                 self.fs.invalidate_cache()   # a listing cached before the outage may be stale after it
