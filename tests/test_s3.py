@@ -1,4 +1,5 @@
 """The campaign store on s3:// through s3fs, against a real moto_server process on 127.0.0.1."""
+import glob
 import json
 import os
 import subprocess
@@ -66,7 +67,16 @@ def soma_s3(s3, *args, timeout=300):  # noqa: F811
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
+def _holds(path: str, needle: bytes) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return needle in fh.read(64 << 20)
+    except OSError:                                    # a socket or a file Ray removed meanwhile
+        return False
+
+
 def test_cli_campaign_on_s3_and_no_credentials_anywhere(s3, tmp_path, text_corpus):  # noqa: F811
+    ray_dirs_before = set(glob.glob("/tmp/soma-ray-*"))
     fs = s3.fs()
     corpus = s3.url("corpora/micro")
     fs.put(str(text_corpus) + "/", f"{s3.bucket}/corpora/micro/", recursive=True)
@@ -92,11 +102,15 @@ def test_cli_campaign_on_s3_and_no_credentials_anywhere(s3, tmp_path, text_corpu
     assert any(p.startswith(f"{root}/ledger/ledger.jsonl.d/") for p in objects)
     camp_yaml = yaml.safe_load(objects[f"{root}/campaign.yaml"])
     assert camp_yaml["corpus"]["source"] == corpus and camp_yaml["corpus"]["storage_options"] == {}
-    # the secret is in no object of the bucket, in no CLI output, nowhere in Ray's session logs of this test
+    # the secret is in no object of the bucket, in no CLI output, in no file of this test's Ray sessions
     secret = s3.secret.encode()
     leaks = [p for p, data in s3.objects().items() if secret in data]
     assert not leaks, leaks
     assert not [o for o in out if s3.secret in o]
+    ray_files = [p for d in set(glob.glob("/tmp/soma-ray-*")) - ray_dirs_before
+                 for p in glob.glob(f"{d}/**/*", recursive=True) if os.path.isfile(p) and not os.path.islink(p)]
+    assert ray_files                                   # the local Ray sessions of `seed` and `launch`
+    assert not [p for p in ray_files if _holds(p, secret)]
     # resume on a finished S3 campaign retrains nothing and adds no event
     n_events = sum(p.startswith(f"{root}/events.jsonl.d/") for p in objects)
     assert soma_s3(s3, "resume", camp, "--no-progress").returncode == 0
