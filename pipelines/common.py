@@ -10,14 +10,16 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from soma_cluster.config import CONFIG_FILE as CONFIG
 from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
 from soma_cluster.errors import SomaError
-from soma_cluster.storage import Store
+from soma_cluster.storage import Store, storage_options_from_env
 
 console = Console(stderr=True, highlight=False)
 CONFIG = "campaign.yaml"
 
 
 def open_store(url: str, storage_options: dict | None = None) -> Store:
-    return Store(url, storage_options)
+    """The campaign at `url`; without explicit options, an s3:// endpoint comes from the environment
+    (SOMA_S3_ENDPOINT / AWS_ENDPOINT_URL) and credentials from botocore's usual chain."""
+    return Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
 
 
 def load_config(store: Store) -> CampaignConfig:

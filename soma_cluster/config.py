@@ -28,6 +28,31 @@ class CorpusConfig(_Section):
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
 
+    @model_validator(mode="after")
+    def _no_credentials(self) -> "CorpusConfig":
+        # the resolved config is saved to campaign.yaml: credentials belong in the environment
+        found = sorted(_credential_keys(self.storage_options))
+        if found:
+            raise ValueError(f"corpus.storage_options must not hold credentials ({', '.join(found)}): the config is saved "
+                             "to campaign.yaml; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment")
+        return self
+
+
+_CREDENTIAL_KEYS = {"key", "secret", "token", "password", "session_token", "aws_access_key_id",
+                    "aws_secret_access_key", "aws_session_token", "access_key", "secret_key"}
+
+
+def _credential_keys(options: Any, prefix: str = "") -> set[str]:
+    """Names (never values) of credential-like keys anywhere in nested storage options."""
+    out: set[str] = set()
+    if isinstance(options, dict):
+        for k, v in options.items():
+            name = f"{prefix}{k}"
+            if str(k).lower() in _CREDENTIAL_KEYS:
+                out.add(name)
+            out |= _credential_keys(v, f"{name}.")
+    return out
+
 
 class RouterConfig(_Section):
     max_features: int = Field(50_000, gt=0)

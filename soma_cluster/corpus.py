@@ -23,6 +23,7 @@ import pyarrow.parquet as pq
 
 from soma_cluster.config import CorpusConfig
 from soma_cluster.errors import SomaError
+from soma_cluster.storage import storage_options_from_env
 
 MIN_DOC_BYTES = 64
 MAX_DOC_BYTES = 256_000
@@ -160,7 +161,7 @@ def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Ite
 
 
 def user_documents(cfg: CorpusConfig) -> Iterator[Document]:
-    fs, root = fsspec.core.url_to_fs(cfg.source, **cfg.storage_options)
+    fs, root = fsspec.core.url_to_fs(cfg.source, **{**storage_options_from_env(cfg.source), **cfg.storage_options})
     if not fs.exists(root):
         raise SomaError(f"corpus path {cfg.source} not found; pass an existing directory or file (or corpus.source=builtin)")
     paths = sorted(p for p in fs.find(root) if not p.rsplit("/", 1)[-1].startswith(".")) if fs.isdir(root) else [root]

@@ -149,10 +149,10 @@ def _open_file(path: str, entry: dict, seq_bytes: int, where: str) -> np.ndarray
 def open_shard(store: Store, expert: int, cache_dir: str | None = None) -> Shard:
     base = f"shards/{expert_name(expert)}"
     manifest = store.read_json(f"{base}/manifest.json")
-    cache = cache_dir or tempfile.gettempdir()
+    cache = cache_dir or os.path.join(tempfile.gettempdir(), "soma-cache")
     seq_bytes = manifest["seq_bytes"]
     splits = {}
     for split in ("train", "val"):
-        splits[split] = [_open_file(store.local_copy(f"{base}/{e['name']}", cache), e, seq_bytes, f"{store.url}/{base}/{e['name']}")
+        splits[split] = [_open_file(store.local_copy(f"{base}/{e['name']}", cache, e["sha256"]), e, seq_bytes, f"{store.url}/{base}/{e['name']}")
                          for e in manifest[split]]
     return Shard(expert, seq_bytes, splits["train"], splits["val"])

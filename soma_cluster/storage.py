@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import re
 import tempfile
@@ -21,7 +22,59 @@ import fsspec
 from soma_cluster.errors import ChecksumError, SomaError
 
 T = TypeVar("T")
+log = logging.getLogger(__name__)
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
+
+# Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
+_PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, SomaError)
+_TRANSIENT: tuple[type[BaseException], ...] | None = None
+
+# Where an s3:// endpoint may come from (first set wins); credentials are never read from here.
+ENDPOINT_ENV = ("SOMA_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+
+
+def _transient_errors() -> tuple[type[BaseException], ...]:
+    """What an object store restarting or a dropped connection surfaces as, through s3fs/aiobotocore.
+
+    s3fs turns S3 error responses into OSError subclasses, but a refused or reset connection comes out
+    as botocore's own ConnectionError/HTTPClientError (not OSError) once botocore's retries are spent.
+    """
+    global _TRANSIENT
+    if _TRANSIENT is None:
+        found: list[type[BaseException]] = [OSError]
+        try:
+            from botocore.exceptions import ConnectionError as BotoConnectionError
+            from botocore.exceptions import HTTPClientError
+            found += [BotoConnectionError, HTTPClientError]
+        except ImportError:  # pragma: no cover - s3fs pulls botocore in
+            pass
+        try:
+            from aiohttp import ClientError
+            found.append(ClientError)
+        except ImportError:  # pragma: no cover
+            pass
+        try:
+            from fsspec.exceptions import FSTimeoutError
+            found.append(FSTimeoutError)
+        except ImportError:  # pragma: no cover
+            pass
+        _TRANSIENT = tuple(found)
+    return _TRANSIENT
+
+
+def storage_options_from_env(url: str, environ: dict[str, str] | None = None) -> dict[str, Any]:
+    """fsspec options for `url` taken from the environment (what the CLI uses).
+
+    For s3:// only an endpoint is taken, from SOMA_S3_ENDPOINT, else AWS_ENDPOINT_URL_S3, else
+    AWS_ENDPOINT_URL. Credentials are deliberately left out: botocore finds them itself on every
+    machine (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY, AWS_PROFILE, instance or pod roles), so they
+    are never part of options that travel to workers or could be written anywhere.
+    """
+    env = os.environ if environ is None else environ
+    if not url.startswith(("s3://", "s3a://")):
+        return {}
+    endpoint = next((env[k] for k in ENDPOINT_ENV if env.get(k)), None)
+    return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
 
 
 def sha256(data: bytes) -> str:
@@ -50,6 +103,10 @@ class Store:
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self.retries = retries
         self.storage_options = dict(storage_options or {})
+        self._log_cache: dict[str, dict[str, dict[str, Any]]] = {}   # remote logs: object name -> record
+
+    def __repr__(self) -> str:          # never the storage options: they may hold credentials
+        return f"Store({self.url!r})"
 
     # -- plumbing -----------------------------------------------------------------------------------------
     def full(self, rel: str, root_ok: bool = False) -> str:
@@ -64,18 +121,34 @@ class Store:
         for attempt in range(self.retries + 1):
             try:
                 return fn()
-            except (FileNotFoundError, ChecksumError, SomaError):
+            except _PERMANENT:
                 raise
-            except OSError as exc:  # connection refused/reset, 5xx surfaced by s3fs as OSError
+            except _transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
                 if attempt == self.retries:
                     raise SomaError(f"storage {self.url}: {what} failed after {self.retries + 1} tries ({type(exc).__name__}); check the endpoint") from None
+                # the type only: messages and storage options are never logged (they can name credentials)
+                log.warning("storage %s: %s failed (%s), retry %d/%d in %.1f s", self.url, what, type(exc).__name__,
+                            attempt + 1, self.retries, delay)
                 time.sleep(delay)
                 delay = min(delay * 2, 5.0)
+                self.fs.invalidate_cache()   # a listing cached before the outage may be stale after it
         raise AssertionError("unreachable")
 
     # -- whole objects ------------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
-        return self._retry(f"exists {rel}", lambda: self.fs.exists(self.full(rel)))
+        if self.local:
+            return self.fs.exists(self.full(rel))
+        path = self.full(rel)
+
+        def probe() -> bool:
+            # Not fs.exists: s3fs answers that from its listing cache (stale once another process
+            # wrote here) and turns any error, an unreachable endpoint included, into False.
+            try:
+                self.fs.info(path, refresh=True)
+                return True
+            except FileNotFoundError:
+                return False
+        return self._retry(f"exists {rel}", probe)
 
     def read_bytes(self, rel: str) -> bytes:
         return self._retry(f"read {rel}", lambda: self.fs.cat_file(self.full(rel)))
@@ -130,17 +203,23 @@ class Store:
                 return []
         return self._retry(f"list {rel}", ls)
 
-    def local_copy(self, rel: str, cache_dir: str) -> str:
-        """A local filesystem path to the artifact (itself when local; a cached download otherwise)."""
+    def local_copy(self, rel: str, cache_dir: str, sha: str | None = None) -> str:
+        """A local filesystem path to the artifact (itself when local; a cached download otherwise).
+
+        The cache is keyed by campaign URL; a cached file whose sha256 is not `sha` is fetched again."""
         if self.local:
             return self.full(rel)
-        target = Path(cache_dir) / safe_relpath(rel)
-        if not target.exists():
-            target.parent.mkdir(parents=True, exist_ok=True)
-            data = self.read_bytes(rel)
-            tmp = target.with_name(f".tmp-{uuid.uuid4().hex}")
-            tmp.write_bytes(data)
+        target = Path(cache_dir) / sha256(self.url.encode())[:16] / safe_relpath(rel)
+        if target.exists() and (sha is None or file_sha256(str(target)) == sha):
+            return str(target)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        tmp = target.with_name(f".tmp-{uuid.uuid4().hex}")
+        try:
+            self._retry(f"download {rel}", lambda: self.fs.get_file(self.full(rel), str(tmp)))
             os.replace(tmp, target)
+        finally:
+            if tmp.exists():
+                tmp.unlink()
         return str(target)
 
     # -- append-only logs ---------------------------------------------------------------------------------
@@ -159,8 +238,11 @@ class Store:
             finally:
                 os.close(fd)
         else:
+            # one object per record; the name is fixed before the first try, so a retried PUT that had
+            # in fact landed rewrites the same object instead of adding a duplicate
             name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
             self.write_bytes(f"{log}.d/{name}", line.encode())
+            self._log_cache.setdefault(log, {})[name] = parse_checked_json(line.encode(), f"{self.url}/{log}.d/{name}")
 
     def read_log(self, log: str) -> list[dict[str, Any]]:
         return list(self._iter_log(log))
@@ -178,8 +260,18 @@ class Store:
             if torn.strip():
                 return
         else:
-            for name in self.listdir(f"{log}.d"):
-                yield parse_checked_json(self.read_bytes(f"{log}.d/{name}"), f"{where}.d/{name}")
+            # record objects are written once and never change, so each is fetched once per Store
+            # (in parallel); only the listing is repeated
+            cache = self._log_cache.setdefault(log, {})
+            names = [n for n in self.listdir(f"{log}.d") if not n.startswith(".")]
+            missing = [n for n in names if n not in cache]
+            for a in range(0, len(missing), 256):
+                batch = {self.full(f"{log}.d/{n}"): n for n in missing[a:a + 256]}
+                blobs = self._retry(f"read {log}", lambda: self.fs.cat(list(batch), on_error="raise"))
+                for path, n in batch.items():
+                    cache[n] = parse_checked_json(blobs[path], f"{where}.d/{n}")
+            for n in names:
+                yield dict(cache[n])
 
 
 def parse_checked_json(raw: bytes, where: str) -> dict[str, Any]:

@@ -1,0 +1,134 @@
+"""The campaign store on s3:// through s3fs, against a real moto_server process on 127.0.0.1."""
+import glob
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import yaml
+
+from conftest import MICRO
+from s3server import s3  # noqa: F401  (fixture)
+from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.storage import Store, put_file, sha256, storage_options_from_env
+
+
+def test_store_basics_on_s3(s3, tmp_path):  # noqa: F811
+    store = Store(s3.url("basics/camp"), s3.storage_options())
+    other = Store(s3.url("basics/camp"), s3.storage_options())     # a second process's view (own s3fs cache)
+    assert store.listdir("") == [] and not store.exists("a.json")
+    assert other.listdir("") == [] and not other.exists("a.json")   # both have now listed/probed the root
+    store.write_json("a.json", {"x": 1})
+    assert other.exists("a.json") and other.read_json("a.json") == {"x": 1}
+    assert other.listdir("") == ["a.json"]
+    with pytest.raises(SomaError, match="already exists"):
+        other.write_new("a.json", b"{}")
+    # append-only logs: one object per record, listed and merged in order by any reader
+    for i in range(5):
+        store.append("events.jsonl", {"i": i})
+    assert [r["i"] for r in other.read_log("events.jsonl")] == list(range(5))
+    other.append("events.jsonl", {"i": 5})
+    assert [r["i"] for r in store.read_log("events.jsonl")] == list(range(6))
+    names = store.listdir("events.jsonl.d")
+    assert len(names) == 6
+    # a corrupt record is named, not skipped
+    fs = s3.fs()
+    fs.pipe_file(f"{store.root}/events.jsonl.d/{names[2]}", b'{"i": 2, "checksum": "bad"}')
+    with pytest.raises(ChecksumError, match=names[2]):
+        Store(s3.url("basics/camp"), s3.storage_options()).read_log("events.jsonl")
+    # shard-style files: put_file uploads and removes the local file; local_copy caches by URL and checksum
+    src = tmp_path / "f.bin"
+    src.write_bytes(b"x" * 100_000)
+    put_file(store, str(src), "shards/expert-0000/train-00000.arrow")
+    assert not src.exists() and other.exists("shards/expert-0000/train-00000.arrow")
+    want = sha256(b"x" * 100_000)
+    path = other.local_copy("shards/expert-0000/train-00000.arrow", str(tmp_path / "cache"), want)
+    assert open(path, "rb").read() == b"x" * 100_000
+    open(path, "wb").write(b"stale")                                 # a stale cache entry is fetched again
+    assert open(other.local_copy("shards/expert-0000/train-00000.arrow", str(tmp_path / "cache"), want), "rb").read() == b"x" * 100_000
+    with pytest.raises(FileNotFoundError):
+        other.read_bytes("nope.bin")
+    assert s3.secret not in repr(store)
+
+
+def test_storage_options_from_env_never_carry_credentials():
+    env = {"AWS_ACCESS_KEY_ID": "k", "AWS_SECRET_ACCESS_KEY": "s", "AWS_ENDPOINT_URL": "http://127.0.0.1:1"}
+    assert storage_options_from_env("s3://b/p", env) == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:1"}}
+    assert storage_options_from_env("s3://b/p", {**env, "SOMA_S3_ENDPOINT": "http://127.0.0.1:2"}) == {"client_kwargs": {"endpoint_url": "http://127.0.0.1:2"}}
+    assert storage_options_from_env("s3://b/p", {}) == {}
+    assert storage_options_from_env("/tmp/x", env) == {}
+
+
+def soma_s3(s3, *args, timeout=300):  # noqa: F811
+    """The `soma` CLI with credentials only in the standard AWS variables and the endpoint in SOMA_S3_ENDPOINT."""
+    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
+    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200", **s3.env()})
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+def _holds(path: str, needle: bytes) -> bool:
+    try:
+        with open(path, "rb") as fh:
+            return needle in fh.read(64 << 20)
+    except OSError:                                    # a socket or a file Ray removed meanwhile
+        return False
+
+
+def test_cli_campaign_on_s3_and_no_credentials_anywhere(s3, tmp_path, text_corpus):  # noqa: F811
+    ray_dirs_before = set(glob.glob("/tmp/soma-ray-*"))
+    fs = s3.fs()
+    corpus = s3.url("corpora/micro")
+    fs.put(str(text_corpus) + "/", f"{s3.bucket}/corpora/micro/", recursive=True)
+    cfg = tmp_path / "micro.yaml"
+    cfg.write_text(yaml.safe_dump(MICRO))
+    camp = s3.url("runs/camp")
+    out = []
+    for args in (["prepare", camp, "--config", str(cfg), "--corpus", corpus], ["seed", camp, "--no-progress"],
+                 ["launch", camp, "--no-progress"], ["eval", camp], ["status", camp]):
+        proc = soma_s3(s3, *args)
+        out.append(proc.stdout + proc.stderr)
+        assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
+    assert "expert-0001" in out[-1] and "finished" in out[-1]
+    objects = s3.objects("runs/camp")
+    root = f"{s3.bucket}/runs/camp"
+    metrics = json.loads(objects[f"{root}/eval/metrics.json"])
+    assert metrics["ensemble"]["nats_per_byte"] < metrics["uniform"]["nats_per_byte"] - 1.0
+    assert metrics["scored_bytes"] == metrics["windows"] * 768
+    for e in range(2):
+        assert f"{root}/experts/expert-{e:04d}/latest.json" in objects
+        assert f"{root}/shards/expert-{e:04d}/manifest.json" in objects
+    assert any(p.startswith(f"{root}/events.jsonl.d/") for p in objects)
+    assert any(p.startswith(f"{root}/ledger/ledger.jsonl.d/") for p in objects)
+    camp_yaml = yaml.safe_load(objects[f"{root}/campaign.yaml"])
+    assert camp_yaml["corpus"]["source"] == corpus and camp_yaml["corpus"]["storage_options"] == {}
+    # the secret is in no object of the bucket, in no CLI output, in no file of this test's Ray sessions
+    secret = s3.secret.encode()
+    leaks = [p for p, data in s3.objects().items() if secret in data]
+    assert not leaks, leaks
+    assert not [o for o in out if s3.secret in o]
+    ray_files = [p for d in set(glob.glob("/tmp/soma-ray-*")) - ray_dirs_before
+                 for p in glob.glob(f"{d}/**/*", recursive=True) if os.path.isfile(p) and not os.path.islink(p)]
+    assert ray_files                                   # the local Ray sessions of `seed` and `launch`
+    assert not [p for p in ray_files if _holds(p, secret)]
+    # resume on a finished S3 campaign retrains nothing and adds no event
+    n_events = sum(p.startswith(f"{root}/events.jsonl.d/") for p in objects)
+    assert soma_s3(s3, "resume", camp, "--no-progress").returncode == 0
+    assert sum(p.startswith(f"{root}/events.jsonl.d/") for p in s3.objects("runs/camp")) == n_events
+
+
+def test_unprepared_s3_campaign_is_one_line_error(s3):  # noqa: F811
+    proc = soma_s3(s3, "status", s3.url("nothing"), timeout=120)
+    assert proc.returncode == 2 and "run soma prepare" in proc.stderr, proc.stderr
+    assert s3.secret not in proc.stdout + proc.stderr
+
+
+def test_unreachable_endpoint_is_a_clear_bounded_error(s3):  # noqa: F811
+    from s3server import free_port
+    opts = s3.storage_options(f"http://127.0.0.1:{free_port()}", connect_timeout=1, read_timeout=1, retries={"max_attempts": 1})
+    store = Store(s3.url("gone"), opts, retries=1)
+    with pytest.raises(SomaError, match="failed after 2 tries.*check the endpoint") as err:
+        store.write_json("a.json", {"x": 1})
+    assert s3.secret not in str(err.value)
+    with pytest.raises(SomaError, match="check the endpoint"):
+        store.exists("a.json")                  # never a silent False while the store cannot be reached
