@@ -14,10 +14,11 @@ from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 from pipelines.common import console, progress
 from pipelines.events import emit, history
 from soma_cluster.config import CampaignConfig
+from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
 from soma_cluster.shards import expert_name
-from soma_cluster.storage import Store
 from soma_cluster.budget import BudgetBook
+from soma_cluster.storage import Store
 from workers import actor_name, start_worker
 
 POLL_S = 0.5
@@ -289,6 +290,13 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dic
     from pipelines.seed import require_seed
 
     require_seed(store)
+    cap = cfg.budget.campaign_gpu_hours
+    spent = Ledger(store).totals().gpu_hours
+    hist = history(store)
+    unended = [j for j in expert_jobs(cfg) if not (j.name in hist and hist[j.name].terminal)]
+    if cap is not None and spent >= cap and unended:
+        raise SomaError(f"campaign budget budget.campaign_gpu_hours={cap} is already spent ({spent:.4f} GPU-hours in the ledger); "
+                        f"start a new campaign with a larger budget")
     r = cfg.resources
     console.print(f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
                   f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries")

@@ -211,3 +211,14 @@ def test_driver_sigkill_then_resume_finishes_without_double_counting(seeded, ref
     assert_bitwise(store, reference, range(cfg.n_experts))
     mine, ref = Ledger(store).totals(), Ledger(reference).totals()
     assert mine.forwards["expert_training"] <= ref.forwards["expert_training"] + 2 * cfg.spsa.n_pert * cfg.train.chunk_updates * cfg.n_experts
+
+
+def test_launch_refuses_a_budget_already_spent(seeded, tmp_path):
+    from pipelines.campaign import launch
+    from soma_cluster.errors import SomaError
+    root, _ = seeded
+    seed_h = Ledger(Store(str(root))).totals().gpu_hours
+    store, cfg = clone(seeded, tmp_path / "c", config(budget={"campaign_gpu_hours": seed_h / 2}))
+    with pytest.raises(SomaError, match="already spent"):
+        launch(store, cfg, show_progress=False)
+    assert not events(store, kind="launched") or all(e["job"] == "seed" for e in events(store, kind="launched"))
