@@ -222,3 +222,20 @@ def test_launch_refuses_a_budget_already_spent(seeded, tmp_path):
     with pytest.raises(SomaError, match="already spent"):
         launch(store, cfg, show_progress=False)
     assert not events(store, kind="launched") or all(e["job"] == "seed" for e in events(store, kind="launched"))
+
+
+def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_path, ray_local):
+    cap_s = 8.0
+    store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0,
+                                                              "pool_policy": "even"}, train={"updates": 100000},
+                                                      retry={"max_retries": 1}))
+    state = load_checkpoint(store, "seed").state(torch.device("cpu"))
+    state.body.fill_(float("nan"))
+    save_checkpoint(store, "experts/expert-0001", state)
+    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    assert result == {"expert-0000": "budget_exhausted", "expert-0001": "failed_permanently"}
+    grants = events(store, "expert-0000", "budget_granted")
+    assert len(grants) == 1 and grants[0]["source"] == "expert-0001"
+    spent = Ledger(store).totals().per_expert_gpu_seconds
+    assert grants[0]["gpu_seconds"] == pytest.approx(cap_s - spent[1], abs=1e-6)
+    assert cap_s < spent[0] <= cap_s + grants[0]["gpu_seconds"] + cfg.budget.grace_gpu_seconds + 0.5
