@@ -105,7 +105,7 @@ class Driver:
             return
         r = self.cfg.resources
         actor = self.start_actor(self.store.url, self.store.storage_options, job.role, job.expert, attempt, r.num_gpus, r.num_cpus,
-                                 name=actor_name(self.campaign_id, job.name, attempt))
+                                 name=actor_name(self.campaign_id, job.name, attempt), placement=r.placement)
         a = Attempt(job, attempt, actor)
         a.ref = actor.setup.remote()
         self.live[job.name] = a
@@ -189,7 +189,7 @@ class Driver:
             return
         if a.phase == "setup":
             emit(self.store, "started", a.job.name, attempt=a.attempt, step=result["step"], resumed=result["resumed"],
-                 device=result["device"], pid=result["pid"])
+                 device=result["device"], pid=result["pid"], node=result.get("node"))
             a.step = result["step"]
             self._next_chunk(a)
         else:
