@@ -23,19 +23,24 @@ Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal
 takes ~4 min on 2 cores and Ray Tune ~7.5 min. N = 1,024 at these settings is ~15 min a
 system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s 1`.
 
-  PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune]
+  PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune] [--campaign-dir /dev/shm/x]
 
-Measured 2026-12-02 on the 2-core dev box while another test suite shared it (load 4-13), 16 slots:
+Measured 2026-12-02 on the 2-core dev box while another test suite shared it (load 4-13), 16 slots,
+with the Driver of main at 401b845 (one ray.wait result per loop) plus this branch's changes:
 
 | run | wall/ideal | wall/bound | actor start s | wall/(ideal+start) | ms/heartbeat | of which appends |
 |---|---|---|---|---|---|---|
 | Driver, N=256, defaults (6 x 2 s)        | 1.21 | 1.21 | -    | -    | 7.2  | 6.7 (a) |
 | Ray Tune, N=256, defaults                | 2.36 | 2.36 | -    | -    | -    | -       |
 | Driver, N=1024, 2 x 1 s                  | 3.22 | 1.11 | 4.34 | 1.02 | 8.0  | -  (a)  |
-| Driver, N=256, 4 x 1 s, ledger re-read   | 1.77 | 1.50 | 2.71 | 1.06 | 21.4 | -  (a)  |
+| Driver, N=256, 4 x 1 s, ledger re-read(b)| 1.77 | 1.50 | 2.71 | 1.06 | 21.4 | -  (a)  |
 | Driver, N=256, 4 x 1 s                   | 1.71 | 1.22 | 2.58 | 1.04 | 6.5  | 5.4     |
 | Driver, N=256, 4 x 1 s, /dev/shm         | 1.75 | 1.17 | 2.78 | 1.03 | 1.8  | 0.4     |
-Ray Tune wall / Driver wall at N=256: 1.95. (a) appends column not yet split out in that run.
+| Driver of main at 27bc543, N=256, 4 x 1 s (c) | 2.36 | 0.96 | 4.75 | 1.08 | 6.4 | 5.2 |
+Ray Tune wall / Driver wall at N=256: 1.95.
+(c) after rebasing onto main: its ray.wait(num_returns=len(refs), timeout=POLL_S) collects a batch per
+    0.5 s poll, so a returned chunk waits up to 0.5 s for its next one; host at 1.6 actor starts/s. (a) appends column not yet split out in that run.
+(b) the Driver of main before 59e3b38, which re-read the whole ledger for every chunk's budget.
 Reading: the Driver keeps its slots busy (wall within 2-6% of (work + actor start) / slots); what is
 left is the time an actor takes to start while holding its slot, and on disk the fdatasync of two
 log appends per heartbeat. Without syncs a heartbeat costs ~1.4 ms here, most of it Ray's own
@@ -57,7 +62,6 @@ import ray  # noqa: E402
 from pipelines.campaign import Driver, expert_jobs  # noqa: E402
 from pipelines.events import history  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
-from soma_cluster.ledger import Ledger  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 from workers import SCHEDULING  # noqa: E402
 
@@ -83,15 +87,17 @@ class StandInTrainer:
         return {"step": self.step, "target": self.target, "updates": todo, "loss": 5.0, "val": None, "best_val": None,
                 "eps": 1e-3, "lr": 1e-3, "checkpoint": None, "done": done, "reason": "finished" if done else None,
                 "gpu_seconds": held * self.num_gpus, "wall_seconds": held, "forwards": self.step * 129,
-                "tokens": self.step * 64 * 1024, "sec_per_update": self.sec_per_update}
+                "tokens": self.step * 64 * 1024, "sec_per_update": self.sec_per_update,
+                # as if each chunk ended on a checkpoint (none is written: "checkpoint" stays None)
+                "checkpoint_step": self.step, "checkpoint_gpu_seconds": held * self.num_gpus, "checkpoint_forwards": self.step * 129}
 
 
 RemoteStandIn = ray.remote(StandInTrainer)
 
 
 def stand_in_factory(target: int, sec_per_update: float):
-    """An actor factory with start_worker's signature, for Driver(start=...)."""
-    def start(url, storage_options, role, expert, attempt, num_gpus, num_cpus, placement="pack"):
+    """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
+    def start(url, storage_options, role, expert, attempt, num_gpus, num_cpus, name=None, placement="pack"):
         return RemoteStandIn.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
                                      scheduling_strategy=SCHEDULING[placement]).remote(
             url, storage_options, role, expert, attempt, num_gpus, target, sec_per_update)
@@ -101,11 +107,9 @@ def stand_in_factory(target: int, sec_per_update: float):
 class TimedDriver(Driver):
     """The real Driver; only counts results and times handling them, and the log appends within."""
 
-    def __init__(self, *args, reread_ledger: bool = False, **kwargs):
+    def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.collect_s, self.collect_append_s, self.append_s, self.results = 0.0, 0.0, 0.0, 0
-        if reread_ledger:                           # the pre-fix driver: totals re-read from the log per chunk
-            self.ledger = Ledger(self.store)
         append = self.store.append
 
         def timed_append(log, record):
@@ -140,8 +144,8 @@ def run_driver(n: int, args, root: str) -> dict:
                            "resources": {"num_gpus": args.share, "num_cpus": 0.0},
                            "retry": {"heartbeat_timeout_s": 600.0}})
     store = Store(os.path.join(args.campaign_dir or root, f"driver-{n}"))
-    driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False, reread_ledger=args.reread_ledger,
-                         start=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
+    driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False,
+                         actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
     cpu, t = time.process_time(), time.monotonic()
     outcome = driver.run()
     wall, cpu = time.monotonic() - t, time.process_time() - cpu
@@ -188,7 +192,6 @@ def main() -> None:
     p.add_argument("--chunk-s", type=float, default=2.0, help="stand-in seconds of work per chunk")
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
-    p.add_argument("--reread-ledger", action="store_true", help="Driver re-reads the ledger per chunk (before the fix)")
     args = p.parse_args()
     slots = int(args.gpus / args.share + 1e-9)
     root = tempfile.mkdtemp(prefix="soma-bench-", dir="/tmp")
