@@ -22,6 +22,7 @@ from soma_cluster.storage import Store
 from workers import actor_name, start_worker
 
 POLL_S = 0.5
+SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join and leave over minutes)
 
 
 @dataclass(frozen=True)
@@ -67,6 +68,7 @@ class Driver:
         self.retry_at: dict[str, float] = {}
         self.outcome: dict[str, str] = {}
         self.campaign_id = cfg.digest()[:8]
+        self._gpus, self._gpus_at = 0.0, -math.inf         # cluster GPUs, and when they were last read
         totals = self.ledger.totals()
         self.spent = dict(totals.per_expert_gpu_seconds)    # running totals, kept in step with every record written
         self.spent_total = sum(totals.gpu_seconds.values())
@@ -95,8 +97,11 @@ class Driver:
 
     # -- launching ------------------------------------------------------------------------------------
     def _slots(self) -> int:
-        gpus = ray.cluster_resources().get("GPU", 0.0)
-        return max(1, int(math.floor(gpus / self.cfg.resources.num_gpus + 1e-9)))
+        # cluster_resources() is a GCS round trip (~1-8 ms): re-read it every SLOTS_REFRESH_S, not every loop
+        now = time.monotonic()
+        if now - self._gpus_at > SLOTS_REFRESH_S:
+            self._gpus, self._gpus_at = ray.cluster_resources().get("GPU", 0.0), now
+        return max(1, int(math.floor(self._gpus / self.cfg.resources.num_gpus + 1e-9)))
 
     def _launch(self, job: Job, attempt: int) -> None:
         left = self._budget_left(job)
@@ -105,7 +110,7 @@ class Driver:
             return
         r = self.cfg.resources
         actor = self.start_actor(self.store.url, self.store.storage_options, job.role, job.expert, attempt, r.num_gpus, r.num_cpus,
-                                 name=actor_name(self.campaign_id, job.name, attempt))
+                                 name=actor_name(self.campaign_id, job.name, attempt), placement=r.placement)
         a = Attempt(job, attempt, actor)
         a.ref = actor.setup.remote()
         self.live[job.name] = a
@@ -189,7 +194,7 @@ class Driver:
             return
         if a.phase == "setup":
             emit(self.store, "started", a.job.name, attempt=a.attempt, step=result["step"], resumed=result["resumed"],
-                 device=result["device"], pid=result["pid"])
+                 device=result["device"], pid=result["pid"], node=result.get("node"))
             a.step = result["step"]
             self._next_chunk(a)
         else:

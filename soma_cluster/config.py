@@ -117,6 +117,7 @@ class ResourcesConfig(_Section):
     num_gpus: float = Field(1.0, gt=0.0)    # per expert actor: 1, 0.5, 0.125 ...
     num_cpus: float = Field(0.0, ge=0.0)    # stated explicitly: Ray's default of 1 CPU starves small hosts
     local_gpus: int = Field(4, ge=1)        # logical GPUs of a local Ray started when no address is given
+    placement: Literal["pack", "spread"] = "pack"   # pack: fill a node's GPUs first; spread: one node after another
 
 
 class BudgetConfig(_Section):

@@ -9,6 +9,9 @@ RemoteExpertWorker = ray.remote(ExpertWorker)
 
 
 NAMESPACE = "soma"
+# resources.placement -> Ray's scheduling_strategy. "DEFAULT" packs actors onto nodes that already hold
+# work (fewer nodes busy, so idle nodes can be scaled away); "SPREAD" places them across nodes in turn.
+SCHEDULING = {"pack": "DEFAULT", "spread": "SPREAD"}
 
 
 def actor_name(campaign_id: str, job: str, attempt: int) -> str:
@@ -16,12 +19,13 @@ def actor_name(campaign_id: str, job: str, attempt: int) -> str:
 
 
 def start_worker(campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float,
-                 num_cpus: float, name: str | None = None):
+                 num_cpus: float, name: str | None = None, placement: str = "pack"):
     """One actor per expert: its own GPU share, an explicit CPU share (Ray defaults to 1 CPU), no restarts
     (the driver owns retries, from the checkpoint). `name` lets operators (and tests) find it."""
     return RemoteExpertWorker.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
+                                      scheduling_strategy=SCHEDULING[placement],
                                       name=name, namespace=NAMESPACE if name else None).remote(
         campaign_url, storage_options, role, expert, attempt, num_gpus)
 
 
-__all__ = ["NAMESPACE", "ExpertWorker", "RemoteExpertWorker", "actor_name", "model_dir", "start_worker"]
+__all__ = ["NAMESPACE", "SCHEDULING", "ExpertWorker", "RemoteExpertWorker", "actor_name", "model_dir", "start_worker"]

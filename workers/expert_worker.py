@@ -10,6 +10,7 @@ import os
 import tempfile
 import time
 
+import ray
 import torch
 
 from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
@@ -75,6 +76,7 @@ class ExpertWorker:
         self.last_ckpt_gpu_s = 0.0                              # GPU-seconds held when that checkpoint was written
         self.last_ckpt_forwards = 0
         return {"step": state.step, "target": self.target, "resumed": resumed, "device": str(device), "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
                 "gpu_seconds": self.gpu_seconds(), "n_train": shard.n_train}
 
     def _checkpoint(self) -> str:

@@ -1,0 +1,233 @@
+"""Driver scale: campaigns of N = 256 and 1,024 experts on a local Ray with many logical GPUs.
+
+The trainer here is a STAND-IN, not ExpertWorker: `StandInTrainer` holds no torch and no data; each
+chunk it sleeps `chunk_updates x sec_per_update` seconds and returns a heartbeat shaped like
+ExpertWorker.run_chunk's. So what is measured is orchestration only: the real Driver
+(pipelines.campaign.Driver, handed this actor factory) with its ledger and events writes, and Ray
+starting and stopping one actor per expert. Beside it, Ray Tune runs the same trials (same chunks,
+same sleep, same GPU share, one report per chunk) when `ray[tune]` is installed (the `bench` extra).
+
+Ratios printed:
+  wall / ideal        ideal = sum of work / slots (slots = logical GPUs / GPU share); target <= 1.05
+  wall / bound        bound = max(ideal, N / spawn rate): a host starts actor processes at a finite
+                      rate (measured first; ~2/s on 2 cores), which no one-actor-per-expert system beats
+  actor start s       mean launched -> started (process start + setup()); a slot is held meanwhile, so
+  wall/(ideal+start)  compares with (work + start) / slots: what is left is the Driver's own overhead
+  driver ms/heartbeat time in Driver._collect per result returned (a heartbeat, or an actor's setup):
+                      accounting, ledger + events writes, submitting the next chunk;
+                      target < 1 ms, i.e. a heartbeat round over N experts costs < N ms
+  of which appends    the durable log appends (fdatasync) inside that: disk-bound, not the Driver's logic
+  driver CPU ms/hb    driver process CPU (Python + Ray's core-worker threads) per heartbeat
+
+Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal 192 s) the Driver run
+takes ~4 min on 2 cores and Ray Tune ~7.5 min. N = 1,024 at these settings is ~15 min a
+system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s 1`.
+
+  PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune] [--campaign-dir /dev/shm/x]
+
+Measured 2026-12-02 on the 2-core dev box while another test suite shared it (load 4-13), 16 slots,
+with the Driver of main at 401b845 (one ray.wait result per loop) plus this branch's changes:
+
+| run | wall/ideal | wall/bound | actor start s | wall/(ideal+start) | ms/heartbeat | of which appends |
+|---|---|---|---|---|---|---|
+| Driver, N=256, defaults (6 x 2 s)        | 1.21 | 1.21 | -    | -    | 7.2  | 6.7 (a) |
+| Ray Tune, N=256, defaults                | 2.36 | 2.36 | -    | -    | -    | -       |
+| Driver, N=1024, 2 x 1 s                  | 3.22 | 1.11 | 4.34 | 1.02 | 8.0  | -  (a)  |
+| Driver, N=256, 4 x 1 s, ledger re-read(b)| 1.77 | 1.50 | 2.71 | 1.06 | 21.4 | -  (a)  |
+| Driver, N=256, 4 x 1 s                   | 1.71 | 1.22 | 2.58 | 1.04 | 6.5  | 5.4     |
+| Driver, N=256, 4 x 1 s, /dev/shm         | 1.75 | 1.17 | 2.78 | 1.03 | 1.8  | 0.4     |
+| Driver of main at 27bc543, N=256, 4 x 1 s (c) | 2.36 | 0.96 | 4.75 | 1.08 | 6.4 | 5.2 |
+Ray Tune wall / Driver wall at N=256: 1.95.
+(c) after rebasing onto main: its ray.wait(num_returns=len(refs), timeout=POLL_S) collects a batch per
+    0.5 s poll, so a returned chunk waits up to 0.5 s for its next one; host at 1.6 actor starts/s. (a) appends column not yet split out in that run.
+(b) the Driver of main before 59e3b38, which re-read the whole ledger for every chunk's budget.
+Reading: the Driver keeps its slots busy (wall within 2-6% of (work + actor start) / slots); what is
+left is the time an actor takes to start while holding its slot, and on disk the fdatasync of two
+log appends per heartbeat. Without syncs a heartbeat costs ~1.4 ms here, most of it Ray's own
+actor-call submission (~0.6 ms) and ray.kill of finished actors on a loaded 2-core host.
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import tempfile
+import time
+
+for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+    os.environ.setdefault(_k, _v)
+
+import ray  # noqa: E402
+
+from pipelines.campaign import Driver, expert_jobs  # noqa: E402
+from pipelines.events import history  # noqa: E402
+from soma_cluster.config import resolve  # noqa: E402
+from soma_cluster.storage import Store  # noqa: E402
+from workers import SCHEDULING  # noqa: E402
+
+
+class StandInTrainer:
+    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract, sleeps instead of training."""
+
+    def __init__(self, campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float,
+                 target: int, sec_per_update: float):
+        self.t0 = time.monotonic()
+        self.num_gpus, self.target, self.sec_per_update, self.step = num_gpus, target, sec_per_update, 0
+
+    def setup(self) -> dict:
+        return {"step": 0, "target": self.target, "resumed": False, "device": "stand-in", "pid": os.getpid(),
+                "node": ray.get_runtime_context().get_node_id(), "gpu_seconds": 0.0, "n_train": 0}
+
+    def run_chunk(self, max_updates: int, budget_left_s: float | None = None) -> dict:
+        todo = min(max_updates, self.target - self.step)
+        time.sleep(todo * self.sec_per_update)
+        self.step += todo
+        held = time.monotonic() - self.t0
+        done = self.step >= self.target
+        return {"step": self.step, "target": self.target, "updates": todo, "loss": 5.0, "val": None, "best_val": None,
+                "eps": 1e-3, "lr": 1e-3, "checkpoint": None, "done": done, "reason": "finished" if done else None,
+                "gpu_seconds": held * self.num_gpus, "wall_seconds": held, "forwards": self.step * 129,
+                "tokens": self.step * 64 * 1024, "sec_per_update": self.sec_per_update,
+                # as if each chunk ended on a checkpoint (none is written: "checkpoint" stays None)
+                "checkpoint_step": self.step, "checkpoint_gpu_seconds": held * self.num_gpus, "checkpoint_forwards": self.step * 129}
+
+
+RemoteStandIn = ray.remote(StandInTrainer)
+
+
+def stand_in_factory(target: int, sec_per_update: float):
+    """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
+    def start(url, storage_options, role, expert, attempt, num_gpus, num_cpus, name=None, placement="pack"):
+        return RemoteStandIn.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
+                                     scheduling_strategy=SCHEDULING[placement]).remote(
+            url, storage_options, role, expert, attempt, num_gpus, target, sec_per_update)
+    return start
+
+
+class TimedDriver(Driver):
+    """The real Driver; only counts results and times handling them, and the log appends within."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self.collect_s, self.collect_append_s, self.append_s, self.results = 0.0, 0.0, 0.0, 0
+        append = self.store.append
+
+        def timed_append(log, record):
+            t = time.perf_counter()
+            append(log, record)
+            self.append_s += time.perf_counter() - t
+        self.store.append = timed_append
+
+    def _collect(self, ref) -> None:
+        t, appends = time.perf_counter(), self.append_s
+        super()._collect(ref)
+        self.collect_s += time.perf_counter() - t
+        self.collect_append_s += self.append_s - appends
+        self.results += 1
+
+
+def spawn_rate(share: float, k: int) -> float:
+    """Actors per second this host starts (create k stand-ins, wait for setup, kill them)."""
+    start = stand_in_factory(1, 0.0)
+    t = time.monotonic()
+    actors = [start("", {}, "expert", i, 0, share, 0.0) for i in range(k)]
+    ray.get([a.setup.remote() for a in actors], timeout=600)
+    rate = k / (time.monotonic() - t)
+    for a in actors:
+        ray.kill(a)
+    return rate
+
+
+def run_driver(n: int, args, root: str) -> dict:
+    cfg = resolve("tiny", {"name": f"bench-{n}", "n_experts": n,
+                           "train": {"updates": args.chunks * args.chunk_updates, "chunk_updates": args.chunk_updates},
+                           "resources": {"num_gpus": args.share, "num_cpus": 0.0},
+                           "retry": {"heartbeat_timeout_s": 600.0}})
+    store = Store(os.path.join(args.campaign_dir or root, f"driver-{n}"))
+    driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False,
+                         actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
+    cpu, t = time.process_time(), time.monotonic()
+    outcome = driver.run()
+    wall, cpu = time.monotonic() - t, time.process_time() - cpu
+    assert set(outcome.values()) == {"finished"} and len(outcome) == n, outcome
+    hist = history(store).values()
+    beats = sum(1 for h in hist for e in h.events if e["event"] == "heartbeat")
+    at = {(h.job, e["event"]): e["t"] for h in hist for e in h.events}
+    start_s = sum(at[(h.job, "started")] - at[(h.job, "launched")] for h in hist) / n   # actor start + setup()
+    per = 1e3 / driver.results
+    return {"wall": wall, "beats": beats, "start_s": start_s, "collect_ms": driver.collect_s * per, "append_ms": driver.collect_append_s * per,
+            "cpu_ms": cpu * per}
+
+
+def run_tune(n: int, args, root: str) -> dict:
+    from ray import tune
+
+    chunks, chunk_s = args.chunks, args.chunk_s
+
+    def trial(config):                          # the same stand-in work: one report per chunk
+        t0 = time.monotonic()
+        for i in range(chunks):
+            time.sleep(chunk_s)
+            tune.report({"step": (i + 1) * args.chunk_updates, "loss": 5.0, "gpu_seconds": (time.monotonic() - t0) * args.share})
+
+    tuner = tune.Tuner(tune.with_resources(trial, {"cpu": 0, "gpu": args.share}),
+                       tune_config=tune.TuneConfig(num_samples=n),
+                       run_config=tune.RunConfig(name=f"tune-{n}", storage_path=os.path.join(root, "tune"), verbose=0))
+    t = time.monotonic()
+    results = tuner.fit()
+    wall = time.monotonic() - t
+    assert len(results) == n and not results.errors, results.errors
+    return {"wall": wall, "beats": n * chunks, "start_s": float("nan"), "collect_ms": float("nan"), "append_ms": float("nan"),
+            "cpu_ms": float("nan")}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--experts", type=int, nargs="+", default=[256])
+    # defaults: 16 slots x 12 s of work per expert keeps actor starts (16 / 12 s) under the host's ~2/s
+    p.add_argument("--gpus", type=int, default=8, help="logical GPUs of the local Ray")
+    p.add_argument("--share", type=float, default=0.5, help="GPU share per expert actor")
+    p.add_argument("--chunks", type=int, default=6, help="heartbeats per expert")
+    p.add_argument("--chunk-updates", type=int, default=10)
+    p.add_argument("--chunk-s", type=float, default=2.0, help="stand-in seconds of work per chunk")
+    p.add_argument("--no-tune", action="store_true")
+    p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
+    args = p.parse_args()
+    slots = int(args.gpus / args.share + 1e-9)
+    root = tempfile.mkdtemp(prefix="soma-bench-", dir="/tmp")
+    ray.init(num_gpus=args.gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=os.path.join(root, "ray"),
+             log_to_driver=False, logging_level="WARNING")
+    try:
+        rate = spawn_rate(args.share, min(slots, 32))
+        print(f"host starts {rate:.2f} actors/s; {slots} slots ({args.gpus} logical GPUs / {args.share}), "
+              f"{args.chunks} chunks x {args.chunk_s} s per expert", flush=True)
+        rows = []
+        for n in args.experts:
+            ideal = n * args.chunks * args.chunk_s / slots
+            bound = max(ideal, n / rate)
+            systems = [("soma Driver", run_driver)]
+            if not args.no_tune:
+                systems.append(("Ray Tune", run_tune))
+            for name, fn in systems:
+                r = fn(n, args, root)
+                rows.append((name, n, ideal, bound, r))
+                print(f"  done: {name} N={n} in {r['wall']:.1f} s", flush=True)
+        print("\n| system | N | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
+              "| wall/(ideal+start) | driver ms/heartbeat | of which log appends | driver CPU ms/heartbeat |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, n, ideal, bound, r in rows:
+            with_start = ideal + n * r["start_s"] / slots      # slots are held while an actor starts, too
+            print(f"| {name} | {n} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
+                  f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
+                  f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |")
+        drivers = {n: r for name, n, _, _, r in rows if name == "soma Driver"}
+        for name, n, _, _, r in rows:
+            if name == "Ray Tune":
+                print(f"N={n}: Ray Tune wall / soma Driver wall = {r['wall'] / drivers[n]['wall']:.2f}")
+    finally:
+        ray.shutdown()
+        shutil.rmtree(root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,189 @@
+"""deploy/ manifests parse and carry what KubeRay, the Ray cluster launcher and Docker need, and every
+`soma ...` command line in deploy/ and the docs names commands and options the CLI really has."""
+import re
+import shlex
+import tomllib
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+import typer
+import yaml
+
+from pipelines.cli import app
+
+ROOT = Path(__file__).resolve().parents[1]
+DEPLOY = ROOT / "deploy"
+DOCS = sorted((ROOT / "docs").glob("*.md")) + [ROOT / "README.md"]
+YAMLS = sorted(DEPLOY.rglob("*.yaml"))
+RAY_VERSION = version("ray")
+
+
+def pinned(name: str) -> str:
+    deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
+    return next(d.split("==")[1] for d in deps if d.split("==")[0] == name)
+
+
+def load(path: Path) -> list[dict]:
+    return [doc for doc in yaml.safe_load_all(path.read_text()) if doc is not None]
+
+
+def by_kind(kind: str) -> list[tuple[Path, dict]]:
+    return [(p, d) for p in YAMLS for d in load(p) if isinstance(d, dict) and d.get("kind") == kind]
+
+
+@pytest.mark.parametrize("path", YAMLS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_every_yaml_parses(path):
+    assert load(path), f"{path} holds no YAML document"
+
+
+def check_ray_cluster_spec(spec: dict, where: str) -> None:
+    assert spec["rayVersion"] == RAY_VERSION, where
+    head = spec["headGroupSpec"]
+    assert all(isinstance(v, str) for v in head["rayStartParams"].values()), f"{where}: rayStartParams values must be strings"
+    assert head["template"]["spec"]["containers"][0]["image"], where
+    groups = spec["workerGroupSpecs"]
+    assert groups, f"{where}: no worker group"
+    gpu_groups = 0
+    for g in groups:
+        assert g["groupName"] and g["minReplicas"] <= g["replicas"] <= g["maxReplicas"], where
+        assert all(isinstance(v, str) for v in g["rayStartParams"].values()), where
+        res = g["template"]["spec"]["containers"][0]["resources"]
+        gpus = res["limits"].get("nvidia.com/gpu")
+        if gpus is not None:
+            gpu_groups += 1
+            assert res["requests"]["nvidia.com/gpu"] == gpus, f"{where}: GPU request != limit"
+            assert g["rayStartParams"]["num-gpus"] == str(gpus), f"{where}: Ray must see the pod's GPUs"
+    assert gpu_groups, f"{where}: no worker group with nvidia.com/gpu"
+
+
+def test_raycluster_has_head_and_gpu_worker_group():
+    clusters = by_kind("RayCluster")
+    assert clusters
+    for path, doc in clusters:
+        assert doc["apiVersion"] == "ray.io/v1"
+        check_ray_cluster_spec(doc["spec"], str(path))
+
+
+def test_rayjob_runs_soma_launch_on_a_cluster():
+    jobs = by_kind("RayJob")
+    assert jobs
+    names = {d["metadata"]["name"] for _, d in by_kind("RayCluster")}
+    entrypoints = []
+    for path, doc in jobs:
+        spec = doc["spec"]
+        assert doc["apiVersion"] == "ray.io/v1" and spec["entrypoint"].strip().startswith("soma "), path
+        entrypoints.append(spec["entrypoint"])
+        if "rayClusterSpec" in spec:
+            check_ray_cluster_spec(spec["rayClusterSpec"], str(path))
+        else:
+            assert spec["clusterSelector"]["ray.io/cluster"] in names, f"{path}: selects no RayCluster defined here"
+    assert any(re.search(r"soma launch s3://\S+", e) for e in entrypoints)
+    assert any(re.search(r"soma resume s3://\S+", e) for e in entrypoints)
+
+
+def test_cluster_launcher_yaml():
+    [cfg] = load(DEPLOY / "cluster.yaml")
+    for key in ("cluster_name", "max_workers", "provider", "head_node_type", "available_node_types",
+                "head_start_ray_commands", "worker_start_ray_commands"):
+        assert key in cfg, key
+    types = cfg["available_node_types"]
+    assert cfg["head_node_type"] in types and cfg["provider"]["type"]
+    gpu = [t for name, t in types.items() if name != cfg["head_node_type"] and t["resources"].get("GPU", 0) > 0]
+    assert gpu and all(t["max_workers"] >= t["min_workers"] >= 0 and t["node_config"] for t in gpu)
+    assert sum(t["max_workers"] for t in gpu) <= cfg["max_workers"]
+    assert any("ray start --head" in c for c in cfg["head_start_ray_commands"])
+    assert any("ray start --address" in c for c in cfg["worker_start_ray_commands"])
+
+
+def test_dockerfile_builds_both_variants_from_the_pins():
+    text = (DEPLOY / "Dockerfile").read_text()
+    assert re.search(rf"ARG RAY_IMAGE=rayproject/ray:{re.escape(pinned('ray'))}-py311\n", text)
+    assert "ARG VARIANT=gpu" in text and "FROM ${RAY_IMAGE}-${VARIANT}" in text
+    assert re.search(r'"\$VARIANT" = "cpu"', text) and f'"torch=={pinned("torch")}"' in text
+    assert re.search(r"pip install \.", text)
+    images = {c["image"] for _, d in by_kind("RayCluster") for g in [d["spec"]["headGroupSpec"], *d["spec"]["workerGroupSpecs"]]
+              for c in g["template"]["spec"]["containers"]}
+    assert {i.rsplit(":", 1)[1] for i in images} == {"cpu", "gpu"}
+
+
+# -- `soma ...` command lines --------------------------------------------------------------------------
+SOMA = re.compile(r"(?<![\w/.-])soma ([a-z][\w-]*)((?:[^\"`;&#|]|\|(?!\s))*)")
+
+
+def strings(node) -> list[str]:
+    if isinstance(node, dict):
+        return [s for v in node.values() for s in strings(v)]
+    if isinstance(node, list):
+        return [s for v in node for s in strings(v)]
+    return [node] if isinstance(node, str) else []
+
+
+def command_contexts(path: Path) -> list[str]:
+    """Text that holds command lines: YAML string values (a folded entrypoint is one string), Dockerfile
+    instructions, and indented example comments (`#   soma ...`, not prose) in deploy files; code
+    blocks and `code spans` in Markdown."""
+    text = path.read_text()
+    if path.suffix == ".md":
+        blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
+        rest = re.sub(r"```.*?```", "", text, flags=re.S)
+        return [line.split(" # ")[0] for b in blocks for line in b.splitlines()] + [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", rest)]
+    lines = text.splitlines()
+    out = [line.lstrip()[1:] for line in lines if line.lstrip().startswith("#  ")]
+    if path.suffix == ".yaml":
+        return out + [s for doc in load(path) for s in strings(doc)]
+    return out + [line for line in lines if not line.lstrip().startswith("#")]
+
+
+def soma_command_lines() -> list[tuple[str, str]]:
+    found = []
+    for path in [*DEPLOY.rglob("*"), *DOCS]:
+        if path.is_file():
+            for ctx in command_contexts(path):
+                for m in SOMA.finditer(ctx):
+                    found.append((str(path.relative_to(ROOT)), f"soma {m.group(1)}{m.group(2)}".strip()))
+    return found
+
+
+def check_command(line: str, group) -> None:
+    tokens = [t.strip("[]") for t in shlex.split(line)[1:]]
+    tokens = [t for t in tokens if t and t != "..."]
+    name, rest = tokens[0], tokens[1:]
+    assert name in group.commands, f"{line!r}: no command {name!r} (have {sorted(group.commands)})"
+    cmd = group.commands[name]
+    # typer 0.29 ships its own copy of click: tell options from arguments by click's param_type_name
+    options = {o: p for p in cmd.params if p.param_type_name == "option" for o in (*p.opts, *p.secondary_opts)}
+    arity = sum(p.nargs if p.nargs >= 0 else 99 for p in cmd.params if p.param_type_name == "argument")
+    positional, i = 0, 0
+    while i < len(rest):
+        tok = rest[i]
+        if tok.startswith("-") and tok != "-":
+            opt = tok.split("=", 1)[0]
+            assert opt in options or opt == "--help", f"{line!r}: {name} has no option {opt} (have {sorted(options)})"
+            if opt != "--help" and not options[opt].is_flag and "=" not in tok:
+                i += 1                              # the option's value
+        else:
+            positional += 1
+        i += 1
+    assert positional <= arity, f"{line!r}: {name} takes {arity} argument(s), given {positional}"
+
+
+def test_every_soma_command_line_exists_in_the_cli():
+    group = typer.main.get_command(app)
+    lines = soma_command_lines()
+    where = {f for f, _ in lines}
+    assert {"deploy/Dockerfile", "deploy/cluster.yaml", "deploy/kuberay/rayjob.yaml", "docs/cluster.md"} <= where, where
+    for path, line in lines:
+        try:
+            check_command(line, group)
+        except AssertionError as exc:
+            raise AssertionError(f"{path}: {exc}") from None
+
+
+def test_the_checker_catches_a_wrong_command_or_option():
+    group = typer.main.get_command(app)
+    check_command("soma launch s3://b/c --address auto --no-progress", group)
+    for bad in ("soma start s3://b/c", "soma launch s3://b/c --adress auto", "soma status s3://b/c extra",
+                "soma prepare s3://b/c --presets tiny"):
+        with pytest.raises(AssertionError):
+            check_command(bad, group)
