@@ -270,7 +270,9 @@ class Driver:
                     self._launch(job, attempts[job.name])
                 refs = [a.ref for a in self.live.values()]
                 if refs:
-                    for ref in ray.wait(refs, num_returns=len(refs), timeout=POLL_S)[0]:
+                    first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)   # wake on the first result
+                    ready = first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+                    for ref in ready:
                         self._collect(ref)
                 else:
                     time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
