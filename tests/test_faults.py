@@ -159,6 +159,7 @@ def test_expert_budget_stops_cleanly_within_the_bound(seeded, tmp_path, ray_loca
     bound = cfg.budget.grace_gpu_seconds + 0.5 * cfg.resources.num_gpus
     for e in range(cfg.n_experts):
         spent = totals.per_expert_gpu_seconds[e]
+        print(f"\nexpert budget: expert {e} spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {spent - cap_s:+.2f}, bound {bound:.2f})")
         assert cap_s * 0.5 < spent <= cap_s + bound, (e, spent)
         ck = load_checkpoint(store, f"experts/expert-{e:04d}")          # the clean stop left a checkpoint
         assert ck.meta["state"]["step"] == history(store)[f"expert-{e:04d}"].step
@@ -173,6 +174,7 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
     assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"budget_exhausted"}
     spent = Ledger(store).totals().gpu_hours * 3600
     bound = (cfg.budget.grace_gpu_seconds + 0.5) * cfg.n_experts
+    print(f"\ncampaign budget: spent {spent - seed_s:.2f} GPU-s of {extra_s} after the seed (overrun {spent - seed_s - extra_s:+.2f}, bound {bound:.2f})")
     assert seed_s + extra_s * 0.5 < spent <= seed_s + extra_s + bound
     # the budget is now spent: nothing more is launched
     launched = len(events(store, kind="launched"))
@@ -239,3 +241,27 @@ def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_
     spent = Ledger(store).totals().per_expert_gpu_seconds
     assert grants[0]["gpu_seconds"] == pytest.approx(cap_s - spent[1], abs=1e-6)
     assert cap_s < spent[0] <= cap_s + grants[0]["gpu_seconds"] + cfg.budget.grace_gpu_seconds + 0.5
+
+
+def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_path, ray_local):
+    """A worker that stops reporting while holding its GPU (SIGSTOP) cannot spend past cap + grace."""
+    cap_s, grace = 5.0, 1.0
+    store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": grace},
+                                                      train={"updates": 100000}, retry={"heartbeat_timeout_s": 120}))
+    thread, result = run_in_thread(store, cfg)
+    wait_for(lambda: events(store, "expert-0000", "checkpointed"), what="checkpoint")
+    pid = events(store, "expert-0000", "started")[0]["pid"]
+    os.kill(pid, signal.SIGSTOP)
+    try:
+        thread.join(timeout=120)
+    finally:
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    assert result["expert-0000"] == "budget_exhausted"
+    assert events(store, "expert-0000", "failed")[0]["reason"].startswith("budget_exhausted: hard stop")
+    spent = Ledger(store).totals().per_expert_gpu_seconds[0]
+    bound = grace + 0.5 * cfg.resources.num_gpus
+    print(f"\nhard stop: expert-0000 spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {spent - cap_s:+.2f}, bound {bound:.2f})")
+    assert spent <= cap_s + bound + 0.1
