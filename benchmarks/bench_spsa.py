@@ -87,11 +87,11 @@ def peer_update_seconds(cfg, n_pert, x, y, head, fraction):
         return (time.perf_counter() - t) * (2 * n_pert / count)
 
 
-def ours_update_seconds(cfg, n_pert, x, y, head, chunk, compiled):
+def ours_update_seconds(cfg, n_pert, x, y, head, chunk, compiled, block=8):
     g = torch.Generator().manual_seed(0)
     theta = init_body(cfg, g)
     mask = Layout(cfg).gain_mask()
-    f = lambda bodies: copy_losses(cfg, bodies, head, x, y, compiled)  # noqa: E731
+    f = lambda bodies: copy_losses(cfg, bodies, head, x, y, compiled, block)  # noqa: E731
     with torch.no_grad():
         z = probes(n_pert, mask, 0)
         spsa_estimate(theta, z[:chunk], 1e-3, lambda b: copy_losses(cfg, b, head, x[:, :16], y[:, :16], compiled), chunk)
@@ -155,6 +155,7 @@ def main() -> None:
     ap.add_argument("--peer-fraction", type=float, default=0.125, help="share of the peer's 2*n_pert forwards timed (scaled up)")
     ap.add_argument("--chunks", default="8,16")
     ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd step")
+    ap.add_argument("--whole-sequence", action="store_true", help="also time without time blocking (block = T)")
     args = ap.parse_args()
     peak = sgemm_flops()
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {peak / 1e9:.1f} GFLOP/s")
@@ -168,11 +169,14 @@ def main() -> None:
         rows.append((name, "peer nn.LSTM loop", peer, 1.0, flops / peer / peak))
         chunks = sorted({min(int(c), n_pert) for c in args.chunks.split(",")})
         for chunk in chunks:
-            for compiled in ([False, True] if args.compile else [False]):
-                s = ours_update_seconds(cfg, n_pert, x, y, head, chunk, compiled)
-                rows.append((name, f"ours chunk={chunk}{' compiled' if compiled else ''}", s, peer / s, flops / s / peak))
-        for r in rows[-(1 + len(chunks) * (2 if args.compile else 1)):]:
-            print(f"{r[0]:12s} {r[1]:28s} {r[2]:8.2f} s/update  speed-up {r[3]:5.2f}x  useful/sgemm {r[4]:.3f}", flush=True)
+            variants = [(False, 8)] + ([(True, 8)] if args.compile else []) + ([(False, 0)] if args.whole_sequence else [])
+            for compiled, block in variants:
+                s = ours_update_seconds(cfg, n_pert, x, y, head, chunk, compiled, block)
+                label = f"ours chunk={chunk} block={block or 'T'}{' compiled' if compiled else ''}"
+                rows.append((name, label, s, peer / s, flops / s / peak))
+        n_var = 1 + bool(args.compile) + bool(args.whole_sequence)
+        for r in rows[-(1 + len(chunks) * n_var):]:
+            print(f"{r[0]:12s} {r[1]:36s} {r[2]:8.2f} s/update  speed-up {r[3]:5.2f}x  useful/sgemm {r[4]:.3f}", flush=True)
     t_sep, t_pk = packed_vs_separate()
     print(f"G=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x")
     base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 8)

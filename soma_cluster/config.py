@@ -96,6 +96,7 @@ class SPSAConfig(_Section):
     floor: float = Field(1e-5, gt=0.0)
     pert_chunk: int = Field(32, ge=1)       # probes per batched pass (2 x pert_chunk copies; memory knob)
     compile: bool = False                   # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
+    time_block: int = Field(8, ge=1)        # steps every layer advances at once: keeps activations cache-sized
 
 
 class SeedStageConfig(_Section):

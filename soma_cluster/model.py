@@ -148,25 +148,36 @@ def cell_fn(compiled: bool):
     return _compiled_cell
 
 
-def lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """Bias-free LSTM, gate order (i, f, g, o) as torch.nn.LSTM. x (P, T, B, d) -> h (P, T, B, d).
+class LSTMState:
+    """Recurrent state (h, c) of one bias-free LSTM layer for all copies, carried across time blocks.
+    Gate order (i, f, g, o) as torch.nn.LSTM; the g rows are pre-scaled by 2 so that one sigmoid serves
+    all four gates: tanh(z) = 2 sigmoid(2z) - 1."""
 
-    The input matmul is hoisted out of the time loop; only h W_hh^T is sequential. The g rows are
-    pre-scaled by 2 so one sigmoid serves all four gates.
-    """
-    p, t_len, b, d = x.shape
-    scale = torch.ones(4 * d, 1, dtype=x.dtype, device=x.device)
-    scale[2 * d:3 * d] = 2.0
-    gates_in = copy_matmul(x, w_ih * scale).transpose(0, 1).contiguous()   # (T, P, B, 4d): step t is one slab
-    w_hh_t = (w_hh * scale).transpose(1, 2).contiguous()           # (P, d, 4d)
-    step = cell_fn(compiled)
-    h = x.new_zeros(p, b, d)
-    c = x.new_zeros(p, b, d)
-    out = x.new_empty(p, t_len, b, d)
-    for t in range(t_len):
-        h, c = step(gates_in[t], h, c, w_hh_t)
-        out[:, t] = h
-    return out
+    def __init__(self, w_ih: torch.Tensor, w_hh: torch.Tensor, batch: int, compiled: bool):
+        p, four_d, d = w_ih.shape
+        scale = torch.ones(four_d, 1, dtype=w_ih.dtype, device=w_ih.device)
+        scale[2 * d:3 * d] = 2.0
+        self.w_ih = w_ih * scale                                       # (P, 4d, d)
+        self.w_hh_t = (w_hh * scale).transpose(1, 2).contiguous()       # (P, d, 4d)
+        self.h = w_ih.new_zeros(p, batch, d)
+        self.c = w_ih.new_zeros(p, batch, d)
+        self.step = cell_fn(compiled)
+
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """x (P or 1, Tb, B, d) -> h (P, Tb, B, d): the input matmul hoisted over the block, then the
+        sequential part h W_hh^T step by step."""
+        p, (_, t_len, b, _) = self.h.shape[0], x.shape
+        gates_in = copy_matmul(x.expand(p, -1, -1, -1), self.w_ih).transpose(0, 1).contiguous()   # (Tb, P, B, 4d)
+        out = x.new_empty(p, t_len, b, self.h.shape[-1])
+        for t in range(t_len):
+            self.h, self.c = self.step(gates_in[t], self.h, self.c, self.w_hh_t)
+            out[:, t] = self.h
+        return out
+
+
+def lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Bias-free LSTM over a whole sequence. x (P, T, B, d) -> h (P, T, B, d)."""
+    return LSTMState(w_ih, w_hh, x.shape[2], compiled).run(x)
 
 
 def mlp(x: torch.Tensor, w1: torch.Tensor, w2: torch.Tensor) -> torch.Tensor:
@@ -184,22 +195,35 @@ def embed(head: torch.Tensor, x: torch.Tensor, copies: int) -> torch.Tensor:
     return emb.repeat_interleave(copies // g, dim=0)
 
 
-def body_forward(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """Copies of the body in one batched pass. body (C, M), head (256, e) or (G, 256, e), x (B, T) or
-    (G, B, T) bytes -> h (C, T, B, e). With an expert axis, copies g*P .. g*P+P-1 belong to expert g."""
+def forward_blocks(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False,
+                   block: int = 0):
+    """Yield (t0, t1, h) for consecutive time blocks, h (C, t1-t0, B, e). Every layer advances one block
+    at a time (its LSTM state carried over), so the working set is (C, block, B, 4d), not (C, T, B, 4d):
+    at the paper's shape the whole-sequence activations are gigabytes and memory-bound. block 0 = T."""
     layout = Layout(cfg)
     w = layout.views(body)
     p = body.shape[0]
-    h = embed(head, x, p)                                           # (1 or C, T, B, e)
-    if layout.wide:
-        h = copy_matmul(h.expand(p, -1, -1, -1), w["proj_in"])       # (C, T, B, d)
-    for blk in range(cfg.depth):
-        h = h + lstm(layer_norm(h, w[f"b{blk}.ln1"]), w[f"b{blk}.w_ih"], w[f"b{blk}.w_hh"], compiled)
-        h = h + mlp(layer_norm(h, w[f"b{blk}.ln2"]), w[f"b{blk}.w1"], w[f"b{blk}.w2"])
-    h = layer_norm(h, w["lnf"])
-    if layout.wide:
-        h = copy_matmul(h, w["proj_out"])                            # (C, T, B, e)
-    return h
+    emb = embed(head, x, p)                                         # (1 or C, T, B, e)
+    t_len, b = emb.shape[1], emb.shape[2]
+    states = [LSTMState(w[f"b{k}.w_ih"], w[f"b{k}.w_hh"], b, compiled) for k in range(cfg.depth)]
+    step = block or t_len
+    for t0 in range(0, t_len, step):
+        h = emb[:, t0:t0 + step]
+        if layout.wide:
+            h = copy_matmul(h.expand(p, -1, -1, -1), w["proj_in"])    # (C, Tb, B, d)
+        for k in range(cfg.depth):
+            h = h + states[k].run(layer_norm(h, w[f"b{k}.ln1"]))
+            h = h + mlp(layer_norm(h, w[f"b{k}.ln2"]), w[f"b{k}.w1"], w[f"b{k}.w2"])
+        h = layer_norm(h, w["lnf"])
+        if layout.wide:
+            h = copy_matmul(h, w["proj_out"])                         # (C, Tb, B, e)
+        yield t0, t0 + h.shape[1], h
+
+
+def body_forward(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+    """Copies of the body in one batched pass. body (C, M), head (256, e) or (G, 256, e), x (B, T) or
+    (G, B, T) bytes -> h (C, T, B, e). With an expert axis, copies g*P .. g*P+P-1 belong to expert g."""
+    return torch.cat([h for _, _, h in forward_blocks(cfg, body, head, x, compiled)], dim=1)
 
 
 def _target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
@@ -224,9 +248,14 @@ def target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block:
     return torch.cat([_target_logprobs(h[i * p:(i + 1) * p], heads[i], y[i], block) for i in range(g)])
 
 
-def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, compiled: bool = False) -> torch.Tensor:
-    """Mean next-byte cross-entropy (nats/byte) of each copy. body (P, M) -> (P,)."""
-    return -target_logprobs(body_forward(cfg, body, head, x, compiled), head, y).mean(dim=(1, 2))
+def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, compiled: bool = False,
+                block: int = 8) -> torch.Tensor:
+    """Mean next-byte cross-entropy (nats/byte) of each copy, body (C, M) -> (C,), computed block by block
+    in time (see forward_blocks) with the loss of each block reduced as soon as it exists."""
+    total = torch.zeros(body.shape[0], dtype=torch.float64, device=body.device)
+    for t0, t1, h in forward_blocks(cfg, body, head, x, compiled, block):
+        total -= target_logprobs(h, head, y[..., t0:t1]).sum(dim=(1, 2)).double()
+    return (total / (y.shape[-1] * y.shape[-2])).float()
 
 
 def decoder_gradient(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

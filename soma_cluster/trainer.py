@@ -174,7 +174,7 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
         z = torch.stack([probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers])
         theta = torch.stack([t.state.body for t in trainers])
         eps = [t.state.schedule.eps for t in trainers]
-        est = spsa_estimate(theta, z, eps, lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile), cfg.pert_chunk)
+        est = spsa_estimate(theta, z, eps, lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block), cfg.pert_chunk)
         grad += est.grad / cfg.accum
         loss += est.loss.double() / cfg.accum
         forwards += est.forwards
