@@ -130,19 +130,25 @@ def test_nan_expert_fails_after_retries_while_others_finish(seeded, tmp_path, ra
     assert history(store)["expert-0000"].step == cfg.train.updates
 
 
-def test_hung_expert_is_killed_and_retried(seeded, reference, tmp_path, ray_local):
-    store, cfg = clone(seeded, tmp_path / "c", config(retry={"heartbeat_timeout_s": 3.0}))
-    thread, result = run_in_thread(store, cfg)
-    wait_for(lambda: [x for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0], what="checkpoint")
+def freeze_until_driver_ends(store, thread, timeout):
+    """SIGSTOP expert-0000's worker (alive but silent) until the driver thread ends; SIGKILL it after."""
     pid = events(store, "expert-0000", "started")[0]["pid"]
-    os.kill(pid, signal.SIGSTOP)                                          # alive but silent: a hang
+    os.kill(pid, signal.SIGSTOP)
     try:
-        thread.join(timeout=300)
+        thread.join(timeout=timeout)
     finally:
         try:
             os.kill(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
+    assert not thread.is_alive()
+
+
+def test_hung_expert_is_killed_and_retried(seeded, reference, tmp_path, ray_local):
+    store, cfg = clone(seeded, tmp_path / "c", config(retry={"heartbeat_timeout_s": 3.0}))
+    thread, result = run_in_thread(store, cfg)
+    wait_for(lambda: [x for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0], what="checkpoint")
+    freeze_until_driver_ends(store, thread, 300)                        # alive but silent: a hang
     assert result == {"expert-0000": "finished", "expert-0001": "finished"}
     assert events(store, "expert-0000", "failed")[0]["reason"].startswith("hang")
     assert not events(store, "expert-0001", "failed")
@@ -250,15 +256,7 @@ def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_pat
                                                       train={"updates": 100000}, retry={"heartbeat_timeout_s": 120}))
     thread, result = run_in_thread(store, cfg)
     wait_for(lambda: events(store, "expert-0000", "checkpointed"), what="checkpoint")
-    pid = events(store, "expert-0000", "started")[0]["pid"]
-    os.kill(pid, signal.SIGSTOP)
-    try:
-        thread.join(timeout=120)
-    finally:
-        try:
-            os.kill(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
+    freeze_until_driver_ends(store, thread, 120)
     assert result["expert-0000"] == "budget_exhausted"
     assert events(store, "expert-0000", "failed")[0]["reason"].startswith("budget_exhausted: hard stop")
     spent = Ledger(store).totals().per_expert_gpu_seconds[0]
