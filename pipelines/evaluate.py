@@ -9,7 +9,7 @@ import numpy as np
 import torch
 
 from pipelines.common import console
-from soma_cluster.checkpoint import has_checkpoint, load_checkpoint
+from soma_cluster.checkpoint import Checkpoint, has_checkpoint, load_checkpoint
 from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import UNIFORM_NATS, bootstrap_weights, ci, evaluate_ensemble, load_windows, window_logprobs
 from soma_cluster.errors import SomaError
@@ -22,17 +22,15 @@ from soma_cluster.trainer import Trainer, pick_device
 from workers.expert_worker import SEED_DIR, model_dir
 
 
-def _load(store: Store, directory: str, what: str) -> tuple[torch.Tensor, torch.Tensor, dict]:
+def _load(store: Store, directory: str, what: str) -> Checkpoint:
     if not has_checkpoint(store, directory):
         raise SomaError(f"{what} has no checkpoint under {store.url}/{directory}; run soma launch (or soma resume) first")
-    ck = load_checkpoint(store, directory)
-    return ck.tensors["body"], ck.tensors["head"], ck.meta
+    return load_checkpoint(store, directory)
 
 
-def _own_shard_val(store: Store, cfg: CampaignConfig, e: int, body: torch.Tensor, head: torch.Tensor, meta: dict, device) -> float:
-    shard = open_shard(store, e)
-    state = load_checkpoint(store, model_dir("expert", e)).state(device)
-    tr = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, e, device, cfg.train.val_batches * cfg.spsa.batch)
+def _own_shard_val(store: Store, cfg: CampaignConfig, e: int, ck: Checkpoint, device: torch.device) -> float:
+    """The expert's loss on its own shard's expert-validation rows (the rows it validated on in training)."""
+    tr = Trainer(cfg.model, cfg.spsa, open_shard(store, e), ck.state(device), cfg.seed, e, device, cfg.train.val_batches * cfg.spsa.batch)
     return tr.validate()
 
 
@@ -45,11 +43,10 @@ def evaluate(store: Store, cfg: CampaignConfig) -> dict:
     device = pick_device()
     router = load_router(store)
     win = load_windows(store, cfg.eval.max_windows)
-    experts, metas = {}, {}
-    for e in range(cfg.n_experts):
-        body, head, meta = _load(store, model_dir("expert", e), expert_name(e))
-        experts[e], metas[e] = (body, head), meta
-    seed_body, seed_head, _ = _load(store, SEED_DIR, "the seed model")
+    cks = {e: _load(store, model_dir("expert", e), expert_name(e)) for e in range(cfg.n_experts)}
+    experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in cks.items()}
+    seed = _load(store, SEED_DIR, "the seed model").tensors
+    seed_body, seed_head = seed["body"], seed["head"]
     ctx, batch = cfg.eval.context_bytes, cfg.eval.batch
 
     ens = evaluate_ensemble(router, cfg.model, experts, win, ctx, batch, device)
@@ -60,8 +57,8 @@ def evaluate(store: Store, cfg: CampaignConfig) -> dict:
     ens_m, seed_m = ci(ens.nats, w), ci(seed_nats, w)
     diff = ens.nats.sum(1) - seed_nats.sum(1)
     boots = (w @ diff) / (w @ np.full(len(diff), ens.nats.shape[1], dtype=np.float64))
-    per_expert = {expert_name(e): {"own_val_nats": _own_shard_val(store, cfg, e, *experts[e], metas[e], device),
-                                   "step": metas[e]["state"]["step"], "routed_windows": ens.per_expert_windows[e]}
+    per_expert = {expert_name(e): {"own_val_nats": _own_shard_val(store, cfg, e, cks[e], device),
+                                   "step": cks[e].meta["state"]["step"], "routed_windows": ens.per_expert_windows[e]}
                   for e in range(cfg.n_experts)}
     scored = ens.nats.size
     total_s = ens.route_seconds + ens.model_seconds
