@@ -49,6 +49,7 @@ actor-call submission (~0.6 ms) and ray.kill of finished actors on a loaded 2-co
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import tempfile
@@ -67,29 +68,40 @@ from workers import SCHEDULING  # noqa: E402
 
 
 class StandInTrainer:
-    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract, sleeps instead of training."""
+    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract, sleeps instead of training.
 
-    def __init__(self, campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float,
+    A pack of G experts (resources.experts_per_actor) sleeps as long per chunk as one expert: it stands for
+    G small experts that each underfill a GPU and share its passes (what packing is for)."""
+
+    def __init__(self, campaign_url: str, storage_options: dict, role: str, experts, attempts, num_gpus: float,
                  target: int, sec_per_update: float):
         self.t0 = time.monotonic()
+        self.experts = [experts] if isinstance(experts, int) else list(experts)
         self.num_gpus, self.target, self.sec_per_update, self.step = num_gpus, target, sec_per_update, 0
 
-    def setup(self) -> dict:
-        return {"step": 0, "target": self.target, "resumed": False, "device": "stand-in", "pid": os.getpid(),
-                "node": ray.get_runtime_context().get_node_id(), "gpu_seconds": 0.0, "n_train": 0}
+    def setup(self, experts=None, attempts=None) -> dict:
+        if experts is not None:          # reused (resources.reuse_actors): the new experts' clock starts at the last report
+            self.experts, self.step = ([experts] if isinstance(experts, int) else list(experts)), 0
+            self.t0 = self.t_end
+        return {"device": "stand-in", "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
+                "experts": {e: {"step": 0, "target": self.target, "resumed": False, "n_train": 0} for e in self.experts}}
 
-    def run_chunk(self, max_updates: int, budget_left_s: float | None = None) -> dict:
+    def run_chunk(self, max_updates: int, caps=None) -> dict:
+        if self.step >= self.target:
+            return {"experts": {}, "wall_seconds": time.monotonic() - self.t0}
         todo = min(max_updates, self.target - self.step)
         time.sleep(todo * self.sec_per_update)
         self.step += todo
-        held = time.monotonic() - self.t0
+        self.t_end = time.monotonic()
+        held = (self.t_end - self.t0) / len(self.experts)
         done = self.step >= self.target
-        return {"step": self.step, "target": self.target, "updates": todo, "loss": 5.0, "val": None, "best_val": None,
-                "eps": 1e-3, "lr": 1e-3, "checkpoint": None, "done": done, "reason": "finished" if done else None,
+        beat = {"step": self.step, "target": self.target, "updates": todo, "loss": 5.0, "val": None, "best_val": None,
+                "eps": 1e-3, "lr": 1e-3, "checkpoint": None, "done": done, "reason": "finished" if done else None, "failed": False,
                 "gpu_seconds": held * self.num_gpus, "wall_seconds": held, "forwards": self.step * 129,
                 "tokens": self.step * 64 * 1024, "sec_per_update": self.sec_per_update,
                 # as if each chunk ended on a checkpoint (none is written: "checkpoint" stays None)
                 "checkpoint_step": self.step, "checkpoint_gpu_seconds": held * self.num_gpus, "checkpoint_forwards": self.step * 129}
+        return {"experts": dict.fromkeys(self.experts, beat), "wall_seconds": time.monotonic() - self.t0}
 
 
 RemoteStandIn = ray.remote(StandInTrainer)
@@ -97,33 +109,33 @@ RemoteStandIn = ray.remote(StandInTrainer)
 
 def stand_in_factory(target: int, sec_per_update: float):
     """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
-    def start(url, storage_options, role, expert, attempt, num_gpus, num_cpus, name=None, placement="pack"):
+    def start(url, storage_options, role, experts, attempts, num_gpus, num_cpus, name=None, placement="pack"):
         return RemoteStandIn.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
                                      scheduling_strategy=SCHEDULING[placement]).remote(
-            url, storage_options, role, expert, attempt, num_gpus, target, sec_per_update)
+            url, storage_options, role, experts, attempts, num_gpus, target, sec_per_update)
     return start
 
 
 class TimedDriver(Driver):
-    """The real Driver; only counts results and times handling them, and the log appends within."""
+    """The real Driver; only counts expert heartbeats and times handling them, and the log writes."""
 
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
-        self.collect_s, self.collect_append_s, self.append_s, self.results = 0.0, 0.0, 0.0, 0
-        append = self.store.append
+        self.collect_s, self.append_s, self.results = 0.0, 0.0, 0
+        write = self.store._write_lines
 
-        def timed_append(log, record):
+        def timed_write(log, lines):
             t = time.perf_counter()
-            append(log, record)
+            write(log, lines)
             self.append_s += time.perf_counter() - t
-        self.store.append = timed_append
+        self.store._write_lines = timed_write
 
-    def _collect(self, ref) -> None:
-        t, appends = time.perf_counter(), self.append_s
-        super()._collect(ref)
-        self.collect_s += time.perf_counter() - t
-        self.collect_append_s += self.append_s - appends
-        self.results += 1
+    def _collect(self, a) -> None:
+        t, before = time.perf_counter(), self.append_s
+        n = len(a.live())
+        super()._collect(a)
+        self.collect_s += time.perf_counter() - t - (self.append_s - before)   # a mid-sweep read may flush
+        self.results += n
 
 
 def spawn_rate(share: float, k: int) -> float:
@@ -138,12 +150,12 @@ def spawn_rate(share: float, k: int) -> float:
     return rate
 
 
-def run_driver(n: int, args, root: str) -> dict:
-    cfg = resolve("tiny", {"name": f"bench-{n}", "n_experts": n,
+def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False) -> dict:
+    cfg = resolve("tiny", {"name": f"bench-{n}-{pack}-{reuse}", "n_experts": n,
                            "train": {"updates": args.chunks * args.chunk_updates, "chunk_updates": args.chunk_updates},
-                           "resources": {"num_gpus": args.share, "num_cpus": 0.0},
+                           "resources": {"num_gpus": args.share, "num_cpus": 0.0, "experts_per_actor": pack, "reuse_actors": reuse},
                            "retry": {"heartbeat_timeout_s": 600.0}})
-    store = Store(os.path.join(args.campaign_dir or root, f"driver-{n}"))
+    store = Store(os.path.join(args.campaign_dir or root, f"driver-{n}-{pack}-{reuse}"))
     driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False,
                          actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
     cpu, t = time.process_time(), time.monotonic()
@@ -155,8 +167,8 @@ def run_driver(n: int, args, root: str) -> dict:
     at = {(h.job, e["event"]): e["t"] for h in hist for e in h.events}
     start_s = sum(at[(h.job, "started")] - at[(h.job, "launched")] for h in hist) / n   # actor start + setup()
     per = 1e3 / driver.results
-    return {"wall": wall, "beats": beats, "start_s": start_s, "collect_ms": driver.collect_s * per, "append_ms": driver.collect_append_s * per,
-            "cpu_ms": cpu * per}
+    return {"wall": wall, "beats": beats, "start_s": start_s, "collect_ms": (driver.collect_s + driver.append_s) * per,
+            "append_ms": driver.append_s * per, "cpu_ms": cpu * per}
 
 
 def run_tune(n: int, args, root: str) -> dict:
@@ -190,6 +202,8 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=6, help="heartbeats per expert")
     p.add_argument("--chunk-updates", type=int, default=10)
     p.add_argument("--chunk-s", type=float, default=2.0, help="stand-in seconds of work per chunk")
+    p.add_argument("--pack", type=int, nargs="+", default=[1, 4], help="experts per actor (resources.experts_per_actor)")
+    p.add_argument("--reuse", action="store_true", help="also run each G with resources.reuse_actors")
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
@@ -203,27 +217,28 @@ def main() -> None:
               f"{args.chunks} chunks x {args.chunk_s} s per expert", flush=True)
         rows = []
         for n in args.experts:
-            ideal = n * args.chunks * args.chunk_s / slots
-            bound = max(ideal, n / rate)
-            systems = [("soma Driver", run_driver)]
+            systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}", g, lambda n, a, r, g=g, reuse=reuse: run_driver(n, a, r, g, reuse))
+                       for g in args.pack for reuse in ((False, True) if args.reuse else (False,))]
             if not args.no_tune:
-                systems.append(("Ray Tune", run_tune))
-            for name, fn in systems:
+                systems.append(("Ray Tune", 1, run_tune))
+            for name, g, fn in systems:
+                actors = math.ceil(n / g)           # actor *jobs*: with reuse, fewer processes start
+                ideal = actors * args.chunks * args.chunk_s / slots        # the actors' work / slots
                 r = fn(n, args, root)
-                rows.append((name, n, ideal, bound, r))
+                rows.append((name, n, g, actors, ideal, max(ideal, actors / rate), r))
                 print(f"  done: {name} N={n} in {r['wall']:.1f} s", flush=True)
-        print("\n| system | N | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
-              "| wall/(ideal+start) | driver ms/heartbeat | of which log appends | driver CPU ms/heartbeat |")
-        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, n, ideal, bound, r in rows:
-            with_start = ideal + n * r["start_s"] / slots      # slots are held while an actor starts, too
-            print(f"| {name} | {n} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
+        print("\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
+              "| wall/(ideal+start) | driver ms/heartbeat | of which log writes | driver CPU ms/heartbeat |")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+        for name, n, g, actors, ideal, bound, r in rows:
+            with_start = ideal + actors * r["start_s"] / slots      # slots are held while an actor starts, too
+            print(f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
                   f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
                   f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |")
-        drivers = {n: r for name, n, _, _, r in rows if name == "soma Driver"}
-        for name, n, _, _, r in rows:
-            if name == "Ray Tune":
-                print(f"N={n}: Ray Tune wall / soma Driver wall = {r['wall'] / drivers[n]['wall']:.2f}")
+        drivers = {n: r for name, n, g, *_, r in rows if name == "soma Driver, G=1"}
+        for name, n, *_, r in rows:
+            if name == "Ray Tune" and n in drivers:
+                print(f"N={n}: Ray Tune wall / soma Driver (G=1) wall = {r['wall'] / drivers[n]['wall']:.2f}")
     finally:
         ray.shutdown()
         shutil.rmtree(root, ignore_errors=True)

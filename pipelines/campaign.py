@@ -40,20 +40,36 @@ class Job:
 
 
 @dataclass
-class Attempt:
+class Account:
+    """One job's side of an attempt: what its heartbeats reported, and where its last checkpoint was."""
     job: Job
     attempt: int
+    reported: dict = field(default_factory=lambda: {"gpu_seconds": 0.0, "wall_seconds": 0.0, "forwards": 0, "tokens": 0})
+    cap_s: float | None = None       # GPU-seconds it may hold (its budget when the chunk was sent)
+    ckpt_gpu_s: float = 0.0          # GPU-seconds held at its last checkpoint in this attempt
+    ckpt_forwards: int = 0           # forwards done in this attempt up to that checkpoint
+    seq: int = 0
+    step: int = 0
+    improving: bool = True
+    ended: bool = False
+
+
+@dataclass
+class Attempt:
+    """One actor: a single job, or G experts packed on the expert axis (resources.experts_per_actor)."""
+    unit: str
+    accounts: dict[str, Account]     # job name -> account
     actor: object
     ref: object = None
     phase: str = "setup"             # "setup" until the actor reports in, then "chunk"
     last_beat: float = field(default_factory=time.monotonic)
-    cap_s: float | None = None       # GPU-seconds this attempt may hold (its budget when the chunk was sent)
-    reported: dict = field(default_factory=lambda: {"gpu_seconds": 0.0, "wall_seconds": 0.0, "forwards": 0, "tokens": 0})
-    ckpt_gpu_s: float = 0.0          # GPU-seconds held at this attempt's last checkpoint
-    ckpt_forwards: int = 0           # forwards done by this attempt up to that checkpoint
-    seq: int = 0
-    step: int = 0
-    improving: bool = True
+
+    def live(self) -> list[Account]:
+        return [c for c in self.accounts.values() if not c.ended]
+
+
+def unit_name(jobs: list[Job]) -> str:
+    return jobs[0].name if len(jobs) == 1 else f"{jobs[0].name}+{len(jobs) - 1}"
 
 
 class Driver:
@@ -64,14 +80,20 @@ class Driver:
         self.start_actor = actor_factory
         self.ledger = Ledger(store)
         self.book = BudgetBook(cfg.budget)
-        self.live: dict[str, Attempt] = {}
+        self.live: dict[str, Attempt] = {}             # unit name -> the actor's attempt
+        self.running: dict[str, Attempt] = {}          # job name -> the attempt training it
         self.retry_at: dict[str, float] = {}
+        self.attempts: dict[str, int] = {}             # job name -> its current (or next) attempt number
         self.outcome: dict[str, str] = {}
+        self.pending: list[Job] = []                   # jobs not yet launched, in order
         self.campaign_id = cfg.digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf         # cluster GPUs, and when they were last read
         totals = self.ledger.totals()
         self.spent = dict(totals.per_expert_gpu_seconds)    # running totals, kept in step with every record written
         self.spent_total = sum(totals.gpu_seconds.values())
+
+    def _pack(self, jobs: list[Job]) -> int:
+        return 1 if any(j.role == "seed" for j in jobs) else self.cfg.resources.experts_per_actor
 
     # -- ledger + budgets ---------------------------------------------------------------------------------
     def _record(self, category: str, gpu_s: float, wall_s: float, job: Job, attempt: int, seq: int, **kw) -> None:
@@ -84,16 +106,16 @@ class Driver:
     def _budget_left(self, job: Job) -> float | None:
         """GPU-seconds the job may still spend; the campaign's remainder is shared among the live jobs."""
         expert = job.expert if job.role == "expert" else None
-        share = max(1, len(self.live) + (0 if job.name in self.live else 1))
+        share = max(1, len(self.running) + (0 if job.name in self.running else 1))
         return self.book.left(expert, self.spent.get(expert, 0.0) if expert is not None else 0.0, self.spent_total, share)
 
-    def _reclassify_lost(self, a: Attempt, lost_s: float, lost_forwards: int, why: str) -> None:
+    def _reclassify_lost(self, c: Account, lost_s: float, lost_forwards: int, why: str) -> None:
         """Work after the attempt's last checkpoint is lost: move its GPU-seconds and forwards from
         training to wasted (fixed record ids, so doing it twice counts once)."""
         if lost_s > 0 or lost_forwards > 0:
             note = f"lost after checkpoint: {why}"
-            self._record(a.job.category, -lost_s, 0.0, a.job, a.attempt, -1, forwards=-lost_forwards, step=a.step, note=note)
-            self._record("wasted", lost_s, 0.0, a.job, a.attempt, -1, forwards=lost_forwards, step=a.step, note=note)
+            self._record(c.job.category, -lost_s, 0.0, c.job, c.attempt, -1, forwards=-lost_forwards, step=c.step, note=note)
+            self._record("wasted", lost_s, 0.0, c.job, c.attempt, -1, forwards=lost_forwards, step=c.step, note=note)
 
     # -- launching ------------------------------------------------------------------------------------
     def _slots(self) -> int:
@@ -103,49 +125,89 @@ class Driver:
             self._gpus, self._gpus_at = ray.cluster_resources().get("GPU", 0.0), now
         return max(1, int(math.floor(self._gpus / self.cfg.resources.num_gpus + 1e-9)))
 
-    def _launch(self, job: Job, attempt: int) -> None:
-        left = self._budget_left(job)
-        if left is not None and left <= 0:
+    def _launch(self, jobs: list[Job], actor=None) -> bool:
+        """One actor for these jobs (one, or up to experts_per_actor packed), or `actor` (an idle one, reused)
+        given them; none the budget cannot cover. False when none was left to launch."""
+        for job in [j for j in jobs if (left := self._budget_left(j)) is not None and left <= 0]:
             self._finish(job, "budget_exhausted", note="budget cannot cover a launch")
-            return
-        r = self.cfg.resources
-        actor = self.start_actor(self.store.url, self.store.storage_options, job.role, job.expert, attempt, r.num_gpus, r.num_cpus,
-                                 name=actor_name(self.campaign_id, job.name, attempt), placement=r.placement)
-        a = Attempt(job, attempt, actor)
-        a.ref = actor.setup.remote()
-        self.live[job.name] = a
-        emit(self.store, "launched", job.name, attempt=attempt, num_gpus=r.num_gpus)
+            jobs.remove(job)
+        if not jobs:
+            return False
+        r, unit = self.cfg.resources, unit_name(jobs)
+        attempts = [self.attempts[j.name] for j in jobs]
+        experts = jobs[0].expert if len(jobs) == 1 else [j.expert for j in jobs]
+        tried = attempts[0] if len(jobs) == 1 else attempts
+        reused = actor is not None
+        if reused:
+            ref = actor.setup.remote(experts, tried)
+        else:
+            actor = self.start_actor(self.store.url, self.store.storage_options, jobs[0].role, experts, tried, r.num_gpus,
+                                     r.num_cpus, name=actor_name(self.campaign_id, unit, attempts[0]), placement=r.placement)
+            ref = actor.setup.remote()
+        a = Attempt(unit, {j.name: Account(j, n) for j, n in zip(jobs, attempts)}, actor, ref)
+        self.live[unit] = a
+        for j, n in zip(jobs, attempts):
+            self.running[j.name] = a
+            emit(self.store, "launched", j.name, attempt=n, num_gpus=r.num_gpus / len(jobs), actor=unit, reused=reused)
+        return True
+
+    def _take(self) -> list[Job]:
+        """The next pending jobs for one actor: up to experts_per_actor experts, or the seed alone."""
+        g = self._pack(self.pending[:1])
+        return [self.pending.pop(0) for _ in range(min(g, len(self.pending)))]
+
+    def _reuse(self, a: Attempt) -> bool:
+        """resources.reuse_actors: an actor whose experts all ended cleanly takes the next pending ones."""
+        if not self.cfg.resources.reuse_actors or not self.pending or self.pending[0].role != "expert":
+            return False
+        self.live.pop(a.unit, None)
+        while self.pending:
+            if self._launch(self._take(), actor=a.actor):
+                return True
+        ray.kill(a.actor, no_restart=True)      # everything left was out of budget
+        return True
 
     def _next_chunk(self, a: Attempt) -> None:
         a.phase = "chunk"
-        left = self._budget_left(a.job)
-        a.cap_s = None if left is None else left + a.reported["gpu_seconds"]   # the worker compares its own cumulative clock
-        a.ref = a.actor.run_chunk.remote(self.cfg.train.chunk_updates, a.cap_s)
+        caps = {}
+        for c in a.live():
+            left = self._budget_left(c.job)
+            c.cap_s = None if left is None else left + c.reported["gpu_seconds"]   # the worker compares its own cumulative clock
+            caps[c.job.expert] = c.cap_s
+        a.ref = a.actor.run_chunk.remote(self.cfg.train.chunk_updates, caps)
         a.last_beat = time.monotonic()
 
     # -- outcomes -------------------------------------------------------------------------------------
-    def _on_heartbeat(self, a: Attempt, hb: dict) -> None:
-        a.seq += 1
-        delta = {k: hb[k] - a.reported[k] for k in a.reported}
-        self._record(a.job.category, delta["gpu_seconds"], delta["wall_seconds"], a.job, a.attempt, a.seq,
+    def _on_heartbeat(self, a: Attempt, c: Account, hb: dict) -> None:
+        c.seq += 1
+        delta = {k: hb[k] - c.reported[k] for k in c.reported}
+        self._record(c.job.category, delta["gpu_seconds"], delta["wall_seconds"], c.job, c.attempt, c.seq,
                      forwards=delta["forwards"], tokens=delta["tokens"], step=hb["step"])
-        a.reported = {k: hb[k] for k in a.reported}
+        c.reported = {k: hb[k] for k in c.reported}
         if hb["val"] is not None:
-            a.improving = hb["best_val"] is not None and hb["val"] <= hb["best_val"]
-        a.step, a.last_beat = hb["step"], time.monotonic()
-        a.ckpt_gpu_s, a.ckpt_forwards = hb["checkpoint_gpu_seconds"], hb["checkpoint_forwards"]
-        emit(self.store, "heartbeat", a.job.name, attempt=a.attempt, step=hb["step"], loss=hb["loss"], val=hb["val"],
+            c.improving = hb["best_val"] is not None and hb["val"] <= hb["best_val"]
+        c.step = hb["step"]
+        c.ckpt_gpu_s, c.ckpt_forwards = hb["checkpoint_gpu_seconds"], hb["checkpoint_forwards"]
+        emit(self.store, "heartbeat", c.job.name, attempt=c.attempt, step=hb["step"], loss=hb["loss"], val=hb["val"],
              gpu_seconds=hb["gpu_seconds"], eps=hb["eps"], lr=hb["lr"])
         if hb["checkpoint"]:
-            emit(self.store, "checkpointed", a.job.name, attempt=a.attempt, step=hb["checkpoint_step"], checkpoint=hb["checkpoint"])
-        if hb["done"]:
-            self._stop(a)
-            self._finish(a.job, hb["reason"], step=hb["step"], val=hb["best_val"])
-        else:
-            self._next_chunk(a)
+            emit(self.store, "checkpointed", c.job.name, attempt=c.attempt, step=hb["checkpoint_step"], checkpoint=hb["checkpoint"])
+        if hb.get("failed"):                 # this one failed inside a pack; the others keep training
+            self._end_account(c)
+            self._fail(c, hb["reason"])
+        elif hb["done"]:
+            self._end_account(c)
+            self._finish(c.job, hb["reason"], step=hb["step"], val=hb["best_val"])
+
+    def _end_account(self, c: Account) -> None:
+        c.ended = True
+        self.running.pop(c.job.name, None)
 
     def _stop(self, a: Attempt) -> None:
-        self.live.pop(a.job.name, None)
+        self.live.pop(a.unit, None)
+        for c in a.accounts.values():
+            if self.running.get(c.job.name) is a:
+                self.running.pop(c.job.name)
         ray.kill(a.actor, no_restart=True)
 
     def _finish(self, job: Job, end: str, **fields) -> None:
@@ -156,32 +218,40 @@ class Driver:
 
     def _release(self, job: Job) -> None:
         """An expert that converged or ended for good returns its unspent budget to the pool."""
-        candidates = {a.job.expert: a.improving for a in self.live.values() if a.job.role == "expert"}
-        candidates |= {j.expert: True for j in self.jobs if j.role == "expert" and j.name not in self.outcome and j.name not in self.live}
+        candidates = {c.job.expert: c.improving for c in (self.running[n].accounts[n] for n in self.running) if c.job.role == "expert"}
+        candidates |= {j.expert: True for j in self.jobs if j.role == "expert" and j.name not in self.outcome and j.name not in self.running}
         for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
             emit(self.store, "budget_granted", expert_name(expert), gpu_seconds=s, source=job.name)
 
-    def _on_failure(self, a: Attempt, reason: str, retry: bool = True) -> None:
-        """Record what was lost, then retry from the latest checkpoint with backoff, or give up."""
+    def _on_failure(self, a: Attempt, reason: str, no_retry: tuple[str, ...] = ()) -> None:
+        """The actor is gone (or is killed now): each job it was training records what was lost and is
+        retried from its latest checkpoint, except those in `no_retry` (hard-stopped past their budget)."""
+        live = a.live()
         self._stop(a)
-        unreported = max(0.0, time.monotonic() - a.last_beat) * self.cfg.resources.num_gpus
-        self._record("wasted", unreported, unreported / self.cfg.resources.num_gpus, a.job, a.attempt, a.seq + 1,
-                     step=a.step, note=f"unreported time before failure: {reason}")
-        self._reclassify_lost(a, a.reported["gpu_seconds"] - a.ckpt_gpu_s, a.reported["forwards"] - a.ckpt_forwards, reason)
-        emit(self.store, "failed", a.job.name, attempt=a.attempt, step=a.step, reason=reason)
-        if not retry:
-            self._finish(a.job, "budget_exhausted", step=a.step, reason=reason)
-        elif a.attempt >= self.cfg.retry.max_retries:
-            self._finish(a.job, "failed_permanently", step=a.step, reason=reason)
-        else:
-            delay = self.cfg.retry.backoff_s * 2 ** a.attempt
-            self.retry_at[a.job.name] = time.monotonic() + delay
-            emit(self.store, "retry_scheduled", a.job.name, attempt=a.attempt + 1, delay_s=delay)
+        share = self.cfg.resources.num_gpus / max(1, len(live))
+        unreported = max(0.0, time.monotonic() - a.last_beat)
+        for c in live:
+            c.ended = True
+            self._record("wasted", unreported * share, unreported * share / self.cfg.resources.num_gpus, c.job, c.attempt, c.seq + 1,
+                         step=c.step, note=f"unreported time before failure: {reason}")
+            mine = reason if len(live) == 1 or c.job.name in no_retry else f"{reason} (in pack {a.unit})"
+            self._fail(c, mine, retry=c.job.name not in no_retry)
 
-    def _collect(self, ref) -> None:
-        a = next(x for x in self.live.values() if x.ref == ref)
+    def _fail(self, c: Account, reason: str, retry: bool = True) -> None:
+        self._reclassify_lost(c, c.reported["gpu_seconds"] - c.ckpt_gpu_s, c.reported["forwards"] - c.ckpt_forwards, reason)
+        emit(self.store, "failed", c.job.name, attempt=c.attempt, step=c.step, reason=reason)
+        if not retry:
+            self._finish(c.job, "budget_exhausted", step=c.step, reason=reason)
+        elif c.attempt >= self.cfg.retry.max_retries:
+            self._finish(c.job, "failed_permanently", step=c.step, reason=reason)
+        else:
+            delay = self.cfg.retry.backoff_s * 2 ** c.attempt
+            self.retry_at[c.job.name] = time.monotonic() + delay
+            emit(self.store, "retry_scheduled", c.job.name, attempt=c.attempt + 1, delay_s=delay)
+
+    def _collect(self, a: Attempt) -> None:
         try:
-            result = ray.get(ref, timeout=60)
+            result = ray.get(a.ref, timeout=60)
         except RayActorError as exc:
             self._on_failure(a, f"actor_died: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             return
@@ -192,28 +262,39 @@ class Driver:
         except GetTimeoutError:
             self._on_failure(a, "hang: result not retrievable")
             return
+        by_expert = {c.job.expert: c for c in a.accounts.values()}
         if a.phase == "setup":
-            emit(self.store, "started", a.job.name, attempt=a.attempt, step=result["step"], resumed=result["resumed"],
-                 device=result["device"], pid=result["pid"], node=result.get("node"))
-            a.step = result["step"]
-            self._next_chunk(a)
+            for e, info in result["experts"].items():
+                emit(self.store, "started", by_expert[e].job.name, attempt=by_expert[e].attempt, step=info["step"],
+                     resumed=info["resumed"], device=result["device"], pid=result["pid"], node=result.get("node"), actor=a.unit)
+                by_expert[e].step = info["step"]
         else:
-            self._on_heartbeat(a, result)
+            for e, hb in result["experts"].items():
+                self._on_heartbeat(a, by_expert[e], hb)
+            a.last_beat = time.monotonic()
+        if a.live():
+            self._next_chunk(a)
+        elif not self._reuse(a):
+            self._stop(a)
 
     def _watchdog(self) -> None:
-        """Hangs (no heartbeat in time) are failures; an actor past its cap plus the grace is hard-stopped."""
+        """Hangs (no heartbeat in time) are failures; an actor past a job's cap plus the grace is hard-stopped."""
         now = time.monotonic()
         for a in list(self.live.values()):
             if a.phase != "chunk":
                 continue
             silent = now - a.last_beat
+            live = a.live()
+            held = silent * self.cfg.resources.num_gpus / max(1, len(live))
+            over = tuple(c.job.name for c in live
+                         if c.cap_s is not None and c.reported["gpu_seconds"] + held > c.cap_s + self.cfg.budget.grace_gpu_seconds)
             if silent > self.cfg.retry.heartbeat_timeout_s:
                 self._on_failure(a, f"hang: no heartbeat for {silent:.0f} s")
-            elif a.cap_s is not None and a.reported["gpu_seconds"] + silent * self.cfg.resources.num_gpus > a.cap_s + self.cfg.budget.grace_gpu_seconds:
-                self._on_failure(a, "budget_exhausted: hard stop past the grace", retry=False)
+            elif over:
+                self._on_failure(a, "budget_exhausted: hard stop past the grace", no_retry=over)
 
     # -- resume ---------------------------------------------------------------------------------------
-    def _restore(self) -> tuple[list[Job], dict[str, int]]:
+    def _restore(self) -> list[Job]:
         """Rebuild from the campaign directory: ended jobs stay ended, grants are replayed, and work an
         interrupted attempt did after its last checkpoint is reclassified as wasted (idempotently)."""
         past = history(self.store)
@@ -222,17 +303,17 @@ class Driver:
                 if ev["event"] == "budget_granted":
                     e = int(h.job.split("-")[1])
                     self.book.granted[e] = self.book.granted.get(e, 0.0) + ev["gpu_seconds"]
-        pending, attempts = [], {}
+        pending = []
         for job in self.jobs:
             h = past.get(job.name)
             if h and h.terminal:
                 self.outcome[job.name] = h.state
                 continue
             pending.append(job)
-            attempts[job.name] = h.attempts if h else 0
+            self.attempts[job.name] = h.attempts if h else 0
             if h and h.attempts and not any(ev["event"] == "failed" and ev.get("attempt") == h.attempts - 1 for ev in h.events):
                 self._reclassify_interrupted(job, h)
-        return pending, attempts
+        return pending
 
     def _reclassify_interrupted(self, job: Job, h) -> None:
         last = h.attempts - 1
@@ -240,12 +321,29 @@ class Driver:
         expert = job.expert if job.role == "expert" else None
         lost = [r for r in self.ledger.records() if r["category"] == job.category and r["attempt"] == last and r["seq"] > 0
                 and r["expert"] == expert and r["step"] is not None and r["step"] > ckpt]
-        self._reclassify_lost(Attempt(job, last, None, step=h.step), sum(r["gpu_seconds"] for r in lost),
+        self._reclassify_lost(Account(job, last, step=h.step), sum(r["gpu_seconds"] for r in lost),
                               sum(r["forwards"] for r in lost), "driver lost")
 
     # -- main loop ------------------------------------------------------------------------------------
+    def _fill_slots(self, by_name: dict[str, Job]) -> None:
+        """Start actors while slots are free: due retries first, then pending jobs, up to G per actor."""
+        while len(self.live) < self._slots():
+            now = time.monotonic()
+            due = sorted(n for n, at in self.retry_at.items() if at <= now)
+            if due:
+                group = due[: self._pack([by_name[n] for n in due[:1]])]
+                for n in group:
+                    del self.retry_at[n]
+                    self.attempts[n] += 1
+                    emit(self.store, "retried", n, attempt=self.attempts[n])
+                self._launch([by_name[n] for n in group])
+            elif self.pending:
+                self._launch(self._take())
+            else:
+                return
+
     def run(self) -> dict[str, str]:
-        pending, attempts = self._restore()
+        self.pending = pending = self._restore()
         if self.outcome:
             console.print(f"{len(self.outcome)} job(s) already ended in this campaign; not retraining them")
         per, total = self.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, self._slots())
@@ -258,31 +356,29 @@ class Driver:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
             while pending or self.live or self.retry_at:
-                now = time.monotonic()
-                for name, at in list(self.retry_at.items()):
-                    if at <= now and len(self.live) < self._slots():
-                        del self.retry_at[name]
-                        attempts[name] += 1
-                        emit(self.store, "retried", name, attempt=attempts[name])
-                        self._launch(by_name[name], attempts[name])
-                while pending and len(self.live) < self._slots():
-                    job = pending.pop(0)
-                    self._launch(job, attempts[job.name])
-                refs = [a.ref for a in self.live.values()]
-                if refs:
-                    first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)   # wake on the first result
-                    ready = first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
-                    for ref in ready:
-                        self._collect(ref)
-                else:
-                    time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
-                self._watchdog()
-                self._show(bar, overall, tasks, targets)
+                with self.store.batch():          # one durable write per log per sweep, not one per record
+                    self._sweep(by_name)
+                if self.show:
+                    self._show(bar, overall, tasks, targets)
         return self.outcome
+
+    def _sweep(self, by_name: dict[str, Job]) -> None:
+        self._fill_slots(by_name)
+        owner = {a.ref: a for a in self.live.values()}
+        if owner:
+            refs = list(owner)
+            first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)   # wake on the first result
+            ready = first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+            for ref in ready:
+                self._collect(owner[ref])
+        else:
+            now = time.monotonic()
+            time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
+        self._watchdog()
 
     def _show(self, bar, overall, tasks, targets) -> None:
         steps = {n: (t if self.outcome.get(n) == "finished" else 0) for n, t in targets.items()}
-        steps |= {a.job.name: a.step for a in self.live.values()}
+        steps |= {n: a.accounts[n].step for n, a in self.running.items()}
         for name, task in tasks.items():
             bar.update(task, completed=steps.get(name, 0))
         bar.update(overall, completed=sum(steps.values()))

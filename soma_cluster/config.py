@@ -119,6 +119,12 @@ class ResourcesConfig(_Section):
     num_cpus: float = Field(0.0, ge=0.0)    # stated explicitly: Ray's default of 1 CPU starves small hosts
     local_gpus: int = Field(4, ge=1)        # logical GPUs of a local Ray started when no address is given
     placement: Literal["pack", "spread"] = "pack"   # pack: fill a node's GPUs first; spread: one node after another
+    # G small experts trained by one actor in shared batched passes (the engine's expert axis); num_gpus and
+    # num_cpus are then per actor, and the actor's GPU-seconds are split evenly among the experts it trains
+    experts_per_actor: int = Field(1, ge=1)
+    # an actor whose experts all ended cleanly takes the next pending ones instead of a new actor being
+    # started (saves the actor start per expert; retries always get a fresh actor)
+    reuse_actors: bool = False
 
 
 class BudgetConfig(_Section):

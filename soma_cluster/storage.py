@@ -14,6 +14,7 @@ import re
 import tempfile
 import time
 import uuid
+from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, TypeVar
 
@@ -103,7 +104,8 @@ class Store:
         self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
         self.retries = retries
         self.storage_options = dict(storage_options or {})
-        self._log_cache: dict[str, dict[str, dict[str, Any]]] = {}   # remote logs: object name -> record
+        self._log_cache: dict[str, dict[str, list[dict[str, Any]]]] = {}   # remote logs: object name -> its records
+        self._batch: dict[str, list[str]] | None = None    # appends held back inside `batch()`: log -> lines
 
     def __repr__(self) -> str:          # never the storage options: they may hold credentials
         return f"Store({self.url!r})"
@@ -224,27 +226,56 @@ class Store:
 
     # -- append-only logs ---------------------------------------------------------------------------------
     def append(self, log: str, record: dict[str, Any]) -> None:
-        """Append one record to the log `log` (e.g. 'events.jsonl')."""
+        """Append one record to the log `log` (e.g. 'events.jsonl'); inside `batch()` it lands at the batch's end."""
         body = dict(record)
         body["checksum"] = sha256(canonical_json(body))
         line = json.dumps(body, sort_keys=True)
+        if self._batch is not None:
+            self._batch.setdefault(log, []).append(line)
+        else:
+            self._write_lines(log, [line])
+
+    @contextmanager
+    def batch(self) -> Iterator[None]:
+        """Hold appends back and write each log's records together at the end: one fdatasync (local) or one
+        object (remote) per log instead of one per record. A crash inside loses the held records, as a crash
+        just before them would; reads inside see them (they are written first)."""
+        if self._batch is not None:          # nested: the outer batch writes
+            yield
+            return
+        self._batch = {}
+        try:
+            yield
+        finally:
+            self.flush()
+            self._batch = None
+
+    def flush(self) -> None:
+        if self._batch:
+            held, self._batch = self._batch, {}
+            for log, lines in held.items():
+                self._write_lines(log, lines)
+
+    def _write_lines(self, log: str, lines: list[str]) -> None:
+        data = "".join(line + "\n" for line in lines).encode()
         if self.local:
             path = self.full(log)
             os.makedirs(os.path.dirname(path), exist_ok=True)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, (line + "\n").encode())
+                os.write(fd, data)
                 _datasync(fd)
             finally:
                 os.close(fd)
         else:
-            # one object per record; the name is fixed before the first try, so a retried PUT that had
-            # in fact landed rewrites the same object instead of adding a duplicate
-            name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.json"
-            self.write_bytes(f"{log}.d/{name}", line.encode())
-            self._log_cache.setdefault(log, {})[name] = parse_checked_json(line.encode(), f"{self.url}/{log}.d/{name}")
+            # one object per batch of records (JSON lines); the name is fixed before the first try, so a
+            # retried PUT that had in fact landed rewrites the same object instead of adding a duplicate
+            name = f"{time.time_ns():020d}-{uuid.uuid4().hex[:8]}.jsonl"
+            self.write_bytes(f"{log}.d/{name}", data)
+            self._log_cache.setdefault(log, {})[name] = _parse_lines(data, f"{self.url}/{log}.d/{name}")
 
     def read_log(self, log: str) -> list[dict[str, Any]]:
+        self.flush()
         return list(self._iter_log(log))
 
     def _iter_log(self, log: str) -> Iterator[dict[str, Any]]:
@@ -269,15 +300,21 @@ class Store:
                 batch = {self.full(f"{log}.d/{n}"): n for n in missing[a:a + 256]}
                 blobs = self._retry(f"read {log}", lambda: self.fs.cat(list(batch), on_error="raise"))
                 for path, n in batch.items():
-                    cache[n] = parse_checked_json(blobs[path], f"{where}.d/{n}")
+                    cache[n] = _parse_lines(blobs[path], f"{where}.d/{n}")
             for n in names:
-                yield dict(cache[n])
+                for rec in cache[n]:
+                    yield dict(rec)
 
 
 def _datasync(fd: int) -> None:
     """Durable append: fdatasync flushes the data and the new file size (what a reader needs), skipping
     the timestamps fsync also writes; ~10x cheaper per heartbeat (0.2 vs 1.8 ms measured here)."""
     (getattr(os, "fdatasync", None) or os.fsync)(fd)
+
+
+def _parse_lines(raw: bytes, where: str) -> list[dict[str, Any]]:
+    """A remote log object: one record (older '.json' objects) or JSON lines, each with its own checksum."""
+    return [parse_checked_json(line, f"{where} line {i + 1}") for i, line in enumerate(raw.splitlines()) if line.strip()]
 
 
 def parse_checked_json(raw: bytes, where: str) -> dict[str, Any]:

@@ -18,7 +18,12 @@ from soma_cluster.spsa import Adam, Schedule, derive_seed, probes, spsa_estimate
 
 
 class NonFiniteLoss(RuntimeError):
-    """The loss went NaN/inf: the expert fails (and is retried from its checkpoint) instead of training on garbage."""
+    """The loss went NaN/inf: the expert fails (and is retried from its checkpoint) instead of training on garbage.
+    `experts` are the positions, in the packed update, of the experts at fault (nothing was applied to any)."""
+
+    def __init__(self, message: str, experts: list[int] | None = None):
+        super().__init__(message)
+        self.experts = experts or [0]
 
 
 def pick_device() -> torch.device:
@@ -128,8 +133,6 @@ class Trainer:
     def apply(self, grad: torch.Tensor, head_grad: torch.Tensor | None, loss: float, forwards: int, tokens: int) -> UpdateStats:
         """Coupled weight decay, then Adam on the body (and on the head when it trains)."""
         st, cfg = self.state, self.spsa
-        if not math.isfinite(loss) or not torch.isfinite(grad).all():
-            raise NonFiniteLoss(f"expert {self.expert}: non-finite loss {loss} at step {st.step}")
         grad = grad + cfg.weight_decay * st.body
         st.body_opt.step(st.body, grad, st.schedule.lr, cfg)
         if head_grad is not None:
@@ -166,6 +169,7 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
     head_grad = [torch.zeros_like(t.state.head) for t in trainers] if train_head else None
     loss = torch.zeros(g, dtype=torch.float64)
     forwards = 0
+    cursors = [(t.state.epoch, t.state.cursor) for t in trainers]
     for micro in range(cfg.accum):
         batches = [t.batch(micro) for t in trainers]
         x = torch.stack([b[0] for b in batches]) if g > 1 else batches[0][0]
@@ -184,4 +188,10 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
                 head_grad[i] += decoder_gradient(h[i:i + 1], t.state.head, y if g == 1 else y[i]) / cfg.accum
             forwards += 1
     tokens = forwards * batches[0][0].numel()
+    bad = [i for i in range(g) if not math.isfinite(float(loss[i])) or not torch.isfinite(grad[i]).all()]
+    if bad:             # checked for all before any is applied, so a pack can drop the bad ones and redo the rest
+        for t, (epoch, cursor) in zip(trainers, cursors):
+            t.state.epoch, t.state.cursor = epoch, cursor
+        t = trainers[bad[0]]
+        raise NonFiniteLoss(f"expert {t.expert}: non-finite loss {float(loss[bad[0]])} at step {t.state.step}", bad)
     return [t.apply(grad[i], head_grad[i] if train_head else None, float(loss[i]), forwards, tokens) for i, t in enumerate(trainers)]

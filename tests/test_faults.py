@@ -30,7 +30,7 @@ CHAOS = dict(spsa={"n_pert": 4, "batch": 6, "seq_len": 160, "pert_chunk": 4},
 def config(**extra):
     sections = {k: dict(v) for k, v in CHAOS.items()}
     for key, value in extra.items():
-        sections[key] = {**sections.get(key, {}), **value}
+        sections[key] = {**sections.get(key, {}), **value} if isinstance(value, dict) else value
     return micro_config(**sections)
 
 

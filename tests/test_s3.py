@@ -30,8 +30,12 @@ def test_store_basics_on_s3(s3, tmp_path):  # noqa: F811
     assert [r["i"] for r in other.read_log("events.jsonl")] == list(range(5))
     other.append("events.jsonl", {"i": 5})
     assert [r["i"] for r in store.read_log("events.jsonl")] == list(range(6))
+    with store.batch():                                              # a batch of records is one object
+        for i in range(6, 9):
+            store.append("events.jsonl", {"i": i})
+    assert [r["i"] for r in other.read_log("events.jsonl")] == list(range(9))
     names = store.listdir("events.jsonl.d")
-    assert len(names) == 6
+    assert len(names) == 7
     # a corrupt record is named, not skipped
     fs = s3.fs()
     fs.pipe_file(f"{store.root}/events.jsonl.d/{names[2]}", b'{"i": 2, "checksum": "bad"}')

@@ -60,3 +60,30 @@ def test_presets_resolve():
     from soma_cluster.config import preset_names
     for name in preset_names():
         resolve(name)
+
+
+def test_batched_appends_land_together_in_order(tmp_path, monkeypatch):
+    import soma_cluster.storage as storage
+
+    syncs = []
+    monkeypatch.setattr(storage, "_datasync", lambda fd: syncs.append(fd))
+    store = Store(str(tmp_path))
+    store.append("events.jsonl", {"i": 0})
+    with store.batch():
+        for i in range(1, 4):
+            store.append("events.jsonl", {"i": i})
+            store.append("ledger/ledger.jsonl", {"i": i})
+        assert len(syncs) == 1                                   # held back so far
+        with store.batch():                                      # nested: the outer batch writes
+            store.append("events.jsonl", {"i": 4})
+        assert len(syncs) == 1
+        assert [r["i"] for r in store.read_log("events.jsonl")] == [0, 1, 2, 3, 4]   # a read writes first
+        store.append("events.jsonl", {"i": 5})
+    assert len(syncs) == 1 + 2 + 1                               # the read's flush (2 logs), then the exit's
+    assert [r["i"] for r in store.read_log("events.jsonl")] == list(range(6))
+    assert [r["i"] for r in store.read_log("ledger/ledger.jsonl")] == [1, 2, 3]
+    with pytest.raises(RuntimeError):
+        with store.batch():
+            store.append("events.jsonl", {"i": 6})
+            raise RuntimeError("driver error")
+    assert store.read_log("events.jsonl")[-1]["i"] == 6           # what was held is written on the way out

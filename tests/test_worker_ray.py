@@ -27,11 +27,11 @@ def test_actor_trains_checkpoints_and_reports_gpu_seconds(ray_local, prepared):
     store, cfg = prepared
     t0 = time.monotonic()
     actor = start_worker(store.url, {}, "seed", -1, 0, 0.5, 0.0)
-    info = ray_local.get(actor.setup.remote(), timeout=120)
+    info = ray_local.get(actor.setup.remote(), timeout=120)["experts"][-1]
     assert info["step"] == 0 and not info["resumed"] and info["n_train"] > 0
     beats = []
     for _ in range(10):                                       # bounded: 6 updates in chunks of <= 3
-        beats.append(ray_local.get(actor.run_chunk.remote(3), timeout=120))
+        beats.append(ray_local.get(actor.run_chunk.remote(3), timeout=120)["experts"][-1])
         if beats[-1]["done"]:
             break
     assert [b["updates"] for b in beats] == [1, 3, 2]         # the first chunk measures one update

@@ -18,10 +18,11 @@ def actor_name(campaign_id: str, job: str, attempt: int) -> str:
     return f"{campaign_id}/{job}/{attempt}"
 
 
-def start_worker(campaign_url: str, storage_options: dict, role: str, expert: int, attempt: int, num_gpus: float,
-                 num_cpus: float, name: str | None = None, placement: str = "pack"):
-    """One actor per expert: its own GPU share, an explicit CPU share (Ray defaults to 1 CPU), no restarts
-    (the driver owns retries, from the checkpoint). `name` lets operators (and tests) find it."""
+def start_worker(campaign_url: str, storage_options: dict, role: str, expert: int | list[int], attempt: int | list[int],
+                 num_gpus: float, num_cpus: float, name: str | None = None, placement: str = "pack"):
+    """One actor per expert (or per pack of experts: lists of experts and their attempts): its own GPU share,
+    an explicit CPU share (Ray defaults to 1 CPU), no restarts (the driver owns retries, from the checkpoint).
+    `name` lets operators (and tests) find it."""
     return RemoteExpertWorker.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
                                       scheduling_strategy=SCHEDULING[placement],
                                       name=name, namespace=NAMESPACE if name else None).remote(
