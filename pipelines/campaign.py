@@ -22,6 +22,7 @@ from soma_cluster.storage import Store
 from workers import actor_name, start_worker
 
 POLL_S = 0.5
+FLUSH_S = 0.25          # group commit: held log records are made durable at least this often
 SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join and leave over minutes)
 
 
@@ -303,7 +304,7 @@ class Driver:
                 if ev["event"] == "budget_granted":
                     e = int(h.job.split("-")[1])
                     self.book.granted[e] = self.book.granted.get(e, 0.0) + ev["gpu_seconds"]
-        pending = []
+        pending, records = [], None
         for job in self.jobs:
             h = past.get(job.name)
             if h and h.terminal:
@@ -312,14 +313,15 @@ class Driver:
             pending.append(job)
             self.attempts[job.name] = h.attempts if h else 0
             if h and h.attempts and not any(ev["event"] == "failed" and ev.get("attempt") == h.attempts - 1 for ev in h.events):
-                self._reclassify_interrupted(job, h)
+                records = self.ledger.records() if records is None else records     # read once, not once per job
+                self._reclassify_interrupted(job, h, records)
         return pending
 
-    def _reclassify_interrupted(self, job: Job, h) -> None:
+    def _reclassify_interrupted(self, job: Job, h, records: list[dict]) -> None:
         last = h.attempts - 1
         ckpt = max((ev["step"] for ev in h.events if ev["event"] == "checkpointed" and ev.get("attempt") == last), default=-1)
         expert = job.expert if job.role == "expert" else None
-        lost = [r for r in self.ledger.records() if r["category"] == job.category and r["attempt"] == last and r["seq"] > 0
+        lost = [r for r in records if r["category"] == job.category and r["attempt"] == last and r["seq"] > 0
                 and r["expert"] == expert and r["step"] is not None and r["step"] > ckpt]
         self._reclassify_lost(Account(job, last, step=h.step), sum(r["gpu_seconds"] for r in lost),
                               sum(r["forwards"] for r in lost), "driver lost")
@@ -355,11 +357,16 @@ class Driver:
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
-            while pending or self.live or self.retry_at:
-                with self.store.batch():          # one durable write per log per sweep, not one per record
+            # group commit: the records of every result in FLUSH_S go out in one durable write per log
+            with self.store.batch():
+                flushed = time.monotonic()
+                while pending or self.live or self.retry_at:
                     self._sweep(by_name)
-                if self.show:
-                    self._show(bar, overall, tasks, targets)
+                    if time.monotonic() - flushed >= FLUSH_S:
+                        self.store.flush()
+                        flushed = time.monotonic()
+                    if self.show:
+                        self._show(bar, overall, tasks, targets)
         return self.outcome
 
     def _sweep(self, by_name: dict[str, Job]) -> None:

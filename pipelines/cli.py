@@ -84,12 +84,29 @@ def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool
 
 
 @app.command("eval")
-def evaluate(campaign: str) -> None:
-    """Evaluate the routed ensemble (and the seed) on the held-out test windows."""
+def evaluate(campaign: str,
+             compare: Optional[str] = typer.Option(None, "--compare", help="another campaign: its ensemble on the same windows, paired"),
+             text: Optional[str] = typer.Option(None, "--text", help="long-document mode on this text corpus (dir/.txt/.jsonl/.parquet, s3://)"),
+             stride: int = typer.Option(768, "--stride", help="window stride in long-document mode")) -> None:
+    """Evaluate the routed ensemble (and the seed) on the held-out test windows, or on --text documents."""
     def go() -> None:
         from pipelines.evaluate import evaluate as run
+        from pipelines.evaluate import evaluate_text
         store = open_store(campaign)
-        m = run(store, load_config(store))
+        cfg = load_config(store)
+        if text is not None:
+            t = evaluate_text(store, cfg, text, stride)
+            console.print(f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
+                          f"{t['seed']['nats_per_byte']:.4f} on {t['scored_bytes']:,} bytes; report: {t['report']}")
+            return
+        other = None
+        if compare is not None:
+            other_store = open_store(compare)
+            other = (other_store, load_config(other_store))
+        m = run(store, cfg, other)
+        if other is not None:
+            d = m["compare"]["this_minus_other"]
+            console.print(f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
         console.print(f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
                       f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md")
     _run(go)

@@ -4,20 +4,23 @@ from __future__ import annotations
 import json
 import math
 import time
+from dataclasses import dataclass
 
 import numpy as np
 import torch
 
 from pipelines.common import console
 from soma_cluster.checkpoint import Checkpoint, has_checkpoint, load_checkpoint
-from soma_cluster.config import CampaignConfig
-from soma_cluster.ensemble import UNIFORM_NATS, bootstrap_weights, ci, evaluate_ensemble, load_windows, window_logprobs
+from soma_cluster.config import CampaignConfig, CorpusConfig
+from soma_cluster.corpus import documents
+from soma_cluster.ensemble import (UNIFORM_NATS, Windows, bootstrap_weights, ci, evaluate_ensemble, load_windows,
+                                   strided_windows, window_logprobs)
 from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
-from soma_cluster.router import load_router
+from soma_cluster.router import Router, load_router
 from soma_cluster.shards import expert_name, open_shard
-from soma_cluster.storage import Store
+from soma_cluster.storage import Store, sha256
 from soma_cluster.trainer import Trainer, pick_device
 from workers.expert_worker import SEED_DIR, model_dir
 
@@ -38,47 +41,135 @@ def _fmt(m: tuple[float, float, float]) -> str:
     return f"{m[0]:.4f} [{m[1]:.4f}, {m[2]:.4f}]"
 
 
-def evaluate(store: Store, cfg: CampaignConfig) -> dict:
+@dataclass
+class Ensemble:
+    """A finished campaign's router, experts and seed model, loaded once."""
+    cfg: CampaignConfig
+    router: Router
+    checkpoints: dict[int, Checkpoint]
+    seed: dict[str, torch.Tensor]
+
+    @classmethod
+    def load(cls, store: Store, cfg: CampaignConfig) -> "Ensemble":
+        cks = {e: _load(store, model_dir("expert", e), expert_name(e)) for e in range(cfg.n_experts)}
+        return cls(cfg, load_router(store), cks, _load(store, SEED_DIR, "the seed model").tensors)
+
+    def run(self, win: Windows, context: int, device: torch.device):
+        experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}
+        return evaluate_ensemble(self.router, self.cfg.model, experts, win, context, self.cfg.eval.batch, device)
+
+    def seed_nats(self, win: Windows, context: int, device: torch.device) -> np.ndarray:
+        return -window_logprobs(self.cfg.model, self.seed["body"], self.seed["head"], win.data, context, self.cfg.eval.batch, device)
+
+
+def _summary(nats: np.ndarray, w: np.ndarray, scored: np.ndarray | None = None) -> dict:
+    m = ci(nats, w, scored)
+    return {"nats_per_byte": m[0], "ci95": list(m[1:]), "bits_per_byte": m[0] / math.log(2)}
+
+
+def _paired(a: np.ndarray, b: np.ndarray, w: np.ndarray, scored: np.ndarray | None = None) -> dict:
+    """a - b on the same windows, the bootstrap resampling documents for both at once."""
+    m = ci(a - b, w, scored)
+    return {"nats_per_byte": m[0], "ci95": list(m[1:])}
+
+
+def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignConfig] | None = None) -> dict:
+    """The routed ensemble, the seed and each expert on the campaign's test windows; with `compare`,
+    another campaign's ensemble on the same windows and the paired difference."""
     t0 = time.monotonic()
     device = pick_device()
-    router = load_router(store)
+    ens = Ensemble.load(store, cfg)
     win = load_windows(store, cfg.eval.max_windows)
-    cks = {e: _load(store, model_dir("expert", e), expert_name(e)) for e in range(cfg.n_experts)}
-    experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in cks.items()}
-    seed = _load(store, SEED_DIR, "the seed model").tensors
-    seed_body, seed_head = seed["body"], seed["head"]
-    ctx, batch = cfg.eval.context_bytes, cfg.eval.batch
-
-    ens = evaluate_ensemble(router, cfg.model, experts, win, ctx, batch, device)
+    ctx = cfg.eval.context_bytes
+    res = ens.run(win, ctx, device)
     t_seed = time.perf_counter()
-    seed_nats = -window_logprobs(cfg.model, seed_body, seed_head, win.data, ctx, batch, device)
+    seed_nats = ens.seed_nats(win, ctx, device)
     seed_seconds = time.perf_counter() - t_seed
     w = bootstrap_weights(win.docs, cfg.eval.bootstrap, cfg.seed)
-    ens_m, seed_m = ci(ens.nats, w), ci(seed_nats, w)
-    diff = ens.nats.sum(1) - seed_nats.sum(1)
-    boots = (w @ diff) / (w @ np.full(len(diff), ens.nats.shape[1], dtype=np.float64))
-    per_expert = {expert_name(e): {"own_val_nats": _own_shard_val(store, cfg, e, cks[e], device),
-                                   "step": cks[e].meta["state"]["step"], "routed_windows": ens.per_expert_windows[e]}
-                  for e in range(cfg.n_experts)}
-    scored = ens.nats.size
-    total_s = ens.route_seconds + ens.model_seconds
+    per_expert = {expert_name(e): {"own_val_nats": _own_shard_val(store, cfg, e, ck, device),
+                                   "step": ck.meta["state"]["step"], "routed_windows": res.per_expert_windows[e]}
+                  for e, ck in ens.checkpoints.items()}
+    total_s = res.route_seconds + res.model_seconds
     metrics = {
-        "windows": len(win.data), "documents": int(len(np.unique(win.docs))), "scored_bytes": int(scored),
-        "ensemble": {"nats_per_byte": ens_m[0], "ci95": ens_m[1:], "bits_per_byte": ens_m[0] / math.log(2)},
-        "seed": {"nats_per_byte": seed_m[0], "ci95": seed_m[1:], "bits_per_byte": seed_m[0] / math.log(2)},
+        "windows": len(win.data), "documents": int(len(np.unique(win.docs))), "scored_bytes": int(res.nats.size),
+        "ensemble": _summary(res.nats, w), "seed": _summary(seed_nats, w),
         "uniform": {"nats_per_byte": UNIFORM_NATS, "bits_per_byte": 8.0},
-        "ensemble_minus_seed": {"nats_per_byte": float(diff.sum() / scored), "ci95": [float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))]},
-        "per_expert": per_expert, "top_k": min(router.cfg.top_k, cfg.n_experts), "weighting": router.cfg.weighting,
-        "routing_time_share": ens.route_seconds / total_s, "ensemble_seconds": total_s, "seed_seconds": seed_seconds,
+        "ensemble_minus_seed": _paired(res.nats, seed_nats, w),
+        "per_expert": per_expert, "top_k": min(ens.router.cfg.top_k, cfg.n_experts), "weighting": ens.router.cfg.weighting,
+        "routing_time_share": res.route_seconds / total_s, "ensemble_seconds": total_s, "seed_seconds": seed_seconds,
         "byte_tokens_per_second": len(win.data) * (win.data.shape[1] - 1) / total_s,
         "parameters": campaign_param_count(cfg.model, cfg.n_experts), "device": str(device),
     }
-    wall = time.monotonic() - t0
-    Ledger(store).record("evaluation", wall if device.type == "cuda" else 0.0, wall, note=f"driver {device}")
+    if compare is not None:
+        other_store, other_cfg = compare
+        other = Ensemble.load(other_store, other_cfg).run(win, ctx, device)
+        metrics["compare"] = {"campaign": other_store.url, "n_experts": other_cfg.n_experts, "ensemble": _summary(other.nats, w),
+                              "this_minus_other": _paired(res.nats, other.nats, w)}
+    _charge(store, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
     store.write_json("eval/metrics.json", metrics)
     store.write_bytes("eval/report.md", report(cfg, metrics).encode())
     return metrics
+
+
+def _charge(store: Store, t0: float, device: torch.device) -> None:
+    wall = time.monotonic() - t0
+    Ledger(store).record("evaluation", wall if device.type == "cuda" else 0.0, wall, note=f"driver {device}")
+
+
+def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int) -> dict:
+    """Long-document mode on a user's text corpus (dir, .txt, .jsonl, .parquet; local or s3://): strided
+    windows (stride 768 as the paper's WikiText-103 evaluation), every byte after a document's first scored
+    once; ensemble and seed, paired. Written to eval/text-<sha of the source>.json and .md."""
+    t0 = time.monotonic()
+    device = pick_device()
+    ens = Ensemble.load(store, cfg)
+    corpus = CorpusConfig(source=source, max_bytes=cfg.corpus.max_bytes, text_field=cfg.corpus.text_field)
+    if not 0 < stride <= cfg.eval.window_bytes - 1:
+        raise SomaError(f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)")
+    st = strided_windows((d.data for d in documents(corpus)), cfg.eval.window_bytes, stride, cfg.eval.max_windows)
+    res = ens.run(st.windows, 0, device)
+    seed_nats = ens.seed_nats(st.windows, 0, device)
+    w = bootstrap_weights(st.windows.docs, cfg.eval.bootstrap, cfg.seed)
+    total_s = res.route_seconds + res.model_seconds
+    m = {"source": source, "stride": stride, "windows": len(st.windows.data), "documents": int(len(np.unique(st.windows.docs))),
+         "skipped_short_documents": st.skipped, "scored_bytes": int(st.scored.sum()),
+         "ensemble": _summary(res.nats, w, st.scored), "seed": _summary(seed_nats, w, st.scored),
+         "ensemble_minus_seed": _paired(res.nats, seed_nats, w, st.scored),
+         "routing_time_share": res.route_seconds / total_s,
+         "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s, "device": str(device)}
+    _charge(store, t0, device)
+    name = f"eval/text-{sha256(source.encode())[:12]}"
+    store.write_json(f"{name}.json", m)
+    store.write_bytes(f"{name}.md", text_report(cfg, m).encode())
+    m["report"] = f"{store.url}/{name}.md"
+    return m
+
+
+def text_report(cfg: CampaignConfig, m: dict) -> str:
+    return f"""# soma-cluster long-document evaluation: {cfg.name}
+
+Source `{m['source']}`: {m['windows']} windows of {cfg.eval.window_bytes} bytes at stride {m['stride']} from {m['documents']}
+documents ({m['skipped_short_documents']} shorter than a window skipped), {m['scored_bytes']:,} bytes scored once each.
+
+| model | nats/byte [95% CI] | bits/byte |
+|---|---|---|
+| routed ensemble | {_fmt((m['ensemble']['nats_per_byte'], *m['ensemble']['ci95']))} | {m['ensemble']['bits_per_byte']:.4f} |
+| seed model (N = 1) | {_fmt((m['seed']['nats_per_byte'], *m['seed']['ci95']))} | {m['seed']['bits_per_byte']:.4f} |
+
+Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_per_byte']:+.4f}
+[{m['ensemble_minus_seed']['ci95'][0]:+.4f}, {m['ensemble_minus_seed']['ci95'][1]:+.4f}]. Routing is
+{100 * m['routing_time_share']:.1f}% of the ensemble's time; {m['byte_tokens_per_second']:,.0f} byte-tokens/s on {m['device']}.
+"""
+
+
+def _compare_lines(m: dict) -> str:
+    if "compare" not in m:
+        return ""
+    c = m["compare"]
+    return (f"\nCompared on the same windows with `{c['campaign']}` (N = {c['n_experts']}): its ensemble "
+            f"{_fmt((c['ensemble']['nats_per_byte'], *c['ensemble']['ci95']))}; this minus that, paired: "
+            f"{c['this_minus_other']['nats_per_byte']:+.4f} [{c['this_minus_other']['ci95'][0]:+.4f}, {c['this_minus_other']['ci95'][1]:+.4f}].\n")
 
 
 def report(cfg: CampaignConfig, m: dict) -> str:
@@ -97,7 +188,7 @@ N = {cfg.n_experts} experts, d = {cfg.model.d}, {m['parameters']:,} parameters; 
 
 Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_per_byte']:+.4f} nats/byte
 [{m['ensemble_minus_seed']['ci95'][0]:+.4f}, {m['ensemble_minus_seed']['ci95'][1]:+.4f}].
-
+{_compare_lines(m)}
 | expert | updates | own-shard val nats/byte | windows routed to it |
 |---|---|---|---|
 {rows}

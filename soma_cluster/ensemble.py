@@ -19,7 +19,7 @@ import torch
 
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.model import body_forward, target_logprobs
+from soma_cluster.model import forward_blocks, target_logprobs
 from soma_cluster.router import Router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store, sha256
@@ -50,16 +50,27 @@ def load_windows(store: Store, max_windows: int) -> Windows:
     return Windows(np.ascontiguousarray(data), docs)
 
 
+TIME_BLOCK = 64      # time steps per block of the evaluation forward (activations stay small)
+
+
 @torch.no_grad()
+def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tensor, windows: np.ndarray, context: int,
+                    device: torch.device) -> np.ndarray:
+    """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e),
+    windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64."""
+    w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
+    x, y = w[..., :-1], w[..., 1:]
+    bodies, heads = bodies.to(device), heads.to(device)
+    parts = [target_logprobs(h, heads, y[..., t0:t1]) for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK)]
+    lp = torch.cat(parts, dim=1)                                        # (G, T, B)
+    return lp[:, context:].transpose(1, 2).double().cpu().numpy()
+
+
 def window_logprobs(model: ModelConfig, body: torch.Tensor, head: torch.Tensor, windows: np.ndarray, context: int,
                     batch: int, device: torch.device) -> np.ndarray:
     """log p(target) for the scored predictions of each window: (n, window-1-context) float64."""
-    out = []
-    for a in range(0, len(windows), batch):
-        w = torch.from_numpy(windows[a:a + batch]).to(device)
-        x, y = w[:, :-1], w[:, 1:]
-        lp = target_logprobs(body_forward(model, body[None].to(device), head.to(device), x), head.to(device), y)  # (1, T, B)
-        out.append(lp[0, context:].t().double().cpu().numpy())
+    out = [packed_logprobs(model, body[None], head[None], windows[a:a + batch][None], context, device)[0]
+           for a in range(0, len(windows), batch)]
     return np.concatenate(out) if out else np.zeros((0, windows.shape[1] - 1 - context))
 
 
@@ -71,11 +82,49 @@ def bootstrap_weights(groups: np.ndarray, resamples: int, seed: int) -> np.ndarr
     return doc_counts[:, inverse]
 
 
-def ci(per_window_nats: np.ndarray, weights: np.ndarray) -> tuple[float, float, float]:
-    """Mean nats/byte and its 95% bootstrap interval. per_window_nats (n, S) -> (mean, lo, hi)."""
-    sums, counts = per_window_nats.sum(axis=1), np.full(len(per_window_nats), per_window_nats.shape[1], dtype=np.float64)
+def ci(per_window_nats: np.ndarray, weights: np.ndarray, scored: np.ndarray | None = None) -> tuple[float, float, float]:
+    """Mean nats/byte and its 95% bootstrap interval. per_window_nats (n, S) -> (mean, lo, hi); `scored`
+    (n, S) bool marks the predictions that count (default all). Works for a paired difference too."""
+    mask = np.ones(per_window_nats.shape, dtype=bool) if scored is None else scored
+    sums, counts = np.where(mask, per_window_nats, 0.0).sum(axis=1), mask.sum(axis=1).astype(np.float64)
     boots = (weights @ sums) / (weights @ counts)
     return float(sums.sum() / counts.sum()), float(np.percentile(boots, 2.5)), float(np.percentile(boots, 97.5))
+
+
+@dataclass
+class Strided:
+    windows: Windows        # data (n, window) and the document of each window
+    scored: np.ndarray      # (n, window - 1) bool: the predictions this window scores
+    skipped: int            # documents shorter than one window
+
+
+def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided:
+    """Long-document mode (the paper's WikiText-103 protocol): windows at offsets 0, stride, 2*stride, ...
+    of each document (the last one aligned to its end); every byte after the first is scored exactly once,
+    in the first window that predicts it, so a window after the first reads window - 1 - stride bytes of
+    context before its first scored prediction. Documents shorter than a window are skipped."""
+    data, owner, first, skipped = [], [], [], 0
+    for d, doc in enumerate(docs):
+        if len(doc) < window:
+            skipped += 1
+            continue
+        start, last = 0, 0                             # targets (byte positions) <= last are scored already
+        while len(data) < max_windows:
+            data.append(np.frombuffer(doc[start:start + window], dtype=np.uint8))
+            owner.append(d)
+            first.append(last - start)                 # prediction i is for byte start + i + 1
+            last = start + window - 1
+            nxt = min(start + stride, len(doc) - window)
+            if nxt <= start:
+                break
+            start = nxt
+        if len(data) >= max_windows:
+            break
+    if not data:
+        raise SomaError(f"no document of at least {window} bytes to evaluate in long-document mode; give longer documents")
+    first_a = np.array(first)
+    scored = np.arange(window - 1)[None, :] >= first_a[:, None]
+    return Strided(Windows(np.stack(data), np.array(owner)), scored, skipped)
 
 
 @dataclass
@@ -88,18 +137,39 @@ class EnsembleResult:
 
 def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tuple[torch.Tensor, torch.Tensor]], win: Windows,
                       context: int, batch: int, device: torch.device) -> EnsembleResult:
-    """Route each window by its first prefix_bytes, run each expert on the windows routed to it, mix."""
+    """Route each window by its first prefix_bytes, run every expert once over all the windows routed to
+    it, mix. Small experts run many at a time on the expert axis: a pass holds about `batch` sequences,
+    G experts x B windows each (padded to the largest count in the group), so N = 256 narrow experts
+    cost a few wide passes instead of 256 thin ones."""
     t0 = time.perf_counter()
     texts = [bytes(w[: router.cfg.prefix_bytes]).decode("utf-8", errors="ignore") for w in win.data]
     top, weights = router.route(router.embed(texts))
     t1 = time.perf_counter()
     prob = np.zeros((len(win.data), win.data.shape[1] - 1 - context), dtype=np.float64)
-    counts = {}
-    for e, (body, head) in experts.items():
-        rows, slots = np.nonzero(top == e)
-        counts[e] = len(rows)
-        if len(rows):
-            lp = window_logprobs(model, body, head, win.data[rows], context, batch, device)
-            np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp))
+    routed = {e: np.nonzero(top == e) for e in experts}                  # (rows, slots) per expert
+    counts = {e: len(r[0]) for e, r in routed.items()}
+    for group in _groups([e for e in experts if counts[e]], counts, batch):
+        per = max(1, min(batch // len(group), max(counts[e] for e in group)))
+        for a in range(0, max(counts[e] for e in group), per):
+            take = {e: routed[e][0][a:a + per] for e in group}
+            b = max(len(r) for r in take.values())
+            padded = np.zeros((len(group), b, win.data.shape[1]), dtype=np.uint8)
+            for i, e in enumerate(group):
+                padded[i, :len(take[e])] = win.data[take[e]]
+            lp = packed_logprobs(model, torch.stack([experts[e][0] for e in group]), torch.stack([experts[e][1] for e in group]),
+                                 padded, context, device)
+            for i, e in enumerate(group):
+                rows, slots = take[e], routed[e][1][a:a + per]
+                np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :len(rows)]))
     t2 = time.perf_counter()
     return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1)
+
+
+def _groups(experts: list[int], counts: dict[int, int], batch: int) -> list[list[int]]:
+    """Experts with similar window counts together (largest first), as many per pass as `batch` sequences allow."""
+    order, out = sorted(experts, key=lambda e: -counts[e]), []
+    while order:
+        g = max(1, batch // min(counts[order[0]], batch))
+        out.append(order[:g])
+        order = order[g:]
+    return out

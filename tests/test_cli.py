@@ -48,6 +48,17 @@ def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     events = (tmp_path / "camp" / "events.jsonl").read_text().count("\n")
     assert soma("resume", camp, "--no-progress").returncode == 0
     assert (tmp_path / "camp" / "events.jsonl").read_text().count("\n") == events
+    # paired comparison on the same windows: against itself the difference is exactly zero
+    proc = soma("eval", camp, "--compare", camp)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    cmp = json.loads((tmp_path / "camp" / "eval" / "metrics.json").read_text())["compare"]
+    assert cmp["this_minus_other"] == {"nats_per_byte": 0.0, "ci95": [0.0, 0.0]}
+    # long-document mode on the user's own text files: every byte after a document's first scored once
+    proc = soma("eval", camp, "--text", str(text_corpus), "--stride", "768")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    text = json.loads(next((tmp_path / "camp" / "eval").glob("text-*.json")).read_text())
+    assert text["scored_bytes"] > 0 and text["ensemble"]["nats_per_byte"] < 5.0 and text["stride"] == 768
+    assert_one_line_error(soma("eval", camp, "--text", str(text_corpus), "--stride", "5000"), "--stride")
 
 
 def test_missing_corpus_path(tmp_path, micro_yaml):
