@@ -86,6 +86,7 @@ class Driver:
         self.retry_at: dict[str, float] = {}
         self.attempts: dict[str, int] = {}             # job name -> its current (or next) attempt number
         self.outcome: dict[str, str] = {}
+        self.bad_input: dict[str, str] = {}            # job name -> the error that ended it (no retry could help)
         self.pending: list[Job] = []                   # jobs not yet launched, in order
         self.campaign_id = cfg.digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf         # cluster GPUs, and when they were last read
@@ -224,9 +225,10 @@ class Driver:
         for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
             emit(self.store, "budget_granted", expert_name(expert), gpu_seconds=s, source=job.name)
 
-    def _on_failure(self, a: Attempt, reason: str, no_retry: tuple[str, ...] = ()) -> None:
+    def _on_failure(self, a: Attempt, reason: str, no_retry: tuple[str, ...] = (), end: str = "budget_exhausted") -> None:
         """The actor is gone (or is killed now): each job it was training records what was lost and is
-        retried from its latest checkpoint, except those in `no_retry` (hard-stopped past their budget)."""
+        retried from its latest checkpoint, except those in `no_retry`, which end as `end` (hard-stopped
+        past their budget, or bad input that no retry can fix)."""
         live = a.live()
         self._stop(a)
         share = self.cfg.resources.num_gpus / max(1, len(live))
@@ -236,13 +238,15 @@ class Driver:
             self._record("wasted", unreported * share, unreported * share / self.cfg.resources.num_gpus, c.job, c.attempt, c.seq + 1,
                          step=c.step, note=f"unreported time before failure: {reason}")
             mine = reason if len(live) == 1 or c.job.name in no_retry else f"{reason} (in pack {a.unit})"
-            self._fail(c, mine, retry=c.job.name not in no_retry)
+            self._fail(c, mine, retry=c.job.name not in no_retry, end=end)
 
-    def _fail(self, c: Account, reason: str, retry: bool = True) -> None:
+    def _fail(self, c: Account, reason: str, retry: bool = True, end: str = "budget_exhausted") -> None:
         self._reclassify_lost(c, c.reported["gpu_seconds"] - c.ckpt_gpu_s, c.reported["forwards"] - c.ckpt_forwards, reason)
         emit(self.store, "failed", c.job.name, attempt=c.attempt, step=c.step, reason=reason)
         if not retry:
-            self._finish(c.job, "budget_exhausted", step=c.step, reason=reason)
+            if end == "failed_permanently":
+                self.bad_input[c.job.name] = reason
+            self._finish(c.job, end, step=c.step, reason=reason)
         elif c.attempt >= self.cfg.retry.max_retries:
             self._finish(c.job, "failed_permanently", step=c.step, reason=reason)
         else:
@@ -258,7 +262,11 @@ class Driver:
             return
         except RayTaskError as exc:
             cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            self._on_failure(a, f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:200]}")
+            why = f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
+            if isinstance(cause, SomaError):        # bad input (a corrupt shard or checkpoint): no retry can fix it
+                self._on_failure(a, why, no_retry=tuple(c.job.name for c in a.live()), end="failed_permanently")
+            else:
+                self._on_failure(a, why)
             return
         except GetTimeoutError:
             self._on_failure(a, "hang: result not retrievable")
@@ -410,7 +418,12 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dic
     r = cfg.resources
     console.print(f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
                   f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries")
-    outcome = Driver(store, cfg, expert_jobs(cfg), show_progress).run()
+    driver = Driver(store, cfg, expert_jobs(cfg), show_progress)
+    outcome = driver.run()
     counts = {k: list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
     console.print(f"experts ended: {counts}")
+    if driver.bad_input:
+        job, why = next(iter(driver.bad_input.items()))
+        more = f" (and {len(driver.bad_input) - 1} more jobs)" if len(driver.bad_input) > 1 else ""
+        raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')}")
     return outcome

@@ -81,9 +81,14 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
     train_pack = Packer(cfg.shards.seq_bytes)
     test_pack = Packer(win, owner_at=cfg.eval.context_bytes + 1)
     counts: dict[str, int] = {}
-    n_docs = n_test = 0
+    n_docs = n_test = n_windows = 0
     windows, owners = [], []
-    with progress() as bar:
+    with progress() as bar, pa.OSFile(test_path, "wb") as sink, ipc.new_file(sink, test_schema) as test_out:
+        def flush_windows() -> None:          # test windows stream to disk too: driver memory stays bounded
+            if windows:
+                test_out.write_batch(pa.record_batch([pa.array(windows, type=pa.binary(win)), pa.array(owners, type=pa.int64())], schema=test_schema))
+                windows.clear()
+                owners.clear()
         task = bar.add_task("reading corpus (MB)", total=round(cfg.corpus.max_bytes / 1e6))
         read = 0
         for doc in documents(cfg.corpus, counts):
@@ -95,20 +100,22 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
                 for w, owner in test_pack.add(doc.data):
                     windows.append(w)
                     owners.append(owner)
+                    n_windows += 1
+                if len(windows) >= SPILL_BATCH:
+                    flush_windows()
             else:
                 for seq, _ in train_pack.add(doc.data):
                     spill.add(seq)
+        flush_windows()
     spill.close()
     if n_docs == 0 or read == 0:
         raise SomaError(f"corpus {cfg.corpus.source} holds no text; point corpus.source at files with text in them")
-    with pa.OSFile(test_path, "wb") as sink, ipc.new_file(sink, test_schema) as w:
-        w.write_table(pa.table({"window": pa.array(windows, type=pa.binary(win)), "doc": pa.array(owners, type=pa.int64())}, schema=test_schema))
-    if not windows:
+    if not n_windows:
         raise SomaError(f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {win}-byte evaluation window; add data or raise corpus.test_fraction")
     console.print(f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(counts)}); "
-                  f"{spill.n} train sequences, {len(windows)} test windows from {n_test} held-out documents")
+                  f"{spill.n} train sequences, {n_windows} test windows from {n_test} held-out documents")
     return spill, {"documents": n_docs, "bytes": read, "sources": counts, "test_documents": n_test,
-                   "test_windows": len(windows), "test_path": test_path}, spill.n
+                   "test_windows": n_windows, "test_path": test_path}, spill.n
 
 
 def _assign(spill: _Spill, router: Router) -> np.ndarray:

@@ -29,7 +29,10 @@ def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True) ->
         return "finished"
     console.print(f"training the seed model: {cfg.seed_stage.updates} updates at lr {cfg.seed_stage.lr}, "
                   f"{cfg.spsa.n_pert} probes x 2 signs, batch {cfg.spsa.batch} x {cfg.spsa.seq_len} bytes")
-    outcome = Driver(store, cfg, [SEED_JOB], show_progress).run()[SEED_JOB.name]
+    driver = Driver(store, cfg, [SEED_JOB], show_progress)
+    outcome = driver.run()[SEED_JOB.name]
+    if SEED_JOB.name in driver.bad_input:
+        raise SomaError(f"seed stopped on bad input: {driver.bad_input[SEED_JOB.name].removeprefix('exception: ')}")
     if outcome != "finished":
         raise SomaError(f"seed training ended with {outcome}; see {store.url}/events.jsonl for the reason")
     return outcome

@@ -19,7 +19,7 @@ import torch
 
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.model import forward_blocks, target_logprobs
+from soma_cluster.model import forward_blocks
 from soma_cluster.router import Router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store, sha256
@@ -61,7 +61,12 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tenso
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
     bodies, heads = bodies.to(device), heads.to(device)
-    parts = [target_logprobs(h, heads, y[..., t0:t1]) for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK)]
+    g, b = x.shape[0], x.shape[1]
+    parts = []
+    for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):   # h (G, Tb, B, e)
+        logits = torch.bmm(h.reshape(g, -1, h.shape[-1]), heads.transpose(1, 2))    # (G, Tb*B, 256), one bmm for all experts
+        tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1, 1).long()                 # (G, Tb*B, 1), time-major as h
+        parts.append((logits.gather(-1, tgt)[..., 0] - torch.logsumexp(logits, dim=-1)).view(g, t1 - t0, b))
     lp = torch.cat(parts, dim=1)                                        # (G, T, B)
     return lp[:, context:].transpose(1, 2).double().cpu().numpy()
 

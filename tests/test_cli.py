@@ -1,6 +1,7 @@
 """The `soma` CLI end to end on a small real-text corpus, and its one-line errors (exit 2) on bad input."""
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -100,3 +101,35 @@ def test_foreign_directory_and_bad_config(tmp_path, text_corpus, micro_yaml):
     assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--config", str(bad)), "spsa.n_pert")
     assert_one_line_error(soma("eval", str(tmp_path / "nothing")), "run soma prepare")
     assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--set", "spsa.n_pert"), "key=value")
+
+
+def test_corrupt_shard_stops_that_expert_at_once_with_its_name(tmp_path, text_corpus, micro_yaml):
+    camp = tmp_path / "camp"
+    for args in (["prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)], ["seed", str(camp), "--no-progress"]):
+        assert soma(*args).returncode == 0
+    shard = sorted((camp / "shards" / "expert-0001").glob("train-*.arrow"))[0]
+    raw = bytearray(shard.read_bytes())
+    raw[len(raw) // 2] ^= 0xFF                                          # one flipped byte
+    shard.write_bytes(bytes(raw))
+    proc = soma("launch", str(camp), "--no-progress")
+    assert_one_line_error(proc, "expert-0001", shard.name, "checksum")
+    events = [json.loads(line) for line in (camp / "events.jsonl").read_text().splitlines()]
+    failed = [e for e in events if e["job"] == "expert-0001" and e["event"] == "failed"]
+    assert len(failed) == 1                                             # not retried: no retry can fix bad input
+    assert any(e["job"] == "expert-0000" and e["event"] == "finished" for e in events)   # the other expert trained on
+    assert bytes(raw) == shard.read_bytes()                             # and nothing was rewritten
+
+
+def test_non_utf8_bytes_and_empty_documents_are_handled(tmp_path, text_corpus, micro_yaml):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(text_corpus, corpus)
+    (corpus / "binary.txt").write_bytes(bytes(range(256)) * 400 + b"\xff\xfe invalid \xc3\x28 utf-8")
+    (corpus / "empty.txt").write_bytes(b"")
+    proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(corpus))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (tmp_path / "c" / "router" / "router.json").exists()
+    from soma_cluster.config import CorpusConfig
+    from soma_cluster.corpus import user_documents
+    docs = list(user_documents(CorpusConfig(source=str(corpus), max_bytes=200_000)))
+    assert docs[0].doc_id.endswith("binary.txt") and docs[0].data.endswith(b"\xc3\x28 utf-8")   # bytes kept as they are
+    assert not any(d.doc_id.endswith("empty.txt") for d in docs)       # an empty file is not a document
