@@ -4,7 +4,8 @@ The trainer here is a STAND-IN, not ExpertWorker: `StandInTrainer` holds no torc
 chunk it sleeps `chunk_updates x sec_per_update` seconds and returns a heartbeat shaped like
 ExpertWorker.run_chunk's. So what is measured is orchestration only: the real Driver
 (pipelines.campaign.Driver, handed this actor factory) with its ledger and events writes, and Ray
-starting and stopping one actor per expert. Beside it, Ray Tune runs the same trials (same chunks,
+starting and stopping one actor per expert (or per pack of G, resources.experts_per_actor; with
+--reuse also resources.reuse_actors). Beside it, Ray Tune runs the same trials (same chunks,
 same sleep, same GPU share, one report per chunk) when `ray[tune]` is installed (the `bench` extra).
 
 Ratios printed:
@@ -13,10 +14,11 @@ Ratios printed:
                       rate (measured first; ~2/s on 2 cores), which no one-actor-per-expert system beats
   actor start s       mean launched -> started (process start + setup()); a slot is held meanwhile, so
   wall/(ideal+start)  compares with (work + start) / slots: what is left is the Driver's own overhead
-  driver ms/heartbeat time in Driver._collect per result returned (a heartbeat, or an actor's setup):
-                      accounting, ledger + events writes, submitting the next chunk;
-                      target < 1 ms, i.e. a heartbeat round over N experts costs < N ms
-  of which appends    the durable log appends (fdatasync) inside that: disk-bound, not the Driver's logic
+  driver ms/heartbeat time in Driver._collect plus the log writes, per expert heartbeat (or setup):
+                      accounting, submitting the next chunk, ledger + events writes (group commit:
+                      one fdatasync per log every 0.25 s); target < 1 ms, i.e. a heartbeat round
+                      over N experts costs < N ms
+  of which log writes the durable writes inside that: disk-bound, not the Driver's logic
   driver CPU ms/hb    driver process CPU (Python + Ray's core-worker threads) per heartbeat
 
 Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal 192 s) the Driver run
@@ -25,26 +27,25 @@ system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s
 
   PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune] [--campaign-dir /dev/shm/x]
 
-Measured 2026-12-02 on the 2-core dev box while another test suite shared it (load 4-13), 16 slots,
-with the Driver of main at 401b845 (one ray.wait result per loop) plus this branch's changes:
+Measured 2026-12-02 on the 2-core dev box (other agents' jobs running beside it at times), N = 256,
+16 slots (8 logical GPUs / 0.5), 6 chunks x 2 s per expert, one run:
+`PYTHONPATH=. python benchmarks/bench_driver_scale.py --experts 256 --pack 1 4 --reuse`
 
-| run | wall/ideal | wall/bound | actor start s | wall/(ideal+start) | ms/heartbeat | of which appends |
-|---|---|---|---|---|---|---|
-| Driver, N=256, defaults (6 x 2 s)        | 1.21 | 1.21 | -    | -    | 7.2  | 6.7 (a) |
-| Ray Tune, N=256, defaults                | 2.36 | 2.36 | -    | -    | -    | -       |
-| Driver, N=1024, 2 x 1 s                  | 3.22 | 1.11 | 4.34 | 1.02 | 8.0  | -  (a)  |
-| Driver, N=256, 4 x 1 s, ledger re-read(b)| 1.77 | 1.50 | 2.71 | 1.06 | 21.4 | -  (a)  |
-| Driver, N=256, 4 x 1 s                   | 1.71 | 1.22 | 2.58 | 1.04 | 6.5  | 5.4     |
-| Driver, N=256, 4 x 1 s, /dev/shm         | 1.75 | 1.17 | 2.78 | 1.03 | 1.8  | 0.4     |
-| Driver of main at 27bc543, N=256, 4 x 1 s (c) | 2.36 | 0.96 | 4.75 | 1.08 | 6.4 | 5.2 |
-Ray Tune wall / Driver wall at N=256: 1.95.
-(c) after rebasing onto main: its ray.wait(num_returns=len(refs), timeout=POLL_S) collects a batch per
-    0.5 s poll, so a returned chunk waits up to 0.5 s for its next one; host at 1.6 actor starts/s. (a) appends column not yet split out in that run.
-(b) the Driver of main before 59e3b38, which re-read the whole ledger for every chunk's budget.
-Reading: the Driver keeps its slots busy (wall within 2-6% of (work + actor start) / slots); what is
-left is the time an actor takes to start while holding its slot, and on disk the fdatasync of two
-log appends per heartbeat. Without syncs a heartbeat costs ~1.4 ms here, most of it Ray's own
-actor-call submission (~0.6 ms) and ray.kill of finished actors on a loaded 2-core host.
+| system | actors | ideal s | wall s | wall/ideal | actor start s | wall/(ideal+start) | driver ms/heartbeat | of which log writes |
+|---|---|---|---|---|---|---|---|---|
+| soma Driver, G=1                  | 256 | 192.0 | 217.7 | 1.13 | 1.29 | 1.02 | 1.20 | 0.49 |
+| soma Driver, G=1, reuse_actors    | 256 | 192.0 | 197.4 | 1.03 | 0.25 | 1.01 | 1.24 | 0.57 |
+| soma Driver, G=4                  |  64 |  48.0 |  59.4 | 1.24 | 2.05 | 1.06 | 0.47 | 0.22 |
+| soma Driver, G=4, reuse_actors    |  64 |  48.0 |  53.6 | 1.12 | 1.17 | 1.02 | 0.31 | 0.08 |
+| Ray Tune (same trials, resources) | 256 | 192.0 | 395.1 | 2.06 | -    | -    | -    | -    |
+Ray Tune wall / soma Driver (G=1) wall: 1.81. (G = resources.experts_per_actor; "actors" counts actor jobs:
+with reuse_actors only ~16 processes start. A G=4 pack's chunk sleeps as long as one expert's.)
+Before group commit (each heartbeat's records written and fdatasynced on their own) the same run gave
+6-8 ms per heartbeat, almost all of it the syncs.
+Reading: wall/(ideal+start) is within 1-6% everywhere, so what is left above ideal is actor start while a
+slot is held; reuse_actors removes it for all but the first actor per slot. Per heartbeat the Driver
+spends ~0.7 ms besides log writes (most of it Ray's actor-call submission and ray.get); packing
+divides that by G.
 """
 from __future__ import annotations
 
