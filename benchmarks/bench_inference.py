@@ -7,6 +7,7 @@ k-means), every expert runs once over all windows routed to it, and N = 256's sm
 at a time on the expert axis. The weights are random (init_body/init_head from a fixed seed): speed
 does not depend on them; the losses printed are those of untrained models and mean nothing.
 
+Each ensemble runs --repeats times, alternating, and its fastest run is kept (the host is shared).
 Printed: byte-tokens/s including routing, the routing share of the time, and the ratio N=256 / N=8
 (paper, one GPU: 2.36M vs 257k byte-tokens/s, 9.2x; routing 7.5% vs 0.87%).
 
@@ -49,26 +50,31 @@ def ensemble(cfg: ModelConfig, n: int, seed: int) -> dict[int, tuple[torch.Tenso
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--windows", type=int, default=256)
-    p.add_argument("--batch", type=int, default=256, help="sequences per forward pass (eval.batch)")
+    p.add_argument("--batch", type=int, default=128, help="sequences per forward pass (eval.batch)")
     p.add_argument("--fit-chunks", type=int, default=8000)
+    p.add_argument("--repeats", type=int, default=3, help="alternating runs of each; the fastest of each is reported")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     fit, data = corpus_chunks(args.fit_chunks, args.windows)
     win = Windows(np.ascontiguousarray(data), np.arange(len(data)))
     print(f"{len(fit)} fit chunks, {len(data)} test windows of 1,025 bytes, {args.threads} threads", flush=True)
-    rows = []
+    setups = []
     for n, d, head in ((256, 32, "shared_frozen"), (8, 181, "own")):
         cfg = ModelConfig(d=d, head=head)
         t = time.perf_counter()
         router, _ = fit_router(fit, n, RouterConfig(max_features=20000, min_df=3, svd_dim=128, kmeans_iters=5), seed=0)
-        fit_s = time.perf_counter() - t
-        ex = ensemble(cfg, n, seed=1)
         params = n * Layout(cfg).size + (256 * 32 if head != "own" else n * 256 * 32)
-        res = evaluate_ensemble(router, cfg, ex, win, 256, args.batch, torch.device("cpu"))
-        total = res.route_seconds + res.model_seconds
-        rows.append((n, d, params, total, res.route_seconds, len(data) * 1024 / total, fit_s))
-        print(f"  N={n} d={d}: {total:.1f} s ({res.route_seconds:.2f} s routing), router fit {fit_s:.1f} s", flush=True)
+        setups.append((n, d, cfg, router, ensemble(cfg, n, seed=1), params, time.perf_counter() - t))
+    best: dict[int, tuple[float, float]] = {}
+    for rep in range(args.repeats):           # alternate the two, keep each one's fastest (least disturbed) run
+        for n, d, cfg, router, ex, _, _ in setups:
+            res = evaluate_ensemble(router, cfg, ex, win, 256, args.batch, torch.device("cpu"))
+            total = res.route_seconds + res.model_seconds
+            print(f"  rep {rep}: N={n} d={d}: {total:.1f} s ({res.route_seconds:.3f} s routing)", flush=True)
+            if n not in best or total < best[n][0]:
+                best[n] = (total, res.route_seconds)
+    rows = [(n, d, params, *best[n], len(data) * 1024 / best[n][0], fit_s) for n, d, _, _, _, params, fit_s in setups]
     print("\n| ensemble | parameters | seconds | byte-tokens/s incl. routing | routing share |")
     print("|---|---|---|---|---|")
     for n, d, params, total, route, tps, _ in rows:

@@ -19,7 +19,7 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Packer, describe_counts, documents, is_test_doc
 from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
-from soma_cluster.router import Router, fit_router, save_router
+from soma_cluster.router import Router, cluster_spread, fit_router, save_router
 from soma_cluster.shards import ShardWriter, expert_name, rows_to_numpy, schema
 from soma_cluster.storage import Store, file_sha256, put_file
 
@@ -172,8 +172,11 @@ def prepare(store: Store, cfg: CampaignConfig) -> dict:
     fit_sizes = np.bincount(sample_labels, minlength=cfg.n_experts)
     summary = {"complete": True, "n_experts": cfg.n_experts, "seq_bytes": cfg.shards.seq_bytes, "corpus": corpus_info,
                "train_rows": [m["train_rows"] for m in manifests], "val_rows": [m["val_rows"] for m in manifests],
-               "fit_cluster_sizes": fit_sizes.tolist(), "top_terms": router.top_terms, "wall_seconds": time.monotonic() - t0}
+               "fit_cluster_sizes": fit_sizes.tolist(), "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
+               "assigned_size_spread": cluster_spread(labels, cfg.n_experts), "top_terms": router.top_terms, "wall_seconds": time.monotonic() - t0}
     store.write_json("shards/manifest.json", summary)
+    console.print(f"cluster sizes: within {summary['fit_size_spread']:.1%} of the mean on the fit sample (balanced k-means), "
+                  f"{summary['assigned_size_spread']:.1%} over all sequences (each to its nearest centroid)")
     Ledger(store).record("preprocessing", 0.0, summary["wall_seconds"], note="driver CPU: corpus, router fit, shard writing")
     for e, terms in enumerate(router.top_terms):
         console.print(f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  top terms: {', '.join(terms[:8])}")

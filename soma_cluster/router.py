@@ -131,6 +131,12 @@ def balanced_kmeans(x: np.ndarray, n_clusters: int, iters: int, seed: int) -> tu
     return centroids.astype(np.float32), labels
 
 
+def cluster_spread(labels: np.ndarray, n_clusters: int) -> float:
+    """max |size / mean size - 1| over the clusters: 0 is perfect balance."""
+    sizes = np.bincount(labels, minlength=n_clusters)
+    return float(np.abs(sizes / sizes.mean() - 1.0).max())
+
+
 def _top_terms(tfidf, labels: np.ndarray, vocabulary: list[str], n_clusters: int, k: int = 8) -> list[list[str]]:
     out = []
     for c in range(n_clusters):
@@ -158,6 +164,10 @@ def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) 
     mean = proj.mean(axis=0)
     emb = _l2(proj - mean)
     centroids, labels = balanced_kmeans(emb, n_clusters, cfg.kmeans_iters, seed)
+    spread = cluster_spread(labels, n_clusters)
+    if spread > cfg.balance_tolerance:
+        raise SomaError(f"router: fitted cluster sizes differ from the mean by {spread:.1%}, over router.balance_tolerance="
+                        f"{cfg.balance_tolerance}; raise router.sample_chunks (now {len(texts)} for {n_clusters} experts) or the tolerance")
     router = Router(cfg, vocabulary, vec.idf_.astype(np.float32), svd.components_.astype(np.float32), mean.astype(np.float32), centroids)
     router.top_terms = _top_terms(tfidf, labels, vocabulary, n_clusters)
     return router, labels

@@ -54,6 +54,15 @@ def test_router_clusters_are_balanced_and_reload_identically(tmp_path, texts):
         load_router(store)
 
 
+def test_balance_tolerance_is_enforced(texts):
+    from soma_cluster.router import cluster_spread
+    cfg = RouterConfig(max_features=3000, min_df=3, svd_dim=16, balance_tolerance=0.05)
+    router, labels = fit_router(texts[:400], 8, cfg, seed=0)          # 50 per cluster: within 2%
+    assert cluster_spread(labels, 8) <= 0.05
+    with pytest.raises(SomaError, match="balance_tolerance"):
+        fit_router(texts[:403], 100, cfg.model_copy(update={"min_df": 2}), seed=0)   # 4 or 5 per cluster: 24% apart
+
+
 def test_router_needs_enough_chunks():
     with pytest.raises(SomaError, match="lower n_experts"):
         fit_router(["a b c"] * 3, 4, RouterConfig(), 0)
