@@ -85,7 +85,8 @@ class StandInTrainer:
             self.experts, self.step = ([experts] if isinstance(experts, int) else list(experts)), 0
             self.t0 = self.t_end
         return {"device": "stand-in", "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "experts": {e: {"step": 0, "target": self.target, "resumed": False, "n_train": 0} for e in self.experts}}
+                "wall_seconds": time.monotonic() - self.t0,
+                "experts": {e: {"step": 0, "target": self.target, "resumed": False, "forwards": 0, "n_train": 0} for e in self.experts}}
 
     def run_chunk(self, max_updates: int, caps=None) -> dict:
         if self.step >= self.target:

@@ -19,7 +19,8 @@ from soma_cluster.ledger import Ledger
 from soma_cluster.shards import expert_name
 from soma_cluster.budget import BudgetBook
 from soma_cluster.storage import Store
-from workers import actor_name, start_worker
+from soma_cluster.checkpoint import checkpoint_state
+from workers import actor_name, model_dir, start_worker
 
 POLL_S = 0.5
 FLUSH_S = 0.25          # group commit: held log records are made durable at least this often
@@ -53,6 +54,7 @@ class Account:
     step: int = 0
     improving: bool = True
     ended: bool = False
+    start_forwards: int | None = None  # the model's forward count when this attempt loaded it (None: not started)
 
 
 @dataclass
@@ -64,6 +66,8 @@ class Attempt:
     ref: object = None
     phase: str = "setup"             # "setup" until the actor reports in, then "chunk"
     last_beat: float = field(default_factory=time.monotonic)
+    launched: float = field(default_factory=time.monotonic)
+    reused: bool = False
 
     def live(self) -> list[Account]:
         return [c for c in self.accounts.values() if not c.ended]
@@ -146,7 +150,7 @@ class Driver:
             actor = self.start_actor(self.store.url, self.store.storage_options, jobs[0].role, experts, tried, r.num_gpus,
                                      r.num_cpus, name=actor_name(self.campaign_id, unit, attempts[0]), placement=r.placement)
             ref = actor.setup.remote()
-        a = Attempt(unit, {j.name: Account(j, n) for j, n in zip(jobs, attempts)}, actor, ref)
+        a = Attempt(unit, {j.name: Account(j, n) for j, n in zip(jobs, attempts)}, actor, ref, reused=reused)
         self.live[unit] = a
         for j, n in zip(jobs, attempts):
             self.running[j.name] = a
@@ -241,7 +245,15 @@ class Driver:
             self._fail(c, mine, retry=c.job.name not in no_retry, end=end)
 
     def _fail(self, c: Account, reason: str, retry: bool = True, end: str = "budget_exhausted") -> None:
-        self._reclassify_lost(c, c.reported["gpu_seconds"] - c.ckpt_gpu_s, c.reported["forwards"] - c.ckpt_forwards, reason)
+        lost_s, lost_forwards = c.reported["gpu_seconds"] - c.ckpt_gpu_s, c.reported["forwards"] - c.ckpt_forwards
+        latest = checkpoint_state(self.store, model_dir(c.job.role, c.job.expert)) if c.start_forwards is not None else None
+        if latest is not None and latest["step"] > c.step:
+            # it checkpointed after its last heartbeat: all it reported is kept, and so is work it never reported
+            kept = latest["forwards"] - c.start_forwards - c.reported["forwards"]
+            lost_s, lost_forwards = 0.0, 0
+            self._record(c.job.category, 0.0, 0.0, c.job, c.attempt, c.seq + 2, forwards=kept, step=latest["step"],
+                         note="checkpointed after the last heartbeat (its seconds are in 'unreported')")
+        self._reclassify_lost(c, lost_s, lost_forwards, reason)
         emit(self.store, "failed", c.job.name, attempt=c.attempt, step=c.step, reason=reason)
         if not retry:
             if end == "failed_permanently":
@@ -273,10 +285,17 @@ class Driver:
             return
         by_expert = {c.job.expert: c for c in a.accounts.values()}
         if a.phase == "setup":
+            # the GPU is held from the launch, but the worker's clock starts only once its process runs Python:
+            # the difference (process start, imports) is the jobs' too
+            gap = 0.0 if a.reused else max(0.0, time.monotonic() - a.launched - result["wall_seconds"]) / len(result["experts"])
             for e, info in result["experts"].items():
-                emit(self.store, "started", by_expert[e].job.name, attempt=by_expert[e].attempt, step=info["step"],
-                     resumed=info["resumed"], device=result["device"], pid=result["pid"], node=result.get("node"), actor=a.unit)
-                by_expert[e].step = info["step"]
+                c = by_expert[e]
+                emit(self.store, "started", c.job.name, attempt=c.attempt, step=info["step"], resumed=info["resumed"],
+                     device=result["device"], pid=result["pid"], node=result.get("node"), actor=a.unit)
+                c.step, c.start_forwards = info["step"], info["forwards"]
+                if gap > 0:
+                    self._record(c.job.category, gap * self.cfg.resources.num_gpus, gap, c.job, c.attempt, 0, step=c.step,
+                                 note="actor start before the worker's clock")
         else:
             for e, hb in result["experts"].items():
                 self._on_heartbeat(a, by_expert[e], hb)
@@ -328,6 +347,9 @@ class Driver:
     def _reclassify_interrupted(self, job: Job, h, records: list[dict]) -> None:
         last = h.attempts - 1
         ckpt = max((ev["step"] for ev in h.events if ev["event"] == "checkpointed" and ev.get("attempt") == last), default=-1)
+        latest = checkpoint_state(self.store, model_dir(job.role, job.expert))
+        if latest is not None:            # a checkpoint written after the last event the driver wrote
+            ckpt = max(ckpt, latest["step"])
         expert = job.expert if job.role == "expert" else None
         lost = [r for r in records if r["category"] == job.category and r["attempt"] == last and r["seq"] > 0
                 and r["expert"] == expert and r["step"] is not None and r["step"] > ckpt]

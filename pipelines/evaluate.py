@@ -114,7 +114,8 @@ def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignCo
 
 def _charge(store: Store, t0: float, device: torch.device) -> None:
     wall = time.monotonic() - t0
-    Ledger(store).record("evaluation", wall if device.type == "cuda" else 0.0, wall, note=f"driver {device}")
+    # each evaluation is its own record (a fixed id would let a second `soma eval` be deduplicated away)
+    Ledger(store).record("evaluation", wall if device.type == "cuda" else 0.0, wall, seq=time.time_ns(), note=f"driver {device}")
 
 
 def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int) -> dict:

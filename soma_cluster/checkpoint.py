@@ -38,6 +38,14 @@ def save_checkpoint(store: Store, directory: str, state: TrainState, extra: dict
     return name
 
 
+def checkpoint_state(store: Store, directory: str) -> dict | None:
+    """The scalars (step, forwards, ...) of the latest checkpoint, without reading its tensors; None if none."""
+    if not has_checkpoint(store, directory):
+        return None
+    name = store.read_json(f"{directory}/latest.json")["name"]
+    return store.read_json(f"{directory}/{name}.json")["state"]
+
+
 def has_checkpoint(store: Store, directory: str) -> bool:
     return store.exists(f"{directory}/latest.json")
 

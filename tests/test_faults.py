@@ -263,3 +263,27 @@ def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_pat
     bound = grace + 0.5 * cfg.resources.num_gpus
     print(f"\nhard stop: expert-0000 spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {spent - cap_s:+.2f}, bound {bound:.2f})")
     assert spent <= cap_s + bound + 0.1
+
+
+def test_work_checkpointed_after_the_last_heartbeat_is_kept_not_wasted(seeded, tmp_path):
+    """An actor that dies after writing a checkpoint but before its heartbeat: the retry resumes from that
+    checkpoint, so what it reported is kept and the forwards it never reported are counted as training."""
+    from pipelines.campaign import Account
+    store, cfg = clone(seeded, tmp_path / "c")
+    per_update = 2 * cfg.spsa.n_pert
+    state = load_checkpoint(store, "seed").state(torch.device("cpu"))
+    state.step, state.forwards = 12, 12 * per_update
+    save_checkpoint(store, "experts/expert-0000", state)                  # written after the heartbeat at step 9
+    driver = Driver(store, cfg, expert_jobs(cfg), show_progress=False)
+    c = Account(Job("expert", 0), 0, start_forwards=0, step=9, ckpt_forwards=6 * per_update, ckpt_gpu_s=1.0)
+    c.reported = {"gpu_seconds": 2.0, "wall_seconds": 2.0, "forwards": 9 * per_update, "tokens": 0}
+    driver._fail(c, "actor_died: test")
+    totals = Ledger(store).totals()
+    assert totals.forwards["expert_training"] == 3 * per_update           # steps 10-12, never reported, kept
+    assert totals.forwards["wasted"] == 0 and totals.gpu_seconds["wasted"] == 0
+    # had the checkpoint been the one it reported (step 6), steps 7-9 would be lost
+    store2, _ = clone(seeded, tmp_path / "c2")
+    state.step, state.forwards = 6, 6 * per_update
+    save_checkpoint(store2, "experts/expert-0000", state)
+    Driver(store2, cfg, expert_jobs(cfg), show_progress=False)._fail(c, "actor_died: test")
+    assert Ledger(store2).totals().forwards["wasted"] == 3 * per_update

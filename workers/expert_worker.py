@@ -117,10 +117,11 @@ class ExpertWorker:
         for expert, attempt in zip(self.experts, self.attempts):
             self.members[expert] = self._member(cfg, expert, attempt, device, cache)
         self._tick()
-        return {"device": str(device), "pid": os.getpid(),
+        return {"device": str(device), "pid": os.getpid(), "wall_seconds": time.monotonic() - self.t0,
                 "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
                 "experts": {m.expert: {"step": m.trainer.state.step, "target": m.target, "resumed": m.resumed,
-                                       "n_train": m.trainer.shard.n_train} for m in self.members.values()}}
+                                       "forwards": m.start_forwards, "n_train": m.trainer.shard.n_train}
+                            for m in self.members.values()}}
 
     def _member(self, cfg: CampaignConfig, expert: int, attempt: int, device: torch.device, cache: str) -> Member:
         directory = model_dir(self.role, expert)
