@@ -14,8 +14,9 @@ Ratios printed:
                       rate (measured first; ~2/s on 2 cores), which no one-actor-per-expert system beats
   actor start s       mean launched -> started (process start + setup()); a slot is held meanwhile, so
   wall/(ideal+start)  compares with (work + start) / slots: what is left is the Driver's own overhead
-  driver ms/heartbeat time in Driver._collect plus the log writes, per expert heartbeat (or setup):
-                      accounting, submitting the next chunk, ledger + events writes (group commit:
+  driver ms/heartbeat the Driver's time in its sweeps (all but blocking for the first result), plus the
+                      log writes, per expert heartbeat (or setup): fetching results, accounting,
+                      launching actors, submitting chunks, ledger + events writes (group commit:
                       one fdatasync per log every 0.25 s); target < 1 ms, i.e. a heartbeat round
                       over N experts costs < N ms
   of which log writes the durable writes inside that: disk-bound, not the Driver's logic
@@ -61,7 +62,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 
 import ray  # noqa: E402
 
-from pipelines.campaign import Driver, expert_jobs  # noqa: E402
+from pipelines.campaign import POLL_S, Driver, expert_jobs  # noqa: E402
 from pipelines.events import history  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
@@ -132,12 +133,22 @@ class TimedDriver(Driver):
             self.append_s += time.perf_counter() - t
         self.store._write_lines = timed_write
 
-    def _collect(self, a) -> None:
+    def _collect(self, a, result=None) -> None:
+        self.results += len(a.live())
+        super()._collect(a, result)
+
+    def _sweep(self, by_name) -> None:
+        """All the Driver's time in a sweep except blocking for the first result (or sleeping)."""
         t, before = time.perf_counter(), self.append_s
-        n = len(a.live())
-        super()._collect(a)
-        self.collect_s += time.perf_counter() - t - (self.append_s - before)   # a mid-sweep read may flush
-        self.results += n
+        self.blocked = 0.0
+        super()._sweep(by_name)
+        self.collect_s += time.perf_counter() - t - self.blocked - (self.append_s - before)
+
+    def _wait(self, refs):
+        t = time.perf_counter()
+        first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)
+        self.blocked += time.perf_counter() - t
+        return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
 
 
 def spawn_rate(share: float, k: int) -> float:

@@ -266,9 +266,9 @@ class Driver:
             self.retry_at[c.job.name] = time.monotonic() + delay
             emit(self.store, "retry_scheduled", c.job.name, attempt=c.attempt + 1, delay_s=delay)
 
-    def _collect(self, a: Attempt) -> None:
+    def _collect(self, a: Attempt, result=None) -> None:
         try:
-            result = ray.get(a.ref, timeout=60)
+            result = ray.get(a.ref, timeout=60) if result is None else result
         except RayActorError as exc:
             self._on_failure(a, f"actor_died: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
             return
@@ -403,15 +403,23 @@ class Driver:
         self._fill_slots(by_name)
         owner = {a.ref: a for a in self.live.values()}
         if owner:
-            refs = list(owner)
-            first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)   # wake on the first result
-            ready = first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
-            for ref in ready:
-                self._collect(owner[ref])
+            ready = self._wait(list(owner))
+            try:                      # one call for every ready result; on any error, each on its own
+                results = ray.get(ready, timeout=60)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                results = [None] * len(ready)
+            for ref, result in zip(ready, results):
+                self._collect(owner[ref], result)
         else:
             now = time.monotonic()
             time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
         self._watchdog()
+
+    @staticmethod
+    def _wait(refs: list) -> list:
+        """Block until a result is ready (at most POLL_S), then take every other one that is ready too."""
+        first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)
+        return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
 
     def _show(self, bar, overall, tasks, targets) -> None:
         steps = {n: (t if self.outcome.get(n) == "finished" else 0) for n, t in targets.items()}
