@@ -147,10 +147,56 @@ def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, s
 
 
 @app.command()
+def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
+    """A new campaign sharing PARENT's data and seed model, with training-side overrides (e.g. train.method=bptt)."""
+    def go() -> None:
+        from pipelines.fork import fork as run
+        from soma_cluster.config import merge_trees, validated
+        parent_store = open_store(parent)
+        tree = merge_trees(load_config(parent_store).model_dump(mode="json"), parse_overrides(set or []))
+        run(parent_store, open_store(campaign), validated(tree, "fork overrides"))
+    _run(go)
+
+
+@app.command()
+def experiment(name: str = typer.Argument(..., help="variance, summed, zo-compare or scaling (soma_cluster/presets/experiments)"),
+               directory: str = typer.Argument(..., help="where its campaigns, results.json and report.md go"),
+               scale: str = typer.Option("small", "--scale", help="small (2 CPU cores, <= 30 min) or paper (a GPU cluster)"),
+               set: Optional[list[str]] = SetOpt, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+    """Run one of the paper's comparisons: every arm a campaign (prepare or fork, seed, launch, eval), then a report."""
+    def go() -> None:
+        from pipelines.experiment import run_experiment
+        res = run_experiment(name, directory, scale, set or [], address, not no_progress)
+        console.print(f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md")
+    _run(go)
+
+
+@app.command()
+def report(directories: list[str] = typer.Argument(..., help="experiment directories (each holds results.json)"),
+           readme: Optional[str] = typer.Option(None, "--readme", help="rewrite this README's results section from them")) -> None:
+    """Re-render each experiment's report.md and figures from its results.json; optionally the README's results."""
+    def go() -> None:
+        from pipelines.report import readme_section, update_readme, write_report
+        done = []
+        for d in directories:
+            store = open_store(d)
+            res = store.read_json("results.json")
+            console.print(f"report: {write_report(store, res)}")
+            done.append((store.url, res))
+        if readme:
+            update_readme(readme, readme_section(done))
+            console.print(f"{readme}: results section rewritten from {len(done)} experiment(s)")
+    _run(go)
+
+
+@app.command()
 def presets() -> None:
-    """List the presets."""
+    """List the presets and the experiments."""
+    from soma_cluster.experiments import experiment_names
     for name in preset_names():
         print(name)
+    for name in experiment_names():
+        print(f"experiment {name}")
 
 
 if __name__ == "__main__":

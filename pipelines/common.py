@@ -13,7 +13,6 @@ from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, storage_options_from_env
 
 console = Console(stderr=True, highlight=False)
-CONFIG = "campaign.yaml"
 
 
 def open_store(url: str, storage_options: dict | None = None) -> Store:

@@ -9,7 +9,6 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from pipelines.common import console
 from soma_cluster.checkpoint import Checkpoint, has_checkpoint, load_checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
@@ -25,10 +24,10 @@ from soma_cluster.trainer import Trainer, pick_device
 from workers.expert_worker import SEED_DIR, model_dir
 
 
-def _load(store: Store, directory: str, what: str) -> Checkpoint:
+def _load(store: Store, directory: str, what: str, name: str | None = None) -> Checkpoint:
     if not has_checkpoint(store, directory):
         raise SomaError(f"{what} has no checkpoint under {store.url}/{directory}; run soma launch (or soma resume) first")
-    return load_checkpoint(store, directory)
+    return load_checkpoint(store, directory, name)
 
 
 def _own_shard_val(store: Store, cfg: CampaignConfig, e: int, ck: Checkpoint, device: torch.device) -> float:
@@ -50,9 +49,11 @@ class Ensemble:
     seed: dict[str, torch.Tensor]
 
     @classmethod
-    def load(cls, store: Store, cfg: CampaignConfig) -> "Ensemble":
-        cks = {e: _load(store, model_dir("expert", e), expert_name(e)) for e in range(cfg.n_experts)}
-        return cls(cfg, load_router(store), cks, _load(store, SEED_DIR, "the seed model").tensors)
+    def load(cls, store: Store, cfg: CampaignConfig, step: int | None = None, router: Router | None = None) -> "Ensemble":
+        """The latest checkpoints, or those of one step (every expert must have one there)."""
+        name = None if step is None else f"step-{step:06d}"
+        cks = {e: _load(store, model_dir("expert", e), expert_name(e), name) for e in range(cfg.n_experts)}
+        return cls(cfg, router or load_router(store), cks, _load(store, SEED_DIR, "the seed model").tensors)
 
     def run(self, win: Windows, context: int, device: torch.device):
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}

@@ -46,6 +46,12 @@ def checkpoint_state(store: Store, directory: str) -> dict | None:
     return store.read_json(f"{directory}/{name}.json")["state"]
 
 
+def checkpoint_steps(store: Store, directory: str) -> list[int]:
+    """Steps of every checkpoint kept under `directory` (all are kept: a training curve can be re-evaluated)."""
+    names = store.listdir(directory)
+    return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and f"{n[:-5]}.safetensors" in names)
+
+
 def has_checkpoint(store: Store, directory: str) -> bool:
     return store.exists(f"{directory}/latest.json")
 

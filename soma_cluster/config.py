@@ -97,6 +97,24 @@ class SPSAConfig(_Section):
     pert_chunk: int = Field(32, ge=1)       # probes per batched pass (2 x pert_chunk copies; memory knob)
     compile: bool = False                   # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
     time_block: int = Field(8, ge=1)        # steps every layer advances at once: keeps activations cache-sized
+    # independent: each expert's estimate uses its own loss only (SOMA). summed: the control of SPEC section 8,
+    # every expert updated with the SUM of all experts' losses under one joint probe (needs all N experts
+    # in one actor: resources.experts_per_actor = n_experts); same starts, data, probes and update counts
+    objective: Literal["independent", "summed"] = "independent"
+
+
+class EggrollConfig(_Section):
+    """EGGROLL (low-rank antithetic ES): per matrix E = A B^T / sqrt(r), A (a x r), B (b x r) Gaussian;
+    population 2 n_pert (antithetic +-sigma), z-scored fitness. sigma starts at spsa.eps's place in the
+    schedule (it halves with lr)."""
+    rank: int = Field(1, ge=1)
+    sigma: float = Field(1e-3, gt=0.0)
+
+
+class BPTTConfig(_Section):
+    """The honest reference: exact gradients by backpropagation through time (autograd) and Adam."""
+    lr: float = Field(2e-3, gt=0.0)
+    grad_clip: float = Field(1.0, ge=0.0)   # global norm clip per expert; 0 = off
 
 
 class SeedStageConfig(_Section):
@@ -106,6 +124,9 @@ class SeedStageConfig(_Section):
 
 
 class TrainConfig(_Section):
+    # how the expert stage trains the bodies: SOMA's SPSA, or a baseline of SPEC section 8 (the seed stage
+    # is always SPSA with the delta-rule decoder)
+    method: Literal["spsa", "eggroll", "bptt"] = "spsa"
     updates: int = Field(1000, ge=1)        # updates per expert
     chunk_updates: int = Field(10, ge=1)    # updates between heartbeats (and budget checks)
     checkpoint_every: int = Field(100, ge=1)
@@ -158,6 +179,8 @@ class CampaignConfig(_Section):
     shards: ShardConfig = ShardConfig()
     model: ModelConfig = ModelConfig()
     spsa: SPSAConfig = SPSAConfig()
+    eggroll: EggrollConfig = EggrollConfig()
+    bptt: BPTTConfig = BPTTConfig()
     seed_stage: SeedStageConfig = SeedStageConfig()
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
@@ -173,6 +196,11 @@ class CampaignConfig(_Section):
             raise ValueError("eval.context_bytes must leave predictions to score inside eval.window_bytes")
         if self.model.head == "shared_frozen" and self.model.d != self.model.embed_dim:
             raise ValueError("model.head shared_frozen needs d == embed_dim; wide experts keep their own head")
+        if self.spsa.objective == "summed":
+            if self.train.method != "spsa":
+                raise ValueError("spsa.objective summed is the SPSA control; set train.method spsa")
+            if self.resources.experts_per_actor != self.n_experts:
+                raise ValueError(f"spsa.objective summed couples all experts: set resources.experts_per_actor={self.n_experts} (= n_experts)")
         return self
 
     def digest(self) -> str:
@@ -186,14 +214,14 @@ def preset_names() -> list[str]:
     return sorted(p.name[:-5] for p in root.iterdir() if p.name.endswith(".yaml"))
 
 
-def _preset_dict(name: str) -> dict[str, Any]:
+def preset_tree(name: str) -> dict[str, Any]:
     path = resources.files("soma_cluster") / "presets" / f"{name}.yaml"
     if not path.is_file():
         raise SomaError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())}")
     return yaml.safe_load(path.read_text()) or {}
 
 
-def _set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
+def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     keys = dotted.split(".")
     node = tree
     for key in keys[:-1]:
@@ -210,18 +238,18 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
         key, raw = item.split("=", 1)
-        _set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        set_dotted(tree, key.strip(), yaml.safe_load(raw))
     return tree
 
 
-def _merge(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
+def merge_trees(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
     out = dict(base)
     for key, value in top.items():
-        out[key] = _merge(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
+        out[key] = merge_trees(out[key], value) if isinstance(value, dict) and isinstance(out.get(key), dict) else value
     return out
 
 
-def _validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
+def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
     try:
         return CampaignConfig.model_validate(tree)
     except ValidationError as exc:
@@ -232,7 +260,7 @@ def _validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
 
 def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, config_file: str | None = None) -> CampaignConfig:
     """Defaults <- preset file <- optional user YAML <- key=value overrides."""
-    tree = _preset_dict(preset)
+    tree = preset_tree(preset)
     tree["preset"] = preset
     origin = f"preset {preset}"
     if config_file:
@@ -245,10 +273,10 @@ def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, confi
             raise SomaError(f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax") from None
         if not isinstance(user, dict):
             raise SomaError(f"config file {config_file} must hold a mapping of sections; see soma_cluster/presets/")
-        tree, origin = _merge(tree, user), f"config file {config_file}"
+        tree, origin = merge_trees(tree, user), f"config file {config_file}"
     if overrides:
-        tree, origin = _merge(tree, overrides), "overrides"
-    return _validated(tree, origin)
+        tree, origin = merge_trees(tree, overrides), "overrides"
+    return validated(tree, origin)
 
 
 def from_yaml_text(text: str, origin: str) -> CampaignConfig:
@@ -258,7 +286,7 @@ def from_yaml_text(text: str, origin: str) -> CampaignConfig:
         raise SomaError(f"{origin} is not valid YAML; restore it from a backup or start a new campaign") from None
     if not isinstance(tree, dict):
         raise SomaError(f"{origin} does not hold a campaign config; restore it or start a new campaign")
-    return _validated(tree, origin)
+    return validated(tree, origin)
 
 
 CONFIG_FILE = "campaign.yaml"

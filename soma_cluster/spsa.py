@@ -2,7 +2,8 @@
 
     d_j = (L(theta + eps z_j) - L(theta - eps z_j)) / (2 eps),   g_hat = mean_j d_j z_j
 Probes: LayerNorm gains dense +-1; every other body coordinate 0 w.p. 1/2, +-1 w.p. 1/4 each.
-All 2 n_pert copies see the same batch and are evaluated in batched passes of `pert_chunk` probes.
+All 2 n_pert copies see the same batch and are evaluated in batched passes of `pert_chunk` probes
+(`paired_losses`, shared with the EGGROLL baseline in soma_cluster.eggroll).
 """
 from __future__ import annotations
 
@@ -40,27 +41,39 @@ class Estimate:
     forwards: int               # perturbed-copy forwards per expert
 
 
-def spsa_estimate(theta: torch.Tensor, z: torch.Tensor, eps, loss_fn: LossFn, pert_chunk: int) -> Estimate:
-    """Central-difference SPSA, each expert on its own batch: probes in chunks, and each chunk of every
-    expert's +/- copies is ONE batched forward. theta (G, M) with z (G, n, M) and eps (G,) -- or a single
-    expert: theta (M,), z (n, M), eps float."""
-    single = theta.dim() == 1
-    if single:
-        theta, z = theta[None], z[None]
+def paired_losses(theta: torch.Tensor, z: torch.Tensor, scale, loss_fn: LossFn, pert_chunk: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """L(theta + s z_j) and L(theta - s z_j) of G experts, each on its own batch: probes in chunks, and each
+    chunk of every expert's +/- copies is ONE batched forward. theta (G, M), z (G, n, M), scale (G,) or a
+    float -> (L+, L-) each (G, n)."""
     g, n, _ = z.shape
-    eps_t = torch.as_tensor(eps, dtype=theta.dtype, device=theta.device).reshape(-1).expand(g)[:, None, None]
-    diffs, sums = [], []
+    s = torch.as_tensor(scale, dtype=theta.dtype, device=theta.device).reshape(-1).expand(g)[:, None, None]
+    plus, minus = [], []
     for a in range(0, n, pert_chunk):
         zc = z[:, a:a + pert_chunk]                                  # (G, c, M)
         c = zc.shape[1]
-        bodies = torch.cat([theta[:, None] + eps_t * zc, theta[:, None] - eps_t * zc], dim=1)   # (G, 2c, M)
+        bodies = torch.cat([theta[:, None] + s * zc, theta[:, None] - s * zc], dim=1)   # (G, 2c, M)
         losses = loss_fn(bodies.reshape(g * 2 * c, -1)).view(g, 2 * c)
-        lp, lm = losses[:, :c], losses[:, c:]
-        diffs.append((lp - lm) / (2 * eps_t[:, :, 0]))
-        sums.append(lp + lm)
-    d = torch.cat(diffs, dim=1)                                      # (G, n)
+        plus.append(losses[:, :c])
+        minus.append(losses[:, c:])
+    return torch.cat(plus, dim=1), torch.cat(minus, dim=1)
+
+
+def spsa_estimate(theta: torch.Tensor, z: torch.Tensor, eps, loss_fn: LossFn, pert_chunk: int, summed: bool = False) -> Estimate:
+    """Central-difference SPSA of G experts at once. theta (G, M) with z (G, n, M) and eps (G,) -- or a single
+    expert: theta (M,), z (n, M), eps float. `summed` is the control of SPEC section 8: probe j perturbs
+    every expert at once (the joint direction is the concatenation of their z_j) and each expert's estimate
+    is driven by the difference of the SUM of all experts' losses, d_j = sum_i d_ij, instead of its own d_ij."""
+    single = theta.dim() == 1
+    if single:
+        theta, z = theta[None], z[None]
+    n = z.shape[1]
+    lp, lm = paired_losses(theta, z, eps, loss_fn, pert_chunk)
+    eps_t = torch.as_tensor(eps, dtype=lp.dtype, device=lp.device).reshape(-1).expand(lp.shape[0])[:, None]
+    d = (lp - lm) / (2 * eps_t)                                      # (G, n)
+    if summed:
+        d = d.sum(dim=0, keepdim=True).expand_as(d)
     grad = torch.einsum("gn,gnm->gm", d, z) / n
-    loss = torch.cat(sums, dim=1).mean(dim=1) / 2
+    loss = (lp + lm).mean(dim=1) / 2
     return Estimate(grad[0] if single else grad, loss[0] if single else loss, 2 * n)
 
 

@@ -205,6 +205,19 @@ class Store:
                 return []
         return self._retry(f"list {rel}", ls)
 
+    def walk(self, rel: str) -> list[str]:
+        """Paths (relative to the root) of every file under rel, sorted; empty when rel does not exist.
+        Temporary names of writes in flight (".tmp-*") are left out."""
+        base = self.full(rel)
+
+        def find() -> list[str]:
+            try:
+                return sorted(self.fs.find(base))        # s3fs lists a whole prefix from the server, never its cache
+            except FileNotFoundError:
+                return []
+        paths = [p[len(self.root) + 1:] for p in self._retry(f"list {rel}", find)]
+        return [p for p in paths if not PurePosixPath(p).name.startswith(".tmp-")]
+
     def local_copy(self, rel: str, cache_dir: str, sha: str | None = None) -> str:
         """A local filesystem path to the artifact (itself when local; a cached download otherwise).
 

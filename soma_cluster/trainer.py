@@ -11,7 +11,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from soma_cluster.config import ModelConfig, SPSAConfig
+from soma_cluster.config import BPTTConfig, EggrollConfig, ModelConfig, SPSAConfig
+from soma_cluster.eggroll import directions, eggroll_estimate
 from soma_cluster.model import Layout, body_forward, copy_losses, decoder_gradient
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import Adam, Schedule, derive_seed, probes, spsa_estimate
@@ -82,13 +83,21 @@ class UpdateStats:
     forwards: int
 
 
+@dataclass(frozen=True)
+class Method:
+    """How the body is trained: SOMA's SPSA (objective in SPSAConfig), or a baseline of SPEC section 8."""
+    name: str = "spsa"                         # "spsa", "eggroll" or "bptt"
+    eggroll: EggrollConfig = EggrollConfig()
+    bptt: BPTTConfig = BPTTConfig()
+
+
 class Trainer:
     """Trains one expert on one shard. `seed` and `expert` name the RNG streams."""
 
     def __init__(self, model: ModelConfig, spsa: SPSAConfig, shard: Shard, state: TrainState, seed: int, expert: int,
-                 device: torch.device, val_rows: int):
+                 device: torch.device, val_rows: int, method: Method = Method()):
         self.model, self.spsa, self.shard, self.state = model, spsa, shard, state
-        self.seed, self.expert, self.device = seed, expert, device
+        self.seed, self.expert, self.device, self.method = seed, expert, device, method
         self.layout = Layout(model)
         self.gain_mask = self.layout.gain_mask(device)
         self._perm: tuple[int, np.ndarray] | None = None
@@ -131,7 +140,7 @@ class Trainer:
         return update_experts([self])[0]
 
     def apply(self, grad: torch.Tensor, head_grad: torch.Tensor | None, loss: float, forwards: int, tokens: int) -> UpdateStats:
-        """Coupled weight decay, then Adam on the body (and on the head when it trains)."""
+        """Coupled weight decay, then Adam on the body (and on the head when it trains); the same for every method."""
         st, cfg = self.state, self.spsa
         grad = grad + cfg.weight_decay * st.body
         st.body_opt.step(st.body, grad, st.schedule.lr, cfg)
@@ -157,10 +166,11 @@ class Trainer:
 
 @torch.no_grad()
 def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
-    """One SPSA update of G independent experts in shared batched passes (the expert axis).
+    """One update of G independent experts in shared batched passes (the expert axis).
 
     Each expert keeps its own data, probes, eps, optimizer and head; only the forward is shared, so
-    the result for each expert is what it would get alone (up to float reassociation in bmm)."""
+    the result for each expert is what it would get alone (up to float reassociation in bmm) -- except
+    under spsa.objective summed, the control in which the experts' loss differences are added up."""
     t0 = trainers[0]
     model, cfg = t0.model, t0.spsa
     train_head = t0.state.head_opt is not None
@@ -171,23 +181,24 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
     forwards = 0
     cursors = [(t.state.epoch, t.state.cursor) for t in trainers]
     for micro in range(cfg.accum):
-        batches = [t.batch(micro) for t in trainers]
-        x = torch.stack([b[0] for b in batches]) if g > 1 else batches[0][0]
-        y = torch.stack([b[1] for b in batches]) if g > 1 else batches[0][1]
-        heads = torch.stack([t.state.head for t in trainers]) if g > 1 else t0.state.head
-        z = torch.stack([probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers])
-        theta = torch.stack([t.state.body for t in trainers])
-        eps = [t.state.schedule.eps for t in trainers]
-        est = spsa_estimate(theta, z, eps, lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block), cfg.pert_chunk)
-        grad += est.grad / cfg.accum
-        loss += est.loss.double() / cfg.accum
-        forwards += est.forwards
-        if train_head:      # the decoder learns from h at theta itself: one more forward per expert
-            h = body_forward(model, theta, heads, x, cfg.compile)
-            for i, t in enumerate(trainers):
-                head_grad[i] += decoder_gradient(h[i:i + 1], t.state.head, y if g == 1 else y[i]) / cfg.accum
-            forwards += 1
-    tokens = forwards * batches[0][0].numel()
+        x, y, heads = _packed_batch(trainers, micro)
+        if t0.method.name == "bptt":
+            est_grad, est_loss, fw, hg = _backprop(trainers, x, y, heads)
+        else:
+            theta = torch.stack([t.state.body for t in trainers])
+            est = _zo_estimate(trainers, theta, micro, lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block))
+            est_grad, est_loss, fw, hg = est.grad, est.loss, est.forwards, None
+            if train_head:  # the decoder learns from h at theta itself: one more forward per expert
+                h = body_forward(model, theta, heads, x, cfg.compile)
+                hg = [decoder_gradient(h[i:i + 1], t.state.head, y if g == 1 else y[i]) for i, t in enumerate(trainers)]
+                fw += 1
+        grad += est_grad / cfg.accum
+        loss += est_loss.double() / cfg.accum
+        forwards += fw
+        if train_head:
+            for i in range(g):
+                head_grad[i] += hg[i] / cfg.accum
+    tokens = forwards * x.shape[-2] * x.shape[-1]          # byte-tokens per expert: forwards x B x T
     bad = [i for i in range(g) if not math.isfinite(float(loss[i])) or not torch.isfinite(grad[i]).all()]
     if bad:             # checked for all before any is applied, so a pack can drop the bad ones and redo the rest
         for t, (epoch, cursor) in zip(trainers, cursors):
@@ -195,3 +206,47 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
         t = trainers[bad[0]]
         raise NonFiniteLoss(f"expert {t.expert}: non-finite loss {float(loss[bad[0]])} at step {t.state.step}", bad)
     return [t.apply(grad[i], head_grad[i] if train_head else None, float(loss[i]), forwards, tokens) for i, t in enumerate(trainers)]
+
+
+def _packed_batch(trainers: list[Trainer], micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """x, y (B, T) for one expert or (G, B, T) for a pack, and the head(s) (256, e) or (G, 256, e)."""
+    batches = [t.batch(micro) for t in trainers]
+    if len(trainers) == 1:
+        return batches[0][0], batches[0][1], trainers[0].state.head
+    return (torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]),
+            torch.stack([t.state.head for t in trainers]))
+
+
+def _zo_estimate(trainers: list[Trainer], theta: torch.Tensor, micro: int, loss_fn):
+    """The zero-order estimate of every expert's body gradient: SPSA (SOMA, or the summed control) or EGGROLL.
+    Probes/directions are regenerated from (campaign seed, expert, step, micro-batch)."""
+    t0 = trainers[0]
+    cfg, m = t0.spsa, t0.method
+    scale = [t.state.schedule.eps for t in trainers]          # SPSA's eps, or EGGROLL's sigma
+    if m.name == "eggroll":
+        e = torch.stack([directions(t.layout, cfg.n_pert, m.eggroll.rank, derive_seed(t.seed, t.expert, "eggroll", t.state.step, micro),
+                                    t.device) for t in trainers])
+        return eggroll_estimate(theta, e, scale, loss_fn, cfg.pert_chunk)
+    z = torch.stack([probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers])
+    return spsa_estimate(theta, z, scale, loss_fn, cfg.pert_chunk, summed=cfg.objective == "summed")
+
+
+def _backprop(trainers: list[Trainer], x: torch.Tensor, y: torch.Tensor, heads: torch.Tensor):
+    """BPTT: the exact gradient of each expert's batch loss by autograd through the whole sequence (the head
+    too when it trains), clipped per expert to bptt.grad_clip. One forward (and one backward) per expert."""
+    t0 = trainers[0]
+    train_head = t0.state.head_opt is not None
+    with torch.enable_grad():
+        theta = torch.stack([t.state.body for t in trainers]).requires_grad_(True)
+        h = heads.detach().clone().requires_grad_(True) if train_head else heads
+        losses = copy_losses(t0.model, theta, h, x, y, block=t0.spsa.time_block)        # (G,)
+        losses.sum().backward()                                                         # experts are independent
+    grad = theta.grad
+    head_grad = (h.grad if h.grad.dim() == 3 else h.grad[None]) if train_head else None
+    clip = t0.method.bptt.grad_clip
+    if clip > 0:
+        sq = grad.pow(2).sum(dim=1) + (head_grad.pow(2).sum(dim=(1, 2)) if train_head else 0)
+        factor = (clip / sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
+        grad = grad * factor[:, None]
+        head_grad = head_grad * factor[:, None, None] if train_head else None
+    return grad, losses.detach(), 1, list(head_grad) if train_head else None

@@ -1,8 +1,10 @@
-"""Shared fixtures: Ray on loopback only, a small real-text corpus, a micro campaign config."""
+"""Shared fixtures: Ray on loopback only, a small real-text corpus, a micro campaign config, the CLI runner."""
 from __future__ import annotations
 
 import os
 import shutil
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -10,6 +12,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
     os.environ.setdefault(_k, _v)
 
 import pytest  # noqa: E402
+import yaml  # noqa: E402
 
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.corpus import builtin_documents  # noqa: E402
@@ -37,6 +40,26 @@ def micro_config(**sections):
         else:
             tree[key] = value
     return resolve("tiny", tree)
+
+
+def soma(*args, timeout=300):
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+
+
+@pytest.fixture(scope="module")
+def micro_yaml(tmp_path_factory) -> str:
+    path = tmp_path_factory.mktemp("cfg") / "micro.yaml"
+    path.write_text(yaml.safe_dump(MICRO))
+    return str(path)
+
+
+def assert_one_line_error(proc, *needles):
+    assert proc.returncode == 2, (proc.stdout, proc.stderr)
+    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, proc.stderr
+    for needle in needles:
+        assert needle in lines[0], lines[0]
 
 
 @pytest.fixture(scope="session")

@@ -1,35 +1,9 @@
 """The `soma` CLI end to end on a small real-text corpus, and its one-line errors (exit 2) on bad input."""
 import json
-import os
 import shutil
-import subprocess
-import sys
-from pathlib import Path
-
-import pytest
-import yaml
-
-from conftest import MICRO
 
 
-def soma(*args, timeout=300):
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
-
-
-@pytest.fixture(scope="module")
-def micro_yaml(tmp_path_factory) -> str:
-    path = tmp_path_factory.mktemp("cfg") / "micro.yaml"
-    path.write_text(yaml.safe_dump(MICRO))
-    return str(path)
-
-
-def assert_one_line_error(proc, *needles):
-    assert proc.returncode == 2, (proc.stdout, proc.stderr)
-    lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, proc.stderr
-    for needle in needles:
-        assert needle in lines[0], lines[0]
+from conftest import assert_one_line_error, soma
 
 
 def test_end_to_end(tmp_path, text_corpus, micro_yaml):

@@ -22,7 +22,7 @@ from soma_cluster.model import init_body, init_head
 from soma_cluster.shards import Shard, expert_name, open_shard
 from soma_cluster.spsa import derive_seed
 from soma_cluster.storage import Store
-from soma_cluster.trainer import NonFiniteLoss, Trainer, TrainState, pick_device, update_experts
+from soma_cluster.trainer import Method, NonFiniteLoss, Trainer, TrainState, pick_device, update_experts
 
 SEED_DIR = "seed"
 
@@ -44,7 +44,15 @@ def start_state(store: Store, cfg: CampaignConfig, role: str, device: torch.devi
         body, head = init_body(cfg.model, gen), init_head(cfg.model, gen)
         return TrainState.fresh(body.to(device), head.to(device), True, cfg.seed_stage.eps, cfg.seed_stage.lr)
     seed = load_checkpoint(store, SEED_DIR).state(device)
-    return TrainState.fresh(seed.body, seed.head, cfg.model.head == "own", cfg.spsa.eps, cfg.spsa.lr)
+    method = cfg.train.method
+    eps = cfg.eggroll.sigma if method == "eggroll" else cfg.spsa.eps      # the perturbation scale the schedule halves
+    lr = cfg.bptt.lr if method == "bptt" else cfg.spsa.lr
+    return TrainState.fresh(seed.body, seed.head, cfg.model.head == "own", eps, lr)
+
+
+def training_method(cfg: CampaignConfig, role: str) -> Method:
+    """The seed stage is always SPSA with the delta-rule decoder; experts train by train.method."""
+    return Method(cfg.train.method if role == "expert" else "spsa", cfg.eggroll, cfg.bptt)
 
 
 @dataclass
@@ -129,7 +137,8 @@ class ExpertWorker:
         resumed = has_checkpoint(self.store, directory)
         state = load_checkpoint(self.store, directory).state(device) if resumed else start_state(self.store, cfg, self.role, device)
         target = cfg.seed_stage.updates if self.role == "seed" else cfg.train.updates
-        trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, expert, device, cfg.train.val_batches * cfg.spsa.batch)
+        trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, expert, device, cfg.train.val_batches * cfg.spsa.batch,
+                          training_method(cfg, self.role))
         return Member(expert, attempt, directory, trainer, target, resumed, state.forwards, state.tokens,
                       state.step if resumed else -1)
 
@@ -156,7 +165,6 @@ class ExpertWorker:
     def run_chunk(self, max_updates: int, caps: dict[int, float | None] | float | None = None) -> dict:
         """Up to max_updates updates of every live member; a member stops early (with a checkpoint) if the
         next chunk would overrun its budget (`caps`: GPU-seconds per expert, its own cumulative clock)."""
-        cfg = self.cfg
         caps = caps if isinstance(caps, dict) else dict.fromkeys(self.members, caps)
         todo = min(max_updates, max((m.target - m.trainer.state.step for m in self._live()), default=0))
         if self.sec_per_update is None:

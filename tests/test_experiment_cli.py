@@ -1,0 +1,107 @@
+"""`soma experiment` end to end at micro size: every arm a real campaign on a local Ray (prepare or fork, seed,
+launch under a GPU-hour budget, eval with its curve), then the report, its figures and the README section."""
+import json
+from pathlib import Path
+
+from conftest import assert_one_line_error, soma
+
+MICRO_SETS = ["corpus.max_bytes=1500000", "router.max_features=5000", "router.min_df=3", "router.svd_dim=16",
+              "router.sample_chunks=2000", "router.kmeans_iters=10", "shards.min_train_seqs=16",
+              "spsa.n_pert=4", "spsa.batch=4", "spsa.seq_len=64", "spsa.pert_chunk=4", "seed_stage.updates=6",
+              "train.chunk_updates=3", "train.checkpoint_every=6", "train.val_every=6", "train.val_batches=1",
+              "eval.max_windows=24", "eval.bootstrap=200", "eval.batch=8"]
+
+
+def sets(*extra):
+    return [a for s in (*MICRO_SETS, *extra) for a in ("--set", s)]
+
+
+def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path):
+    out = tmp_path / "zo"
+    proc = soma("experiment", "zo-compare", str(out), "--no-progress", *sets("budget.campaign_gpu_hours=0.003"), timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    res = json.loads((out / "results.json").read_text())
+    arms = res["seeds"]["0"]
+    assert set(arms) == {"soma", "bptt", "mono-spsa", "eggroll"}
+    assert [arms[a]["method"] for a in ("soma", "bptt", "mono-spsa", "eggroll")] == ["spsa", "bptt", "spsa", "eggroll"]
+    assert arms["mono-spsa"]["n_experts"] == 1 and abs(arms["mono-spsa"]["parameters"] / arms["soma"]["parameters"] - 1) < 0.01
+    for name, r in arms.items():
+        # matched GPU-hours: each arm's campaign budget bound it (seed included), within the stated overrun bound
+        assert set(r["outcomes"]) == {"budget_exhausted"}, (name, r["outcomes"])
+        assert 0.0025 < r["gpu_hours"] < 0.003 + 4 * 5.5 / 3600, (name, r["gpu_hours"])
+        steps = [p["step"] for p in r["curve"]]
+        assert steps[0] == 0 and steps == sorted(steps) and len(steps) >= 3
+        fw = [p["forwards"] for p in r["curve"]]
+        assert fw == sorted(fw) and fw[-1] == r["forwards"]
+        if name != "soma":      # paired against SOMA on the same test windows
+            assert r["vs_reference"] is not None
+            assert abs(r["vs_reference"]["nats_per_byte"] - (r["ensemble"]["nats_per_byte"] - arms["soma"]["ensemble"]["nats_per_byte"])) < 1e-9
+    # forks share the parent's data and seed model byte for byte, and carry its seed cost
+    for child, parent in (("bptt", "soma"), ("eggroll", "mono-spsa")):
+        c, p = out / "s0" / child, out / "s0" / parent
+        for rel in ("seed/latest.json", "test/windows.arrow", "shards/expert-0000/val.arrow", "router/router.json"):
+            if (p / rel).exists():
+                assert (c / rel).read_bytes() == (p / rel).read_bytes(), (child, rel)
+        assert arms[child]["gpu_hours_by_category"]["seed"] == arms[parent]["gpu_hours_by_category"]["seed"] > 0
+    report = (out / "report.md").read_text()
+    assert "matched forward passes" in report and "not backpropagation" in report
+    assert all(f"**{e['better']} vs {e['worse']}**" in report for e in res["expect"])
+    for png in ("loss_vs_gpu_hours.png", "loss_vs_forwards.png"):
+        assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    # the same command again resumes: nothing is retrained, the results are the same campaigns
+    events = (out / "s0" / "soma" / "events.jsonl").read_text()
+    again = soma("experiment", "zo-compare", str(out), "--no-progress", *sets("budget.campaign_gpu_hours=0.003"), timeout=600)
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert (out / "s0" / "soma" / "events.jsonl").read_text() == events
+    # another experiment (or other overrides) in the same directory is refused, nothing touched
+    assert_one_line_error(soma("experiment", "zo-compare", str(out), *sets("budget.campaign_gpu_hours=0.004")), "holds experiment zo-compare")
+    assert (out / "s0" / "soma" / "events.jsonl").read_text() == events
+
+
+def test_variance_experiment_and_readme_section(tmp_path):
+    out = tmp_path / "var"
+    proc = soma("experiment", "variance", str(out), "--no-progress", *sets(), timeout=600)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    v = json.loads((out / "results.json").read_text())["seeds"]["0"]
+    for r in v["fixed"]:
+        assert abs(r["reduction"] / r["predicted_reduction"] - 1) < 0.15, r
+    assert v["model"]["n_blocks"] == 4 and v["model"]["reduction"] > 1.5      # real experts: far less variance alone
+    readme = tmp_path / "README.md"
+    readme.write_text("# soma\n\n## Layout\n")
+    proc = soma("report", str(out), "--readme", str(readme))
+    assert proc.returncode == 0, proc.stderr
+    text = readme.read_text()
+    assert "<!-- results:begin -->" in text and "real experts (seed init.)" in text and text.endswith("## Layout\n")
+    assert Path(out / "variance.png").exists()
+
+
+def test_experiment_bad_input_is_one_line(tmp_path):
+    assert_one_line_error(soma("experiment", "nope", str(tmp_path / "x")), "unknown experiment 'nope'")
+    assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--scale", "huge"), "no scale 'huge'")
+    assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--set", "spsa.objective=bogus"), "spsa.objective")
+    foreign = tmp_path / "foreign"
+    foreign.mkdir()
+    (foreign / "keep.txt").write_text("mine")
+    assert_one_line_error(soma("experiment", "variance", str(foreign)), "not empty")
+    assert (foreign / "keep.txt").read_text() == "mine"
+    assert not (tmp_path / "x").exists()
+
+
+def test_fork_cli_shares_data_and_seed_and_refuses_what_it_cannot_share(tmp_path, text_corpus, micro_yaml):
+    parent, child = str(tmp_path / "parent"), str(tmp_path / "child")
+    assert soma("prepare", parent, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
+    assert_one_line_error(soma("fork", parent, child, "--set", "train.method=bptt"), "no finished seed model")
+    assert soma("seed", parent, "--no-progress").returncode == 0
+    assert_one_line_error(soma("fork", parent, child, "--set", "model.d=16"), "cannot change model")
+    proc = soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6").returncode == 0   # no-op
+    assert_one_line_error(soma("fork", parent, child, "--set", "train.method=eggroll"), "different campaign")
+    proc = soma("launch", child, "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    events = [json.loads(line) for line in (tmp_path / "child" / "events.jsonl").read_text().splitlines()]
+    assert [e["event"] for e in events if e["job"] == "expert-0000"][-1] == "finished"
+    assert any(e["event"] == "forked" for e in events)
+    assert not (tmp_path / "parent" / "experts").exists()          # the parent is untouched
+    ledger = [json.loads(line) for line in (tmp_path / "child" / "ledger" / "ledger.jsonl").read_text().splitlines()]
+    assert any(r["category"] == "seed" for r in ledger) and any(r["category"] == "expert_training" and r["forwards"] > 0 for r in ledger)
