@@ -70,7 +70,7 @@ def _arm_result(spec: ExperimentSpec, arm, store: Store, cfg: CampaignConfig, re
     totals = Ledger(store).totals()
     hist = history(store)
     experts = [hist.get(expert_name(e)) for e in range(cfg.n_experts)]
-    pts = curve(store, cfg)
+    pts = curve(store, cfg, spec.curve_points)
     return {
         "label": arm.label, "fork": arm.fork, "n_experts": cfg.n_experts, "d": cfg.model.d, "head": cfg.model.head,
         "method": cfg.train.method, "objective": cfg.spsa.objective, "parameters": campaign_param_count(cfg.model, cfg.n_experts),

@@ -77,9 +77,10 @@ def matched_forwards(res: dict) -> str:
     arms = next(iter(res["seeds"].values()))
     zo = [r for r in arms.values() if r["method"] != "bptt"] or list(arms.values())
     target = min(r["curve"][-1]["forwards"] for r in zo)
+    bptt = (" A BPTT update is one forward and one backward (about two forwards more of compute), so BPTT rarely "
+            "reaches that count within the same GPU-hours." if len(zo) < len(arms) else "")
     lines = [f"At matched forward passes: each arm at its last evaluated checkpoint with at most {target:,} forwards, the "
-             "smallest total any zero-order arm reached (seed-stage forwards included). A BPTT update is one forward and "
-             "one backward (about two forwards more of compute), so BPTT rarely reaches that count within the same GPU-hours.", "",
+             f"smallest total any zero-order arm reached (seed-stage forwards included).{bptt}", "",
              "| arm | step | forwards | GPU-hours | test nats/byte [95% CI] |", "|---|---|---|---|---|"]
     for r in arms.values():
         p = [q for q in r["curve"] if q["forwards"] <= target][-1]
@@ -112,7 +113,7 @@ def verdicts(res: dict) -> list[str]:
         sign = "matches the paper's sign" if mean < 0 else "does NOT match the paper's sign"
         conf = " (every seed's paired 95% CI excludes zero)" if strong else " (not every seed's paired CI excludes zero)" if mean < 0 else ""
         per = ", ".join(f"{d['nats_per_byte']:+.4f}" for d in diffs)
-        lines.append(f"- **{e['better']} vs {e['worse']}**: {e['better']} minus {e['worse']} = {mean:+.4f} nats/byte "
+        lines.append(f"- **{e['better']} vs {e['worse']}** (final test loss, each arm at its own budget): {e['better']} minus {e['worse']} = {mean:+.4f} nats/byte "
                      f"(per seed: {per}): {sign}{conf}. Paper: {e['paper']}.")
     return lines
 
@@ -168,15 +169,14 @@ def _plot_curves(res: dict, x_key: str, xlabel: str) -> bytes:
 
 def _plot_variance(res: dict) -> bytes:
     fig, ax = _figure((6, 4))
-    for seed, v in res["seeds"].items():
-        for probe, marker in (("rademacher", "o"), ("ternary", "s")):
-            rows = [r for r in v["fixed"] if r["probe"] == probe]
-            ax.plot([r["n_blocks"] for r in rows], [r["reduction"] for r in rows], marker=marker, ls="", label=f"measured, {probe} probes")
-        n = sorted({r["n_blocks"] for r in v["fixed"]})
-        ax.plot(n, [1 / r["predicted_ratio"] for r in v["fixed"] if r["probe"] == "rademacher"], "k--", label="(M-1)/(M/N-1)")
-        if "model" in v:
-            ax.plot([v["model"]["n_blocks"]], [v["model"]["reduction"]], "r*", ms=12, label="measured, real experts")
-        break
+    v = next(iter(res["seeds"].values()))          # the first seed's measurements
+    for probe, marker in (("rademacher", "o"), ("ternary", "s")):
+        rows = [r for r in v["fixed"] if r["probe"] == probe]
+        ax.plot([r["n_blocks"] for r in rows], [r["reduction"] for r in rows], marker=marker, ls="", label=f"measured, {probe} probes")
+    rad = [r for r in v["fixed"] if r["probe"] == "rademacher"]
+    ax.plot([r["n_blocks"] for r in rad], [1 / r["predicted_ratio"] for r in rad], "k--", label="(M-1)/(M/N-1)")
+    if "model" in v:
+        ax.plot([v["model"]["n_blocks"]], [v["model"]["reduction"]], "r*", ms=12, label="measured, real experts")
     ax.set_xlabel("N (blocks / experts)")
     ax.set_ylabel("variance reduction: shared / independent")
     ax.set_title("Relative variance of SPSA: shared loss / independent loss", fontsize=9)
@@ -218,8 +218,8 @@ def headline(res: dict) -> str:
     return "\n".join(parts)
 
 
-def render(res: dict) -> str:
-    pics = "\n".join(f"![{n}]({n})" for n in figures_names(res))
+def render(res: dict, figure_names: list[str]) -> str:
+    pics = "\n".join(f"![{n}]({n})" for n in figure_names)
     return f"""# {res['title']} ({res['scale']} scale)
 
 Experiment `{res['experiment']}`, overrides {res['overrides'] or 'none'}, seeds {', '.join(res['seeds'])}; this run's wall time
@@ -236,14 +236,11 @@ included, evaluation not); on a CPU-only host a logical GPU's GPU-seconds are it
 """
 
 
-def figures_names(res: dict) -> list[str]:
-    return ["variance.png"] if res["kind"] == "variance" else ["loss_vs_gpu_hours.png", "loss_vs_forwards.png"]
-
-
 def write_report(store: Store, res: dict) -> str:
-    for name, png in figures(res).items():
+    pngs = figures(res)
+    for name, png in pngs.items():
         store.write_bytes(name, png)
-    store.write_bytes("report.md", render(res).encode())
+    store.write_bytes("report.md", render(res, list(pngs)).encode())
     return f"{store.url}/report.md"
 
 

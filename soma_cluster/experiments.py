@@ -63,6 +63,7 @@ class ExperimentSpec(_Spec):
     arms: list[ArmSpec] = Field(default_factory=list)
     expect: list[Expectation] = Field(default_factory=list)
     variance: VarianceSpec | None = None
+    curve_points: int = Field(12, ge=1)         # checkpoints evaluated per arm for its curve (each a full test eval)
 
     @model_validator(mode="after")
     def _arms_known(self) -> "ExperimentSpec":
@@ -75,8 +76,13 @@ class ExperimentSpec(_Spec):
                 raise ValueError(f"{ref!r} names no arm of this experiment")
         return self
 
+    def scale(self, name: str) -> ScaleSpec:
+        if name not in self.scales:
+            raise SomaError(f"experiment {self.name} has no scale {name!r}; choose one of {', '.join(self.scales)}")
+        return self.scales[name]
+
     def seeds_at(self, scale: str) -> list[int]:
-        return self.scales[scale].seeds or self.seeds
+        return self.scale(scale).seeds or self.seeds
 
     def ordered_arms(self) -> list[ArmSpec]:
         """Arms that others fork or size themselves by come first."""
@@ -127,9 +133,7 @@ def width_for(n_experts: int, total: int, embed_dim: int, depth: int) -> int:
 
 def arm_configs(spec: ExperimentSpec, scale: str, seed: int, user: dict[str, Any] | None = None) -> dict[str, CampaignConfig]:
     """The resolved campaign config of every arm: preset <- scale overrides <- arm overrides <- user overrides."""
-    if scale not in spec.scales:
-        raise SomaError(f"experiment {spec.name} has no scale {scale!r}; choose one of {', '.join(spec.scales)}")
-    sc = spec.scales[scale]
+    sc = spec.scale(scale)
     out: dict[str, CampaignConfig] = {}
     trees: dict[str, dict[str, Any]] = {}
     for arm in spec.ordered_arms():

@@ -92,7 +92,7 @@ def test_fork_cli_shares_data_and_seed_and_refuses_what_it_cannot_share(tmp_path
     assert soma("prepare", parent, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
     assert_one_line_error(soma("fork", parent, child, "--set", "train.method=bptt"), "no finished seed model")
     assert soma("seed", parent, "--no-progress").returncode == 0
-    assert_one_line_error(soma("fork", parent, child, "--set", "model.d=16"), "cannot change model")
+    assert_one_line_error(soma("fork", parent, child, "--set", "model.depth=3"), "cannot change model")
     proc = soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6").returncode == 0   # no-op

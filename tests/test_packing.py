@@ -110,5 +110,6 @@ def test_reused_actor_takes_the_next_pack_and_accounts_every_second(seeded4, pac
     start = min(e["t"] for e in launched if e["job"] != "seed")
     end = max(e["t"] for e in events(store, kind="finished") if e["job"] != "seed")
     spent = sum(totals.per_expert_gpu_seconds[e] for e in range(N))
-    assert spent <= (end - start) * 4.0 + 1e-6
+    # (the events' timestamps are taken a moment after the clocks they bracket: a few ms of slack)
+    assert spent <= (end - start + 0.02) * 4.0
     assert spent >= (end - start) * 4.0 * 0.8                          # the actor start is counted as held, too
