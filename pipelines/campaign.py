@@ -387,13 +387,14 @@ class Driver:
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
-            # group commit: the records of every result in FLUSH_S go out in one durable write per log
-            with self.store.batch():
+            # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
+            # by a background thread so the loop never waits on the disk or the object store
+            with self.store.batch(background=True):
                 flushed = time.monotonic()
                 while pending or self.live or self.retry_at:
                     self._sweep(by_name)
                     if time.monotonic() - flushed >= FLUSH_S:
-                        self.store.flush()
+                        self.store.flush(wait=False)
                         flushed = time.monotonic()
                     if self.show:
                         self._show(bar, overall, tasks, targets)

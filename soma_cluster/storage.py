@@ -10,8 +10,10 @@ import hashlib
 import json
 import logging
 import os
+import queue
 import re
 import tempfile
+import threading
 import time
 import uuid
 from contextlib import contextmanager
@@ -106,6 +108,7 @@ class Store:
         self.storage_options = dict(storage_options or {})
         self._log_cache: dict[str, dict[str, list[dict[str, Any]]]] = {}   # remote logs: object name -> its records
         self._batch: dict[str, list[str]] | None = None    # appends held back inside `batch()`: log -> lines
+        self._writer: _LogWriter | None = None              # the background writer of a `batch(background=True)`
 
     def __repr__(self) -> str:          # never the storage options: they may hold credentials
         return f"Store({self.url!r})"
@@ -249,25 +252,39 @@ class Store:
             self._write_lines(log, [line])
 
     @contextmanager
-    def batch(self) -> Iterator[None]:
-        """Hold appends back and write each log's records together at the end: one fdatasync (local) or one
-        object (remote) per log instead of one per record. A crash inside loses the held records, as a crash
-        just before them would; reads inside see them (they are written first)."""
+    def batch(self, background: bool = False) -> Iterator[None]:
+        """Hold appends back and write each log's records together: one fdatasync (local) or one object
+        (remote) per log and flush instead of one per record. With `background`, `flush(wait=False)` hands
+        the held records to one writer thread (in order), so the caller's loop does not wait on the disk or
+        the store. A crash inside loses the records not yet written, as a crash just before them would; reads
+        inside see them (they are written first). The batch's end writes and waits for everything."""
         if self._batch is not None:          # nested: the outer batch writes
             yield
             return
         self._batch = {}
+        self._writer = _LogWriter(self._write_lines) if background else None
         try:
             yield
         finally:
-            self.flush()
-            self._batch = None
+            try:
+                self.flush()
+            finally:
+                if self._writer is not None:
+                    self._writer.close()
+                self._batch, self._writer = None, None
 
-    def flush(self) -> None:
+    def flush(self, wait: bool = True) -> None:
+        """Write the held records; wait=False (in a background batch) only hands them to the writer. A failed
+        background write is raised here, at the next flush that waits."""
         if self._batch:
             held, self._batch = self._batch, {}
-            for log, lines in held.items():
-                self._write_lines(log, lines)
+            if self._writer is not None:
+                self._writer.submit(held)
+            else:
+                for log, lines in held.items():
+                    self._write_lines(log, lines)
+        if wait and self._writer is not None:
+            self._writer.drain()
 
     def _write_lines(self, log: str, lines: list[str]) -> None:
         data = "".join(line + "\n" for line in lines).encode()
@@ -317,6 +334,46 @@ class Store:
             for n in names:
                 for rec in cache[n]:
                     yield dict(rec)
+
+
+class _LogWriter:
+    """One thread that writes handed-over log records in order; its first error is kept and raised by drain()."""
+
+    def __init__(self, write: Callable[[str, list[str]], None]):
+        self.write, self.error = write, None
+        self.queue: queue.Queue = queue.Queue()
+        self.thread = threading.Thread(target=self._run, name="soma-log-writer", daemon=True)
+        self.thread.start()
+
+    def _run(self) -> None:
+        while True:
+            held = self.queue.get()
+            try:
+                if held is None:
+                    return
+                if self.error is None:
+                    for log, lines in held.items():
+                        self.write(log, lines)
+            except BaseException as exc:     # kept for the caller: records are never dropped silently
+                self.error = exc
+            finally:
+                self.queue.task_done()
+
+    def submit(self, held: dict[str, list[str]]) -> None:
+        self._raise()
+        self.queue.put(held)
+
+    def drain(self) -> None:
+        self.queue.join()
+        self._raise()
+
+    def close(self) -> None:
+        self.queue.put(None)
+        self.thread.join()
+
+    def _raise(self) -> None:
+        if self.error is not None:
+            raise self.error
 
 
 def _datasync(fd: int) -> None:

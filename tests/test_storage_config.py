@@ -87,3 +87,36 @@ def test_batched_appends_land_together_in_order(tmp_path, monkeypatch):
             store.append("events.jsonl", {"i": 6})
             raise RuntimeError("driver error")
     assert store.read_log("events.jsonl")[-1]["i"] == 6           # what was held is written on the way out
+
+
+def test_background_batch_writes_off_the_loop_in_order_and_raises_a_failed_write(tmp_path, monkeypatch):
+    import threading
+
+    import soma_cluster.storage as storage
+
+    writers = []
+    real = storage.Store._write_lines
+
+    def spy(self, log, lines):
+        writers.append(threading.current_thread().name)
+        real(self, log, lines)
+    monkeypatch.setattr(storage.Store, "_write_lines", spy)
+    store = Store(str(tmp_path))
+    with store.batch(background=True):
+        for i in range(50):
+            store.append("events.jsonl", {"i": i})
+            if i % 7 == 0:
+                store.flush(wait=False)                          # handed over; the loop goes on
+        assert [r["i"] for r in store.read_log("events.jsonl")] == list(range(50))   # a read waits for the writer
+        store.append("events.jsonl", {"i": 50})
+    assert [r["i"] for r in store.read_log("events.jsonl")] == list(range(51))
+    assert set(writers) == {"soma-log-writer"} and not any(t.name == "soma-log-writer" for t in threading.enumerate())
+
+    def broken(self, log, lines):
+        raise OSError("disk gone")
+    monkeypatch.setattr(storage.Store, "_write_lines", broken)
+    with pytest.raises(OSError, match="disk gone"):
+        with store.batch(background=True):
+            store.append("events.jsonl", {"i": 51})
+            store.flush(wait=False)
+            store.flush()                                        # the writer's error surfaces in the loop
