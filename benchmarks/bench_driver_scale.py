@@ -14,13 +14,15 @@ Ratios printed:
                       rate (measured first; ~2/s on 2 cores), which no one-actor-per-expert system beats
   actor start s       mean launched -> started (process start + setup()); a slot is held meanwhile, so
   wall/(ideal+start)  compares with (work + start) / slots: what is left is the Driver's own overhead
-  driver ms/heartbeat the Driver's time in its sweeps (all but blocking for the first result), plus the
-                      log writes, per expert heartbeat (or setup): fetching results, accounting,
-                      launching actors, submitting chunks, ledger + events writes (group commit:
-                      one fdatasync per log every 0.25 s); target < 1 ms, i.e. a heartbeat round
-                      over N experts costs < N ms
-  of which log writes the durable writes inside that: disk-bound, not the Driver's logic
-  driver CPU ms/hb    driver process CPU (Python + Ray's core-worker threads) per heartbeat
+  driver loop ms/hb   the Driver loop's own time (all but blocking for the first result), per expert
+                      heartbeat (or setup): fetching results, accounting, launching actors, submitting
+                      chunks, building ledger + events records and handing them to the log writer;
+                      target < 1 ms, i.e. a heartbeat round over N experts costs < N ms
+  log writer ms/hb    the background writer thread's durable writes (group commit: one append +
+                      fdatasync per log every 0.25 s), off the loop
+  driver CPU ms/hb    driver process CPU (Python + Ray's core-worker threads + the writer) per heartbeat
+  bare Ray loop       the same wait/get/submit loop over the same stand-ins with no Driver in it, measured
+                      first in the same run: the floor under "driver loop ms/hb"
 
 Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal 192 s) the Driver run
 takes ~4 min on 2 cores and Ray Tune ~7.5 min. N = 1,024 at these settings is ~15 min a
@@ -28,25 +30,34 @@ system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s
 
   PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune] [--campaign-dir /dev/shm/x]
 
-Measured 2026-12-02 on the 2-core dev box (other agents' jobs running beside it at times), N = 256,
-16 slots (8 logical GPUs / 0.5), 6 chunks x 2 s per expert, one run:
-`PYTHONPATH=. python benchmarks/bench_driver_scale.py --experts 256 --pack 1 4 --reuse`
+Measured 2026-12-03 on the 2-core dev box (load average 4-9 from the Ray processes themselves), one run each:
+`PYTHONPATH=. python benchmarks/bench_driver_scale.py --experts 256 --pack 1 4 --reuse` (16 slots, 6 chunks x 2 s;
+the bare Ray loop: 0.85 ms per result; Ray Tune from the run just before with the same settings, 435.7 s):
 
-| system | actors | ideal s | wall s | wall/ideal | actor start s | wall/(ideal+start) | driver ms/heartbeat | of which log writes |
-|---|---|---|---|---|---|---|---|---|
-| soma Driver, G=1                  | 256 | 192.0 | 217.7 | 1.13 | 1.29 | 1.02 | 1.20 | 0.49 |
-| soma Driver, G=1, reuse_actors    | 256 | 192.0 | 197.4 | 1.03 | 0.25 | 1.01 | 1.24 | 0.57 |
-| soma Driver, G=4                  |  64 |  48.0 |  59.4 | 1.24 | 2.05 | 1.06 | 0.47 | 0.22 |
-| soma Driver, G=4, reuse_actors    |  64 |  48.0 |  53.6 | 1.12 | 1.17 | 1.02 | 0.31 | 0.08 |
-| Ray Tune (same trials, resources) | 256 | 192.0 | 395.1 | 2.06 | -    | -    | -    | -    |
-Ray Tune wall / soma Driver (G=1) wall: 1.81. (G = resources.experts_per_actor; "actors" counts actor jobs:
-with reuse_actors only ~16 processes start. A G=4 pack's chunk sleeps as long as one expert's.)
-Before group commit (each heartbeat's records written and fdatasynced on their own) the same run gave
-6-8 ms per heartbeat, almost all of it the syncs.
-Reading: wall/(ideal+start) is within 1-6% everywhere, so what is left above ideal is actor start while a
-slot is held; reuse_actors removes it for all but the first actor per slot. Per heartbeat the Driver
-spends ~0.7 ms besides log writes (most of it Ray's actor-call submission and ray.get); packing
-divides that by G.
+| system | actors | ideal s | wall s | wall/ideal | actor start s | wall/(ideal+start) | driver loop ms/hb | / bare Ray | log writer ms/hb |
+|---|---|---|---|---|---|---|---|---|---|
+| soma Driver, G=1                  | 256 | 192.0 | 252.6 | 1.32 | 3.47 | 1.02 | 2.42 | 2.86 | 1.11 |
+| soma Driver, G=1, reuse_actors    | 256 | 192.0 | 198.5 | 1.03 | 0.30 | 1.01 | 1.21 | 1.43 | 0.35 |
+| soma Driver, G=4                  |  64 |  48.0 |  66.0 | 1.38 | 3.44 | 1.07 | 0.64 | 0.75 | 0.26 |
+| soma Driver, G=4, reuse_actors    |  64 |  48.0 |  53.8 | 1.12 | 1.25 | 1.02 | 0.50 | 0.59 | 0.25 |
+| Ray Tune (same trials, resources) | 256 | 192.0 | 435.7 | 2.27 | -    | -    | -    | -    | -    |
+
+`--experts 1024 --pack 1 4 --reuse --no-tune --chunks 2 --chunk-s 1` (bare Ray loop 0.94 ms per result; the host
+starts ~2-3 actors/s, so without reuse N = 1,024 is spawn-bound: 384 s):
+
+| system | actors | ideal s | wall s | wall/ideal | actor start s | wall/(ideal+start) | driver loop ms/hb | / bare Ray | log writer ms/hb |
+|---|---|---|---|---|---|---|---|---|---|
+| soma Driver, G=1                  | 1024 | 128.0 | 468.5 | 3.66 | 5.22 | 1.01 | 3.84 | 4.09 | 1.34 |
+| soma Driver, G=1, reuse_actors    | 1024 | 128.0 | 135.1 | 1.06 | 0.09 | 1.01 | 1.10 | 1.17 | 0.27 |
+| soma Driver, G=4                  |  256 |  32.0 | 101.9 | 3.18 | 4.20 | 1.03 | 0.95 | 1.01 | 0.32 |
+| soma Driver, G=4, reuse_actors    |  256 |  32.0 |  37.4 | 1.17 | 0.28 | 1.03 | 0.27 | 0.29 | 0.07 |
+
+Reading: what is left above ideal is actor start while a slot is held (wall/(ideal+start) 1.01-1.07);
+reuse_actors removes it. Without reuse, the loop's per-heartbeat time includes creating an actor per expert.
+With reuse, the loop costs 1.17-1.43x a bare Ray loop at G=1. A bare wait + get + submit is already
+0.85-0.94 ms on this loaded host (25 us for a get of a ready result on an idle one), so < 1 ms per heartbeat at
+G = 1 is out of reach here; packing divides the loop's cost by G (0.27-0.50 ms per expert heartbeat at G = 4).
+Ray Tune on the same trials: 1.75x the soma Driver's wall at G=1 (2.19x with reuse).
 """
 from __future__ import annotations
 
@@ -150,6 +161,12 @@ class TimedDriver(Driver):
         super()._sweep(by_name)
         self.collect_s += time.perf_counter() - t - self.blocked
 
+    def _wait(self, refs):
+        t = time.perf_counter()
+        first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)
+        self.blocked += time.perf_counter() - t
+        return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+
 
 def spawn_rate(share: float, k: int) -> float:
     """Actors per second this host starts (create k stand-ins, wait for setup, kill them)."""
@@ -161,6 +178,29 @@ def spawn_rate(share: float, k: int) -> float:
     for a in actors:
         ray.kill(a)
     return rate
+
+
+def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
+    """The same loop with no Driver in it: `slots` stand-ins, each result fetched and the next chunk submitted
+    at once. Returns the loop's own ms per result (blocking for the first ready result excluded): what Ray
+    itself costs per heartbeat on this host, the floor under the Driver's number."""
+    start = stand_in_factory(10 ** 9, chunk_s / 10)
+    actors = [start("", {}, "expert", i, 0, share, 0.0) for i in range(slots)]
+    ray.get([a.setup.remote() for a in actors], timeout=600)
+    owner = {a.run_chunk.remote(10): a for a in actors}
+    spent, done = 0.0, 0
+    while done < calls:
+        first, rest = ray.wait(list(owner), num_returns=1, timeout=POLL_S)
+        t = time.perf_counter()
+        ready = first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+        for ref, _ in zip(ready, ray.get(ready, timeout=60)):
+            a = owner.pop(ref)
+            owner[a.run_chunk.remote(10)] = a
+        done += len(ready)
+        spent += time.perf_counter() - t
+    for a in actors:
+        ray.kill(a)
+    return 1e3 * spent / done
 
 
 def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False) -> dict:
@@ -228,6 +268,8 @@ def main() -> None:
         rate = spawn_rate(args.share, min(slots, 32))
         print(f"host starts {rate:.2f} actors/s; {slots} slots ({args.gpus} logical GPUs / {args.share}), "
               f"{args.chunks} chunks x {args.chunk_s} s per expert", flush=True)
+        floor = ray_floor_ms(slots, args.share, 40 * slots, args.chunk_s)
+        print(f"bare Ray loop (wait + get + submit, no Driver): {floor:.3f} ms per result", flush=True)
         rows = []
         for n in args.experts:
             systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}", g, lambda n, a, r, g=g, reuse=reuse: run_driver(n, a, r, g, reuse))
@@ -248,6 +290,10 @@ def main() -> None:
             print(f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
                   f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
                   f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |")
+        for name, n, g, *_, r in rows:
+            if name.startswith("soma"):
+                print(f"{name} N={n}: driver loop / bare Ray loop per heartbeat = {r['collect_ms'] / floor:.2f} "
+                      f"(per actor call: {r['collect_ms'] * g / floor:.2f})")
         drivers = {n: r for name, n, g, *_, r in rows if name == "soma Driver, G=1"}
         for name, n, *_, r in rows:
             if name == "Ray Tune" and n in drivers:
