@@ -143,9 +143,9 @@ class EnsembleResult:
 def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tuple[torch.Tensor, torch.Tensor]], win: Windows,
                       context: int, batch: int, device: torch.device) -> EnsembleResult:
     """Route each window by its first prefix_bytes, run every expert once over all the windows routed to
-    it, mix. Small experts run many at a time on the expert axis: a pass holds about `batch` sequences,
-    G experts x B windows each (padded to the largest count in the group), so N = 256 narrow experts
-    cost a few wide passes instead of 256 thin ones."""
+    it, mix. Work is cut into *units* of one expert and up to `per` of its windows (per ~ the mean windows
+    an expert gets), and a pass runs batch // per units at once on the expert axis: N = 256 narrow experts
+    cost a few wide passes instead of 256 thin ones, and only an expert's last unit is padded."""
     t0 = time.perf_counter()
     texts = [bytes(w[: router.cfg.prefix_bytes]).decode("utf-8", errors="ignore") for w in win.data]
     top, weights = router.route(router.embed(texts))
@@ -153,28 +153,19 @@ def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tup
     prob = np.zeros((len(win.data), win.data.shape[1] - 1 - context), dtype=np.float64)
     routed = {e: np.nonzero(top == e) for e in experts}                  # (rows, slots) per expert
     counts = {e: len(r[0]) for e, r in routed.items()}
-    for group in _groups([e for e in experts if counts[e]], counts, batch):
-        per = max(1, min(batch // len(group), max(counts[e] for e in group)))
-        for a in range(0, max(counts[e] for e in group), per):
-            take = {e: routed[e][0][a:a + per] for e in group}
-            b = max(len(r) for r in take.values())
-            padded = np.zeros((len(group), b, win.data.shape[1]), dtype=np.uint8)
-            for i, e in enumerate(group):
-                padded[i, :len(take[e])] = win.data[take[e]]
-            lp = packed_logprobs(model, torch.stack([experts[e][0] for e in group]), torch.stack([experts[e][1] for e in group]),
-                                 padded, context, device)
-            for i, e in enumerate(group):
-                rows, slots = take[e], routed[e][1][a:a + per]
-                np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :len(rows)]))
+    busy = [e for e in experts if counts[e]]
+    per = max(1, min(batch, math.ceil(sum(counts.values()) / max(1, len(busy)))))
+    units = [(e, a) for e in busy for a in range(0, counts[e], per)]     # expert e's windows a .. a+per-1
+    for u0 in range(0, len(units), max(1, batch // per)):
+        chunk = units[u0:u0 + max(1, batch // per)]
+        padded = np.zeros((len(chunk), per, win.data.shape[1]), dtype=np.uint8)
+        for i, (e, a) in enumerate(chunk):
+            rows = routed[e][0][a:a + per]
+            padded[i, :len(rows)] = win.data[rows]
+        lp = packed_logprobs(model, torch.stack([experts[e][0] for e, _ in chunk]), torch.stack([experts[e][1] for e, _ in chunk]),
+                             padded, context, device)
+        for i, (e, a) in enumerate(chunk):
+            rows, slots = routed[e][0][a:a + per], routed[e][1][a:a + per]
+            np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :len(rows)]))
     t2 = time.perf_counter()
     return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1)
-
-
-def _groups(experts: list[int], counts: dict[int, int], batch: int) -> list[list[int]]:
-    """Experts with similar window counts together (largest first), as many per pass as `batch` sequences allow."""
-    order, out = sorted(experts, key=lambda e: -counts[e]), []
-    while order:
-        g = max(1, batch // min(counts[order[0]], batch))
-        out.append(order[:g])
-        order = order[g:]
-    return out
