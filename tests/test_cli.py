@@ -34,6 +34,14 @@ def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     text = json.loads(next((tmp_path / "camp" / "eval").glob("text-*.json")).read_text())
     assert text["scored_bytes"] > 0 and text["ensemble"]["nats_per_byte"] < 5.0 and text["stride"] == 768
     assert_one_line_error(soma("eval", camp, "--text", str(text_corpus), "--stride", "5000"), "--stride")
+    # a corrupt or missing router is an error naming the file, and the metrics already there stay as they were
+    metrics_before = (tmp_path / "camp" / "eval" / "metrics.json").read_bytes()
+    vocab = tmp_path / "camp" / "router" / "vocabulary.json"
+    vocab.write_bytes(vocab.read_bytes().replace(b'"', b"'", 1))
+    assert_one_line_error(soma("eval", camp), "router/vocabulary.json", "checksum")
+    vocab.unlink()
+    assert_one_line_error(soma("eval", camp), "router/vocabulary.json", "missing")
+    assert (tmp_path / "camp" / "eval" / "metrics.json").read_bytes() == metrics_before
 
 
 def test_missing_corpus_path(tmp_path, micro_yaml):
