@@ -10,6 +10,11 @@ corpus per second, overall and per phase from the console's progress) and the pr
 which stays bounded by the sample, not by the corpus.
 
   PYTHONPATH=. python benchmarks/bench_clustering.py [--gb 1.0] [--experts 16] [--sample 40000]
+
+Measured 2026-12-03 on the 2-core CPU host (--gb 1.0): 1.04 GB JSONL, 111,706 documents, 1,011,492 train
+sequences; prepare 120 s (8.7 MB/s: reading 12 s, fit on 40,000 sampled chunks, assignment 91 s); peak RSS
+475 MiB (109 MiB before prepare). Fit-sample clusters exactly balanced; over all sequences, each sent to its
+nearest centroid, shard sizes 48,144-96,132 rows (53.6% over the mean at most).
 """
 from __future__ import annotations
 
