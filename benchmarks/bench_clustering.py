@@ -81,7 +81,7 @@ def main() -> None:
         summary = prepare(store, cfg)
         wall = time.perf_counter() - t
         rows = summary["train_rows"]
-        print(f"\n| corpus | experts | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max |")
+        print("\n| corpus | experts | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max |")
         print("|---|---|---|---|---|---|---|")
         print(f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {args.experts} | "
               f"{args.sample:,} chunks | {wall:.0f} | {summary['corpus']['bytes'] / 1e6 / wall:.1f} | {peak_rss_mib():.0f} | "

@@ -66,7 +66,7 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tenso
     for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):   # h (G, Tb, B, e)
         logits = torch.bmm(h.reshape(g, -1, h.shape[-1]), heads.transpose(1, 2))    # (G, Tb*B, 256), one bmm for all experts
         tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1, 1).long()                 # (G, Tb*B, 1), time-major as h
-        parts.append((logits.gather(-1, tgt)[..., 0] - torch.logsumexp(logits, dim=-1)).view(g, t1 - t0, b))
+        parts.append(torch.log_softmax(logits, dim=-1).gather(-1, tgt)[..., 0].view(g, t1 - t0, b))
     lp = torch.cat(parts, dim=1)                                        # (G, T, B)
     return lp[:, context:].transpose(1, 2).double().cpu().numpy()
 

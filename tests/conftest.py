@@ -54,6 +54,32 @@ def micro_yaml(tmp_path_factory) -> str:
     return str(path)
 
 
+def copy_problem():
+    """A d=16 model and a short repeated sentence: (cfg, theta, head, loss_fn) with loss_fn(bodies (C, M)) -> (C,)."""
+    import torch
+    from soma_cluster.config import ModelConfig
+    from soma_cluster.model import copy_losses, init_body, init_head
+    cfg = ModelConfig(d=16, embed_dim=16)
+    g = torch.Generator().manual_seed(0)
+    theta, head = init_body(cfg, g), init_head(cfg, g) * 20
+    text = torch.tensor(list(b"the cat sat on the mat and the dog sat on the log " * 2), dtype=torch.uint8)
+    x, y = text[None, :-1].repeat(2, 1), text[None, 1:].repeat(2, 1)
+    return cfg, theta, head, lambda bodies: copy_losses(cfg, bodies, head, x, y)
+
+
+def assert_packed_equals_separate(alone, packed, updates=2):
+    """Trainers updated one by one and the same trainers packed on the expert axis end up equal."""
+    import torch
+    from soma_cluster.trainer import update_experts
+    for _ in range(updates):
+        for t in alone:
+            t.update()
+        update_experts(packed)
+    for a, b in zip(alone, packed):
+        torch.testing.assert_close(a.state.body, b.state.body, rtol=0, atol=1e-6)
+        assert a.state.scalars() == b.state.scalars()
+
+
 def assert_one_line_error(proc, *needles):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]

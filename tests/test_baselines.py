@@ -3,13 +3,14 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_packed_equals_separate, copy_problem
 from soma_cluster.config import BPTTConfig, EggrollConfig, ModelConfig, SPSAConfig
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.eggroll import directions, eggroll_estimate, zscore
 from soma_cluster.model import Layout, copy_losses, init_body, init_head
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import probes, spsa_estimate
-from soma_cluster.trainer import Method, Trainer, TrainState, update_experts
+from soma_cluster.trainer import Method, Trainer, TrainState
 
 SEQ = 96
 SMALL = ModelConfig(d=8, embed_dim=8)
@@ -71,12 +72,7 @@ def test_zscore_and_eggroll_estimate_descends_the_loss():
     zs = zscore(f)
     torch.testing.assert_close(zs[0].mean(), torch.tensor(0.0)) and torch.testing.assert_close(zs[0].std(), torch.tensor(1.0))
     assert torch.equal(zs[1], torch.zeros(4))
-    cfg = ModelConfig(d=16, embed_dim=16)
-    g = torch.Generator().manual_seed(0)
-    theta, head = init_body(cfg, g), init_head(cfg, g) * 20
-    text = torch.tensor(list(b"the cat sat on the mat and the dog sat on the log " * 2), dtype=torch.uint8)
-    x, y = text[None, :-1].repeat(2, 1), text[None, 1:].repeat(2, 1)
-    loss_fn = lambda bodies: copy_losses(cfg, bodies, head, x, y)  # noqa: E731
+    cfg, theta, head, loss_fn = copy_problem()
     base = float(loss_fn(theta[None]))
     gains = []
     for seed in range(12):
@@ -134,11 +130,4 @@ def test_baseline_updates_are_reproducible_and_learn(shards, method):
 
 
 def test_packed_bptt_equals_separate_updates(shards):
-    alone = [make(s, "bptt") for s in shards]
-    packed = [make(s, "bptt") for s in shards]
-    for _ in range(2):
-        for t in alone:
-            t.update()
-        update_experts(packed)
-    for a, b in zip(alone, packed):
-        torch.testing.assert_close(a.state.body, b.state.body, rtol=0, atol=1e-6)
+    assert_packed_equals_separate([make(s, "bptt") for s in shards], [make(s, "bptt") for s in shards])

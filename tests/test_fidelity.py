@@ -3,6 +3,7 @@ import numpy as np
 import pytest
 import torch
 
+from conftest import assert_packed_equals_separate
 from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
 from soma_cluster.config import ModelConfig, SPSAConfig, resolve
 from soma_cluster.corpus import builtin_documents
@@ -10,7 +11,7 @@ from soma_cluster.model import Layout, campaign_param_count, copy_losses, init_b
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import probes, spsa_estimate
 from soma_cluster.storage import Store
-from soma_cluster.trainer import Trainer, TrainState, update_experts
+from soma_cluster.trainer import Trainer, TrainState
 
 SEQ = 128
 
@@ -112,15 +113,7 @@ def test_estimate_cosine_with_true_gradient_grows_with_n_pert():
 
 
 def test_packed_experts_match_separate_updates(shards):
-    alone = [make(s) for s in shards]
-    packed = [make(s) for s in shards]
-    for _ in range(2):
-        for t in alone:
-            t.update()
-        update_experts(packed)
-    for a, b in zip(alone, packed):
-        torch.testing.assert_close(a.state.body, b.state.body, rtol=0, atol=1e-6)
-        assert a.state.scalars() == b.state.scalars()
+    assert_packed_equals_separate([make(s) for s in shards], [make(s) for s in shards])
 
 
 def test_wide_expert_with_own_head_trains(shards):

@@ -1,5 +1,6 @@
 import torch
 
+from conftest import copy_problem
 from soma_cluster.config import ModelConfig, SPSAConfig
 from soma_cluster.model import Layout, copy_losses, init_body, init_head
 from soma_cluster.spsa import Adam, Schedule, probes, spsa_estimate
@@ -20,12 +21,7 @@ def test_probe_distribution_and_regeneration():
 
 
 def test_spsa_step_lowers_loss_in_expectation_on_a_fixed_batch():
-    cfg = ModelConfig(d=16, embed_dim=16)
-    g = torch.Generator().manual_seed(0)
-    theta, head = init_body(cfg, g), init_head(cfg, g) * 20
-    text = torch.tensor(list(b"the cat sat on the mat and the dog sat on the log " * 2), dtype=torch.uint8)
-    x, y = text[None, :-1].repeat(2, 1), text[None, 1:].repeat(2, 1)
-    loss_fn = lambda bodies: copy_losses(cfg, bodies, head, x, y)  # noqa: E731
+    cfg, theta, head, loss_fn = copy_problem()
     mask = Layout(cfg).gain_mask()
     base = float(loss_fn(theta[None]))
     gains = []
