@@ -121,10 +121,25 @@ def builtin_documents(max_bytes: int, counts: dict[str, int] | None = None) -> I
 
 
 # -- user corpora -----------------------------------------------------------------------------------------
-def _text_rows(table: pa.Table, field: str, where: str) -> Iterator[str]:
-    if field not in table.column_names:
-        raise SomaError(f"corpus file {where} has no column {field!r}; set corpus.text_field to one of {table.column_names}")
-    for value in table.column(field).to_pylist():
+def _text_batches(fh, name: str, field: str, where: str) -> Iterator[pa.RecordBatch]:
+    """The column `field` of a Parquet or Arrow IPC file, one record batch (row group) at a time, so a file
+    larger than memory streams like a JSONL one."""
+    try:
+        if name.endswith(".parquet"):
+            pf = pq.ParquetFile(fh)
+            names, batches = pf.schema_arrow.names, lambda: pf.iter_batches(batch_size=4096, columns=[field])
+        else:
+            reader = ipc.open_file(fh)
+            names, batches = reader.schema.names, lambda: (reader.get_batch(i).select([field]) for i in range(reader.num_record_batches))
+        if field not in names:
+            raise SomaError(f"corpus file {where} has no column {field!r}; set corpus.text_field to one of {names}")
+        yield from batches()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise SomaError(f"corpus file {where} is not readable {name.rsplit('.', 1)[-1]} ({exc}); replace it") from None
+
+
+def _text_rows(batch: pa.RecordBatch) -> Iterator[str]:
+    for value in batch.column(0).to_pylist():
         if isinstance(value, str):
             yield value
         elif isinstance(value, bytes):
@@ -149,12 +164,11 @@ def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Ite
         return
     if name.endswith(".parquet") or name.endswith(".arrow"):
         with fs.open(path, "rb") as fh:
-            try:
-                table = pq.read_table(fh) if name.endswith(".parquet") else ipc.open_file(pa.BufferReader(fh.read())).read_all()
-            except (pa.ArrowInvalid, OSError) as exc:
-                raise SomaError(f"corpus file {path} is not readable {name.rsplit('.', 1)[-1]} ({exc}); replace it") from None
-        for i, text in enumerate(_text_rows(table, field, path)):
-            yield Document(f"{path}:{i}", kind, text.encode())
+            i = 0
+            for batch in _text_batches(fh, name, field, path):
+                for text in _text_rows(batch):
+                    yield Document(f"{path}:{i}", kind, text.encode())
+                    i += 1
         return
     with fs.open(path, "rb", compression="infer") as fh:
         yield Document(path, kind, fh.read())

@@ -120,3 +120,29 @@ def test_background_batch_writes_off_the_loop_in_order_and_raises_a_failed_write
             store.append("events.jsonl", {"i": 51})
             store.flush(wait=False)
             store.flush()                                        # the writer's error surfaces in the loop
+
+
+def test_parquet_and_arrow_corpora_stream_row_group_by_row_group(tmp_path):
+    import pyarrow as pa
+    import pyarrow.ipc as ipc
+    import pyarrow.parquet as pq
+
+    from soma_cluster.config import CorpusConfig
+    from soma_cluster.corpus import user_documents
+    texts = [f"document {i} " * (i % 7 + 1) for i in range(10_000)]
+    table = pa.table({"id": list(range(len(texts))), "text": texts})
+    pq.write_table(table, tmp_path / "a.parquet", row_group_size=1000)          # ten row groups
+    with ipc.new_file(str(tmp_path / "b.arrow"), table.schema) as w:
+        for a in range(0, len(texts), 1000):
+            w.write_batch(table.slice(a, 1000).to_batches()[0])
+    docs = list(user_documents(CorpusConfig(source=str(tmp_path), max_bytes=10**9)))
+    assert [d.data.decode() for d in docs] == texts + texts                    # every row, in order, per file
+    assert docs[0].doc_id.endswith("a.parquet:0") and docs[-1].doc_id.endswith("b.arrow:9999")
+    assert {d.source for d in docs} == {"parquet", "arrow"}
+    # corpus.max_bytes stops the reading inside a file
+    assert len(list(user_documents(CorpusConfig(source=str(tmp_path / "a.parquet"), max_bytes=100)))) < 10
+    with pytest.raises(SomaError, match="no column 'body'.*corpus.text_field"):
+        list(user_documents(CorpusConfig(source=str(tmp_path / "a.parquet"), text_field="body", max_bytes=10**9)))
+    (tmp_path / "bad.parquet").write_bytes(b"PAR1 not really")
+    with pytest.raises(SomaError, match="bad.parquet is not readable parquet"):
+        list(user_documents(CorpusConfig(source=str(tmp_path / "bad.parquet"), max_bytes=10**9)))
