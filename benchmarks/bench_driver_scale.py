@@ -73,7 +73,7 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 
 import ray  # noqa: E402
 
-from pipelines.campaign import POLL_S, Driver, expert_jobs  # noqa: E402
+from pipelines.campaign import Driver, also_ready, expert_jobs  # noqa: E402
 from pipelines.events import history  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
@@ -161,11 +161,11 @@ class TimedDriver(Driver):
         super()._sweep(by_name)
         self.collect_s += time.perf_counter() - t - self.blocked
 
-    def _wait(self, refs):
+    def _block(self, refs):
         t = time.perf_counter()
-        first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)
+        out = super()._block(refs)
         self.blocked += time.perf_counter() - t
-        return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+        return out
 
 
 def spawn_rate(share: float, k: int) -> float:
@@ -190,9 +190,9 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     owner = {a.run_chunk.remote(10): a for a in actors}
     spent, done = 0.0, 0
     while done < calls:
-        first, rest = ray.wait(list(owner), num_returns=1, timeout=POLL_S)
+        first, rest = Driver._block(list(owner))
         t = time.perf_counter()
-        ready = first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+        ready = also_ready(first, rest)
         for ref, _ in zip(ready, ray.get(ready, timeout=60)):
             a = owner.pop(ref)
             owner[a.run_chunk.remote(10)] = a

@@ -77,6 +77,11 @@ def unit_name(jobs: list[Job]) -> str:
     return jobs[0].name if len(jobs) == 1 else f"{jobs[0].name}+{len(jobs) - 1}"
 
 
+def also_ready(first: list, rest: list) -> list:
+    """`first` (what a blocking ray.wait returned) and, if it holds one, every ref of `rest` ready now (no waiting)."""
+    return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+
+
 class Driver:
     """Runs jobs to an end state; every transition goes to events.jsonl, every GPU-second to the ledger."""
 
@@ -416,11 +421,14 @@ class Driver:
             time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
         self._watchdog()
 
-    @staticmethod
-    def _wait(refs: list) -> list:
+    def _wait(self, refs: list) -> list:
         """Block until a result is ready (at most POLL_S), then take every other one that is ready too."""
-        first, rest = ray.wait(refs, num_returns=1, timeout=POLL_S)
-        return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
+        return also_ready(*self._block(refs))
+
+    @staticmethod
+    def _block(refs: list) -> tuple[list, list]:
+        """The loop's only blocking call: (the first ready ref or none within POLL_S, the others)."""
+        return ray.wait(refs, num_returns=1, timeout=POLL_S)
 
     def _show(self, bar, overall, tasks, targets) -> None:
         steps = {n: (t if self.outcome.get(n) == "finished" else 0) for n, t in targets.items()}
