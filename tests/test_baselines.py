@@ -123,9 +123,9 @@ def test_baseline_updates_are_reproducible_and_learn(shards, method):
     assert torch.equal(a.state.body, b.state.body) and a.state.scalars() == b.state.scalars()
     assert not torch.equal(a.state.head, head)                     # an own head trains under every method
     assert a.state.forwards == 4 * (1 if method == "bptt" else 2 * 4 + 1)
-    if method == "bptt":                                           # exact gradients learn steadily: the drop per
-        for _ in range(6):                                         # update grows, ~0.1 nats after 10 here (the
-            a.update()                                             # built-in corpus differs between machines)
+    if method == "bptt":        # exact gradients learn steadily: 0.15 nats after 10 updates here, 0.04 after 4 on CI
+        for _ in range(6):      # (the built-in corpus holds the installed packages' licenses, so it differs by machine)
+            a.update()
         assert a.validate() < before - 0.05
 
 
