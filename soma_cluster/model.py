@@ -19,6 +19,7 @@ from functools import cached_property
 import torch
 import torch.nn.functional as F
 
+from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 
 VOCAB = 256
@@ -161,13 +162,18 @@ class LSTMState:
         self.w_hh_t = (w_hh * scale).transpose(1, 2).contiguous()       # (P, d, 4d)
         self.h = w_ih.new_zeros(p, batch, d)
         self.c = w_ih.new_zeros(p, batch, d)
+        self.compiled = compiled
         self.step = cell_fn(compiled)
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x (P or 1, Tb, B, d) -> h (P, Tb, B, d): the input matmul hoisted over the block, then the
-        sequential part h W_hh^T step by step."""
+        sequential part h W_hh^T: in the fused CPU kernel where it can (see soma_cluster.fused), else step
+        by step."""
         p, (_, t_len, b, _) = self.h.shape[0], x.shape
-        gates_in = copy_matmul(x.expand(p, -1, -1, -1), self.w_ih).transpose(0, 1).contiguous()   # (Tb, P, B, 4d)
+        gates_in = copy_matmul(x.expand(p, -1, -1, -1), self.w_ih)                      # (P, Tb, B, 4d)
+        if not self.compiled and self.h.shape[-1] <= fused.MAX_RECURRENT_D and fused.usable(gates_in, self.w_hh_t, self.h, self.c):
+            return fused.lstm_block(gates_in, self.w_hh_t, self.h, self.c)
+        gates_in = gates_in.transpose(0, 1).contiguous()                                  # (Tb, P, B, 4d)
         out = x.new_empty(p, t_len, b, self.h.shape[-1])
         for t in range(t_len):
             self.h, self.c = self.step(gates_in[t], self.h, self.c, self.w_hh_t)
@@ -192,7 +198,7 @@ def embed(head: torch.Tensor, x: torch.Tensor, copies: int) -> torch.Tensor:
     g = x.shape[0]
     heads = head if head.dim() == 3 else head.expand(g, -1, -1)
     emb = heads[torch.arange(g, device=x.device)[:, None, None], x.transpose(1, 2).long()]   # (G, T, B, e)
-    return emb.repeat_interleave(copies // g, dim=0)
+    return emb if copies == g else emb.repeat_interleave(copies // g, dim=0)
 
 
 def forward_blocks(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False,
@@ -240,6 +246,10 @@ def _target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block
 def target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block: int = 8192) -> torch.Tensor:
     """log p(y) per position, in row blocks so the (rows, 256) logits stay cache-sized.
     h (C, T, B, e), y (B, T) or (G, B, T) with head (256, e) or (G, 256, e) -> (C, T, B) float32."""
+    if fused.usable(h, head):
+        c, t, b, e = h.shape
+        ys = y.t().reshape(1, t * b) if y.dim() == 2 else y.transpose(1, 2).reshape(y.shape[0], t * b)   # time-major as h
+        return fused.target_logprobs(h.reshape(c, t * b, e), head if head.dim() == 3 else head[None], ys).view(c, t, b)
     if y.dim() == 2:
         return _target_logprobs(h, head, y, block)
     g = y.shape[0]

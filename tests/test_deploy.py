@@ -102,6 +102,7 @@ def test_dockerfile_builds_both_variants_from_the_pins():
     assert "ARG VARIANT=gpu" in text and "FROM ${RAY_IMAGE}-${VARIANT}" in text
     assert re.search(r'"\$VARIANT" = "cpu"', text) and f'"torch=={pinned("torch")}"' in text
     assert re.search(r"pip install \.", text)
+    assert re.search(r"apt-get install .*\bgcc\b", text)                  # soma_cluster/fused.py builds its kernels at first use
     images = {c["image"] for _, d in by_kind("RayCluster") for g in [d["spec"]["headGroupSpec"], *d["spec"]["workerGroupSpecs"]]
               for c in g["template"]["spec"]["containers"]}
     assert {i.rsplit(":", 1)[1] for i in images} == {"cpu", "gpu"}

@@ -6,7 +6,7 @@ import torch
 
 from soma_cluster.config import ModelConfig, RouterConfig
 from soma_cluster.corpus import builtin_documents
-from soma_cluster.ensemble import Windows, evaluate_ensemble, packed_logprobs, window_logprobs
+from soma_cluster.ensemble import Windows, evaluate_ensemble, packed_logprobs, plan_passes, window_logprobs
 from soma_cluster.model import init_body, init_head
 from soma_cluster.router import fit_router
 
@@ -53,6 +53,25 @@ def test_ensemble_is_the_routed_average(chunks):
             want[i] += weights[i, slot] * np.exp(window_logprobs(cfg, *ex[int(e)], win.data[i:i + 1], 256, 1, CPU)[0])
     np.testing.assert_allclose(res.nats, -np.log(want), rtol=0, atol=5e-5)
     assert sum(res.per_expert_windows.values()) == 40 * min(4, n)
+
+
+@pytest.mark.parametrize("counts,batch", [
+    ({e: c for e, c in enumerate(np.random.default_rng(0).poisson(16, 256))}, 512),    # N = 256: a dozen windows each
+    ({0: 908, 1: 505, 2: 176, 3: 700, 4: 512}, 512),                                  # N = 8: more than one pass each
+    ({0: 3, 1: 1}, 1),
+])
+def test_passes_cover_every_window_once_with_little_padding(counts, batch):
+    counts = {e: int(c) for e, c in counts.items() if c}
+    passes = plan_passes(counts, batch)
+    seen = {e: [] for e in counts}
+    for units in passes:
+        width = units[0][2]
+        assert len(units) * width <= batch and all(n <= width for _, _, n in units)
+        for e, a, n in units:
+            seen[e] += range(a, a + n)
+    assert all(sorted(seen[e]) == list(range(counts[e])) for e in counts)
+    padded = sum(len(u) * u[0][2] for u in passes)
+    assert padded - sum(counts.values()) <= 0.2 * sum(counts.values()) + batch
 
 
 def test_strided_windows_score_every_byte_once():

@@ -1,0 +1,93 @@
+"""The fused CPU kernels (soma_cluster/fused.py) against the torch path they replace, side by side in one run.
+
+Recurrence: one time block of a bias-free LSTM layer (gates_in given, the sequential h W_hh^T + gates part
+only), at the evaluator's shapes: narrow experts packed on the copy axis (P copies of B rows) and wide
+ones (one copy of many rows). Decoder: log p(target) of C x R rows against a 256-way head, torch's
+bmm + log_softmax + gather vs the kernel. GF/s counts the matmul FLOPs only. Each timing is the fastest
+of --repeats alternating runs; the machine's sgemm GF/s is measured in the same run.
+
+  PYTHONPATH=. python benchmarks/bench_kernels.py [--repeats 3]
+"""
+from __future__ import annotations
+
+import argparse
+import os
+import time
+
+import torch
+
+from soma_cluster import fused
+from soma_cluster.model import _cell
+
+RECURRENCE = [(32, 32, 16, 32), (256, 32, 16, 32), (8, 32, 64, 64), (2, 32, 256, 128), (1, 32, 512, 181)]   # P, T, B, d
+DECODER = [(32, 512, 32), (1, 16384, 32)]                                                                 # C, R, e
+
+
+def sgemm_gflops(n: int = 2048, reps: int = 5) -> float:
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    torch.mm(a, b)
+    t = time.perf_counter()
+    for _ in range(reps):
+        torch.mm(a, b)
+    return reps * 2 * n ** 3 / (time.perf_counter() - t) / 1e9
+
+
+def torch_recurrence(gates_in, w_hh_t, h, c):
+    """What LSTMState.run does without the kernel: time-major gates, one _cell per step."""
+    g = gates_in.transpose(0, 1).contiguous()
+    out = gates_in.new_empty(*gates_in.shape[:3], h.shape[-1])
+    for t in range(g.shape[0]):
+        h, c = _cell(g[t], h, c, w_hh_t)
+        out[:, t] = h
+    return out
+
+
+def torch_decoder(h, heads, y):
+    logits = torch.bmm(h, heads.transpose(1, 2))
+    return torch.log_softmax(logits, dim=-1).gather(-1, y.long()[..., None])[..., 0]
+
+
+def fastest(fns: dict, repeats: int) -> dict[str, float]:
+    best = {k: float("inf") for k in fns}
+    for _ in range(repeats):                 # alternate, keep each one's least disturbed run
+        for k, fn in fns.items():
+            t = time.perf_counter()
+            fn()
+            best[k] = min(best[k], time.perf_counter() - t)
+    return best
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    args = p.parse_args()
+    torch.set_num_threads(args.threads)
+    if not fused.available():
+        raise SystemExit("the fused kernels are not available here (no C compiler, or SOMA_FUSED=0)")
+    gen = torch.Generator().manual_seed(0)
+    print(f"{args.threads} threads, sgemm {sgemm_gflops():.0f} GF/s\n")
+    print("| recurrence P x T x B, d | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
+    print("|---|---|---|---|---|---|")
+    with torch.no_grad():
+        for pp, t, b, d in RECURRENCE:
+            gi, w = torch.randn(pp, t, b, 4 * d, generator=gen), torch.randn(pp, d, 4 * d, generator=gen) / d ** 0.5
+            h, c = torch.zeros(pp, b, d), torch.zeros(pp, b, d)
+            s = fastest({"torch": lambda: torch_recurrence(gi, w, h.clone(), c.clone()),
+                         "kernel": lambda: fused.lstm_block(gi, w, h.clone(), c.clone())}, args.repeats)
+            flop = 2 * pp * t * b * d * 4 * d / 1e9
+            print(f"| {pp} x {t} x {b}, {d} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
+                  f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |")
+        print("\n| decoder C x R, e | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
+        print("|---|---|---|---|---|---|")
+        for cc, r, e in DECODER:
+            h, heads = torch.randn(cc, r, e, generator=gen), torch.randn(cc, 256, e, generator=gen) * 0.3
+            y = torch.randint(0, 256, (cc, r), generator=gen, dtype=torch.uint8)
+            s = fastest({"torch": lambda: torch_decoder(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, args.repeats)
+            flop = 2 * cc * r * e * 256 / 1e9
+            print(f"| {cc} x {r}, {e} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
+                  f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()
