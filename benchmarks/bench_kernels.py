@@ -36,20 +36,12 @@ import time
 
 import torch
 
+from bench_spsa import sgemm_flops        # this folder is on sys.path when run as a script
 from soma_cluster import fused
 from soma_cluster.model import _cell
 
 RECURRENCE = [(32, 32, 16, 32), (256, 32, 16, 32), (8, 32, 64, 64), (2, 32, 256, 128), (1, 32, 512, 181)]   # P, T, B, d
 DECODER = [(32, 512, 32), (1, 16384, 32)]                                                                 # C, R, e
-
-
-def sgemm_gflops(n: int = 2048, reps: int = 5) -> float:
-    a, b = torch.randn(n, n), torch.randn(n, n)
-    torch.mm(a, b)
-    t = time.perf_counter()
-    for _ in range(reps):
-        torch.mm(a, b)
-    return reps * 2 * n ** 3 / (time.perf_counter() - t) / 1e9
 
 
 def torch_recurrence(gates_in, w_hh_t, h, c):
@@ -86,7 +78,7 @@ def main() -> None:
     if not fused.available():
         raise SystemExit("the fused kernels are not available here (no C compiler, or SOMA_FUSED=0)")
     gen = torch.Generator().manual_seed(0)
-    print(f"{args.threads} threads, sgemm {sgemm_gflops():.0f} GF/s\n")
+    print(f"{args.threads} threads, sgemm {sgemm_flops() / 1e9:.0f} GF/s\n")
     print("| recurrence P x T x B, d | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
     print("|---|---|---|---|---|---|")
     with torch.no_grad():
