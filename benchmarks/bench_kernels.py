@@ -38,25 +38,11 @@ import torch
 
 from bench_spsa import sgemm_flops        # this folder is on sys.path when run as a script
 from soma_cluster import fused
-from soma_cluster.model import _cell
+from soma_cluster.ensemble import bmm_logprobs
+from soma_cluster.model import step_by_step
 
 RECURRENCE = [(32, 32, 16, 32), (256, 32, 16, 32), (8, 32, 64, 64), (2, 32, 256, 128), (1, 32, 512, 181)]   # P, T, B, d
 DECODER = [(32, 512, 32), (1, 16384, 32)]                                                                 # C, R, e
-
-
-def torch_recurrence(gates_in, w_hh_t, h, c):
-    """What LSTMState.run does without the kernel: time-major gates, one _cell per step."""
-    g = gates_in.transpose(0, 1).contiguous()
-    out = gates_in.new_empty(*gates_in.shape[:3], h.shape[-1])
-    for t in range(g.shape[0]):
-        h, c = _cell(g[t], h, c, w_hh_t)
-        out[:, t] = h
-    return out
-
-
-def torch_decoder(h, heads, y):
-    logits = torch.bmm(h, heads.transpose(1, 2))
-    return torch.log_softmax(logits, dim=-1).gather(-1, y.long()[..., None])[..., 0]
 
 
 def fastest(fns: dict, repeats: int) -> dict[str, float]:
@@ -85,7 +71,7 @@ def main() -> None:
         for pp, t, b, d in RECURRENCE:
             gi, w = torch.randn(pp, t, b, 4 * d, generator=gen), torch.randn(pp, d, 4 * d, generator=gen) / d ** 0.5
             h, c = torch.zeros(pp, b, d), torch.zeros(pp, b, d)
-            s = fastest({"torch": lambda: torch_recurrence(gi, w, h.clone(), c.clone()),
+            s = fastest({"torch": lambda: step_by_step(gi, w, h.clone(), c.clone()),
                          "kernel": lambda: fused.lstm_block(gi, w, h.clone(), c.clone())}, args.repeats)
             flop = 2 * pp * t * b * d * 4 * d / 1e9
             print(f"| {pp} x {t} x {b}, {d} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
@@ -95,7 +81,7 @@ def main() -> None:
         for cc, r, e in DECODER:
             h, heads = torch.randn(cc, r, e, generator=gen), torch.randn(cc, 256, e, generator=gen) * 0.3
             y = torch.randint(0, 256, (cc, r), generator=gen, dtype=torch.uint8)
-            s = fastest({"torch": lambda: torch_decoder(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, args.repeats)
+            s = fastest({"torch": lambda: bmm_logprobs(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, args.repeats)
             flop = 2 * cc * r * e * 256 / 1e9
             print(f"| {cc} x {r}, {e} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
                   f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |")

@@ -54,6 +54,12 @@ def load_windows(store: Store, max_windows: int) -> Windows:
 TIME_BLOCK = 32      # time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)
 
 
+def bmm_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """log p(y) in torch with one bmm for all experts: h (G, R, e), heads (G, 256, e), y (G, R) -> (G, R)."""
+    logits = torch.bmm(h, heads.transpose(1, 2))                       # (G, R, 256)
+    return torch.log_softmax(logits, dim=-1).gather(-1, y.long()[..., None])[..., 0]
+
+
 @torch.no_grad()
 def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tensor, windows: np.ndarray, context: int,
                     device: torch.device) -> np.ndarray:
@@ -68,9 +74,8 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tenso
         if fused.usable(h, heads):
             parts.append(target_logprobs(h, heads, y[..., t0:t1]))                 # the fused kernel, no logits tensor
             continue
-        logits = torch.bmm(h.reshape(g, -1, h.shape[-1]), heads.transpose(1, 2))    # (G, Tb*B, 256), one bmm for all experts
-        tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1, 1).long()                 # (G, Tb*B, 1), time-major as h
-        parts.append(torch.log_softmax(logits, dim=-1).gather(-1, tgt)[..., 0].view(g, t1 - t0, b))
+        tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1)                           # (G, Tb*B), time-major as h
+        parts.append(bmm_logprobs(h.reshape(g, -1, h.shape[-1]), heads, tgt).view(g, t1 - t0, b))
     lp = torch.cat(parts, dim=1)                                        # (G, T, B)
     return lp[:, context:].transpose(1, 2).double().cpu().numpy()
 

@@ -169,16 +169,22 @@ class LSTMState:
         """x (P or 1, Tb, B, d) -> h (P, Tb, B, d): the input matmul hoisted over the block, then the
         sequential part h W_hh^T: in the fused CPU kernel where it can (see soma_cluster.fused), else step
         by step."""
-        p, (_, t_len, b, _) = self.h.shape[0], x.shape
-        gates_in = copy_matmul(x.expand(p, -1, -1, -1), self.w_ih)                      # (P, Tb, B, 4d)
+        gates_in = copy_matmul(x.expand(self.h.shape[0], -1, -1, -1), self.w_ih)         # (P, Tb, B, 4d)
         if not self.compiled and self.h.shape[-1] <= fused.MAX_RECURRENT_D and fused.usable(gates_in, self.w_hh_t, self.h, self.c):
             return fused.lstm_block(gates_in, self.w_hh_t, self.h, self.c)
-        gates_in = gates_in.transpose(0, 1).contiguous()                                  # (Tb, P, B, 4d)
-        out = x.new_empty(p, t_len, b, self.h.shape[-1])
-        for t in range(t_len):
-            self.h, self.c = self.step(gates_in[t], self.h, self.c, self.w_hh_t)
-            out[:, t] = self.h
+        out, self.h, self.c = step_by_step(gates_in, self.w_hh_t, self.h, self.c, self.step)
         return out
+
+
+def step_by_step(gates_in: torch.Tensor, w_hh_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor, step=_cell):
+    """The recurrence in torch, one `step` per time step: gates_in (P, T, B, 4d), w_hh_t (P, d, 4d), state
+    h, c (P, B, d) -> (out (P, T, B, d), h, c)."""
+    by_time = gates_in.transpose(0, 1).contiguous()                   # (T, P, B, 4d): one slab per step
+    out = gates_in.new_empty(*gates_in.shape[:3], h.shape[-1])
+    for t in range(by_time.shape[0]):
+        h, c = step(by_time[t], h, c, w_hh_t)
+        out[:, t] = h
+    return out, h, c
 
 
 def lstm(x: torch.Tensor, w_ih: torch.Tensor, w_hh: torch.Tensor, compiled: bool = False) -> torch.Tensor:

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import logging
 import os
+from contextlib import contextmanager
 
 import numpy as np
 import pytest
@@ -19,15 +20,16 @@ pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: th
 @pytest.fixture
 def torch_only(monkeypatch):
     """A context in which the kernels are switched off (SOMA_FUSED=0), so the same call takes the torch path."""
-    class Off:
-        def __enter__(self):
-            monkeypatch.setenv("SOMA_FUSED", "0")
-            fused._library.cache_clear()
-
-        def __exit__(self, *exc):
+    @contextmanager
+    def off():
+        monkeypatch.setenv("SOMA_FUSED", "0")
+        fused._library.cache_clear()
+        try:
+            yield
+        finally:
             monkeypatch.delenv("SOMA_FUSED")
             fused._library.cache_clear()
-    yield Off()
+    yield off()
     fused._library.cache_clear()
 
 
