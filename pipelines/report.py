@@ -44,7 +44,8 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
 
 # -- arms experiments -------------------------------------------------------------------------------------
 def results_table(res: dict) -> str:
-    head = ("| seed | arm | parameters | updates / expert | forwards | GPU-hours | test nats/byte [95% CI] | bits/byte | "
+    unit = next((r["gpu_hours_unit"] for arms in res["seeds"].values() for r in arms.values() if "gpu_hours_unit" in r), "GPU-hours")
+    head = (f"| seed | arm | parameters | updates / expert | forwards | {unit} | test nats/byte [95% CI] | bits/byte | "
             f"minus {res['reference']}, paired [95% CI] | byte-tokens/s | routing share |\n|---|---|---|---|---|---|---|---|---|---|---|")
     rows = []
     for seed, arms in res["seeds"].items():

@@ -38,12 +38,13 @@ def save_checkpoint(store: Store, directory: str, state: TrainState, extra: dict
     return name
 
 
-def checkpoint_state(store: Store, directory: str) -> dict | None:
-    """The scalars (step, forwards, ...) of the latest checkpoint, without reading its tensors; None if none."""
+def latest_meta(store: Store, directory: str) -> dict | None:
+    """The latest checkpoint's metadata (its scalars under "state", and what the worker added: attempt,
+    usage), without reading its tensors; None if there is none."""
     if not has_checkpoint(store, directory):
         return None
     name = store.read_json(f"{directory}/latest.json")["name"]
-    return store.read_json(f"{directory}/{name}.json")["state"]
+    return store.read_json(f"{directory}/{name}.json")
 
 
 def checkpoint_steps(store: Store, directory: str) -> list[int]:

@@ -146,6 +146,14 @@ class ResourcesConfig(_Section):
     # an actor whose experts all ended cleanly takes the next pending ones instead of a new actor being
     # started (saves the actor start per expert; retries always get a fresh actor)
     reuse_actors: bool = False
+    # actors kept requested beyond what the cluster's GPUs hold now, waiting in Ray's queue where an
+    # autoscaler (the launcher's, KubeRay's) sees them and adds nodes. None: every job that can start is
+    # requested at once (the cluster grows to the campaign's width); with reuse_actors, None means 0, so
+    # that freed actors take the remaining jobs. 0: only what fits now (a fixed cluster never grows)
+    max_pending: int | None = Field(None, ge=0)
+    # a GPU share whose actor finds no CUDA device is an error naming the node, unless this is set: then
+    # it trains on the CPU and its ledger records say so ("logical GPU-hours on cpu")
+    allow_cpu: bool = False
 
 
 class BudgetConfig(_Section):
@@ -156,9 +164,16 @@ class BudgetConfig(_Section):
 
 
 class RetryConfig(_Section):
-    max_retries: int = Field(3, ge=0)
-    backoff_s: float = Field(1.0, ge=0.0)
+    max_retries: int = Field(3, ge=0)       # failures per job; preemptions and driver losses do not count
+    backoff_s: float = Field(1.0, ge=0.0)   # the k-th retry waits backoff_s x 2^k, capped, with jitter
+    backoff_max_s: float = Field(300.0, ge=0.0)
     heartbeat_timeout_s: float = Field(600.0, gt=0.0)
+    # SIGTERM (a spot notice, a node drain, a KubeRay scale-down) gives a worker this long to checkpoint and
+    # exit; keep it under the platform's own grace (Kubernetes' terminationGracePeriodSeconds: 30 s default)
+    preemption_grace_s: float = Field(20.0, gt=0.0)
+    # a retry that lands on the node of an actor the driver killed (a hang) waits up to this long for that
+    # process to be gone, so two processes never hold the same device's memory at once
+    kill_wait_s: float = Field(30.0, ge=0.0)
 
 
 class EvalConfig(_Section):

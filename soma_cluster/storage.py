@@ -109,6 +109,7 @@ class Store:
         self._log_cache: dict[str, dict[str, list[dict[str, Any]]]] = {}   # remote logs: object name -> its records
         self._batch: dict[str, list[str]] | None = None    # appends held back inside `batch()`: log -> lines
         self._writer: _LogWriter | None = None              # the background writer of a `batch(background=True)`
+        self._tails_checked: set[str] = set()              # local logs whose unterminated last record was cut off
 
     def __repr__(self) -> str:          # never the storage options: they may hold credentials
         return f"Store({self.url!r})"
@@ -291,6 +292,9 @@ class Store:
         if self.local:
             path = self.full(log)
             os.makedirs(os.path.dirname(path), exist_ok=True)
+            if log not in self._tails_checked:
+                _cut_torn_tail(path, f"{self.url}/{log}")
+                self._tails_checked.add(log)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 os.write(fd, data)
@@ -374,6 +378,32 @@ class _LogWriter:
     def _raise(self) -> None:
         if self.error is not None:
             raise self.error
+
+
+def _cut_torn_tail(path: str, where: str) -> None:
+    """Before the first append to a local log, cut off an unterminated last record: a write a crash
+    interrupted, never acknowledged (readers already skip it). As a write-ahead log does, so the next
+    record starts on a line of its own instead of being glued onto the fragment."""
+    try:
+        fh = open(path, "rb+")
+    except FileNotFoundError:
+        return
+    with fh:
+        size = fh.seek(0, os.SEEK_END)
+        end, block = size, 1 << 16
+        while end > 0:                                  # the last newline, read backwards a block at a time
+            start = max(0, end - block)
+            fh.seek(start)
+            nl = fh.read(end - start).rfind(b"\n")
+            if nl >= 0:
+                end = start + nl + 1
+                break
+            end = start
+        if end < size:
+            fh.truncate(end)
+            fh.flush()
+            os.fsync(fh.fileno())
+            log.warning("%s: cut off an unterminated last record (%d bytes) left by an interrupted write", where, size - end)
 
 
 def _datasync(fd: int) -> None:
