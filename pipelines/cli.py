@@ -32,9 +32,13 @@ def _run(fn: Callable[[], None]) -> None:
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
     overrides = parse_overrides(sets or [])
-    if corpus:
+    if corpus is not None:
+        if not corpus.strip():
+            raise SomaError("--corpus is empty; pass a corpus directory, file or s3:// URL, or leave it out for the built-in corpus")
         overrides.setdefault("corpus", {})["source"] = corpus
-    if experts:
+    if experts is not None:
+        if experts < 1:
+            raise SomaError(f"--experts/-n {experts}: a campaign needs at least 1 expert; pass e.g. -n 4")
         overrides["n_experts"] = experts
     return resolve(preset, overrides, config)
 
@@ -54,19 +58,27 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
     """Train the seed model (N = 1) on the whole corpus."""
     def go() -> None:
         from pipelines.raysession import ray_session
+        from pipelines.reopen import reopen_unverified
         from pipelines.seed import train_seed
+        from workers.expert_worker import SEED_DIR
         store = open_store(campaign)
         cfg = load_config(store)
+        reopen_unverified(store, [("seed", SEED_DIR)])
         with ray_session(cfg, address):
             train_seed(store, cfg, not no_progress)
     _run(go)
 
 
 def _launch(campaign: str, address: Optional[str], no_progress: bool) -> None:
+    from pipelines.campaign import expert_jobs
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
+    from pipelines.reopen import reopen_unverified
+    from workers.expert_worker import model_dir
     store = open_store(campaign)
     cfg = load_config(store)
+    # an expert whose last checkpoint no longer verifies is not finished (the driver is to do this itself)
+    reopen_unverified(store, [(j.name, model_dir(j.role, j.expert)) for j in expert_jobs(cfg)])
     with ray_session(cfg, address):
         run(store, cfg, not no_progress)
 
