@@ -34,7 +34,7 @@ def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpu
     overrides = parse_overrides(sets or [])
     if corpus is not None:
         if not corpus.strip():
-            raise SomaError("--corpus is empty; pass a corpus directory, file or s3:// URL, or leave it out for the built-in corpus")
+            raise SomaError("--corpus is empty; pass a corpus directory, file or s3:// URL (or leave it out: built-in corpus)")
         overrides.setdefault("corpus", {})["source"] = corpus
     if experts is not None:
         if experts < 1:

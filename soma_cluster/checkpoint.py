@@ -95,7 +95,8 @@ class CheckpointCheck:
     latest: the name latest.json points at (None: no latest.json, or it is unreadable)
     valid:  the newest checkpoint that verifies, no newer than `latest` (None: none does)
     step:   valid's step (None with it)
-    bad:    (name, why) of every newer checkpoint that failed, newest first: the work they held is lost
+    bad:    (name, why) of a missing or unreadable latest.json, then of every newer checkpoint that failed,
+            newest first: the work they held is lost
     """
     directory: str
     latest: str | None
@@ -142,21 +143,20 @@ def verify(store: Store, directory: str, name: str) -> str | None:
 
 def check_checkpoints(store: Store, directory: str) -> CheckpointCheck:
     """Verify the checkpoint latest.json points at and, if it fails, each older one until one verifies.
-    Without a readable latest.json every step-*.json/.safetensors present is a candidate."""
+    Without a readable latest.json every step-*.json/.safetensors present is a candidate. Read-only."""
     names = store.listdir(directory)
-    steps = sorted({int(n[5:11]) for n in names if re.fullmatch(r"step-\d{6}\.(json|safetensors)", n)}, reverse=True)
-    latest = None
+    steps = {int(n[5:11]) for n in names if re.fullmatch(r"step-\d{6}\.(json|safetensors)", n)}
+    latest, bad = None, []
     if "latest.json" in names:
         try:
             latest = _read_checked(store, f"{directory}/latest.json")["name"]
         except (FileNotFoundError, ChecksumError, KeyError):
-            pass
-    if latest is not None and re.fullmatch(r"step-\d{6}", latest):
-        steps = [s for s in steps if s <= int(latest[5:])] or [int(latest[5:])]
-    bad = []
-    if latest is None and "latest.json" in names:
-        bad.append(("latest.json", "unreadable"))
-    for step in steps:
+            bad.append(("latest.json", "unreadable"))
+    elif steps:
+        bad.append(("latest.json", "missing"))
+    if latest is not None and re.fullmatch(r"step-\d{6}", latest):     # newer files were never published
+        steps = {s for s in steps if s <= int(latest[5:])} | {int(latest[5:])}
+    for step in sorted(steps, reverse=True):
         name = f"step-{step:06d}"
         why = verify(store, directory, name)
         if why is None:

@@ -96,7 +96,8 @@ def storage_timeout_s(environ: dict[str, str] | None = None) -> float:
     except ValueError:
         value = math.nan
     if not value > 0:
-        raise SomaError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}")
+        raise SomaError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; "
+                        f"set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}")
     return value
 
 

@@ -149,8 +149,9 @@ def _manifests(read, n_experts: int) -> dict:
     return out
 
 
-def test_missing_bucket_is_found_before_the_corpus_is_read_and_the_split_does_not_depend_on_where_the_corpus_is(s3, tmp_path, text_corpus):  # noqa: F811
-    """One corpus prepared from a local directory and from the S3 server gives the same test set and shards."""
+def test_missing_bucket_then_one_corpus_from_two_locations(s3, tmp_path, text_corpus):  # noqa: F811
+    """A missing bucket is found before the corpus is read (and creating it is the fix); then one corpus prepared
+    from the S3 server and from a local directory of another name gives the same test set and shards."""
     import shutil
     import time
 
