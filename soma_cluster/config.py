@@ -265,6 +265,8 @@ def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, confi
     tree["preset"] = preset
     origin = f"preset {preset}"
     if config_file is not None:
+        if not config_file.strip():
+            raise SomaError("--config is empty; pass a YAML file of settings or leave it out")
         path = Path(config_file)
         if not path.exists():
             raise SomaError(f"config file {config_file!r} not found; pass an existing YAML file")
@@ -335,6 +337,6 @@ def to_yaml_text(cfg: CampaignConfig) -> str:
     body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     tree = yaml.safe_load(body)                 # the digests are of what a reader will load back
     keys = " ".join(f"{k}={_sha(v)[:8]}" for k, v in tree.items())
-    return ("# The resolved config of this campaign, written once by `soma prepare`. Every soma command checks it\n"
+    return ("# The resolved config of this campaign, written once when it was created. Every soma command checks it\n"
             "# against the digests below and refuses an edited copy: its router, shards and checkpoints were made for it.\n"
             f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n{body}")

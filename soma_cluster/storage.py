@@ -143,7 +143,8 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
         except transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
             now = time.monotonic()
             if now >= last_start or (max_tries is not None and tries >= max_tries):
-                raise SomaError(f"{what} failed after {tries} tries in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
+                n = f"{tries} tries" if tries > 1 else "1 try"
+                raise SomaError(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
             wait = min(delay, last_start - now)
             # the type only: messages and storage options are never logged (they can name credentials)
             log.warning("%s failed (%s), retry %d in %.1f s", what, type(exc).__name__, tries, wait)
