@@ -70,15 +70,15 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
 
 
 def _launch(campaign: str, address: Optional[str], no_progress: bool) -> None:
-    from pipelines.campaign import expert_jobs
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
     from pipelines.reopen import reopen_unverified
+    from soma_cluster.shards import expert_name
     from workers.expert_worker import model_dir
     store = open_store(campaign)
     cfg = load_config(store)
     # an expert whose last checkpoint no longer verifies is not finished (the driver is to do this itself)
-    reopen_unverified(store, [(j.name, model_dir(j.role, j.expert)) for j in expert_jobs(cfg)])
+    reopen_unverified(store, [(expert_name(e), model_dir("expert", e)) for e in range(cfg.n_experts)])
     with ray_session(cfg, address):
         run(store, cfg, not no_progress)
 
