@@ -27,6 +27,7 @@ from soma_cluster.events import history, require_seed
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
 from soma_cluster.schedule import POLL_S, Action, Chunk, Job, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
+from soma_cluster.shards import expert_name
 from soma_cluster.storage import Store
 from workers import actor_name, start_worker
 
@@ -146,8 +147,10 @@ class Driver:
             console.print(f"{len(self.sched.outcome)} job(s) already ended in this campaign; not retraining them")
         per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, max(1, self._slots()))
         if self.sched.book.expert_s is not None or self.sched.book.campaign_s is not None:
-            console.print(f"budget: worst-case overrun {per:.1f} GPU-s per expert, {total:.1f} GPU-s for the campaign "
-                          f"(grace {self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {max(1, self._slots())} concurrent)")
+            console.print(f"budget: a worker stops before a chunk it cannot afford (past its cap by at most its largest chunk "
+                          f"or start-up); one that does not is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for "
+                          f"the campaign (grace {self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, "
+                          f"{max(1, self._slots())} concurrent)")
         targets = {j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates for j in self.sched.pending}
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
@@ -167,7 +170,19 @@ class Driver:
                 finally:
                     for actor in self.actors.values():      # on an error in the loop, leave no actor behind
                         ray.kill(actor, no_restart=True)
+        if self.sched.book.expert_s is not None:
+            self._say_overruns()
         return self.outcome
+
+    def _say_overruns(self) -> None:
+        """Measured against bound, for the experts a per-expert cap stopped."""
+        stopped = {j.expert for j, end in self.sched.outcome.items() if end == "budget_exhausted" and j.expert is not None}
+        over = {e: o for e, o in self.sched.book.overruns(Ledger(self.store).records()).items() if e in stopped}
+        if over:
+            e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
+            console.print(f"budget: {len(over)} expert(s) stopped by their cap; largest overrun {worst.gpu_s:+.2f} GPU-s "
+                          f"({expert_name(e)}; bound {worst.bound_s:.2f}, its largest single chunk or start-up); "
+                          f"{sum(not o.within for o in over.values())} past their bound")
 
     def _sweep(self) -> None:
         self._apply(self.sched.requests(self._capacity(), self._slots()))

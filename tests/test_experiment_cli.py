@@ -26,9 +26,11 @@ def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path)
     assert [arms[a]["method"] for a in ("soma", "bptt", "mono-spsa", "eggroll")] == ["spsa", "bptt", "spsa", "eggroll"]
     assert arms["mono-spsa"]["n_experts"] == 1 and abs(arms["mono-spsa"]["parameters"] / arms["soma"]["parameters"] - 1) < 0.01
     for name, r in arms.items():
-        # matched GPU-hours: each arm's campaign budget bound it (seed included), within the stated overrun bound
+        # matched GPU-hours: each arm's campaign budget bound it (seed included), within the stated overrun bound;
+        # a job stops once its next chunk (its cost measured on this host, under its load) no longer fits its share
+        # of what is left, so a loaded host can leave up to a chunk per concurrent job unspent
         assert set(r["outcomes"]) == {"budget_exhausted"}, (name, r["outcomes"])
-        assert 0.0025 < r["gpu_hours"] < 0.003 + 4 * 5.5 / 3600, (name, r["gpu_hours"])
+        assert 0.0015 < r["gpu_hours"] < 0.003 + 4 * 5.5 / 3600, (name, r["gpu_hours"])
         steps = [p["step"] for p in r["curve"]]
         assert steps[0] == 0 and steps == sorted(steps) and len(steps) >= 3
         fw = [p["forwards"] for p in r["curve"]]

@@ -10,6 +10,7 @@ import torch
 
 from conftest import micro_config
 from inprocess import InProcess
+from soma_cluster.budget import BudgetBook
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
@@ -289,3 +290,20 @@ def test_checkpoint_meta_carries_the_attempts_usage(seeded_inproc, tmp_path):
     InProcess(store, cfg, expert_jobs(cfg)).run()
     meta = load_checkpoint(store, "experts/expert-0000").meta
     assert meta["attempt"] == 0 and meta["usage"]["forwards"] == 12 * PER_UPDATE and meta["usage"]["gpu_seconds"] > 0
+
+
+@pytest.mark.parametrize("cap_s", [0.3, 1.0, 2.5])
+def test_a_capped_expert_stops_within_its_derived_overrun_bound(seeded_inproc, tmp_path, cap_s):
+    """The worker starts a chunk only if its estimated cost fits what is left, so it ends past its cap by at most
+    its largest single record (a start-up, or a chunk with its validations and checkpoints), with no hard stop."""
+    cfg = micro_config(train={"updates": 100000, "chunk_updates": 4, "checkpoint_every": 20, "val_every": 10, "val_batches": 1},
+                       budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 0.0},
+                       corpus={"source": seeded_inproc[1].corpus.source})
+    store = clone_as(seeded_inproc, tmp_path / "c", cfg)
+    outcome = InProcess(store, cfg, expert_jobs(cfg)).run(max_calls=50_000)
+    assert set(outcome.values()) == {"budget_exhausted"}
+    over = BudgetBook(cfg.budget).overruns(Ledger(store).records())
+    assert sorted(over) == [0, 1]
+    for e, o in over.items():
+        print(f"\ncap {cap_s} GPU-s: expert {e} overrun {o.gpu_s:+.3f} GPU-s, derived bound {o.bound_s:.3f}")
+        assert o.within, (e, o)
