@@ -86,6 +86,7 @@ def assert_one_line_error(proc, *needles):
     assert len(lines) == 1, proc.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
+    print(f"\n{lines[0]}")             # with -s: every refusal's wording, for review
 
 
 @pytest.fixture(scope="session")
