@@ -24,6 +24,7 @@ from pipelines.metrics import CampaignMetrics
 from pipelines.reopen import reopen_unverified
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
+from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError
 from soma_cluster.events import history, require_seed
 from soma_cluster.ledger import Ledger
@@ -225,7 +226,15 @@ class Driver:
                         ray.kill(actor, no_restart=True)
                     self._report(final=True)
                     self._writer.close()
+        self._write_curves()
         return self.outcome
+
+    def _write_curves(self) -> None:
+        """curves/<job>.csv for this driver's jobs, from the events log (complete across retries and resumes)."""
+        try:
+            write_curves(self.store, history(self.store), [j.name for j in self.jobs])
+        except Exception as exc:          # a curve is a view: never a reason for a campaign to fail
+            console.print(f"warning: could not write the training curves: {exc}", markup=False)
 
     def snapshot(self, final: bool = False) -> dict:
         """The campaign's status now (soma_cluster/snapshot.py): every job of the campaign, seed first."""

@@ -205,6 +205,29 @@ def status(campaign: str, as_json: bool = JsonOpt,
 
 
 @app.command()
+def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", help="GPUs to plan for (default: resources.local_gpus)"),
+         recalibrate: bool = typer.Option(False, "--recalibrate", help="time the model again (else plan/calibration.json is reused)"),
+         as_json: bool = JsonOpt) -> None:
+    """Predict GPU-hours by category, wall time on --gpus GPUs and which experts a budget stops (and at what step),
+    from the config and a calibration timed on the real model and shards; written to CAMPAIGN/plan/."""
+    def go() -> None:
+        from pipelines.plan import plan as run
+        from pipelines.plan import render
+        from soma_cluster.ledger import hours_unit
+        if gpus is not None and gpus <= 0:
+            raise SomaError(f"--gpus {gpus:g}: plan for a positive number of GPUs, e.g. --gpus 8")
+        store = open_store(campaign)
+        cfg = load_config(store)
+        if gpus is not None and gpus < cfg.resources.num_gpus:
+            raise SomaError(f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that")
+        p = run(store, cfg, gpus, recalibrate)
+        if as_json:
+            return emit_json(p)
+        out.print(render(p, hours_unit({p["calibration"]["device"]: 1.0})), markup=False)
+    _run(go)
+
+
+@app.command()
 def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, set: Optional[list[str]] = SetOpt,
          address: Optional[str] = AddressOpt) -> None:
     """prepare -> seed -> launch -> eval on a preset (tiny by default), then print where the report is."""
