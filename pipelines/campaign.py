@@ -242,7 +242,8 @@ class Driver:
         order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
         done = sum(v.step for v in self.sched.seen.values()) - self._steps0
         return build(self.cfg, self.store.url, {n: rows[n] for n in order if n in rows}, self.sched.by_category,
-                     self.sched.by_device, started_at=self.started_at, updates_done=done, final=final, source="driver")
+                     self.sched.by_device, started_at=self.started_at, updates_done=done, final=final, source="driver",
+                     running={j.name for j in self.jobs})
 
     def _report(self, final: bool = False) -> None:
         """Every STATUS_S (and at the end): status.json, the metrics and, without a bar, a summary line."""

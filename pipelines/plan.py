@@ -55,11 +55,13 @@ def _trainer(store: Store, cfg: CampaignConfig, job: Job, device: torch.device, 
                    device, cfg.train.val_batches * cfg.spsa.batch, training_method(cfg, job))
 
 
-def _timed(fn, repeat: int = 1) -> float:
-    t = time.perf_counter()
-    for _ in range(repeat):
+def _timed(fn, repeat: int = 1, min_s: float = 0.0, most: int = 50) -> tuple[float, int]:
+    """Mean seconds per call over at least `repeat` calls and at least `min_s` seconds (at most `most` calls)."""
+    t, n = time.perf_counter(), 0
+    while n < repeat or (time.perf_counter() - t < min_s and n < most):
         fn()
-    return (time.perf_counter() - t) / repeat
+        n += 1
+    return (time.perf_counter() - t) / n, n
 
 
 def startup_seconds() -> float:
@@ -70,7 +72,7 @@ def startup_seconds() -> float:
     return time.perf_counter() - t
 
 
-def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3) -> dict:
+def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float = 3.0) -> dict:
     device = pick_device()
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -83,18 +85,18 @@ def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3) -> dict:
             trainers = [_trainer(store, cfg, Job(e), device, cache) for e in range(g)]
             load_s = time.perf_counter() - t                   # the actor loads its G members one after another
             update_experts(trainers)                            # warm-up (allocations, kernels)
-            packed = _timed(lambda: update_experts(trainers), updates)
-            val = _timed(trainers[0].validate)
-            ckpt = _timed(lambda: save_checkpoint(Store(os.path.join(scratch, "ck")), "x", trainers[0].state))
+            packed, timed = _timed(lambda: update_experts(trainers), updates, min_s)
+            val, _ = _timed(trainers[0].validate)
+            ckpt, _ = _timed(lambda: save_checkpoint(Store(os.path.join(scratch, "ck")), "x", trainers[0].state))
             seed = {}
             if not seed_done(store):
                 t = time.perf_counter()
                 st = _trainer(store, cfg, SEED_JOB, device, cache)
                 seed["seed_load_s"] = time.perf_counter() - t
                 st.update()
-                seed["seed_update_s"] = _timed(st.update, updates)
+                seed["seed_update_s"], _ = _timed(st.update, updates, min_s)
         return {"device": device.type, "threads": cfg.train.threads if device.type == "cpu" else None, "experts_per_actor": g,
-                "updates_timed": updates, "packed_update_s": packed, "val_s": val, "checkpoint_s": ckpt, "load_s": load_s,
+                "updates_timed": timed, "packed_update_s": packed, "val_s": val, "checkpoint_s": ckpt, "load_s": load_s,
                 "startup_s": startup_seconds(), "poll_s": POLL_S, "measured_at": time.time(), "config_digest": cfg.digest(),
                 "seed_load_s": seed.get("seed_load_s", 0.0), "seed_update_s": seed.get("seed_update_s", packed)}
     finally:

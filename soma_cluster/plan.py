@@ -60,7 +60,7 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
     contention = max(1.0, min(slots, units) * cfg.train.threads / cores) if cpu else 1.0
     t = cfg.train
     # one expert's share of its actor, in GPU-seconds
-    fixed = (cal["startup_s"] + cal["load_s"]) * r.num_gpus / g
+    fixed = (cal["startup_s"] + cal["load_s"]) * contention * r.num_gpus / g   # actors start together: imports contend too
     per_update = cal["packed_update_s"] * contention * r.num_gpus / g
     # each member's validation and checkpoint run one after another in the actor, its time split among members:
     # per member and event, one validation's (or checkpoint's) wall time

@@ -98,8 +98,9 @@ def eta_s(rows: list[dict], updates_done: int, elapsed_s: float) -> float | None
 
 
 def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: dict[str, float], devices: dict[str, float],
-          *, started_at: float | None, updates_done: int, final: bool, source: str) -> dict:
-    """The whole snapshot; `rows` in campaign order (seed first)."""
+          *, started_at: float | None, updates_done: int, final: bool, source: str, running: set[str] | None = None) -> dict:
+    """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
+    `running` (the driver's own; all by default), at the rate that driver has trained them."""
     now = time.time()
     listed = list(rows.values())
     elapsed = now - started_at if started_at is not None else 0.0
@@ -108,7 +109,8 @@ def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: d
             "driver_started_at": started_at, "elapsed_s": elapsed, "final": final,
             "unit": hours_unit(devices), "counts": counts(listed), "gpu_hours": hours, "gpu_hours_total": sum(hours.values()),
             "budget": {"expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours},
-            "eta_s": None if final else eta_s(listed, updates_done, elapsed), "jobs": listed}
+            "eta_s": None if final else eta_s([r for r in listed if running is None or r["job"] in running], updates_done, elapsed),
+            "jobs": listed}
 
 
 def summary_line(snap: dict) -> str:

@@ -96,3 +96,20 @@ def test_status_without_a_snapshot_reads_the_events_log_and_cuts_nothing_when_pi
     doc = json.loads(soma("status", str(camp), "--json").stdout)
     assert doc["schema"] == 1 and [r["job"] for r in doc["jobs"]] == ["seed", "expert-0000", "expert-0001", "expert-0002"]
     assert doc["jobs"][2]["retries"] == 1 and doc["jobs"][2]["node"] == "10.0.0.7"
+
+
+def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
+    from soma_cluster.storage import Store
+    s = scheduler(tmp_path, n_experts=2)
+    s.restore({})
+    (tmp_path / "c").mkdir(exist_ok=True)
+    (tmp_path / "c" / "campaign.yaml").write_text(to_yaml_text(s.cfg))
+    snap = build(s.cfg, s.store.url, scheduler_rows(s), {}, {}, started_at=0.0, updates_done=0, final=False, source="driver")
+    Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
+    proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2", "--count", "3")
+    assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 3, proc.stdout
+    snap["written_at"] -= 3600                                   # a driver silent for an hour: shown once, as STALE
+    Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
+    proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2")
+    assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 1 and "STALE" in proc.stdout
+    assert json.loads(soma("status", str(tmp_path / "c"), "--json").stdout)["stale"] is True
