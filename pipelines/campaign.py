@@ -15,6 +15,7 @@ import re
 import sys
 import threading
 import time
+from collections import deque
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
@@ -39,6 +40,7 @@ SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join a
 QUEUED_POLL_S = 0.2     # how soon an actor Ray has just placed is seen (its setup report), while others run
 TRACEBACK_CHARS = 4000  # of a worker's traceback, kept in its `failed` event
 STATUS_S = 5.0          # status.json (and the metrics) are rewritten this often: one small PUT, never a log re-read
+RATE_WINDOW_S = 60.0    # the ETA's rate is measured over this much of the recent past
 LOG_EVERY_S = 30.0      # without a progress bar, one summary line this often (a log collector's view)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
 
@@ -121,9 +123,9 @@ class Driver:
         self.metrics = CampaignMetrics(cfg.name, self.campaign_id)
         self.others: dict[str, dict] = {}              # status rows of the campaign's jobs this driver does not run
         self.started_at: float | None = None
-        self._steps0 = 0
         self._reported = self._logged = -math.inf
         self._writer: SnapshotWriter | None = None
+        self._samples: deque[tuple[float, int]] = deque()   # (monotonic time, updates of all jobs) for the ETA
 
     @property
     def outcome(self) -> dict[str, str]:
@@ -196,7 +198,7 @@ class Driver:
         mine = set(self.jobs)
         self.others = history_rows(self.cfg, hist, self.sched.totals_at_start,
                                    [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine])
-        self.started_at, self._steps0 = time.time(), sum(v.step for v in self.sched.seen.values())
+        self.started_at = time.time()
         self._writer = SnapshotWriter(self.store)
         if self.sched.outcome:
             console.print(f"{len(self.sched.outcome)} job(s) already ended in this campaign; not retraining them")
@@ -240,10 +242,18 @@ class Driver:
         """The campaign's status now (soma_cluster/snapshot.py): every job of the campaign, seed first."""
         rows = {**self.others, **scheduler_rows(self.sched)}
         order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
-        done = sum(v.step for v in self.sched.seen.values()) - self._steps0
         return build(self.cfg, self.store.url, {n: rows[n] for n in order if n in rows}, self.sched.by_category,
-                     self.sched.by_device, started_at=self.started_at, updates_done=done, final=final, source="driver",
+                     self.sched.by_device, started_at=self.started_at, rate=self._rate(), final=final, source="driver",
                      running={j.name for j in self.jobs})
+
+    def _rate(self) -> float | None:
+        """Updates per second of every job together over the last RATE_WINDOW_S (start-ups and queueing age out)."""
+        now, steps = time.monotonic(), sum(v.step for v in self.sched.seen.values())
+        self._samples.append((now, steps))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, s0 = self._samples[0]
+        return (steps - s0) / (now - t0) if now > t0 and steps > s0 else None
 
     def _report(self, final: bool = False) -> None:
         """Every STATUS_S (and at the end): status.json, the metrics and, without a bar, a summary line."""

@@ -28,7 +28,7 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
     else:
         totals = Ledger(store).totals()
         rows = history_rows(cfg, history(store), totals)
-        snap = build(cfg, store.url, rows, totals.gpu_seconds, totals.devices, started_at=None, updates_done=0,
+        snap = build(cfg, store.url, rows, totals.gpu_seconds, totals.devices, started_at=None, rate=None,
                      final=False, source="events")
         snap["eta_s"] = None
     snap["stale"] = snap["source"] == "driver" and not snap["final"] and time.time() - snap["written_at"] > STALE_S

@@ -87,20 +87,18 @@ def counts(rows: list[dict]) -> dict[str, int]:
     return {s: n for s in STATES if (n := sum(r["state"] == s for r in rows))}
 
 
-def eta_s(rows: list[dict], updates_done: int, elapsed_s: float) -> float | None:
-    """Seconds to go at the rate this driver has trained so far (updates of every job together), or None."""
+def eta_s(rows: list[dict], rate: float | None) -> float | None:
+    """Seconds to go at `rate` updates per second (every job's together, measured by the driver), or None."""
     left = sum(max(0, r["target"] - r["step"]) for r in rows if r["state"] not in STATES[5:])
     if left == 0:
         return 0.0
-    if updates_done <= 0 or elapsed_s <= 0:
-        return None
-    return left / (updates_done / elapsed_s)
+    return left / rate if rate else None
 
 
 def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: dict[str, float], devices: dict[str, float],
-          *, started_at: float | None, updates_done: int, final: bool, source: str, running: set[str] | None = None) -> dict:
+          *, started_at: float | None, rate: float | None, final: bool, source: str, running: set[str] | None = None) -> dict:
     """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
-    `running` (the driver's own; all by default), at the rate that driver has trained them."""
+    `running` (the driver's own; all by default) at `rate` updates per second."""
     now = time.time()
     listed = list(rows.values())
     elapsed = now - started_at if started_at is not None else 0.0
@@ -109,7 +107,7 @@ def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: d
             "driver_started_at": started_at, "elapsed_s": elapsed, "final": final,
             "unit": hours_unit(devices), "counts": counts(listed), "gpu_hours": hours, "gpu_hours_total": sum(hours.values()),
             "budget": {"expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours},
-            "eta_s": None if final else eta_s([r for r in listed if running is None or r["job"] in running], updates_done, elapsed),
+            "eta_s": None if final else eta_s([r for r in listed if running is None or r["job"] in running], rate),
             "jobs": listed}
 
 

@@ -61,7 +61,7 @@ def test_snapshot_schema_eta_and_summary_line(tmp_path):
     s.restore({})
     rows = scheduler_rows(s)
     snap = build(s.cfg, s.store.url, rows, {"seed": 36.0, "expert_training": 72.0}, {"cpu": 108.0}, started_at=0.0,
-                 updates_done=0, final=False, source="driver")
+                 rate=None, final=False, source="driver")
     assert {"schema", "source", "campaign", "name", "preset", "written_at", "driver_started_at", "elapsed_s", "final", "unit",
             "counts", "gpu_hours", "gpu_hours_total", "budget", "eta_s", "jobs"} <= set(snap)
     assert snap["schema"] == 1 and set(snap["gpu_hours"]) == set(CATEGORIES) and set(snap["counts"]) <= set(STATES)
@@ -69,7 +69,7 @@ def test_snapshot_schema_eta_and_summary_line(tmp_path):
     line = summary_line(snap)
     assert "\n" not in line and "2 pending" in line and "0.0300 logical GPU-hours on cpu" in line and "ETA" in line
     jobs = [{"target": 12, "step": 6, "state": "running"}, {"target": 12, "step": 12, "state": "finished"}]
-    assert eta_s(jobs, updates_done=6, elapsed_s=3.0) == 3.0 and eta_s(jobs, 0, 3.0) is None
+    assert eta_s(jobs, rate=2.0) == 3.0 and eta_s(jobs, None) is None and eta_s(jobs[1:], None) == 0.0
 
 
 def test_status_without_a_snapshot_reads_the_events_log_and_cuts_nothing_when_piped(tmp_path):
@@ -104,7 +104,7 @@ def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
     s.restore({})
     (tmp_path / "c").mkdir(exist_ok=True)
     (tmp_path / "c" / "campaign.yaml").write_text(to_yaml_text(s.cfg))
-    snap = build(s.cfg, s.store.url, scheduler_rows(s), {}, {}, started_at=0.0, updates_done=0, final=False, source="driver")
+    snap = build(s.cfg, s.store.url, scheduler_rows(s), {}, {}, started_at=0.0, rate=None, final=False, source="driver")
     Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
     proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2", "--count", "3")
     assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 3, proc.stdout
