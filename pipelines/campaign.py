@@ -226,10 +226,18 @@ class Driver:
                 finally:
                     for actor in self.actors.values():      # on an error in the loop, leave no actor behind
                         ray.kill(actor, no_restart=True)
-                    self._report(final=True)
-                    self._writer.close()
+                    self._last_report()
         self._write_curves()
         return self.outcome
+
+    def _last_report(self) -> None:
+        """The driver's last snapshot (final only if every job ended), written before the driver returns or raises;
+        a failure here is logged, never raised over the loop's own error."""
+        try:
+            self._report(final=True)
+        except Exception as exc:
+            console.print(f"warning: could not make the last status snapshot: {exc}", markup=False)
+        self._writer.close()
 
     def _write_curves(self) -> None:
         """curves/<job>.csv for this driver's jobs, from the events log (complete across retries and resumes)."""
