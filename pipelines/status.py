@@ -46,12 +46,14 @@ def plan_vs_actual(store: Store, snap: dict) -> dict | None:
     totals = Ledger(store).totals()
     actual = {c: s / 3600.0 for c, s in totals.gpu_seconds.items()}
     walls = stage_walls(store)
+    seed = not plan.get("seed_trained")          # a seed trained before the plan was spent, not predicted
     rows = []
-    for what, key in (("seed", "seed"), ("expert training", "expert_training"), ("wasted", "wasted")):
+    for what, key in ((("seed", "seed"),) if seed else ()) + (("expert training", "expert_training"), ("wasted", "wasted")):
         rows.append({"what": f"GPU-hours, {what}", "predicted": plan["gpu_hours"].get(key, 0.0), "actual": actual.get(key, 0.0)})
-    rows.append({"what": "GPU-hours, seed + experts", "predicted": plan["gpu_hours"]["training_total"],
-                 "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"]})
-    for what, key in (("seed", "seed"), ("experts", "experts")):
+    if seed:
+        rows.append({"what": "GPU-hours, seed + experts", "predicted": plan["gpu_hours"]["training_total"],
+                     "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"]})
+    for what, key in ((("seed", "seed"),) if seed else ()) + (("experts", "experts"),):
         rows.append({"what": f"wall seconds, {what}", "predicted": plan["wall_seconds"][key], "actual": walls.get(key)})
     for r in rows:
         r["error"] = None if not r["actual"] else r["predicted"] / r["actual"] - 1.0

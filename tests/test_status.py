@@ -113,3 +113,25 @@ def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
     proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2")
     assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 1 and "STALE" in proc.stdout
     assert json.loads(soma("status", str(tmp_path / "c"), "--json").stdout)["stale"] is True
+
+
+def test_plan_against_actual_once_every_job_ended(tmp_path):
+    from pipelines.status import PLAN, plan_vs_actual
+    from soma_cluster.ledger import Ledger
+    from soma_cluster.storage import Store
+    store = Store(str(tmp_path / "c"))
+    for job, t0, t1 in (("seed", 0.0, 100.0), ("expert-0000", 200.0, 400.0)):
+        store.append("events.jsonl", {"event": "queued", "job": job, "t": t0, "attempt": 0})
+        store.append("events.jsonl", {"event": "finished", "job": job, "t": t1, "attempt": 0})
+    Ledger(store).record("seed", 360.0, 100.0)
+    Ledger(store).record("expert_training", 720.0, 200.0, expert=0)
+    plan = {"gpus": 1, "seed_trained": False, "gpu_hours": {"seed": 0.11, "expert_training": 0.18, "wasted": 0.0, "training_total": 0.29},
+            "wall_seconds": {"seed": 110.0, "experts": 180.0}}
+    store.write_json(PLAN, plan)
+    ended = {"jobs": [{"state": "finished"}, {"state": "finished"}]}
+    rows = {r["what"]: r for r in plan_vs_actual(store, ended)["rows"]}
+    assert abs(rows["GPU-hours, seed"]["error"] - 0.1) < 1e-9 and abs(rows["GPU-hours, expert training"]["error"] + 0.1) < 1e-9
+    assert rows["wall seconds, seed"]["actual"] == 100.0 and rows["wall seconds, experts"]["actual"] == 200.0
+    assert plan_vs_actual(store, {"jobs": [{"state": "finished"}, {"state": "running"}]}) is None     # not before the end
+    store.write_json(PLAN, {**plan, "seed_trained": True})          # a seed trained before the plan is not a prediction
+    assert not [r for r in plan_vs_actual(store, ended)["rows"] if "seed" in r["what"]]
