@@ -13,21 +13,26 @@ from __future__ import annotations
 import math
 import re
 import sys
+import threading
 import time
+from collections import deque
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pipelines.common import console, progress
+from pipelines.metrics import CampaignMetrics
 from pipelines.reopen import reopen_unverified
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
+from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError
 from soma_cluster.events import history, require_seed
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
-from soma_cluster.schedule import POLL_S, Action, Chunk, Job, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
+from soma_cluster.schedule import POLL_S, SEED_JOB, Action, Chunk, Job, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
 from soma_cluster.shards import expert_name
+from soma_cluster.snapshot import SNAPSHOT, build, history_rows, scheduler_rows, summary_line
 from soma_cluster.storage import Store
 from workers import actor_name, start_worker
 
@@ -35,6 +40,9 @@ FLUSH_S = 0.25          # group commit: held log records are made durable at lea
 SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join and leave over minutes)
 QUEUED_POLL_S = 0.2     # how soon an actor Ray has just placed is seen (its setup report), while others run
 TRACEBACK_CHARS = 4000  # of a worker's traceback, kept in its `failed` event
+STATUS_S = 5.0          # status.json (and the metrics) are rewritten this often: one small PUT, never a log re-read
+RATE_WINDOW_S = 60.0    # the ETA's rate is measured over this much of the recent past
+LOG_EVERY_S = 30.0      # without a progress bar, one summary line this often (a log collector's view)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
 
 
@@ -63,11 +71,49 @@ def lost_task(exc: RayTaskError) -> Lost:
     return Lost(why, "failure", trace)
 
 
+class SnapshotWriter:
+    """Writes status.json from a thread of its own, latest snapshot wins: the loop never waits on the store
+    (an S3 outage is retried for up to SOMA_S3_TIMEOUT_S), and a slow write is overtaken, not queued."""
+
+    def __init__(self, store: Store):
+        self.store, self._next, self._cv, self._closed = store, None, threading.Condition(), False
+        self._thread = threading.Thread(target=self._run, name="soma-status", daemon=True)
+        self._thread.start()
+
+    def submit(self, snap: dict) -> None:
+        with self._cv:
+            self._next = snap
+            self._cv.notify()
+
+    def _run(self) -> None:
+        while True:
+            with self._cv:
+                while self._next is None and not self._closed:
+                    self._cv.wait()
+                snap, self._next = self._next, None
+                if snap is None:
+                    return
+            try:
+                self.store.write_json(SNAPSHOT, snap)
+            except Exception as exc:      # the status view never stops a campaign
+                print(f"warning: could not write {self.store.url}/{SNAPSHOT}: {exc}", file=sys.stderr, flush=True)
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        """Write what was submitted last, then stop."""
+        with self._cv:
+            self._closed = True
+            self._cv.notify()
+        self._thread.join(timeout_s)
+
+
 class Driver:
     """Runs jobs to an end state on Ray; `run()` returns job name -> how it ended."""
 
-    def __init__(self, store: Store, cfg: CampaignConfig, jobs: list[Job], show_progress: bool = True, actor_factory=start_worker):
-        self.store, self.cfg, self.jobs, self.show = store, cfg, jobs, show_progress
+    def __init__(self, store: Store, cfg: CampaignConfig, jobs: list[Job], show_progress: bool = True, actor_factory=start_worker,
+                 log_every_s: float = LOG_EVERY_S):
+        self.store, self.cfg, self.jobs = store, cfg, jobs
+        self.show = show_progress and console.is_terminal     # a bar only where a person watches; else summary lines
+        self.log_every_s = log_every_s
         self.start_actor = actor_factory
         self.sched = Scheduler(store, cfg, jobs, latest=lambda job: latest_meta(store, job.model_dir))
         self.actors: dict[int, object] = {}            # unit id -> its actor handle
@@ -75,6 +121,12 @@ class Driver:
         self.campaign_id = cfg.digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf     # cluster GPUs, and when they were last read
         self._queued_polled = -math.inf
+        self.metrics = CampaignMetrics(cfg.name, self.campaign_id)
+        self.others: dict[str, dict] = {}              # status rows of the campaign's jobs this driver does not run
+        self.started_at: float | None = None
+        self._reported = self._logged = -math.inf
+        self._writer: SnapshotWriter | None = None
+        self._samples: deque[tuple[float, int]] = deque()   # (monotonic time, updates of all jobs) for the ETA
 
     @property
     def outcome(self) -> dict[str, str]:
@@ -142,7 +194,13 @@ class Driver:
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, str]:
-        self.sched.restore(history(self.store))
+        hist = history(self.store)
+        self.sched.restore(hist)
+        mine = set(self.jobs)
+        self.others = history_rows(self.cfg, hist, self.sched.totals_at_start,
+                                   [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine])
+        self.started_at = time.time()
+        self._writer = SnapshotWriter(self.store)
         if self.sched.outcome:
             console.print(f"{len(self.sched.outcome)} job(s) already ended in this campaign; not retraining them")
         per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, max(1, self._slots()))
@@ -167,12 +225,61 @@ class Driver:
                             flushed = time.monotonic()
                         if self.show:
                             self._show(bar, overall, tasks, targets)
+                        self._report()
                 finally:
                     for actor in self.actors.values():      # on an error in the loop, leave no actor behind
                         ray.kill(actor, no_restart=True)
+                    self._last_report()
+        self._write_curves()
         if self.sched.book.expert_s is not None:
             self._say_overruns()
         return self.outcome
+
+    def _last_report(self) -> None:
+        """The driver's last snapshot (final only if every job ended), written before the driver returns or raises;
+        a failure here is logged, never raised over the loop's own error."""
+        try:
+            self._report(final=True)
+        except Exception as exc:
+            console.print(f"warning: could not make the last status snapshot: {exc}", markup=False)
+        self._writer.close()
+
+    def _write_curves(self) -> None:
+        """curves/<job>.csv for this driver's jobs, from the events log (complete across retries and resumes)."""
+        try:
+            write_curves(self.store, history(self.store), [j.name for j in self.jobs])
+        except Exception as exc:          # a curve is a view: never a reason for a campaign to fail
+            console.print(f"warning: could not write the training curves: {exc}", markup=False)
+
+    def snapshot(self, final: bool = False) -> dict:
+        """The campaign's status now (soma_cluster/snapshot.py): every job of the campaign, seed first."""
+        rows = {**self.others, **scheduler_rows(self.sched)}
+        order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
+        return build(self.cfg, self.store.url, {n: rows[n] for n in order if n in rows}, self.sched.by_category,
+                     self.sched.by_device, started_at=self.started_at, rate=self._rate(), final=final, source="driver",
+                     running={j.name for j in self.jobs})
+
+    def _rate(self) -> float | None:
+        """Updates per second of every job together over the last RATE_WINDOW_S (start-ups and queueing age out)."""
+        now, steps = time.monotonic(), sum(v.step for v in self.sched.seen.values())
+        self._samples.append((now, steps))
+        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
+            self._samples.popleft()
+        t0, s0 = self._samples[0]
+        return (steps - s0) / (now - t0) if now > t0 and steps > s0 else None
+
+    def _report(self, final: bool = False) -> None:
+        """Every STATUS_S (and at the end): status.json, the metrics and, without a bar, a summary line."""
+        now = time.monotonic()
+        if not final and now - self._reported < STATUS_S:
+            return
+        self._reported = now
+        snap = self.snapshot(final=final and self.sched.finished)
+        self._writer.submit(snap)
+        self.metrics.update(snap)
+        if not self.show and (final or now - self._logged >= self.log_every_s):
+            self._logged = now
+            console.print(summary_line(snap), soft_wrap=True, markup=False)
 
     def _say_overruns(self) -> None:
         """Measured against bound, for the experts a per-expert cap stopped."""
@@ -236,7 +343,7 @@ class Driver:
         bar.update(overall, completed=sum(steps.values()))
 
 
-def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dict[str, str]:
+def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S) -> dict[str, str]:
     """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. Raises SomaError
     on bad input and JobsFailed when experts failed permanently."""
     require_seed(store)
@@ -251,7 +358,7 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dic
     r = cfg.resources
     console.print(f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
                   f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries")
-    driver = Driver(store, cfg, expert_jobs(cfg), show_progress)
+    driver = Driver(store, cfg, expert_jobs(cfg), show_progress, log_every_s=log_every_s)
     outcome = driver.run()
     counts = {k: list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
     console.print(f"experts ended: {counts}")

@@ -7,19 +7,69 @@ from typing import Callable, Optional
 
 import typer
 
-from pipelines.common import console, load_config, open_store
-from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve
+from pipelines.common import emit_json, load_config, open_store, out
+from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
 from soma_cluster.errors import JobsFailed, SomaError
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray.")
+app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
+                  "Data (tables, results, --json) goes to stdout; logs and progress to stderr.")
 
-PresetOpt = typer.Option("tiny", "--preset", "-p", help="preset name (soma_cluster/presets/*.yaml)")
+SCALES = ("small", "paper")
+
+
+def _bad(message: str) -> None:
+    """Bad input found while parsing options: the same one `error:` line and exit 2 as every other bad input."""
+    print(f"error: {message}", file=sys.stderr)
+    raise typer.Exit(2)
+
+
+def _check_preset(value: str) -> str:
+    if value not in preset_names():
+        _bad(f"--preset {value!r} is not a preset; choose one of {', '.join(preset_names())} (soma presets lists them)")
+    return value
+
+
+def _check_scale(value: str) -> str:
+    if value not in SCALES:
+        _bad(f"--scale {value!r}: choose one of {', '.join(SCALES)}")
+    return value
+
+
+def _check_experts(value: Optional[int]) -> Optional[int]:
+    if value is not None and value < 1:
+        _bad(f"--experts/-n {value}: a campaign needs at least 1 expert; pass e.g. -n 4")
+    return value
+
+
+def _check_positive(param: typer.CallbackParam, value: float) -> float:
+    if value <= 0:
+        _bad(f"{param.opts[0]} {value:g}: pass a positive number of seconds")
+    return value
+
+
+def _version(value: bool) -> None:
+    if value:
+        v = versions()
+        out.print(f"soma-cluster {v['soma-cluster']} (torch {v['torch']}, ray {v['ray']}, python {v['python']})", markup=False)
+        raise typer.Exit(0)
+
+
+@app.callback()
+def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the versions and exit")) -> None:
+    """SOMA-style sharded zero-order pretraining campaigns on Ray."""
+
+
+PresetOpt = typer.Option("tiny", "--preset", "-p", callback=_check_preset,
+                         help=f"preset: {', '.join(preset_names())} (soma_cluster/presets/*.yaml)")
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file layered over the preset")
 SetOpt = typer.Option(None, "--set", "-s", help="override, e.g. --set spsa.n_pert=16 (repeatable)")
 CorpusOpt = typer.Option(None, "--corpus", help="corpus path or s3:// URL (default: the built-in corpus)")
-ExpertsOpt = typer.Option(None, "--experts", "-n", help="number of experts N")
+ExpertsOpt = typer.Option(None, "--experts", "-n", callback=_check_experts, help="number of experts N (at least 1)")
 AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-QuietOpt = typer.Option(False, "--no-progress", help="no progress bars")
+QuietOpt = typer.Option(False, "--no-progress", help="no progress bars: one summary line every --log-every seconds "
+                        "(also when stderr is not a terminal)")
+LogEveryOpt = typer.Option(30.0, "--log-every", callback=_check_positive, help="seconds between summary lines without a progress bar")
+JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in the README)")
 
 
 def _run(fn: Callable[[], None]) -> None:
@@ -59,7 +109,7 @@ def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = Conf
 
 
 @app.command()
-def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
     """Train the seed model (N = 1) on the whole corpus."""
     def go() -> None:
         from pipelines.raysession import ray_session
@@ -67,36 +117,37 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
         store = open_store(campaign)
         cfg = load_config(store)
         with ray_session(cfg, address):
-            train_seed(store, cfg, not no_progress)
+            train_seed(store, cfg, not no_progress, log_every)
     _run(go)
 
 
-def _launch(campaign: str, address: Optional[str], no_progress: bool) -> None:
+def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
     store = open_store(campaign)
     cfg = load_config(store)
     with ray_session(cfg, address):
-        run(store, cfg, not no_progress)
+        run(store, cfg, not no_progress, log_every)
 
 
 @app.command()
-def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
     """Train one expert actor per shard; finished experts are never retrained."""
-    _run(lambda: _launch(campaign, address, no_progress))
+    _run(lambda: _launch(campaign, address, no_progress, log_every))
 
 
 @app.command()
-def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
     """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash)."""
-    _run(lambda: _launch(campaign, address, no_progress))
+    _run(lambda: _launch(campaign, address, no_progress, log_every))
 
 
 @app.command("eval")
 def evaluate(campaign: str,
              compare: Optional[str] = typer.Option(None, "--compare", help="another campaign: its ensemble on the same windows, paired"),
              text: Optional[str] = typer.Option(None, "--text", help="long-document mode on this text corpus (dir/.txt/.jsonl/.parquet, s3://)"),
-             stride: int = typer.Option(768, "--stride", help="window stride in long-document mode")) -> None:
+             stride: int = typer.Option(768, "--stride", help="window stride in long-document mode"),
+             as_json: bool = JsonOpt) -> None:
     """Evaluate the routed ensemble (and the seed) on the held-out test windows, or on --text documents."""
     def go() -> None:
         from pipelines.evaluate import evaluate as run
@@ -105,7 +156,9 @@ def evaluate(campaign: str,
         cfg = load_config(store)
         if text is not None:
             t = evaluate_text(store, cfg, text, stride)
-            console.print(f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
+            if as_json:
+                return emit_json({"schema": 1, "mode": "text", **t})
+            out.print(f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
                           f"{t['seed']['nats_per_byte']:.4f} on {t['scored_bytes']:,} bytes; report: {t['report']}")
             return
         other = None
@@ -113,21 +166,64 @@ def evaluate(campaign: str,
             other_store = open_store(compare)
             other = (other_store, load_config(other_store))
         m = run(store, cfg, other)
+        if as_json:
+            return emit_json({"schema": 1, "mode": "windows", "report": f"{store.url}/eval/report.md", **m})
         if other is not None:
             d = m["compare"]["this_minus_other"]
-            console.print(f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
-        console.print(f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
+            out.print(f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
+        out.print(f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
                       f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md")
     _run(go)
 
 
 @app.command()
-def status(campaign: str) -> None:
-    """Show every job's state, step, expert-val loss, GPU-hours and retries."""
+def status(campaign: str, as_json: bool = JsonOpt,
+           watch: bool = typer.Option(False, "--watch", "-w", help="refresh until the driver's last snapshot (or --count refreshes)"),
+           interval: float = typer.Option(5.0, "--interval", callback=_check_positive, help="seconds between refreshes with --watch"),
+           count: int = typer.Option(0, "--count", help="with --watch, stop after this many refreshes (0: until the campaign's driver ends)")) -> None:
+    """Every job's state, step/target, expert-val loss, GPU-hours, budget left, retries, node, device and last error,
+    with counts by state, GPU-hours by category and an ETA (from the snapshot the driver writes)."""
     def go() -> None:
-        from pipelines.status import status_table
+        from pipelines.status import load_status, print_full, render
         store = open_store(campaign)
-        console.print(status_table(store, load_config(store)))
+        cfg = load_config(store)
+        shown = 0
+        while True:
+            snap = load_status(store, cfg)
+            if as_json:
+                emit_json(snap)
+            else:
+                if watch and out.is_terminal:
+                    out.clear()
+                print_full(out, render(snap))
+            shown += 1
+            done = snap["final"] or snap["stale"] or snap["source"] != "driver"
+            if not watch or done or (count and shown >= count):
+                return
+            time.sleep(interval)
+    _run(go)
+
+
+@app.command()
+def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", help="GPUs to plan for (default: resources.local_gpus)"),
+         recalibrate: bool = typer.Option(False, "--recalibrate", help="time the model again (else plan/calibration.json is reused)"),
+         as_json: bool = JsonOpt) -> None:
+    """Predict GPU-hours by category, wall time on --gpus GPUs and which experts a budget stops (and at what step),
+    from the config and a calibration timed on the real model and shards; written to CAMPAIGN/plan/."""
+    def go() -> None:
+        from pipelines.plan import plan as run
+        from pipelines.plan import render
+        from soma_cluster.ledger import hours_unit
+        if gpus is not None and gpus <= 0:
+            raise SomaError(f"--gpus {gpus:g}: plan for a positive number of GPUs, e.g. --gpus 8")
+        store = open_store(campaign)
+        cfg = load_config(store)
+        if gpus is not None and gpus < cfg.resources.num_gpus:
+            raise SomaError(f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that")
+        p = run(store, cfg, gpus, recalibrate)
+        if as_json:
+            return emit_json(p)
+        out.print(render(p, hours_unit({p["calibration"]["device"]: 1.0})), markup=False)
     _run(go)
 
 
@@ -149,9 +245,9 @@ def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, s
             train_seed(store, cfg)
             run_launch(store, cfg)
         m = run_eval(store, cfg)
-        console.print(f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
+        out.print(f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
                       f"vs seed {m['seed']['nats_per_byte']:.4f} vs uniform {m['uniform']['nats_per_byte']:.4f}")
-        console.print(f"report: {store.url}/eval/report.md")
+        out.print(f"report: {store.url}/eval/report.md")
     _run(go)
 
 
@@ -170,13 +266,13 @@ def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
 @app.command()
 def experiment(name: str = typer.Argument(..., help="variance, summed, zo-compare or scaling (soma_cluster/presets/experiments)"),
                directory: str = typer.Argument(..., help="where its campaigns, results.json and report.md go"),
-               scale: str = typer.Option("small", "--scale", help="small (2 CPU cores, <= 30 min) or paper (a GPU cluster)"),
+               scale: str = typer.Option("small", "--scale", callback=_check_scale, help="small (2 CPU cores, <= 30 min) or paper (a GPU cluster)"),
                set: Optional[list[str]] = SetOpt, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
     """Run one of the paper's comparisons: every arm a campaign (prepare or fork, seed, launch, eval), then a report."""
     def go() -> None:
         from pipelines.experiment import run_experiment
         res = run_experiment(name, directory, scale, set or [], address, not no_progress)
-        console.print(f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md")
+        out.print(f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md")
     _run(go)
 
 
@@ -190,22 +286,33 @@ def report(directories: list[str] = typer.Argument(..., help="experiment directo
         for d in directories:
             store = open_store(d)
             res = store.read_json("results.json")
-            console.print(f"report: {write_report(store, res)}")
+            out.print(f"report: {write_report(store, res)}")
             done.append((store.url, res))
         if readme:
             update_readme(readme, readme_section(done))
-            console.print(f"{readme}: results section rewritten from {len(done)} experiment(s)")
+            out.print(f"{readme}: results section rewritten from {len(done)} experiment(s)")
     _run(go)
 
 
 @app.command()
-def presets() -> None:
+def presets(as_json: bool = JsonOpt) -> None:
     """List the presets and the experiments."""
-    from soma_cluster.experiments import experiment_names
-    for name in preset_names():
-        print(name)
-    for name in experiment_names():
-        print(f"experiment {name}")
+    def go() -> None:
+        from soma_cluster.experiments import experiment_names
+        if as_json:
+            rows = []
+            for name in preset_names():
+                cfg = resolve(name)
+                rows.append({"name": name, "n_experts": cfg.n_experts, "d": cfg.model.d, "n_pert": cfg.spsa.n_pert,
+                             "batch": cfg.spsa.batch, "seq_len": cfg.spsa.seq_len, "updates": cfg.train.updates,
+                             "num_gpus": cfg.resources.num_gpus, "experts_per_actor": cfg.resources.experts_per_actor,
+                             "expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours})
+            return emit_json({"schema": 1, "presets": rows, "experiments": experiment_names()})
+        for name in preset_names():
+            out.print(name, markup=False)
+        for name in experiment_names():
+            out.print(f"experiment {name}", markup=False)
+    _run(go)
 
 
 if __name__ == "__main__":

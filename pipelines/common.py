@@ -1,6 +1,7 @@
 """Shared driver plumbing: open a campaign directory, the console, progress bars."""
 from __future__ import annotations
 
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -12,7 +13,15 @@ from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_te
 from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, storage_options_from_env
 
-console = Console(stderr=True, highlight=False)
+console = Console(stderr=True, highlight=False)     # logs and progress: stderr
+out = Console(highlight=False, soft_wrap=True)      # data (tables, results, JSON): stdout, so `soma status X > f` holds it
+
+
+def emit_json(obj) -> None:
+    """A command's --json result: one JSON document on stdout, nothing else there."""
+    import json
+    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+    sys.stdout.flush()
 
 
 def open_store(url: str, storage_options: dict | None = None) -> Store:

@@ -1,6 +1,7 @@
 """`soma eval`: the routed ensemble, the seed model and each expert on the test windows, with CIs."""
 from __future__ import annotations
 
+import io
 import json
 import math
 import time
@@ -12,6 +13,8 @@ import torch
 from soma_cluster.checkpoint import Checkpoint, has_checkpoint, load_checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
+from soma_cluster.curves import DIR as CURVES
+from soma_cluster.curves import read_curve
 from soma_cluster.ensemble import (UNIFORM_NATS, Windows, bootstrap_weights, ci, evaluate_ensemble, load_windows,
                                    strided_windows, window_logprobs)
 from soma_cluster.errors import SomaError
@@ -108,9 +111,42 @@ def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignCo
                               "this_minus_other": _paired(res.nats, other.nats, w)}
     _charge(store, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
+    metrics["curves_figure"] = plot_curves(store, cfg)
     store.write_json("eval/metrics.json", metrics)
     store.write_bytes("eval/report.md", report(cfg, metrics).encode())
     return metrics
+
+
+def plot_curves(store: Store, cfg: CampaignConfig) -> str | None:
+    """eval/curves.png: every expert's train (thin) and expert-validation (dots) loss against its step, from
+    curves/*.csv; None when no curve was written (a campaign from before the CSVs)."""
+    names = [expert_name(e) for e in range(cfg.n_experts) if store.exists(f"{CURVES}/{expert_name(e)}.csv")]
+    if not names:
+        return None
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(7, 4))
+    colors = plt.cm.viridis(np.linspace(0, 0.9, len(names)))
+    for name, color in zip(names, colors):
+        rows = read_curve(store, name)
+        train = [(r["step"], r["train_loss"]) for r in rows if r["train_loss"] is not None]
+        val = [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None]
+        if train:
+            ax.plot(*zip(*train), lw=0.8, color=color, alpha=0.6)
+        if val:
+            ax.plot(*zip(*val), "o", ms=3, color=color, label=name if len(names) <= 16 else None)
+    ax.set_xlabel("update (step)")
+    ax.set_ylabel("nats/byte")
+    ax.set_title(f"{cfg.name}: per-expert train (lines) and expert-val (dots) loss")
+    if len(names) <= 16:
+        ax.legend(fontsize=6, ncol=2)
+    buf = io.BytesIO()
+    fig.tight_layout()
+    fig.savefig(buf, format="png", dpi=110)
+    plt.close(fig)
+    store.write_bytes("eval/curves.png", buf.getvalue())
+    return "eval/curves.png"
 
 
 def _charge(store: Store, t0: float, device: torch.device) -> None:
@@ -195,6 +231,7 @@ Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_
 |---|---|---|---|
 {rows}
 
+{"Training curves (from `curves/*.csv`, one per expert):" + chr(10) + chr(10) + "![per-expert curves](curves.png)" + chr(10) if m.get("curves_figure") else ""}
 Inference on {m['device']}: {m['byte_tokens_per_second']:,.0f} byte-tokens/s including routing; routing is
 {100 * m['routing_time_share']:.1f}% of the ensemble's time.
 

@@ -1,7 +1,7 @@
 """`soma seed`: train the N = 1 seed model (SPSA body, delta-rule decoder) as one actor."""
 from __future__ import annotations
 
-from pipelines.campaign import Driver, raise_failures
+from pipelines.campaign import LOG_EVERY_S, Driver, raise_failures
 from pipelines.common import console
 from pipelines.reopen import reopen_unverified
 from soma_cluster.config import CampaignConfig
@@ -11,7 +11,7 @@ from soma_cluster.schedule import SEED_JOB
 from soma_cluster.storage import Store
 
 
-def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> str:
+def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S) -> str:
     if not store.exists("shards/manifest.json"):
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
     reopen_unverified(store, [SEED_JOB])        # done only while its last checkpoint verifies
@@ -20,7 +20,7 @@ def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True) ->
         return "finished"
     console.print(f"training the seed model: {cfg.seed_stage.updates} updates at lr {cfg.seed_stage.lr}, "
                   f"{cfg.spsa.n_pert} probes x 2 signs, batch {cfg.spsa.batch} x {cfg.spsa.seq_len} bytes")
-    driver = Driver(store, cfg, [SEED_JOB], show_progress)
+    driver = Driver(store, cfg, [SEED_JOB], show_progress, log_every_s=log_every_s)
     outcome = driver.run()[SEED_JOB.name]
     raise_failures(driver, "jobs")
     if outcome != "finished":

@@ -1,29 +1,133 @@
-"""`soma status`: a table of every job, rebuilt from the campaign directory (works while the driver runs)."""
+"""`soma status`: every job's state from the snapshot the driver keeps (`status.json`, one small read even for 256
+experts), or, for a campaign written before snapshots existed, rebuilt from its events log and ledger.
+After a campaign that was planned (`soma plan`), predicted GPU-hours and wall time stand beside the ledger's."""
 from __future__ import annotations
 
+import time
+
+from rich.console import Console, Group
+from rich.measure import Measurement
 from rich.table import Table
+from rich.text import Text
 
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
-from soma_cluster.schedule import SEED_JOB, expert_jobs
+from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
 
+STALE_S = 30.0      # a driver's snapshot older than this, and not its last, means the driver is gone (or stuck)
+PLAN = "plan/plan.json"
 
-def status_table(store: Store, cfg: CampaignConfig) -> Table:
-    hist = history(store)
+
+def load_status(store: Store, cfg: CampaignConfig) -> dict:
+    """The snapshot (schema in soma_cluster/snapshot.py), with `stale` and, once the campaign ended, `plan_vs_actual`."""
+    if store.exists(SNAPSHOT):
+        snap = store.read_json(SNAPSHOT)
+        snap.pop("checksum", None)
+    else:
+        totals = Ledger(store).totals()
+        rows = history_rows(cfg, history(store), totals)
+        snap = build(cfg, store.url, rows, totals.gpu_seconds, totals.devices, started_at=None, rate=None,
+                     final=False, source="events")
+        snap["eta_s"] = None
+    snap["stale"] = snap["source"] == "driver" and not snap["final"] and time.time() - snap["written_at"] > STALE_S
+    snap["plan_vs_actual"] = plan_vs_actual(store, snap) if store.exists(PLAN) else None
+    return snap
+
+
+def plan_vs_actual(store: Store, snap: dict) -> dict | None:
+    """Predicted (plan/plan.json) against actual (the ledger; the drivers' wall time from the events log) once every
+    expert has ended; None while the campaign runs."""
+    ended = ("finished", "converged", "budget_exhausted", "failed_permanently")
+    if not all(r["state"] in ended for r in snap["jobs"]):
+        return None
+    plan = store.read_json(PLAN)
     totals = Ledger(store).totals()
-    budget = cfg.budget.expert_gpu_hours
-    unit = totals.unit
-    table = Table(title=f"{store.url} — {cfg.name} (preset {cfg.preset}), {totals.gpu_hours:.4f} {unit} spent"
-                        + (f" of {cfg.budget.campaign_gpu_hours}" if cfg.budget.campaign_gpu_hours else ""))
-    for col in ("job", "state", "step", "expert-val nats", unit, "retries", "last error"):
-        table.add_column(col)
-    for job in [SEED_JOB] + expert_jobs(cfg):
-        h = hist.get(job.name)
-        spent = (totals.gpu_seconds["seed"] if job.expert is None else totals.per_expert_gpu_seconds.get(job.expert, 0.0)) / 3600
-        table.add_row(job.name, h.state if h else "pending", str(h.step if h else 0),
-                      f"{h.val:.4f}" if h and h.val is not None else "-",
-                      f"{spent:.4f}" + (f" / {budget}" if budget and job.expert is not None else ""),
-                      str(h.failures) if h else "0", (h.last_error or "")[:60] if h else "")
+    actual = {c: s / 3600.0 for c, s in totals.gpu_seconds.items()}
+    walls = stage_walls(store)
+    seed = not plan.get("seed_trained")          # a seed trained before the plan was spent, not predicted
+    rows = []
+    for what, key in ((("seed", "seed"),) if seed else ()) + (("expert training", "expert_training"), ("wasted", "wasted")):
+        rows.append({"what": f"GPU-hours, {what}", "predicted": plan["gpu_hours"].get(key, 0.0), "actual": actual.get(key, 0.0)})
+    if seed:
+        rows.append({"what": "GPU-hours, seed + experts", "predicted": plan["gpu_hours"]["training_total"],
+                     "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"]})
+    for what, key in ((("seed", "seed"),) if seed else ()) + (("experts", "experts"),):
+        rows.append({"what": f"wall seconds, {what}", "predicted": plan["wall_seconds"][key], "actual": walls.get(key)})
+    for r in rows:
+        r["error"] = None if not r["actual"] else r["predicted"] / r["actual"] - 1.0
+    return {"gpus": plan["gpus"], "rows": rows}
+
+
+def stage_walls(store: Store) -> dict[str, float]:
+    """Wall seconds from a stage's first `queued` to its last end, from the events log."""
+    walls: dict[str, list[float]] = {}
+    for h in history(store).values():
+        key = "seed" if h.job == "seed" else "experts"
+        for ev in h.events:
+            if ev["event"] in ("queued", "finished", "converged", "budget_exhausted", "failed_permanently"):
+                lo, hi = walls.get(key, [ev["t"], ev["t"]])
+                walls[key] = [min(lo, ev["t"]), max(hi, ev["t"])]
+    return {k: hi - lo for k, (lo, hi) in walls.items()}
+
+
+def _hours(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def header(snap: dict) -> Text:
+    lines = [f"{snap['campaign']} — {snap['name']} (preset {snap['preset']})"]
+    if snap["source"] == "events":
+        lines.append("from the events log (no status.json: a campaign from before snapshots, or never launched)")
+    else:
+        age = time.time() - snap["written_at"]
+        lines.append(f"snapshot {age:.0f} s old" + (", the driver's last" if snap["final"] else "")
+                     + (f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
+                        if snap["stale"] else ""))
+    lines.append("jobs: " + (", ".join(f"{n} {s}" for s, n in snap["counts"].items()) or "none"))
+    spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0) or "nothing yet"
+    b = snap["budget"]
+    caps = ", ".join(f"{k.replace('_gpu_hours', '')} cap {v}" for k, v in b.items() if v is not None)
+    lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps})" if caps else ""))
+    if not snap["final"] and snap["source"] == "driver":
+        lines.append(f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA " + ("-" if snap["eta_s"] is None else fmt_duration(snap["eta_s"])))
+    return Text("\n".join(lines))
+
+
+def job_table(snap: dict) -> Table:
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col in ("job", "state", "step", "expert-val", "GPU-h", "left GPU-h", "retries", "node", "device", "last error"):
+        table.add_column(col, no_wrap=True, justify="right" if col in ("step", "expert-val", "GPU-h", "left GPU-h", "retries") else "left")
+    for r in snap["jobs"]:
+        table.add_row(r["job"], r["state"], f"{r['step']}/{r['target']}", "-" if r["val"] is None else f"{r['val']:.4f}",
+                      _hours(r["gpu_hours"]), _hours(r["budget_left_gpu_hours"]), str(r["retries"]), r["node"] or "-",
+                      r["device"] or "-", Text(r["last_error"] or ""))
     return table
+
+
+def comparison_table(cmp: dict) -> Table:
+    table = Table(title=f"soma plan (on {cmp['gpus']} GPUs) against actual", box=None, title_justify="left")
+    for col in ("", "predicted", "actual", "error"):
+        table.add_column(col, no_wrap=True, justify="left" if not col else "right")
+    for r in cmp["rows"]:
+        table.add_row(r["what"], f"{r['predicted']:.4f}" if "GPU" in r["what"] else f"{r['predicted']:.1f}",
+                      "-" if r["actual"] is None else (f"{r['actual']:.4f}" if "GPU" in r["what"] else f"{r['actual']:.1f}"),
+                      "-" if r["error"] is None else f"{r['error']:+.1%}")
+    return table
+
+
+def render(snap: dict) -> Group:
+    parts = [header(snap), Text(""), job_table(snap)]
+    if snap.get("plan_vs_actual"):
+        parts += [Text(""), comparison_table(snap["plan_vs_actual"])]
+    return Group(*parts)
+
+
+def print_full(console: Console, renderable) -> None:
+    """Print without cutting anything: on a terminal as wide as it is, piped as wide as the content needs."""
+    if console.is_terminal:
+        console.print(renderable)
+        return
+    width = Measurement.get(console, console.options.update(width=100_000, max_width=100_000), renderable).maximum
+    Console(file=console.file, width=max(width, 40), highlight=False, color_system=None).print(renderable)

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import platform
 import re
 from importlib import resources
 from pathlib import Path
@@ -348,10 +349,32 @@ def load_campaign_config(store) -> CampaignConfig:
     return from_yaml_text(store.read_bytes(CONFIG_FILE).decode(), f"{store.url}/{CONFIG_FILE}")
 
 
+def versions() -> dict[str, str]:
+    """What made a campaign: soma-cluster, torch, ray and Python versions (from package metadata: nothing imported)."""
+    from importlib import metadata
+
+    def of(dist: str) -> str:
+        try:
+            return metadata.version(dist)
+        except metadata.PackageNotFoundError:
+            return "not installed"
+    return {"soma-cluster": of("soma-cluster"), "torch": of("torch"), "ray": of("ray"), "python": platform.python_version()}
+
+
+_VERSIONS = re.compile(r"^# versions: (.*)$", re.M)
+
+
+def recorded_versions(text: str) -> dict[str, str]:
+    """The versions line of a campaign.yaml ({} for one written before it existed)."""
+    line = _VERSIONS.search(text)
+    return dict(p.split("=", 1) for p in line.group(1).split()) if line else {}
+
+
 def to_yaml_text(cfg: CampaignConfig) -> str:
     body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
     tree = yaml.safe_load(body)                 # the digests are of what a reader will load back
     keys = " ".join(f"{k}={_sha(v)[:8]}" for k, v in tree.items())
+    made_by = " ".join(f"{k}={v.replace(' ', '_')}" for k, v in versions().items())
     return ("# The resolved config of this campaign, written once when it was created. Every soma command checks it\n"
             "# against the digests below and refuses an edited copy: its router, shards and checkpoints were made for it.\n"
-            f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n{body}")
+            f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n# versions: {made_by}\n{body}")

@@ -168,6 +168,16 @@ def backoff_s(base: float, cap: float, failures: int, rng: random.Random) -> flo
 
 
 @dataclass
+class JobView:
+    """What the driver last heard of a job, for `soma status` (not used in any decision)."""
+    step: int = 0
+    val: float | None = None          # latest expert-validation loss, nats/byte
+    node: str | None = None
+    device: str | None = None
+    last_error: str | None = None
+
+
+@dataclass
 class Scheduler:
     store: Store
     cfg: CampaignConfig
@@ -190,10 +200,14 @@ class Scheduler:
         self.killed: dict[Job, Incarnation] = {}    # the process of a job's last attempt, killed by the driver
         self.outcome: dict[Job, str] = {}
         self.bad_input: dict[Job, str] = {}
+        self.seen: dict[Job, JobView] = {j: JobView() for j in self.jobs}   # what `soma status` shows of each job
         self._ids = itertools.count()
         totals = self.ledger.totals()
         self.spent = dict(totals.per_expert_gpu_seconds)   # kept in step with every record written
         self.spent_total = sum(totals.gpu_seconds.values())
+        self.by_category = dict(totals.gpu_seconds)        # GPU-seconds per ledger category, likewise
+        self.by_device = dict(totals.devices)              # GPU-seconds per device ("cuda", "cpu"), likewise
+        self.totals_at_start = totals
 
     @property
     def finished(self) -> bool:
@@ -206,6 +220,9 @@ class Scheduler:
         if c.job.expert is not None and category in EXPERT_SPEND:
             self.spent[c.job.expert] = self.spent.get(c.job.expert, 0.0) + u.gpu_seconds
         self.spent_total += u.gpu_seconds
+        self.by_category[category] = self.by_category.get(category, 0.0) + u.gpu_seconds
+        if c.device and u.gpu_seconds:
+            self.by_device[c.device] = self.by_device.get(c.device, 0.0) + u.gpu_seconds
 
     def left(self, job: Job) -> float | None:
         """GPU-seconds the job may still spend; the campaign's remainder is shared among the open jobs."""
@@ -298,6 +315,8 @@ class Scheduler:
         for expert, start in report.experts.items():
             c = unit.accounts[Job(expert)]
             c.started, c.step, c.setup, c.reported, c.device = True, start.step, start.usage, start.usage, report.device
+            view = self.seen.setdefault(c.job, JobView())
+            view.step, view.node, view.device = start.step, report.node_ip or report.process.node, report.device
             self._event("launched", c.job, t=report.held_from, attempt=c.attempt, actor=unit.name, reused=unit.reused_from is not None,
                         num_gpus=self.cfg.resources.num_gpus / len(unit.accounts), device=report.device)
             self._event("started", c.job, attempt=c.attempt, step=start.step, resumed=start.resumed, forwards=start.forwards,
@@ -317,6 +336,10 @@ class Scheduler:
     def _on_heartbeat(self, unit: Unit, c: Account, hb: Heartbeat) -> None:
         c.seq += 1
         c.step = hb.step
+        view = self.seen.setdefault(c.job, JobView())
+        view.step = hb.step
+        if hb.val is not None:
+            view.val = hb.val
         self._record(c.job.category, hb.usage - c.reported, c, c.seq)
         c.reported = hb.usage
         if hb.val is not None:
@@ -379,6 +402,7 @@ class Scheduler:
             self.pending.appendleft(c.job)              # not a failure: no retry spent, no backoff
             return
         self.failures[c.job] = self.failures.get(c.job, 0) + 1
+        self.seen.setdefault(c.job, JobView()).last_error = lost.reason
         self._event("failed", c.job, attempt=c.attempt, step=c.step, reason=lost.reason,
                     **({"traceback": lost.traceback} if lost.traceback else {}))
         if end is not None or lost.kind == "bad_input":
@@ -450,6 +474,8 @@ class Scheduler:
         records = None
         for job in self.jobs:
             h = past.get(job.name)
+            if h:
+                self.seen[job] = view_of(h)
             if h and h.terminal:
                 self.outcome[job] = h.state
                 continue
@@ -485,6 +511,13 @@ class Scheduler:
             self._record(job.category, fix, c, -1, "settled against the latest checkpoint: driver lost")
         if not gone.is_zero:
             self._record("wasted", gone, c, -1, "lost after checkpoint: driver lost")
+
+
+def view_of(h: JobHistory) -> JobView:
+    """A job's status view rebuilt from its events (after a driver loss, or for a campaign without status.json)."""
+    started = [ev for ev in h.events if ev["event"] == "started"]
+    last = started[-1] if started else {}
+    return JobView(h.step, h.val, last.get("node_ip") or last.get("node"), last.get("device"), h.last_error)
 
 
 def _usage(rec: dict) -> Usage:

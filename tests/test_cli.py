@@ -8,14 +8,24 @@ from conftest import assert_one_line_error, soma
 
 def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     camp = str(tmp_path / "camp")
+    procs = {}
     for args in (["prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)], ["seed", camp, "--no-progress"],
-                 ["launch", camp, "--no-progress"], ["eval", camp], ["status", camp]):
-        proc = soma(*args)
+                 ["launch", camp, "--no-progress"], ["eval", camp, "--json"], ["status", camp]):
+        proc = procs[args[0]] = soma(*args)
         assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
     metrics = json.loads((tmp_path / "camp" / "eval" / "metrics.json").read_text())
     assert metrics["ensemble"]["nats_per_byte"] < metrics["uniform"]["nats_per_byte"] - 1.0
     assert metrics["scored_bytes"] == metrics["windows"] * 768
-    assert "expert-0001" in proc.stdout + proc.stderr and "finished" in proc.stdout + proc.stderr
+    # data on stdout, logs on stderr: the status table is on stdout; without a bar the driver logs summary lines
+    assert "expert-0001" in proc.stdout and "finished" in proc.stdout and "expert-0001" not in proc.stderr
+    assert "| 3 finished" in procs["launch"].stderr.replace("\n", " ") or "3 finished |" in procs["launch"].stderr, procs["launch"].stderr
+    assert json.loads(procs["eval"].stdout)["ensemble"] == metrics["ensemble"]          # eval --json: one document
+    snap = json.loads(soma("status", camp, "--json").stdout)
+    assert snap["source"] == "driver" and snap["final"] and snap["counts"] == {"finished": 3}
+    assert [(r["job"], r["step"], r["target"]) for r in snap["jobs"]] == [("seed", 6, 6), ("expert-0000", 12, 12), ("expert-0001", 12, 12)]
+    curve = (tmp_path / "camp" / "curves" / "expert-0001.csv").read_text().splitlines()
+    assert curve[0] == "step,attempt,train_loss,val_loss,gpu_seconds,eps,lr,t" and curve[-1].startswith("12,0,")
+    assert (tmp_path / "camp" / "eval" / "curves.png").exists() and "curves.png" in (tmp_path / "camp" / "eval" / "report.md").read_text()
     report = (tmp_path / "camp" / "eval" / "report.md").read_text()
     assert "not" in report and "backprop" in report
     # preparing again with the same config is a no-op; `resume` on a finished campaign retrains nothing
@@ -152,3 +162,26 @@ def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro
     assert_one_line_error(soma("prepare", str(tmp_path / "d"), "--config", str(tmp_path / "fifo"), timeout=60),
                           "not a regular file")
     assert not (tmp_path / "d").exists()
+
+
+def test_checked_options_version_and_json_on_stdout(tmp_path):
+    """--version and presets print data on stdout only; bad option values are one `error:` line (exit 2) naming the option."""
+    proc = soma("--version")
+    assert proc.returncode == 0 and proc.stdout.startswith("soma-cluster ") and "torch" in proc.stdout and proc.stderr == ""
+    doc = json.loads(soma("presets", "--json").stdout)
+    assert doc["schema"] == 1 and "tiny" in [p["name"] for p in doc["presets"]] and "variance" in doc["experiments"]
+    assert "tiny" in soma("presets").stdout.split()
+    camp = str(tmp_path / "c")
+    assert_one_line_error(soma("prepare", camp, "--preset", "tinyy"), "--preset 'tinyy'", "choose one of", "tiny")
+    assert_one_line_error(soma("prepare", camp, "-n", "0"), "--experts/-n 0", "pass e.g. -n 4")
+    assert_one_line_error(soma("experiment", "variance", str(tmp_path / "e"), "--scale", "big"), "--scale 'big'", "small, paper")
+    assert_one_line_error(soma("launch", camp, "--log-every", "0"), "--log-every 0", "positive")
+    assert not (tmp_path / "c").exists() and not (tmp_path / "e").exists()
+
+
+def test_campaign_yaml_records_the_versions(tmp_path, text_corpus, micro_yaml):
+    from soma_cluster.config import recorded_versions, versions
+    camp = tmp_path / "c"
+    assert soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
+    got = recorded_versions((camp / "campaign.yaml").read_text())
+    assert got == {k: v.replace(" ", "_") for k, v in versions().items()} and got["ray"] and got["torch"]

@@ -1,0 +1,148 @@
+"""`soma plan CAMPAIGN`: measure, then predict (soma_cluster/plan.py), before any GPU-hour is spent.
+
+The calibration times the real model on the real shards in this process, on this machine's device (CUDA
+when present): the packed update of resources.experts_per_actor experts (after one warm-up update), one
+validation, one checkpoint written to a scratch directory, loading shards and models, and an actor's
+start-up (a fresh Python importing the worker, as Ray's worker process does). It is written to
+plan/calibration.json and reused by later plans (--recalibrate measures again); the plan goes to
+plan/plan.json, which `soma status` compares with the ledger once the campaign has ended.
+"""
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+import torch
+
+from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from soma_cluster.config import CampaignConfig
+from soma_cluster.events import seed_done
+from soma_cluster.ledger import Ledger
+from soma_cluster.model import init_body, init_head
+from soma_cluster.plan import predict
+from soma_cluster.schedule import POLL_S, SEED_JOB, Job
+from soma_cluster.shards import open_shard
+from soma_cluster.spsa import derive_seed
+from soma_cluster.storage import Store
+from soma_cluster.trainer import Trainer, TrainState, pick_device, update_experts
+from workers.expert_worker import union_shard, training_method
+
+CALIBRATION = "plan/calibration.json"
+PLAN = "plan/plan.json"
+
+
+def _state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) -> TrainState:
+    """The seed model if it is trained (what experts start from), else a fresh one of the same shape."""
+    if has_checkpoint(store, SEED_JOB.model_dir):
+        seed = load_checkpoint(store, SEED_JOB.model_dir).state(device)
+        body, head = seed.body, seed.head
+    else:
+        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "seed-init"))
+        body, head = init_body(cfg.model, gen).to(device), init_head(cfg.model, gen).to(device)
+    if job.expert is None:
+        return TrainState.fresh(body.clone(), head.clone(), True, cfg.seed_stage.eps, cfg.seed_stage.lr)
+    eps = cfg.eggroll.sigma if cfg.train.method == "eggroll" else cfg.spsa.eps
+    lr = cfg.bptt.lr if cfg.train.method == "bptt" else cfg.spsa.lr
+    return TrainState.fresh(body.clone(), head.clone(), cfg.model.head == "own", eps, lr)
+
+
+def _trainer(store: Store, cfg: CampaignConfig, job: Job, device: torch.device, cache: str) -> Trainer:
+    shard = union_shard(store, cfg.n_experts, cache) if job.expert is None else open_shard(store, job.expert, cache)
+    return Trainer(cfg.model, cfg.spsa, shard, _state(store, cfg, job, device), cfg.seed, -1 if job.expert is None else job.expert,
+                   device, cfg.train.val_batches * cfg.spsa.batch, training_method(cfg, job))
+
+
+def _timed(fn, repeat: int = 1, min_s: float = 0.0, most: int = 50) -> tuple[float, int]:
+    """Mean seconds per call over at least `repeat` calls and at least `min_s` seconds (at most `most` calls)."""
+    t, n = time.perf_counter(), 0
+    while n < repeat or (time.perf_counter() - t < min_s and n < most):
+        fn()
+        n += 1
+    return (time.perf_counter() - t) / n, n
+
+
+def startup_seconds() -> float:
+    """A fresh interpreter importing the worker (torch, Ray, soma_cluster): the bulk of an actor's start-up."""
+    t = time.perf_counter()
+    subprocess.run([sys.executable, "-c", "import workers.expert_worker"], check=True, capture_output=True,
+                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    return time.perf_counter() - t
+
+
+def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float = 3.0) -> dict:
+    device = pick_device()
+    threads = torch.get_num_threads()
+    if device.type == "cpu":
+        torch.set_num_threads(cfg.train.threads)      # as the worker runs
+    try:
+        g = min(cfg.resources.experts_per_actor, cfg.n_experts)
+        with tempfile.TemporaryDirectory(prefix="soma-plan-") as scratch:
+            cache = os.path.join(scratch, "cache")
+            t = time.perf_counter()
+            trainers = [_trainer(store, cfg, Job(e), device, cache) for e in range(g)]
+            load_s = time.perf_counter() - t                   # the actor loads its G members one after another
+            update_experts(trainers)                            # warm-up (allocations, kernels)
+            packed, timed = _timed(lambda: update_experts(trainers), updates, min_s)
+            val, _ = _timed(trainers[0].validate)
+            ckpt, _ = _timed(lambda: save_checkpoint(Store(os.path.join(scratch, "ck")), "x", trainers[0].state))
+            seed = {}
+            if not seed_done(store):
+                t = time.perf_counter()
+                st = _trainer(store, cfg, SEED_JOB, device, cache)
+                seed["seed_load_s"] = time.perf_counter() - t
+                st.update()
+                seed["seed_update_s"], _ = _timed(st.update, updates, min_s)
+        return {"device": device.type, "threads": cfg.train.threads if device.type == "cpu" else None, "experts_per_actor": g,
+                "updates_timed": timed, "packed_update_s": packed, "val_s": val, "checkpoint_s": ckpt, "load_s": load_s,
+                "startup_s": startup_seconds(), "poll_s": POLL_S, "measured_at": time.time(), "config_digest": cfg.digest(),
+                "seed_load_s": seed.get("seed_load_s", 0.0), "seed_update_s": seed.get("seed_update_s", packed)}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def plan(store: Store, cfg: CampaignConfig, gpus: float | None, recalibrate: bool = False, cores: int | None = None) -> dict:
+    if not store.exists("shards/manifest.json"):
+        from soma_cluster.errors import SomaError
+        raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first (the plan times the real shards)")
+    cal = None if recalibrate or not store.exists(CALIBRATION) else store.read_json(CALIBRATION)
+    if cal is None or cal.get("config_digest") != cfg.digest() or (not seed_done(store) and "seed_update_s" not in cal):
+        cal = calibrate(store, cfg)
+        store.write_json(CALIBRATION, cal)
+    cal.pop("checksum", None)
+    if gpus is None:
+        gpus = float(cfg.resources.local_gpus)
+    totals = Ledger(store).totals()
+    p = predict(cfg, cal, gpus, cores or os.cpu_count() or 1, dict(totals.gpu_seconds), seed_done(store))
+    p["campaign"], p["made_at"] = store.url, time.time()
+    store.write_json(PLAN, p)
+    return p
+
+
+def render(p: dict, unit: str) -> str:
+    """The plan as lines of text (stdout)."""
+    c, h, w, b = p["calibration"], p["gpu_hours"], p["wall_seconds"], p["budget"]
+    lines = [f"plan for {p['campaign']} on {p['gpus']:g} GPUs: {p['slots']} actors at once, {p['actors']} actors of "
+             f"{p['experts_per_actor']} expert(s)" + (f", {p['cpu_contention']:.2f}x CPU contention ({p['cores']} cores)"
+                                                   if p["cpu_contention"] > 1 else ""),
+             f"calibration ({c['device']}, {c['updates_timed']} timed updates): packed update {c['packed_update_s']:.4f} s, "
+             f"validation {c['val_s']:.4f} s, checkpoint {c['checkpoint_s']:.4f} s, load {c['load_s']:.2f} s, "
+             f"actor start-up {c['startup_s']:.2f} s",
+             f"{unit}: seed {h['seed']:.4f}{' (spent)' if p['seed_trained'] else ''}, expert training {h['expert_training']:.4f}, "
+             f"seed + experts {h['training_total']:.4f} (preprocessing spent {h['preprocessing']:.4f}; wasted and preempted "
+             f"not predicted)",
+             f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s"]
+    stopped = [x for x in p["experts"] if x["end"] == "budget_exhausted"]
+    if b["effective_expert_cap_gpu_hours"] is None:
+        lines.append("budget: none set; every expert trains to its target")
+    else:
+        steps = sorted({x["step"] for x in stopped})
+        lines.append(f"budget: {b['effective_expert_cap_gpu_hours']:.4f} {unit} per expert; "
+                     + (f"{len(stopped)} of {len(p['experts'])} experts stop early, at step {', '.join(map(str, steps))} of "
+                        f"{p['experts'][0]['target']}" if stopped else "every expert reaches its target"))
+        o = b["worst_overrun_gpu_seconds"]
+        lines.append(f"worst-case overrun: {o['per_expert']:.1f} GPU-s per expert, {o['campaign']:.1f} GPU-s for the campaign")
+    lines.append(f"not modelled: {', '.join(p['not_modelled'])}")
+    return "\n".join(lines)

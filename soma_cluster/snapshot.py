@@ -1,0 +1,126 @@
+"""The campaign's state at a glance: one small JSON object, `<campaign>/status.json`, that the driver rewrites
+(atomically: one whole-object PUT) every few seconds and once at its end, so `soma status` reads one object
+for 256 experts instead of every log record. No Ray here: the rows come from a Scheduler or, for a campaign
+written before this file existed, from its events log and ledger.
+
+The schema (`schema: 1`) is part of the CLI's contract (`soma status --json` prints it; README, "JSON output");
+fields are only ever added.
+"""
+from __future__ import annotations
+
+import time
+
+from soma_cluster.config import CampaignConfig
+from soma_cluster.events import JobHistory
+from soma_cluster.ledger import CATEGORIES, Totals, hours_unit
+from soma_cluster.schedule import SEED_JOB, Job, JobView, Scheduler, expert_jobs, view_of
+
+SNAPSHOT = "status.json"
+SCHEMA = 1
+# pending: no driver has asked Ray for it yet; queued: asked of Ray, waiting for a GPU share; retrying: failed,
+# waiting out its backoff or queued again; preempted: its node was reclaimed, rescheduled without spending a retry
+STATES = ("pending", "queued", "running", "retrying", "preempted", "finished", "converged", "budget_exhausted",
+          "failed_permanently")
+
+
+def target(cfg: CampaignConfig, job: Job) -> int:
+    return cfg.seed_stage.updates if job.expert is None else cfg.train.updates
+
+
+def job_state(sched: Scheduler, job: Job) -> str:
+    """Where the job stands now, from the scheduler's own state (not the last event it wrote)."""
+    if job in sched.outcome:
+        return sched.outcome[job]
+    if job in sched.retry_at:
+        return "retrying"
+    unit = sched.open.get(job)
+    cause = unit.accounts[job].cause if unit is not None else sched.cause.get(job, "new")
+    if unit is not None and unit.phase == "running":
+        return "running"
+    if cause in ("retry", "preempted"):
+        return "retrying" if cause == "retry" else "preempted"
+    return "queued" if unit is not None else "pending"
+
+
+def _row(cfg: CampaignConfig, job: Job, state: str, view: JobView, spent_s: float, left_s: float | None, retries: int,
+         beat_age_s: float | None = None) -> dict:
+    return {"job": job.name, "expert": job.expert, "state": state, "step": view.step, "target": target(cfg, job),
+            "val": view.val, "gpu_hours": spent_s / 3600.0, "budget_left_gpu_hours": None if left_s is None else max(0.0, left_s) / 3600.0,
+            "retries": retries, "node": view.node, "device": view.device, "last_error": view.last_error,
+            "heartbeat_age_s": beat_age_s}
+
+
+def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
+    """job name -> row, for the jobs this scheduler runs."""
+    out = {}
+    for job in sched.jobs:
+        state = job_state(sched, job)
+        spent = sched.by_category.get("seed", 0.0) if job.expert is None else sched.spent.get(job.expert, 0.0)
+        left = None if state in STATES[5:] else sched.left(job)
+        unit = sched.open.get(job)
+        age = sched.clock() - unit.last_beat if unit is not None and unit.phase == "running" else None
+        out[job.name] = _row(sched.cfg, job, state, sched.seen.get(job, JobView()), spent, left, sched.failures.get(job, 0), age)
+    return out
+
+
+def history_rows(cfg: CampaignConfig, hist: dict[str, JobHistory], totals: Totals, jobs: list[Job] | None = None) -> dict[str, dict]:
+    """job name -> row, from the events log: what a job's last state-changing event says (no driver is running)."""
+    out = {}
+    for job in jobs if jobs is not None else [SEED_JOB] + expert_jobs(cfg):
+        h = hist.get(job.name)
+        state = _history_state(h)
+        spent = totals.gpu_seconds["seed"] if job.expert is None else totals.per_expert_gpu_seconds.get(job.expert, 0.0)
+        out[job.name] = _row(cfg, job, state, view_of(h) if h else JobView(), spent, None, h.failures if h else 0)
+    return out
+
+
+def _history_state(h: JobHistory | None) -> str:
+    if h is None:
+        return "pending"
+    if h.terminal:
+        return h.state
+    return {"queued": "queued", "retried": "retrying", "retry_scheduled": "retrying", "failed": "retrying",
+            "preempted": "preempted", "reopened": "pending"}.get(h.state, "running" if h.state in ("launched", "started") else "pending")
+
+
+def counts(rows: list[dict]) -> dict[str, int]:
+    return {s: n for s in STATES if (n := sum(r["state"] == s for r in rows))}
+
+
+def eta_s(rows: list[dict], rate: float | None) -> float | None:
+    """Seconds to go at `rate` updates per second (every job's together, measured by the driver), or None."""
+    left = sum(max(0, r["target"] - r["step"]) for r in rows if r["state"] not in STATES[5:])
+    if left == 0:
+        return 0.0
+    return left / rate if rate else None
+
+
+def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: dict[str, float], devices: dict[str, float],
+          *, started_at: float | None, rate: float | None, final: bool, source: str, running: set[str] | None = None) -> dict:
+    """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
+    `running` (the driver's own; all by default) at `rate` updates per second."""
+    now = time.time()
+    listed = list(rows.values())
+    elapsed = now - started_at if started_at is not None else 0.0
+    hours = {c: by_category_s.get(c, 0.0) / 3600.0 for c in CATEGORIES}
+    return {"schema": SCHEMA, "source": source, "campaign": url, "name": cfg.name, "preset": cfg.preset, "written_at": now,
+            "driver_started_at": started_at, "elapsed_s": elapsed, "final": final,
+            "unit": hours_unit(devices), "counts": counts(listed), "gpu_hours": hours, "gpu_hours_total": sum(hours.values()),
+            "budget": {"expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours},
+            "eta_s": None if final else eta_s([r for r in listed if running is None or r["job"] in running], rate),
+            "jobs": listed}
+
+
+def summary_line(snap: dict) -> str:
+    """One line for a log collector: counts by state, GPU-hours by category, ETA."""
+    c = ", ".join(f"{n} {s}" for s, n in snap["counts"].items())
+    spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0)
+    eta = snap["eta_s"]
+    eta_text = "-" if eta is None else fmt_duration(eta)
+    return (f"[soma {time.strftime('%H:%M:%S', time.localtime(snap['written_at']))}] {snap['name']}: {c} | "
+            f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}) | elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}")
+
+
+def fmt_duration(s: float) -> str:
+    s = int(round(s))
+    return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
