@@ -221,7 +221,7 @@ def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.
         if m == len(centroids):
             break
         chosen = cols[np.arange(n), np.argmax(sims - b[cols], axis=1)]
-        temps = TEMPERATURES[WARM_FROM:]
+        temps = temps[WARM_FROM:] or temps[-1:]           # later rounds start warm
     return b
 
 
@@ -256,7 +256,8 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
             return (b - b.mean()).astype(np.float32)
     else:
         b = offsets.astype(np.float64)
-    b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), n_clusters if dense else CANDIDATES, schedule[WARM_FROM:] or schedule[-1:])
+    m = n_clusters if dense else CANDIDATES
+    b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), m, schedule[WARM_FROM:] or schedule[-1:])
     return (b - b.mean()).astype(np.float32)
 
 
