@@ -128,18 +128,38 @@ def prepare_sample(n_seqs: int, size: int, seed: int) -> list[int]:
     return sample
 
 
-def quality(args, cfg) -> list[dict]:
-    """Every method on the same sequences and features. The two rules' routers are fitted exactly as `soma
-    prepare` fits them (same sample, same seed), so their rows describe the campaigns' own shards."""
+def methods(emb: np.ndarray, sample: list[int], n: int, iters: int, seed: int, router=None) -> tuple[dict[str, np.ndarray], dict]:
+    """Labels of every sequence under each method, k-means seeded with `seed`, and the two rules' (centroids,
+    offsets); `router` (prepare's own, for the first seed) gives the balanced k-means centroids and sample
+    offsets instead of fitting them here."""
     from sklearn.cluster import KMeans
+    if router is None:
+        centroids, offsets, _ = balanced_kmeans(emb[sample], n, iters, seed)
+    else:
+        centroids, offsets = router.centroids, router.offsets
+    rules = {"balanced": (centroids, fit_offsets(emb, centroids, offsets)),         # prepare's refit over all
+             "nearest": (centroids, np.zeros(n, np.float32))}
+    old = greedy_kmeans(emb[sample], n, iters, seed)
+    labels = {name: assign(emb, c, b) for name, (c, b) in rules.items()}
+    labels["c-BTM k-means"] = KMeans(n, n_init=1, random_state=seed).fit(emb[sample]).predict(emb)
+    labels["greedy-balanced k-means"] = balanced_assign_greedy(emb @ old.T)
+    labels["router before issue 19"] = assign(emb, old, np.zeros(n, np.float32))
+    return labels, rules
+
+
+def quality(args, cfg) -> list[dict]:
+    """Every method on the same sequences and features. For the first k-means seed the two rules use the
+    router `soma prepare` fits (same sample, same seed), so their rows describe the campaigns' own shards;
+    NMI is also given as the mean over args.seeds k-means seeds (its spread between seeds is ~0.01)."""
+    from sklearn.metrics import normalized_mutual_info_score
     t = time.perf_counter()
     seqs, sources, names = labelled_sequences(cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed)
     sample = prepare_sample(len(seqs), cfg.router.sample_chunks, cfg.seed)
     texts = [router_text(seqs[i]) for i in sample]
     features = fit_router(texts, 1, cfg.router, cfg.seed)[0]                 # TF-IDF and SVD do not depend on N
     emb = embed_all(features, seqs)
-    rows_256 = np.random.default_rng(cfg.seed).choice(len(seqs), min(20_000, len(seqs)), replace=False)
-    prefix = embed_all(features, [seqs[i][:cfg.router.prefix_bytes] for i in rows_256])
+    probe = np.random.default_rng(cfg.seed).choice(len(seqs), min(20_000, len(seqs)), replace=False)
+    prefix = embed_all(features, [seqs[i][:cfg.router.prefix_bytes] for i in probe])
     freq = np.bincount(sources) / len(sources)
     print(f"{len(seqs):,} sequences from {len(names)} sources ({', '.join(names)}), H(S) = {float(-(freq * np.log(freq)).sum()):.3f} "
           f"nats; features fit on {len(sample):,} and every sequence embedded in {time.perf_counter() - t:.0f} s", flush=True)
@@ -147,29 +167,23 @@ def quality(args, cfg) -> list[dict]:
     for n in args.experts:
         t = time.perf_counter()
         router, _ = fit_router(texts, n, cfg.router, cfg.seed)
-        fit_s = time.perf_counter() - t
+        labels, rules = methods(emb, sample, n, cfg.router.kmeans_iters, cfg.seed, router)
+        seconds = time.perf_counter() - t
         half = fit_offsets(emb[::2], router.centroids, router.offsets)      # out of sample: fit on one half, count the other
         held_out = cluster_spread(assign(emb[1::2], router.centroids, half), n)
-        t = time.perf_counter()
-        offsets = fit_offsets(emb, router.centroids, router.offsets)       # prepare's refit over all sequences
-        refit_s = time.perf_counter() - t
-        for rule, b, secs in (("balanced", offsets, fit_s + refit_s), ("nearest", np.zeros(n, np.float32), fit_s)):
-            row = scores_of(rule, assign(emb, router.centroids, b), sources, n, secs)
-            top = np.argsort(-(prefix @ router.centroids.T - b), axis=1)[:, :min(4, n)]
-            own = assign(emb[rows_256], router.centroids, b)              # its shard; routed by 256 bytes: top
-            row["prefix_top1"], row["prefix_top4"] = float(np.mean(top[:, 0] == own)), float(np.mean((top == own[:, None]).any(1)))
-            row["held_out"] = held_out if rule == "balanced" else row["spread"]
+        extra = [methods(emb, sample, n, cfg.router.kmeans_iters, cfg.seed + s)[0] for s in range(1, args.seeds)]
+        for name, lab in labels.items():
+            row = scores_of(name, lab, sources, n, seconds)
+            row["nmi_seeds"] = [row["nmi"]] + [float(normalized_mutual_info_score(sources, e[name])) for e in extra]
+            if name in rules:
+                centroids, b = rules[name]
+                top = np.argsort(-(prefix @ centroids.T - b), axis=1)[:, :min(4, n)]          # routed by 256 bytes
+                own = lab[probe]                                                            # its shard
+                row["prefix_top1"], row["prefix_top4"] = float(np.mean(top[:, 0] == own)), float(np.mean((top == own[:, None]).any(1)))
+                row["held_out"] = held_out if name == "balanced" else row["spread"]
             rows.append(row)
-        t = time.perf_counter()
-        km = KMeans(n, n_init=1, random_state=cfg.seed).fit(emb[sample])
-        rows.append(scores_of("c-BTM k-means", km.predict(emb), sources, n, time.perf_counter() - t))
-        t = time.perf_counter()
-        old = greedy_kmeans(emb[sample], n, cfg.router.kmeans_iters, cfg.seed)
-        rows.append(scores_of("greedy-balanced k-means", balanced_assign_greedy(emb @ old.T), sources, n, time.perf_counter() - t))
-        rows.append(scores_of("router before issue 19", assign(emb, old, np.zeros(n, np.float32)), sources, n, 0.0))
-        for r in rows[-5:]:
-            print(f"  N={n} {r['method']:24s} spread {r['spread']:.3f} ({r['min']}-{r['max']}) NMI {r['nmi']:.4f} "
-                  f"I {r['mi']:.3f} H(C) {r['h_c']:.3f}  {r['seconds']:.0f} s", flush=True)
+            print(f"  N={n} {name:24s} spread {row['spread']:.3f} ({row['min']}-{row['max']}) NMI {row['nmi']:.4f} "
+                  f"(mean over seeds {np.mean(row['nmi_seeds']):.4f}) I {row['mi']:.3f} H(C) {row['h_c']:.3f}", flush=True)
     return rows
 
 
@@ -251,16 +265,17 @@ def paired(c: dict) -> str:
 
 def print_tables(quality_rows: list[dict], campaign_rows: list[dict]) -> None:
     loss = {(r["rule"], r["N"]): r for r in campaign_rows}
-    print("\n| N | method | spread (min-max) | spread, new half | NMI | I(C;S) nats | H(C) | prefix: own shard 1st / in top 4 | "
-          "test nats/byte [95% CI] | fit s |")
+    print("\n| N | method | spread (min-max) | spread, new half | NMI | NMI, seeds: mean (min-max) | I(C;S) nats | H(C) | "
+          "prefix: own shard 1st / in top 4 | test nats/byte [95% CI] |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in quality_rows:
         c = loss.get((r["method"], r["N"]))
         test = f"{c['test']:.4f} [{c['ci'][0]:.4f}, {c['ci'][1]:.4f}]{' *' if c['relaxed'] else ''}" if c else "-"
         pre = f"{r['prefix_top1']:.1%} / {r['prefix_top4']:.1%}" if "prefix_top1" in r else "-"
         held = f"{r['held_out']:.3f}" if "held_out" in r else "-"
-        print(f"| {r['N']} | {r['method']} | {r['spread']:.3f} ({r['min']}-{r['max']}) | {held} | {r['nmi']:.4f} | {r['mi']:.3f} | "
-              f"{r['h_c']:.3f} | {pre} | {test} | {r['seconds']:.0f} |")
+        seeds = f"{np.mean(r['nmi_seeds']):.4f} ({min(r['nmi_seeds']):.4f}-{max(r['nmi_seeds']):.4f})"
+        print(f"| {r['N']} | {r['method']} | {r['spread']:.3f} ({r['min']}-{r['max']}) | {held} | {r['nmi']:.4f} | {seeds} | "
+              f"{r['mi']:.3f} | {r['h_c']:.3f} | {pre} | {test} |")
     if campaign_rows:
         print("\n| rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s | test nats/byte | seed model | "
               "ensemble - seed | nearest - balanced, paired [95% CI] |")
@@ -333,6 +348,7 @@ def main() -> None:
     p.add_argument("--part", nargs="+", default=["quality", "campaign"], choices=["quality", "campaign", "scale"])
     p.add_argument("--experts", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--mb", type=float, default=64.0, help="built-in corpus MB for quality and campaign")
+    p.add_argument("--seeds", type=int, default=3, help="quality: k-means seeds the NMI is averaged over")
     p.add_argument("--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)")
     p.add_argument("--gb", type=float, default=1.0, help="scale: generated corpus size")
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
