@@ -74,48 +74,48 @@ for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disab
 import ray  # noqa: E402
 
 from pipelines.campaign import Driver, also_ready, expert_jobs  # noqa: E402
-from pipelines.events import history  # noqa: E402
+from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage  # noqa: E402
+from soma_cluster.events import history  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 from workers import SCHEDULING  # noqa: E402
 
 
 class StandInTrainer:
-    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract, sleeps instead of training.
+    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract and typed reports, sleeps instead of training.
 
     A pack of G experts (resources.experts_per_actor) sleeps as long per chunk as one expert: it stands for
     G small experts that each underfill a GPU and share its passes (what packing is for)."""
 
-    def __init__(self, campaign_url: str, storage_options: dict, role: str, experts, attempts, num_gpus: float,
+    def __init__(self, campaign_url: str, storage_options: dict, experts, attempts, num_gpus: float,
                  target: int, sec_per_update: float):
-        self.t0 = time.monotonic()
-        self.experts = [experts] if isinstance(experts, int) else list(experts)
+        self.t0 = self.t_end = time.monotonic()
+        self.held_from = time.time()
+        self.experts = list(experts)
         self.num_gpus, self.target, self.sec_per_update, self.step = num_gpus, target, sec_per_update, 0
 
-    def setup(self, experts=None, attempts=None) -> dict:
+    def setup(self, experts=None, attempts=None) -> SetupReport:
         if experts is not None:          # reused (resources.reuse_actors): the new experts' clock starts at the last report
-            self.experts, self.step = ([experts] if isinstance(experts, int) else list(experts)), 0
-            self.t0 = self.t_end
-        return {"device": "stand-in", "pid": os.getpid(), "node": ray.get_runtime_context().get_node_id(),
-                "wall_seconds": time.monotonic() - self.t0,
-                "experts": {e: {"step": 0, "target": self.target, "resumed": False, "forwards": 0, "n_train": 0} for e in self.experts}}
+            self.experts, self.step = list(experts), 0
+            self.t0, self.held_from = self.t_end, time.time() - (time.monotonic() - self.t_end)
+        held = (time.monotonic() - self.t0) / len(self.experts)
+        start = ExpertStart(0, self.target, False, 0, 0, Usage(held * self.num_gpus, held))
+        return SetupReport("stand-in", None, Incarnation(ray.get_runtime_context().get_node_id(), os.getpid(), self.held_from),
+                           self.held_from, 0.0, dict.fromkeys(self.experts, start))
 
-    def run_chunk(self, max_updates: int, caps=None) -> dict:
+    def run_chunk(self, max_updates: int, caps=None) -> ChunkReport:
         if self.step >= self.target:
-            return {"experts": {}, "wall_seconds": time.monotonic() - self.t0}
+            return ChunkReport({}, time.monotonic() - self.t0)
         todo = min(max_updates, self.target - self.step)
         time.sleep(todo * self.sec_per_update)
         self.step += todo
         self.t_end = time.monotonic()
         held = (self.t_end - self.t0) / len(self.experts)
         done = self.step >= self.target
-        beat = {"step": self.step, "target": self.target, "updates": todo, "loss": 5.0, "val": None, "best_val": None,
-                "eps": 1e-3, "lr": 1e-3, "checkpoint": None, "done": done, "reason": "finished" if done else None, "failed": False,
-                "gpu_seconds": held * self.num_gpus, "wall_seconds": held, "forwards": self.step * 129,
-                "tokens": self.step * 64 * 1024, "sec_per_update": self.sec_per_update,
-                # as if each chunk ended on a checkpoint (none is written: "checkpoint" stays None)
-                "checkpoint_step": self.step, "checkpoint_gpu_seconds": held * self.num_gpus, "checkpoint_forwards": self.step * 129}
-        return {"experts": dict.fromkeys(self.experts, beat), "wall_seconds": time.monotonic() - self.t0}
+        beat = Heartbeat(self.step, self.target, todo, 5.0, None, None, 1e-3, 1e-3, None, self.step,
+                         Usage(held * self.num_gpus, held, self.step * 129, self.step * 64 * 1024), self.sec_per_update,
+                         "finished" if done else None)
+        return ChunkReport(dict.fromkeys(self.experts, beat), time.monotonic() - self.t0)
 
 
 RemoteStandIn = ray.remote(StandInTrainer)
@@ -123,10 +123,10 @@ RemoteStandIn = ray.remote(StandInTrainer)
 
 def stand_in_factory(target: int, sec_per_update: float):
     """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
-    def start(url, storage_options, role, experts, attempts, num_gpus, num_cpus, name=None, placement="pack"):
+    def start(url, storage_options, experts, attempts, num_gpus, num_cpus, name=None, placement="pack", **_):
         return RemoteStandIn.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
                                      scheduling_strategy=SCHEDULING[placement]).remote(
-            url, storage_options, role, experts, attempts, num_gpus, target, sec_per_update)
+            url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
     return start
 
 
@@ -150,15 +150,15 @@ class TimedDriver(Driver):
             self.collect_s += time.perf_counter() - t
         self.store._write_lines, self.store.flush = timed_write, timed_flush
 
-    def _collect(self, a, result=None) -> None:
-        self.results += len(a.live())
-        super()._collect(a, result)
+    def _collect(self, uid, ref, result=None):
+        self.results += len(self.sched.units[uid].live())
+        return super()._collect(uid, ref, result)
 
-    def _sweep(self, by_name) -> None:
+    def _sweep(self) -> None:
         """All the loop's time in a sweep except blocking for the first result (or sleeping)."""
         t = time.perf_counter()
         self.blocked = 0.0
-        super()._sweep(by_name)
+        super()._sweep()
         self.collect_s += time.perf_counter() - t - self.blocked
 
     def _block(self, refs):
@@ -172,7 +172,7 @@ def spawn_rate(share: float, k: int) -> float:
     """Actors per second this host starts (create k stand-ins, wait for setup, kill them)."""
     start = stand_in_factory(1, 0.0)
     t = time.monotonic()
-    actors = [start("", {}, "expert", i, 0, share, 0.0) for i in range(k)]
+    actors = [start("", {}, [i], [0], share, 0.0) for i in range(k)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     rate = k / (time.monotonic() - t)
     for a in actors:
@@ -185,7 +185,7 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     at once. Returns the loop's own ms per result (blocking for the first ready result excluded): what Ray
     itself costs per heartbeat on this host, the floor under the Driver's number."""
     start = stand_in_factory(10 ** 9, chunk_s / 10)
-    actors = [start("", {}, "expert", i, 0, share, 0.0) for i in range(slots)]
+    actors = [start("", {}, [i], [0], share, 0.0) for i in range(slots)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     owner = {a.run_chunk.remote(10): a for a in actors}
     spent, done = 0.0, 0
@@ -203,12 +203,13 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     return 1e3 * spent / done
 
 
-def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False) -> dict:
-    cfg = resolve("tiny", {"name": f"bench-{n}-{pack}-{reuse}", "n_experts": n,
+def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False, pending: int | None = None) -> dict:
+    cfg = resolve("tiny", {"name": f"bench-{n}-{pack}-{reuse}-{pending}", "n_experts": n,
                            "train": {"updates": args.chunks * args.chunk_updates, "chunk_updates": args.chunk_updates},
-                           "resources": {"num_gpus": args.share, "num_cpus": 0.0, "experts_per_actor": pack, "reuse_actors": reuse},
+                           "resources": {"num_gpus": args.share, "num_cpus": 0.0, "experts_per_actor": pack, "reuse_actors": reuse,
+                                         "max_pending": pending},
                            "retry": {"heartbeat_timeout_s": 600.0}})
-    store = Store(os.path.join(args.campaign_dir or root, f"driver-{n}-{pack}-{reuse}"))
+    store = Store(tempfile.mkdtemp(prefix=f"driver-{n}-{pack}-{reuse}-{pending}-", dir=args.campaign_dir or root))
     driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False,
                          actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
     cpu, t = time.process_time(), time.monotonic()
@@ -257,6 +258,8 @@ def main() -> None:
     p.add_argument("--chunk-s", type=float, default=2.0, help="stand-in seconds of work per chunk")
     p.add_argument("--pack", type=int, nargs="+", default=[1, 4], help="experts per actor (resources.experts_per_actor)")
     p.add_argument("--reuse", action="store_true", help="also run each G with resources.reuse_actors")
+    p.add_argument("--max-pending", nargs="+", default=["default"],
+                   help="resources.max_pending values to run each G with ('default': every remaining job queued at once, 0 with reuse)")
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
@@ -272,8 +275,9 @@ def main() -> None:
         print(f"bare Ray loop (wait + get + submit, no Driver): {floor:.3f} ms per result", flush=True)
         rows = []
         for n in args.experts:
-            systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}", g, lambda n, a, r, g=g, reuse=reuse: run_driver(n, a, r, g, reuse))
-                       for g in args.pack for reuse in ((False, True) if args.reuse else (False,))]
+            systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}{'' if mp == 'default' else f', max_pending={mp}'}", g,
+                        lambda n, a, r, g=g, reuse=reuse, mp=mp: run_driver(n, a, r, g, reuse, None if mp == "default" else int(mp)))
+                       for g in args.pack for reuse in ((False, True) if args.reuse else (False,)) for mp in args.max_pending]
             if not args.no_tune:
                 systems.append(("Ray Tune", 1, run_tune))
             for name, g, fn in systems:
@@ -294,7 +298,7 @@ def main() -> None:
             if name.startswith("soma"):
                 print(f"{name} N={n}: driver loop / bare Ray loop per heartbeat = {r['collect_ms'] / floor:.2f} "
                       f"(per actor call: {r['collect_ms'] * g / floor:.2f})")
-        drivers = {n: r for name, n, g, *_, r in rows if name == "soma Driver, G=1"}
+        drivers = {n: r for name, n, g, *_, r in rows if name.startswith("soma Driver, G=1") and "reuse" not in name}
         for name, n, *_, r in rows:
             if name == "Ray Tune" and n in drivers:
                 print(f"N={n}: Ray Tune wall / soma Driver (G=1) wall = {r['wall'] / drivers[n]['wall']:.2f}")

@@ -1,80 +1,40 @@
-"""The driver: launch one actor per job (the seed, or each expert), watch heartbeats, account
-GPU-seconds, retry failures from checkpoints, enforce budgets. Actors own work; the driver owns
-decisions, and writes every transition to the campaign directory.
+"""The driver's Ray loop: it starts and kills actors, waits for their results and hands them to the
+Scheduler (soma_cluster/schedule.py), which makes every decision and writes every transition. Nothing
+here decides; everything here touches Ray.
+
+Demand the autoscaler can see: besides the actors the cluster's GPUs hold now, the driver keeps up to
+resources.max_pending more asked of Ray (all remaining jobs by default). They wait in Ray's queue,
+where the cluster launcher's or KubeRay's autoscaler sees them and adds nodes; they cost nothing until
+Ray places them (an actor's clock starts when its process holds its GPU share), and they disappear with
+the driver, so a lost driver leaves no standing demand behind.
 """
 from __future__ import annotations
 
 import math
+import re
+import sys
 import time
-from dataclasses import dataclass, field
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pipelines.common import console, progress
-from pipelines.events import emit, history
+from pipelines.reopen import reopen_unverified
+from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
-from soma_cluster.errors import SomaError
+from soma_cluster.errors import JobsFailed, SomaError
+from soma_cluster.events import history, require_seed
 from soma_cluster.ledger import Ledger
-from soma_cluster.shards import expert_name
-from soma_cluster.budget import BudgetBook
+from soma_cluster.messages import SetupReport
+from soma_cluster.schedule import POLL_S, Action, Chunk, Job, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
 from soma_cluster.storage import Store
-from soma_cluster.checkpoint import checkpoint_state
-from workers import actor_name, model_dir, start_worker
+from workers import actor_name, start_worker
 
-POLL_S = 0.5
 FLUSH_S = 0.25          # group commit: held log records are made durable at least this often
 SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join and leave over minutes)
-
-
-@dataclass(frozen=True)
-class Job:
-    role: str          # "seed" or "expert"
-    expert: int        # -1 for the seed
-
-    @property
-    def name(self) -> str:
-        return "seed" if self.role == "seed" else expert_name(self.expert)
-
-    @property
-    def category(self) -> str:
-        return "seed" if self.role == "seed" else "expert_training"
-
-
-@dataclass
-class Account:
-    """One job's side of an attempt: what its heartbeats reported, and where its last checkpoint was."""
-    job: Job
-    attempt: int
-    reported: dict = field(default_factory=lambda: {"gpu_seconds": 0.0, "wall_seconds": 0.0, "forwards": 0, "tokens": 0})
-    cap_s: float | None = None       # GPU-seconds it may hold (its budget when the chunk was sent)
-    ckpt_gpu_s: float = 0.0          # GPU-seconds held at its last checkpoint in this attempt
-    ckpt_forwards: int = 0           # forwards done in this attempt up to that checkpoint
-    seq: int = 0
-    step: int = 0
-    improving: bool = True
-    ended: bool = False
-    start_forwards: int | None = None  # the model's forward count when this attempt loaded it (None: not started)
-
-
-@dataclass
-class Attempt:
-    """One actor: a single job, or G experts packed on the expert axis (resources.experts_per_actor)."""
-    unit: str
-    accounts: dict[str, Account]     # job name -> account
-    actor: object
-    ref: object = None
-    phase: str = "setup"             # "setup" until the actor reports in, then "chunk"
-    last_beat: float = field(default_factory=time.monotonic)
-    launched: float = field(default_factory=time.monotonic)
-    reused: bool = False
-
-    def live(self) -> list[Account]:
-        return [c for c in self.accounts.values() if not c.ended]
-
-
-def unit_name(jobs: list[Job]) -> str:
-    return jobs[0].name if len(jobs) == 1 else f"{jobs[0].name}+{len(jobs) - 1}"
+QUEUED_POLL_S = 0.2     # how soon an actor Ray has just placed is seen (its setup report), while others run
+TRACEBACK_CHARS = 4000  # of a worker's traceback, kept in its `failed` event
+ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
 
 
 def also_ready(first: list, rest: list) -> list:
@@ -82,313 +42,113 @@ def also_ready(first: list, rest: list) -> list:
     return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
 
 
+def lost_actor(exc: RayActorError) -> Lost:
+    """An actor that died: a node the autoscaler drained for preemption is not a failure."""
+    first = str(exc).splitlines()[0][:200] if str(exc) else ""
+    if getattr(exc, "preempted", False):
+        return Lost(f"preempted: node drained: {type(exc).__name__}: {first}", "preempted")
+    return Lost(f"actor_died: {type(exc).__name__}: {first}")
+
+
+def lost_task(exc: RayTaskError) -> Lost:
+    """An exception in the worker: bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device)
+    ends the job, anything else is retried; the traceback goes to the `failed` event and the driver's log."""
+    cause = exc.cause if getattr(exc, "cause", None) is not None else exc
+    why = f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
+    if isinstance(cause, SomaError):
+        return Lost(why, "bad_input")
+    trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
+    print(f"Traceback (most recent call last), in the worker: {why}\n{trace}", file=sys.stderr, flush=True)
+    return Lost(why, "failure", trace)
+
+
 class Driver:
-    """Runs jobs to an end state; every transition goes to events.jsonl, every GPU-second to the ledger."""
+    """Runs jobs to an end state on Ray; `run()` returns job name -> how it ended."""
 
     def __init__(self, store: Store, cfg: CampaignConfig, jobs: list[Job], show_progress: bool = True, actor_factory=start_worker):
         self.store, self.cfg, self.jobs, self.show = store, cfg, jobs, show_progress
         self.start_actor = actor_factory
-        self.ledger = Ledger(store)
-        self.book = BudgetBook(cfg.budget)
-        self.live: dict[str, Attempt] = {}             # unit name -> the actor's attempt
-        self.running: dict[str, Attempt] = {}          # job name -> the attempt training it
-        self.retry_at: dict[str, float] = {}
-        self.attempts: dict[str, int] = {}             # job name -> its current (or next) attempt number
-        self.outcome: dict[str, str] = {}
-        self.bad_input: dict[str, str] = {}            # job name -> the error that ended it (no retry could help)
-        self.pending: list[Job] = []                   # jobs not yet launched, in order
+        self.sched = Scheduler(store, cfg, jobs, latest=lambda job: latest_meta(store, job.model_dir))
+        self.actors: dict[int, object] = {}            # unit id -> its actor handle
+        self.inflight: dict[int, object] = {}          # unit id -> the one call it is running (setup or a chunk)
         self.campaign_id = cfg.digest()[:8]
-        self._gpus, self._gpus_at = 0.0, -math.inf         # cluster GPUs, and when they were last read
-        totals = self.ledger.totals()
-        self.spent = dict(totals.per_expert_gpu_seconds)    # running totals, kept in step with every record written
-        self.spent_total = sum(totals.gpu_seconds.values())
+        self._gpus, self._gpus_at = 0.0, -math.inf     # cluster GPUs, and when they were last read
+        self._queued_polled = -math.inf
 
-    def _pack(self, jobs: list[Job]) -> int:
-        return 1 if any(j.role == "seed" for j in jobs) else self.cfg.resources.experts_per_actor
+    @property
+    def outcome(self) -> dict[str, str]:
+        return {job.name: end for job, end in self.sched.outcome.items()}
 
-    # -- ledger + budgets ---------------------------------------------------------------------------------
-    def _record(self, category: str, gpu_s: float, wall_s: float, job: Job, attempt: int, seq: int, **kw) -> None:
-        expert = job.expert if job.role == "expert" else None
-        self.ledger.record(category, gpu_s, wall_s, expert=expert, attempt=attempt, seq=seq, **kw)
-        if expert is not None and category in ("expert_training", "wasted"):
-            self.spent[expert] = self.spent.get(expert, 0.0) + gpu_s
-        self.spent_total += gpu_s
+    @property
+    def bad_input(self) -> dict[str, str]:
+        return {job.name: why for job, why in self.sched.bad_input.items()}
 
-    def _budget_left(self, job: Job) -> float | None:
-        """GPU-seconds the job may still spend; the campaign's remainder is shared among the live jobs."""
-        expert = job.expert if job.role == "expert" else None
-        share = max(1, len(self.running) + (0 if job.name in self.running else 1))
-        return self.book.left(expert, self.spent.get(expert, 0.0) if expert is not None else 0.0, self.spent_total, share)
-
-    def _reclassify_lost(self, c: Account, lost_s: float, lost_forwards: int, why: str) -> None:
-        """Work after the attempt's last checkpoint is lost: move its GPU-seconds and forwards from
-        training to wasted (fixed record ids, so doing it twice counts once)."""
-        if lost_s > 0 or lost_forwards > 0:
-            note = f"lost after checkpoint: {why}"
-            self._record(c.job.category, -lost_s, 0.0, c.job, c.attempt, -1, forwards=-lost_forwards, step=c.step, note=note)
-            self._record("wasted", lost_s, 0.0, c.job, c.attempt, -1, forwards=lost_forwards, step=c.step, note=note)
-
-    # -- launching ------------------------------------------------------------------------------------
+    # -- capacity ---------------------------------------------------------------------------------------
     def _slots(self) -> int:
+        """Actors the cluster's GPUs hold now (0 on a cluster that has yet to add its first GPU node)."""
         # cluster_resources() is a GCS round trip (~1-8 ms): re-read it every SLOTS_REFRESH_S, not every loop
         now = time.monotonic()
         if now - self._gpus_at > SLOTS_REFRESH_S:
             self._gpus, self._gpus_at = ray.cluster_resources().get("GPU", 0.0), now
-        return max(1, int(math.floor(self._gpus / self.cfg.resources.num_gpus + 1e-9)))
+        return int(math.floor(self._gpus / self.cfg.resources.num_gpus + 1e-9))
 
-    def _launch(self, jobs: list[Job], actor=None) -> bool:
-        """One actor for these jobs (one, or up to experts_per_actor packed), or `actor` (an idle one, reused)
-        given them; none the budget cannot cover. False when none was left to launch."""
-        for job in [j for j in jobs if (left := self._budget_left(j)) is not None and left <= 0]:
-            self._finish(job, "budget_exhausted", note="budget cannot cover a launch")
-            jobs.remove(job)
-        if not jobs:
-            return False
-        r, unit = self.cfg.resources, unit_name(jobs)
-        attempts = [self.attempts[j.name] for j in jobs]
-        experts = jobs[0].expert if len(jobs) == 1 else [j.expert for j in jobs]
-        tried = attempts[0] if len(jobs) == 1 else attempts
-        reused = actor is not None
-        if reused:
-            ref = actor.setup.remote(experts, tried)
-        else:
-            actor = self.start_actor(self.store.url, self.store.storage_options, jobs[0].role, experts, tried, r.num_gpus,
-                                     r.num_cpus, name=actor_name(self.campaign_id, unit, attempts[0]), placement=r.placement)
-            ref = actor.setup.remote()
-        a = Attempt(unit, {j.name: Account(j, n) for j, n in zip(jobs, attempts)}, actor, ref, reused=reused)
-        self.live[unit] = a
-        for j, n in zip(jobs, attempts):
-            self.running[j.name] = a
-            emit(self.store, "launched", j.name, attempt=n, num_gpus=r.num_gpus / len(jobs), actor=unit, reused=reused)
-        return True
+    def _capacity(self) -> float:
+        """Actors to keep queued or running: what the GPUs present hold (at least one), plus the demand shown to an
+        autoscaler (resources.max_pending; all remaining jobs by default)."""
+        r = self.cfg.resources
+        extra = r.max_pending if r.max_pending is not None else (0 if r.reuse_actors else math.inf)
+        return max(1, self._slots()) + extra
 
-    def _take(self) -> list[Job]:
-        """The next pending jobs for one actor: up to experts_per_actor experts, or the seed alone."""
-        g = self._pack(self.pending[:1])
-        return [self.pending.pop(0) for _ in range(min(g, len(self.pending)))]
+    # -- carrying out the scheduler's actions ---------------------------------------------------------
+    def _apply(self, actions: list[Action]) -> None:
+        for a in actions:
+            uid = a.unit.id
+            if isinstance(a, Start):
+                self.actors[uid] = self._start(a)
+                self.inflight[uid] = self.actors[uid].setup.remote()
+            elif isinstance(a, Reuse):
+                self.actors[uid] = self.actors.pop(a.actor_of)
+                self.inflight[uid] = self.actors[uid].setup.remote([j.expert for j in a.unit.jobs],
+                                                                   [c.attempt for c in a.unit.accounts.values()])
+            elif isinstance(a, Chunk):
+                self.inflight[uid] = self.actors[uid].run_chunk.remote(a.updates, a.caps)
+            elif isinstance(a, Stop):
+                self.inflight.pop(uid, None)
+                actor = self.actors.pop(uid, None)
+                if actor is not None:
+                    ray.kill(actor, no_restart=True)
 
-    def _reuse(self, a: Attempt) -> bool:
-        """resources.reuse_actors: an actor whose experts all ended cleanly takes the next pending ones."""
-        if not self.cfg.resources.reuse_actors or not self.pending or self.pending[0].role != "expert":
-            return False
-        self.live.pop(a.unit, None)
-        while self.pending:
-            if self._launch(self._take(), actor=a.actor):
-                return True
-        ray.kill(a.actor, no_restart=True)      # everything left was out of budget
-        return True
+    def _start(self, a: Start):
+        r, unit = self.cfg.resources, a.unit
+        attempts = [c.attempt for c in unit.accounts.values()]
+        return self.start_actor(self.store.url, self.store.storage_options, [j.expert for j in unit.jobs], attempts,
+                                r.num_gpus, r.num_cpus, name=actor_name(self.campaign_id, unit.name, attempts[0]),
+                                placement=r.placement, requested_at=time.time(), granted=unit.granted, previous=unit.previous)
 
-    def _next_chunk(self, a: Attempt) -> None:
-        a.phase = "chunk"
-        caps = {}
-        for c in a.live():
-            left = self._budget_left(c.job)
-            c.cap_s = None if left is None else left + c.reported["gpu_seconds"]   # the worker compares its own cumulative clock
-            caps[c.job.expert] = c.cap_s
-        a.ref = a.actor.run_chunk.remote(self.cfg.train.chunk_updates, caps)
-        a.last_beat = time.monotonic()
-
-    # -- outcomes -------------------------------------------------------------------------------------
-    def _on_heartbeat(self, a: Attempt, c: Account, hb: dict) -> None:
-        c.seq += 1
-        delta = {k: hb[k] - c.reported[k] for k in c.reported}
-        self._record(c.job.category, delta["gpu_seconds"], delta["wall_seconds"], c.job, c.attempt, c.seq,
-                     forwards=delta["forwards"], tokens=delta["tokens"], step=hb["step"])
-        c.reported = {k: hb[k] for k in c.reported}
-        if hb["val"] is not None:
-            c.improving = hb["best_val"] is not None and hb["val"] <= hb["best_val"]
-        c.step = hb["step"]
-        c.ckpt_gpu_s, c.ckpt_forwards = hb["checkpoint_gpu_seconds"], hb["checkpoint_forwards"]
-        emit(self.store, "heartbeat", c.job.name, attempt=c.attempt, step=hb["step"], loss=hb["loss"], val=hb["val"],
-             gpu_seconds=hb["gpu_seconds"], eps=hb["eps"], lr=hb["lr"])
-        if hb["checkpoint"]:
-            emit(self.store, "checkpointed", c.job.name, attempt=c.attempt, step=hb["checkpoint_step"], checkpoint=hb["checkpoint"])
-        if hb.get("failed"):                 # this one failed inside a pack; the others keep training
-            self._end_account(c)
-            self._fail(c, hb["reason"])
-        elif hb["done"]:
-            self._end_account(c)
-            self._finish(c.job, hb["reason"], step=hb["step"], val=hb["best_val"])
-
-    def _end_account(self, c: Account) -> None:
-        c.ended = True
-        self.running.pop(c.job.name, None)
-
-    def _stop(self, a: Attempt) -> None:
-        self.live.pop(a.unit, None)
-        for c in a.accounts.values():
-            if self.running.get(c.job.name) is a:
-                self.running.pop(c.job.name)
-        ray.kill(a.actor, no_restart=True)
-
-    def _finish(self, job: Job, end: str, **fields) -> None:
-        self.outcome[job.name] = end
-        emit(self.store, end, job.name, **fields)
-        if job.role == "expert" and end != "finished":
-            self._release(job)
-
-    def _release(self, job: Job) -> None:
-        """An expert that converged or ended for good returns its unspent budget to the pool."""
-        candidates = {c.job.expert: c.improving for c in (self.running[n].accounts[n] for n in self.running) if c.job.role == "expert"}
-        candidates |= {j.expert: True for j in self.jobs if j.role == "expert" and j.name not in self.outcome and j.name not in self.running}
-        for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
-            emit(self.store, "budget_granted", expert_name(expert), gpu_seconds=s, source=job.name)
-
-    def _on_failure(self, a: Attempt, reason: str, no_retry: tuple[str, ...] = (), end: str = "budget_exhausted") -> None:
-        """The actor is gone (or is killed now): each job it was training records what was lost and is
-        retried from its latest checkpoint, except those in `no_retry`, which end as `end` (hard-stopped
-        past their budget, or bad input that no retry can fix)."""
-        live = a.live()
-        self._stop(a)
-        share = self.cfg.resources.num_gpus / max(1, len(live))
-        unreported = max(0.0, time.monotonic() - a.last_beat)
-        for c in live:
-            c.ended = True
-            self._record("wasted", unreported * share, unreported * share / self.cfg.resources.num_gpus, c.job, c.attempt, c.seq + 1,
-                         step=c.step, note=f"unreported time before failure: {reason}")
-            mine = reason if len(live) == 1 or c.job.name in no_retry else f"{reason} (in pack {a.unit})"
-            self._fail(c, mine, retry=c.job.name not in no_retry, end=end)
-
-    def _fail(self, c: Account, reason: str, retry: bool = True, end: str = "budget_exhausted") -> None:
-        lost_s, lost_forwards = c.reported["gpu_seconds"] - c.ckpt_gpu_s, c.reported["forwards"] - c.ckpt_forwards
-        latest = checkpoint_state(self.store, model_dir(c.job.role, c.job.expert)) if c.start_forwards is not None else None
-        if latest is not None and latest["step"] > c.step:
-            # it checkpointed after its last heartbeat: all it reported is kept, and so is work it never reported
-            kept = latest["forwards"] - c.start_forwards - c.reported["forwards"]
-            lost_s, lost_forwards = 0.0, 0
-            self._record(c.job.category, 0.0, 0.0, c.job, c.attempt, c.seq + 2, forwards=kept, step=latest["step"],
-                         note="checkpointed after the last heartbeat (its seconds are in 'unreported')")
-        self._reclassify_lost(c, lost_s, lost_forwards, reason)
-        emit(self.store, "failed", c.job.name, attempt=c.attempt, step=c.step, reason=reason)
-        if not retry:
-            if end == "failed_permanently":
-                self.bad_input[c.job.name] = reason
-            self._finish(c.job, end, step=c.step, reason=reason)
-        elif c.attempt >= self.cfg.retry.max_retries:
-            self._finish(c.job, "failed_permanently", step=c.step, reason=reason)
-        else:
-            delay = self.cfg.retry.backoff_s * 2 ** c.attempt
-            self.retry_at[c.job.name] = time.monotonic() + delay
-            emit(self.store, "retry_scheduled", c.job.name, attempt=c.attempt + 1, delay_s=delay)
-
-    def _collect(self, a: Attempt, result=None) -> None:
-        try:
-            result = ray.get(a.ref, timeout=60) if result is None else result
-        except RayActorError as exc:
-            self._on_failure(a, f"actor_died: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
-            return
-        except RayTaskError as exc:
-            cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-            why = f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:300]}"
-            if isinstance(cause, SomaError):        # bad input (a corrupt shard or checkpoint): no retry can fix it
-                self._on_failure(a, why, no_retry=tuple(c.job.name for c in a.live()), end="failed_permanently")
-            else:
-                self._on_failure(a, why)
-            return
-        except GetTimeoutError:
-            self._on_failure(a, "hang: result not retrievable")
-            return
-        by_expert = {c.job.expert: c for c in a.accounts.values()}
-        if a.phase == "setup":
-            # the GPU is held from the launch, but the worker's clock starts only once its process runs Python:
-            # the difference (process start, imports) is the jobs' too
-            gap = 0.0 if a.reused else max(0.0, time.monotonic() - a.launched - result["wall_seconds"]) / len(result["experts"])
-            for e, info in result["experts"].items():
-                c = by_expert[e]
-                emit(self.store, "started", c.job.name, attempt=c.attempt, step=info["step"], resumed=info["resumed"],
-                     device=result["device"], pid=result["pid"], node=result.get("node"), actor=a.unit)
-                c.step, c.start_forwards = info["step"], info["forwards"]
-                if gap > 0:
-                    self._record(c.job.category, gap * self.cfg.resources.num_gpus, gap, c.job, c.attempt, 0, step=c.step,
-                                 note="actor start before the worker's clock")
-        else:
-            for e, hb in result["experts"].items():
-                self._on_heartbeat(a, by_expert[e], hb)
-            a.last_beat = time.monotonic()
-        if a.live():
-            self._next_chunk(a)
-        elif not self._reuse(a):
-            self._stop(a)
-
-    def _watchdog(self) -> None:
-        """Hangs (no heartbeat in time) are failures; an actor past a job's cap plus the grace is hard-stopped."""
-        now = time.monotonic()
-        for a in list(self.live.values()):
-            if a.phase != "chunk":
-                continue
-            silent = now - a.last_beat
-            live = a.live()
-            held = silent * self.cfg.resources.num_gpus / max(1, len(live))
-            over = tuple(c.job.name for c in live
-                         if c.cap_s is not None and c.reported["gpu_seconds"] + held > c.cap_s + self.cfg.budget.grace_gpu_seconds)
-            if silent > self.cfg.retry.heartbeat_timeout_s:
-                self._on_failure(a, f"hang: no heartbeat for {silent:.0f} s")
-            elif over:
-                self._on_failure(a, "budget_exhausted: hard stop past the grace", no_retry=over)
-
-    # -- resume ---------------------------------------------------------------------------------------
-    def _restore(self) -> list[Job]:
-        """Rebuild from the campaign directory: ended jobs stay ended, grants are replayed, and work an
-        interrupted attempt did after its last checkpoint is reclassified as wasted (idempotently)."""
-        past = history(self.store)
-        for h in past.values():
-            for ev in h.events:
-                if ev["event"] == "budget_granted":
-                    e = int(h.job.split("-")[1])
-                    self.book.granted[e] = self.book.granted.get(e, 0.0) + ev["gpu_seconds"]
-        pending, records = [], None
-        for job in self.jobs:
-            h = past.get(job.name)
-            if h and h.terminal:
-                self.outcome[job.name] = h.state
-                continue
-            pending.append(job)
-            self.attempts[job.name] = h.attempts if h else 0
-            if h and h.attempts and not any(ev["event"] == "failed" and ev.get("attempt") == h.attempts - 1 for ev in h.events):
-                records = self.ledger.records() if records is None else records     # read once, not once per job
-                self._reclassify_interrupted(job, h, records)
-        return pending
-
-    def _reclassify_interrupted(self, job: Job, h, records: list[dict]) -> None:
-        last = h.attempts - 1
-        ckpt = max((ev["step"] for ev in h.events if ev["event"] == "checkpointed" and ev.get("attempt") == last), default=-1)
-        latest = checkpoint_state(self.store, model_dir(job.role, job.expert))
-        if latest is not None:            # a checkpoint written after the last event the driver wrote
-            ckpt = max(ckpt, latest["step"])
-        expert = job.expert if job.role == "expert" else None
-        lost = [r for r in records if r["category"] == job.category and r["attempt"] == last and r["seq"] > 0
-                and r["expert"] == expert and r["step"] is not None and r["step"] > ckpt]
-        self._reclassify_lost(Account(job, last, step=h.step), sum(r["gpu_seconds"] for r in lost),
-                              sum(r["forwards"] for r in lost), "driver lost")
+    def _collect(self, uid: int, ref, result=None) -> list[Action]:
+        if result is None:
+            try:
+                result = ray.get(ref, timeout=60)
+            except RayActorError as exc:
+                return self.sched.on_lost(uid, lost_actor(exc))
+            except RayTaskError as exc:
+                return self.sched.on_lost(uid, lost_task(exc))
+            except GetTimeoutError:
+                return self.sched.on_lost(uid, Lost("hang: result not retrievable"))
+        if isinstance(result, SetupReport):
+            return self.sched.on_setup(uid, result)
+        return self.sched.on_chunk(uid, result)
 
     # -- main loop ------------------------------------------------------------------------------------
-    def _fill_slots(self, by_name: dict[str, Job]) -> None:
-        """Start actors while slots are free: due retries first, then pending jobs, up to G per actor."""
-        while len(self.live) < self._slots():
-            now = time.monotonic()
-            due = sorted(n for n, at in self.retry_at.items() if at <= now)
-            if due:
-                group = due[: self._pack([by_name[n] for n in due[:1]])]
-                for n in group:
-                    del self.retry_at[n]
-                    self.attempts[n] += 1
-                    emit(self.store, "retried", n, attempt=self.attempts[n])
-                self._launch([by_name[n] for n in group])
-            elif self.pending:
-                self._launch(self._take())
-            else:
-                return
-
     def run(self) -> dict[str, str]:
-        self.pending = pending = self._restore()
-        if self.outcome:
-            console.print(f"{len(self.outcome)} job(s) already ended in this campaign; not retraining them")
-        per, total = self.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, self._slots())
-        if self.book.expert_s is not None or self.book.campaign_s is not None:
+        self.sched.restore(history(self.store))
+        if self.sched.outcome:
+            console.print(f"{len(self.sched.outcome)} job(s) already ended in this campaign; not retraining them")
+        per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, max(1, self._slots()))
+        if self.sched.book.expert_s is not None or self.sched.book.campaign_s is not None:
             console.print(f"budget: worst-case overrun {per:.1f} GPU-s per expert, {total:.1f} GPU-s for the campaign "
-                          f"(grace {self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {self._slots()} concurrent)")
-        by_name = {j.name: j for j in self.jobs}
-        targets = {j.name: self.cfg.seed_stage.updates if j.role == "seed" else self.cfg.train.updates for j in pending}
+                          f"(grace {self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {max(1, self._slots())} concurrent)")
+        targets = {j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates for j in self.sched.pending}
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
@@ -396,30 +156,53 @@ class Driver:
             # by a background thread so the loop never waits on the disk or the object store
             with self.store.batch(background=True):
                 flushed = time.monotonic()
-                while pending or self.live or self.retry_at:
-                    self._sweep(by_name)
-                    if time.monotonic() - flushed >= FLUSH_S:
-                        self.store.flush(wait=False)
-                        flushed = time.monotonic()
-                    if self.show:
-                        self._show(bar, overall, tasks, targets)
+                try:
+                    while not self.sched.finished:
+                        self._sweep()
+                        if time.monotonic() - flushed >= FLUSH_S:
+                            self.store.flush(wait=False)
+                            flushed = time.monotonic()
+                        if self.show:
+                            self._show(bar, overall, tasks, targets)
+                finally:
+                    for actor in self.actors.values():      # on an error in the loop, leave no actor behind
+                        ray.kill(actor, no_restart=True)
         return self.outcome
 
-    def _sweep(self, by_name: dict[str, Job]) -> None:
-        self._fill_slots(by_name)
-        owner = {a.ref: a for a in self.live.values()}
-        if owner:
-            ready = self._wait(list(owner))
+    def _sweep(self) -> None:
+        self._apply(self.sched.requests(self._capacity(), self._slots()))
+        if self.inflight:
+            owner = {ref: uid for uid, ref in self.inflight.items()}
+            ready = self._ready()
             try:                      # one call for every ready result; on any error, each on its own
                 results = ray.get(ready, timeout=60)
             except (RayActorError, RayTaskError, GetTimeoutError):
                 results = [None] * len(ready)
             for ref, result in zip(ready, results):
-                self._collect(owner[ref], result)
+                uid = owner[ref]
+                if self.inflight.get(uid) is ref:      # not stopped meanwhile
+                    del self.inflight[uid]
+                    self._apply(self._collect(uid, ref, result))
         else:
             now = time.monotonic()
-            time.sleep(min(POLL_S, max(0.0, min(self.retry_at.values(), default=now) - now)))
-        self._watchdog()
+            time.sleep(min(POLL_S, max(0.0, min(self.sched.retry_at.values(), default=now) - now)))
+        self._apply(self.sched.watchdog())
+
+    def _ready(self) -> list:
+        """Results to handle now. The blocking wait covers running actors only: queued ones (up to every remaining
+        job, waiting for a GPU or a node) report once, when Ray places them, and are polled without blocking at
+        most every QUEUED_POLL_S, so the loop's cost per heartbeat does not grow with the queue."""
+        running, queued = [], []
+        for uid, ref in self.inflight.items():
+            (running if self.sched.units[uid].phase == "running" else queued).append(ref)
+        if not running:
+            return self._wait(queued)
+        ready = self._wait(running)
+        now = time.monotonic()
+        if queued and now - self._queued_polled >= QUEUED_POLL_S:
+            self._queued_polled = now
+            ready += ray.wait(queued, num_returns=len(queued), timeout=0)[0]
+        return ready
 
     def _wait(self, refs: list) -> list:
         """Block until a result is ready (at most POLL_S), then take every other one that is ready too."""
@@ -432,21 +215,17 @@ class Driver:
 
     def _show(self, bar, overall, tasks, targets) -> None:
         steps = {n: (t if self.outcome.get(n) == "finished" else 0) for n, t in targets.items()}
-        steps |= {n: a.accounts[n].step for n, a in self.running.items()}
+        steps |= {job.name: unit.accounts[job].step for job, unit in self.sched.open.items()}
         for name, task in tasks.items():
             bar.update(task, completed=steps.get(name, 0))
         bar.update(overall, completed=sum(steps.values()))
 
 
-def expert_jobs(cfg: CampaignConfig) -> list[Job]:
-    return [Job("expert", e) for e in range(cfg.n_experts)]
-
-
 def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dict[str, str]:
-    """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed."""
-    from pipelines.seed import require_seed
-
+    """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. Raises SomaError
+    on bad input and JobsFailed when experts failed permanently."""
     require_seed(store)
+    reopen_unverified(store, expert_jobs(cfg))  # an expert is finished only while its last checkpoint verifies
     cap = cfg.budget.campaign_gpu_hours
     spent = Ledger(store).totals().gpu_hours
     hist = history(store)
@@ -461,8 +240,20 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dic
     outcome = driver.run()
     counts = {k: list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
     console.print(f"experts ended: {counts}")
+    raise_failures(driver, "experts")
+    return outcome
+
+
+def raise_failures(driver: Driver, what: str) -> None:
+    """Bad input ends with SomaError (exit 2); jobs that spent their retries with JobsFailed (exit 3)."""
     if driver.bad_input:
         job, why = next(iter(driver.bad_input.items()))
         more = f" (and {len(driver.bad_input) - 1} more jobs)" if len(driver.bad_input) > 1 else ""
         raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')}")
-    return outcome
+    failed = sorted(n for n, end in driver.outcome.items() if end == "failed_permanently")
+    if failed:
+        hist = history(driver.store)
+        first = hist[failed[0]].last_error if failed[0] in hist else None
+        raise JobsFailed(f"{len(failed)} {what} failed permanently after {driver.cfg.retry.max_retries} retries "
+                         f"({', '.join(failed[:4])}{', ...' if len(failed) > 4 else ''}); {failed[0]}: {first}; "
+                         f"see soma status {driver.store.url} and its events.jsonl")

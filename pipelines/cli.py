@@ -9,7 +9,7 @@ import typer
 
 from pipelines.common import console, load_config, open_store
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve
-from soma_cluster.errors import SomaError
+from soma_cluster.errors import JobsFailed, SomaError
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray.")
 
@@ -23,18 +23,27 @@ QuietOpt = typer.Option(False, "--no-progress", help="no progress bars")
 
 
 def _run(fn: Callable[[], None]) -> None:
+    """Exit codes: 0 the command really succeeded; 2 bad input (one `error:` line naming the thing and the fix);
+    3 a campaign ran but jobs failed permanently (their retries spent); 1 a bug (a traceback)."""
     try:
         fn()
     except SomaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
+    except JobsFailed as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(JobsFailed.exit_code) from None
 
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
     overrides = parse_overrides(sets or [])
-    if corpus:
+    if corpus is not None:
+        if not corpus.strip():
+            raise SomaError("--corpus is empty; pass a corpus directory, file or s3:// URL (or leave it out: built-in corpus)")
         overrides.setdefault("corpus", {})["source"] = corpus
-    if experts:
+    if experts is not None:
+        if experts < 1:
+            raise SomaError(f"--experts/-n {experts}: a campaign needs at least 1 expert; pass e.g. -n 4")
         overrides["n_experts"] = experts
     return resolve(preset, overrides, config)
 

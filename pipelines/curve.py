@@ -14,15 +14,14 @@ from pipelines.evaluate import Ensemble, _load, _summary
 from soma_cluster.checkpoint import checkpoint_steps
 from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import bootstrap_weights, load_windows
-from soma_cluster.ledger import Ledger
+from soma_cluster.ledger import EXPERT_SPEND, Ledger
 from soma_cluster.router import load_router
+from soma_cluster.schedule import SEED_JOB, Job
 from soma_cluster.shards import expert_name
 from soma_cluster.storage import Store
 from soma_cluster.trainer import pick_device
-from workers.expert_worker import SEED_DIR, model_dir
 
 ALWAYS = ("preprocessing", "seed")          # spent before any expert step
-TRAINING = ("expert_training", "wasted")
 
 
 def _evenly(steps: list[int], k: int) -> list[int]:
@@ -36,7 +35,7 @@ def _evenly(steps: list[int], k: int) -> list[int]:
 def curve(store: Store, cfg: CampaignConfig, max_points: int = 12) -> list[dict]:
     """[{step, forwards, gpu_hours, nats_per_byte, ci95}], the first point being the seed model (step 0)."""
     device = pick_device()
-    kept = {e: checkpoint_steps(store, model_dir("expert", e)) for e in range(cfg.n_experts)}
+    kept = {e: checkpoint_steps(store, Job(e).model_dir) for e in range(cfg.n_experts)}
     steps = _evenly(sorted({s for v in kept.values() for s in v if s > 0}), max_points)
     win = load_windows(store, cfg.eval.max_windows)
     w = bootstrap_weights(win.docs, cfg.eval.bootstrap, cfg.seed)
@@ -44,19 +43,19 @@ def curve(store: Store, cfg: CampaignConfig, max_points: int = 12) -> list[dict]
     router = load_router(store)
     records = Ledger(store).records()
     base_s = sum(r["gpu_seconds"] for r in records if r["category"] in ALWAYS)
-    seed = _load(store, SEED_DIR, "the seed model")
+    seed = _load(store, SEED_JOB.model_dir, "the seed model")
     seed_fw = seed.meta["state"]["forwards"]
     first = Ensemble.load(store, cfg, router=router)
     points = [{"step": 0, "forwards": seed_fw, "gpu_hours": base_s / 3600, **_summary(first.seed_nats(win, ctx, device), w)}]
     for s in steps:
         # each expert at its latest checkpoint not after s (experts that stopped early stay where they stopped)
-        cks = {e: _load(store, model_dir("expert", e), expert_name(e), f"step-{max(x for x in kept[e] if x <= s):06d}")
+        cks = {e: _load(store, Job(e).model_dir, expert_name(e), f"step-{max(x for x in kept[e] if x <= s):06d}")
                for e in range(cfg.n_experts) if any(x <= s for x in kept[e])}
         if len(cks) < cfg.n_experts:
             continue
         ens = Ensemble(cfg, router, cks, seed.tensors)
         res = ens.run(win, ctx, device)
-        spent = base_s + sum(r["gpu_seconds"] for r in records if r["category"] in TRAINING and r["step"] is not None and r["step"] <= s)
+        spent = base_s + sum(r["gpu_seconds"] for r in records if r["category"] in EXPERT_SPEND and r["step"] is not None and r["step"] <= s)
         points.append({"step": s, "forwards": seed_fw + sum(ck.meta["state"]["forwards"] for ck in cks.values()),
                        "gpu_hours": spent / 3600, **_summary(res.nats, w)})
     return points

@@ -18,10 +18,10 @@ from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
+from soma_cluster.schedule import SEED_JOB, Job
 from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store, sha256
 from soma_cluster.trainer import Trainer, pick_device
-from workers.expert_worker import SEED_DIR, model_dir
 
 
 def _load(store: Store, directory: str, what: str, name: str | None = None) -> Checkpoint:
@@ -52,8 +52,8 @@ class Ensemble:
     def load(cls, store: Store, cfg: CampaignConfig, step: int | None = None, router: Router | None = None) -> "Ensemble":
         """The latest checkpoints, or those of one step (every expert must have one there)."""
         name = None if step is None else f"step-{step:06d}"
-        cks = {e: _load(store, model_dir("expert", e), expert_name(e), name) for e in range(cfg.n_experts)}
-        return cls(cfg, router or load_router(store), cks, _load(store, SEED_DIR, "the seed model").tensors)
+        cks = {e: _load(store, Job(e).model_dir, expert_name(e), name) for e in range(cfg.n_experts)}
+        return cls(cfg, router or load_router(store), cks, _load(store, SEED_JOB.model_dir, "the seed model").tensors)
 
     def run(self, win: Windows, context: int, device: torch.device):
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}
@@ -199,7 +199,7 @@ Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_
 Inference on {m['device']}: {m['byte_tokens_per_second']:,.0f} byte-tokens/s including routing; routing is
 {100 * m['routing_time_share']:.1f}% of the ensemble's time.
 
-Compute (from the ledger): {led['gpu_hours_total']:.4f} aggregate GPU-hours
+Compute (from the ledger): {led['gpu_hours_total']:.4f} aggregate {led['unit']}
 ({', '.join(f"{k} {v:.4f}" for k, v in led['gpu_hours'].items())}); forwards {json.dumps(led['forwards'])}.
 Wall seconds per category: {', '.join(f"{k} {v:.1f}" for k, v in led['wall_seconds'].items())}.
 

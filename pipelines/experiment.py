@@ -16,7 +16,7 @@ from pipelines.campaign import launch
 from pipelines.common import console, open_store
 from pipelines.curve import curve
 from pipelines.evaluate import evaluate
-from pipelines.events import history
+from soma_cluster.events import history
 from pipelines.fork import fork
 from pipelines.prepare import prepare
 from pipelines.raysession import ray_session
@@ -30,6 +30,7 @@ from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, pick_device
 from soma_cluster.variance import model_ratio, separable_ratio
+from soma_cluster.schedule import Job
 from workers.expert_worker import start_state, training_method
 
 MARKER = "experiment.json"
@@ -78,7 +79,7 @@ def _arm_result(spec: ExperimentSpec, arm, store: Store, cfg: CampaignConfig, re
         "outcomes": [h.state if h else "pending" for h in experts], "updates": [h.step if h else 0 for h in experts],
         # compute, kept apart: GPU-hours of training (seed included, evaluation not), wall time, forwards
         "gpu_hours": sum(v for k, v in totals.gpu_seconds.items() if k != "evaluation") / 3600,
-        "gpu_hours_by_category": {k: v / 3600 for k, v in totals.gpu_seconds.items()},
+        "gpu_hours_by_category": {k: v / 3600 for k, v in totals.gpu_seconds.items()}, "gpu_hours_unit": totals.unit,
         "wall_seconds_by_category": dict(totals.wall_seconds), "forwards": pts[-1]["forwards"] if pts else 0,
         "forwards_by_category": dict(totals.forwards),
         "ensemble": metrics["ensemble"], "seed": metrics["seed"],
@@ -93,8 +94,8 @@ def _model_variance(store: Store, cfg: CampaignConfig, draws: int, seed: int) ->
     """Independent vs summed SPSA variance on the arm's real experts, each starting from the seed model on one
     batch of its own shard (the state SOMA's expert stage starts from)."""
     device = pick_device()
-    trainers = [Trainer(cfg.model, cfg.spsa, open_shard(store, e), start_state(store, cfg, "expert", device), cfg.seed, e,
-                        device, cfg.spsa.batch, training_method(cfg, "expert")) for e in range(cfg.n_experts)]
+    trainers = [Trainer(cfg.model, cfg.spsa, open_shard(store, e), start_state(store, cfg, Job(e), device), cfg.seed, e,
+                        device, cfg.spsa.batch, training_method(cfg, Job(e))) for e in range(cfg.n_experts)]
     batches = [t.batch(0) for t in trainers]
     x, y = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
     bodies = torch.stack([t.state.body for t in trainers])

@@ -10,12 +10,12 @@ with only training-side sections changed (train, spsa, eggroll, bptt, budget, re
 from __future__ import annotations
 
 from pipelines.common import claim_campaign, console, load_config
-from pipelines.events import LOG as EVENTS
-from pipelines.events import emit
-from pipelines.seed import SEED_JOB, require_seed
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
+from soma_cluster.events import LOG as EVENTS
+from soma_cluster.events import emit, require_seed
 from soma_cluster.ledger import LOG as LEDGER
+from soma_cluster.schedule import SEED_JOB
 from soma_cluster.storage import Store
 
 SHARED = ("router", "shards", "test", "seed")

@@ -1,29 +1,20 @@
 """`soma seed`: train the N = 1 seed model (SPSA body, delta-rule decoder) as one actor."""
 from __future__ import annotations
 
-from pipelines.campaign import Driver, Job
+from pipelines.campaign import Driver, raise_failures
 from pipelines.common import console
-from pipelines.events import history
+from pipelines.reopen import reopen_unverified
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
+from soma_cluster.events import seed_done
+from soma_cluster.schedule import SEED_JOB
 from soma_cluster.storage import Store
-
-SEED_JOB = Job("seed", -1)
-
-
-def seed_done(store: Store) -> bool:
-    h = history(store).get(SEED_JOB.name)
-    return bool(h and h.state == "finished")
-
-
-def require_seed(store: Store) -> None:
-    if not seed_done(store):
-        raise SomaError(f"{store.url} has no finished seed model; run soma seed {store.url} first")
 
 
 def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> str:
     if not store.exists("shards/manifest.json"):
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
+    reopen_unverified(store, [SEED_JOB])        # done only while its last checkpoint verifies
     if seed_done(store):
         console.print("seed model already trained; skipping")
         return "finished"
@@ -31,8 +22,7 @@ def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True) ->
                   f"{cfg.spsa.n_pert} probes x 2 signs, batch {cfg.spsa.batch} x {cfg.spsa.seq_len} bytes")
     driver = Driver(store, cfg, [SEED_JOB], show_progress)
     outcome = driver.run()[SEED_JOB.name]
-    if SEED_JOB.name in driver.bad_input:
-        raise SomaError(f"seed stopped on bad input: {driver.bad_input[SEED_JOB.name].removeprefix('exception: ')}")
+    raise_failures(driver, "jobs")
     if outcome != "finished":
         raise SomaError(f"seed training ended with {outcome}; see {store.url}/events.jsonl for the reason")
     return outcome

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -149,6 +150,14 @@ class ResourcesConfig(_Section):
     # an actor whose experts all ended cleanly takes the next pending ones instead of a new actor being
     # started (saves the actor start per expert; retries always get a fresh actor)
     reuse_actors: bool = False
+    # actors kept requested beyond what the cluster's GPUs hold now, waiting in Ray's queue where an
+    # autoscaler (the launcher's, KubeRay's) sees them and adds nodes. None: every job that can start is
+    # requested at once (the cluster grows to the campaign's width); with reuse_actors, None means 0, so
+    # that freed actors take the remaining jobs. 0: only what fits now (a fixed cluster never grows)
+    max_pending: int | None = Field(None, ge=0)
+    # a GPU share whose actor finds no CUDA device is an error naming the node, unless this is set: then
+    # it trains on the CPU and its ledger records say so ("logical GPU-hours on cpu")
+    allow_cpu: bool = False
 
 
 class BudgetConfig(_Section):
@@ -159,9 +168,16 @@ class BudgetConfig(_Section):
 
 
 class RetryConfig(_Section):
-    max_retries: int = Field(3, ge=0)
-    backoff_s: float = Field(1.0, ge=0.0)
+    max_retries: int = Field(3, ge=0)       # failures per job; preemptions and driver losses do not count
+    backoff_s: float = Field(1.0, ge=0.0)   # the k-th retry waits backoff_s x 2^k, capped, with jitter
+    backoff_max_s: float = Field(300.0, ge=0.0)
     heartbeat_timeout_s: float = Field(600.0, gt=0.0)
+    # SIGTERM (a spot notice, a node drain, a KubeRay scale-down) gives a worker this long to checkpoint and
+    # exit; keep it under the platform's own grace (Kubernetes' terminationGracePeriodSeconds: 30 s default)
+    preemption_grace_s: float = Field(20.0, gt=0.0)
+    # a retry that lands on the node of an actor the driver killed (a hang) waits up to this long for that
+    # process to be gone, so two processes never hold the same device's memory at once
+    kill_wait_s: float = Field(30.0, ge=0.0)
 
 
 class EvalConfig(_Section):
@@ -266,20 +282,39 @@ def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, confi
     tree = preset_tree(preset)
     tree["preset"] = preset
     origin = f"preset {preset}"
-    if config_file:
+    if config_file is not None:
+        if not config_file.strip():
+            raise SomaError("--config is empty; pass a YAML file of settings or leave it out")
         path = Path(config_file)
-        if not path.is_file():
-            raise SomaError(f"config file {config_file} not found; pass an existing YAML file")
+        if not path.exists():
+            raise SomaError(f"config file {config_file!r} not found; pass an existing YAML file")
+        if not path.is_file():          # a FIFO would block the read, a directory cannot be read
+            raise SomaError(f"config file {config_file} is not a regular file; pass a YAML file")
         try:
-            user = yaml.safe_load(path.read_text()) or {}
+            user = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise SomaError(f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax") from None
+        if user is None:                # empty or comments only: almost surely not what was meant
+            raise SomaError(f"config file {config_file} is empty (no settings); write the sections to change in it "
+                            f"(e.g. spsa: {{n_pert: 16}}, as in soma_cluster/presets/tiny.yaml) or leave out --config")
         if not isinstance(user, dict):
             raise SomaError(f"config file {config_file} must hold a mapping of sections; see soma_cluster/presets/")
         tree, origin = merge_trees(tree, user), f"config file {config_file}"
     if overrides:
         tree, origin = merge_trees(tree, overrides), "overrides"
     return validated(tree, origin)
+
+
+# campaign.yaml carries, in comment lines, the sha256 of the config it was written with and a short one per
+# top-level key, so that a hand edit is refused (naming what changed) instead of run against shards, a
+# router and checkpoints made for the original. A campaign.yaml without them (written before they
+# existed) loads unchecked, as it always did.
+_DIGEST = re.compile(r"^# config-sha256: ([0-9a-f]{64})[ \t]*$", re.M)
+_KEY_DIGESTS = re.compile(r"^# key-sha256: (.*)$", re.M)
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def from_yaml_text(text: str, origin: str) -> CampaignConfig:
@@ -289,18 +324,37 @@ def from_yaml_text(text: str, origin: str) -> CampaignConfig:
         raise SomaError(f"{origin} is not valid YAML; restore it from a backup or start a new campaign") from None
     if not isinstance(tree, dict):
         raise SomaError(f"{origin} does not hold a campaign config; restore it or start a new campaign")
+    recorded = _DIGEST.search(text)
+    if recorded and _sha(tree) != recorded.group(1):
+        raise SomaError(f"{origin} was edited after the campaign was prepared ({_edited(text, tree)}), but its router, shards "
+                        f"and checkpoints were made for the config recorded in it; undo the edit, or put new settings in a "
+                        f"new campaign (soma prepare NEW_URL --set KEY=VALUE, or soma fork for training-side settings)")
     return validated(tree, origin)
+
+
+def _edited(text: str, tree: dict[str, Any]) -> str:
+    """Which top-level keys differ from those recorded, e.g. 'n_experts changed'."""
+    line = _KEY_DIGESTS.search(text)
+    was = dict(p.split("=", 1) for p in line.group(1).split()) if line else {}
+    changed = sorted(k for k in set(was) | set(tree) if was.get(k) != (_sha(tree[k])[:8] if k in tree else None))
+    return f"{', '.join(changed)} changed" if line and changed else "it no longer matches its config-sha256"
 
 
 CONFIG_FILE = "campaign.yaml"
 
 
 def load_campaign_config(store) -> CampaignConfig:
-    """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store)."""
+    """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store),
+    refused if campaign.yaml was edited since it was written."""
     if not store.exists(CONFIG_FILE):
         raise SomaError(f"{store.url} holds no {CONFIG_FILE}; run soma prepare {store.url} first")
     return from_yaml_text(store.read_bytes(CONFIG_FILE).decode(), f"{store.url}/{CONFIG_FILE}")
 
 
 def to_yaml_text(cfg: CampaignConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    tree = yaml.safe_load(body)                 # the digests are of what a reader will load back
+    keys = " ".join(f"{k}={_sha(v)[:8]}" for k, v in tree.items())
+    return ("# The resolved config of this campaign, written once when it was created. Every soma command checks it\n"
+            "# against the digests below and refuses an edited copy: its router, shards and checkpoints were made for it.\n"
+            f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n{body}")

@@ -1,7 +1,10 @@
 """Append-only GPU-second ledger: one record per heartbeat or stage, totals derived from it alone.
 
 GPU-seconds = wall seconds x GPUs held (fractional allowed), counted from the moment an actor holds
-its GPU. Categories stay apart, and so do GPU-seconds, wall seconds and forward counts.
+its GPU. Categories stay apart, and so do GPU-seconds, wall seconds and forward counts: `wasted` is work
+lost to failures (and the start-up of the retries they cause), `preempted` the same for preemptions (a
+node reclaimed or drained), which are no fault of the campaign. Each record names the device its
+seconds ran on: "cuda", or "cpu" where a GPU share was logical (a local Ray, or resources.allow_cpu).
 """
 from __future__ import annotations
 
@@ -11,7 +14,9 @@ from dataclasses import dataclass, field
 
 from soma_cluster.storage import Store
 
-CATEGORIES = ("preprocessing", "seed", "expert_training", "wasted", "evaluation")
+CATEGORIES = ("preprocessing", "seed", "expert_training", "wasted", "preempted", "evaluation")
+# what counts against an expert's own budget: all GPU time spent on it, whatever became of the work
+EXPERT_SPEND = ("expert_training", "wasted", "preempted")
 LOG = "ledger/ledger.jsonl"
 
 
@@ -22,16 +27,34 @@ class Totals:
     forwards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     per_expert_gpu_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))   # device -> GPU-seconds on it
 
     @property
     def gpu_hours(self) -> float:
         return sum(self.gpu_seconds.values()) / 3600.0
 
+    @property
+    def unit(self) -> str:
+        """What these hours are: real GPU-hours, or logical GPU shares held on a CPU."""
+        return hours_unit(self.devices)
+
     def as_dict(self) -> dict:
         return {"gpu_hours_total": self.gpu_hours,
                 "gpu_hours": {k: v / 3600.0 for k, v in self.gpu_seconds.items()},
                 "wall_seconds": self.wall_seconds, "forwards": self.forwards, "tokens": self.tokens,
-                "per_expert_gpu_hours": {str(k): v / 3600.0 for k, v in sorted(self.per_expert_gpu_seconds.items())}}
+                "per_expert_gpu_hours": {str(k): v / 3600.0 for k, v in sorted(self.per_expert_gpu_seconds.items())},
+                "gpu_hours_by_device": {k: v / 3600.0 for k, v in sorted(self.devices.items())}, "unit": self.unit}
+
+
+def hours_unit(devices: dict[str, float]) -> str:
+    """"GPU-hours" only where every GPU-second ran on a GPU; else say what they were."""
+    used = {d for d, s in devices.items() if s > 0}
+    if not used or used == {"cuda"}:
+        return "GPU-hours"
+    if used == {"cpu"}:
+        return "logical GPU-hours on cpu"
+    cpu = devices.get("cpu", 0.0) / max(sum(devices.values()), 1e-12)
+    return f"GPU-hours ({cpu:.0%} logical, on cpu)"
 
 
 class Ledger:
@@ -39,13 +62,15 @@ class Ledger:
         self.store = store
 
     def record(self, category: str, gpu_seconds: float, wall_seconds: float, *, expert: int | None = None,
-               attempt: int = 0, seq: int = 0, forwards: int = 0, tokens: int = 0, step: int | None = None, note: str = "") -> None:
+               attempt: int = 0, seq: int = 0, forwards: int = 0, tokens: int = 0, step: int | None = None, note: str = "",
+               device: str | None = None) -> None:
         if category not in CATEGORIES:
             raise ValueError(f"unknown ledger category {category!r}")
         rid = f"{category}/{expert if expert is not None else '-'}/{attempt}/{seq}"
         self.store.append(LOG, {"id": rid, "category": category, "expert": expert, "attempt": attempt, "seq": seq,
                                 "gpu_seconds": float(gpu_seconds), "wall_seconds": float(wall_seconds),
-                                "forwards": int(forwards), "tokens": int(tokens), "step": step, "note": note, "t": time.time()})
+                                "forwards": int(forwards), "tokens": int(tokens), "step": step, "note": note, "device": device,
+                                "t": time.time()})
 
     def records(self) -> list[dict]:
         """Records in write order, a repeated id (a replayed write) counted once."""
@@ -64,6 +89,8 @@ class Ledger:
             t.wall_seconds[c] += rec["wall_seconds"]
             t.forwards[c] += rec["forwards"]
             t.tokens[c] += rec["tokens"]
-            if rec["expert"] is not None and c in ("expert_training", "wasted"):
+            if rec["expert"] is not None and c in EXPERT_SPEND:
                 t.per_expert_gpu_seconds[rec["expert"]] += rec["gpu_seconds"]
+            if rec.get("device") and rec["gpu_seconds"]:
+                t.devices[rec["device"]] += rec["gpu_seconds"]
         return t

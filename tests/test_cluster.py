@@ -11,7 +11,7 @@ from typer.testing import CliRunner
 
 from conftest import micro_config
 from pipelines.cli import app
-from pipelines.events import history
+from soma_cluster.events import history
 from pipelines.prepare import prepare
 from pipelines.raysession import ray_session
 from soma_cluster.storage import Store

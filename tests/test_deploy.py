@@ -101,7 +101,9 @@ def test_dockerfile_builds_both_variants_from_the_pins():
     assert re.search(rf"ARG RAY_IMAGE=rayproject/ray:{re.escape(pinned('ray'))}-py311\n", text)
     assert "ARG VARIANT=gpu" in text and "FROM ${RAY_IMAGE}-${VARIANT}" in text
     assert re.search(r'"\$VARIANT" = "cpu"', text) and f'"torch=={pinned("torch")}"' in text
-    assert re.search(r"pip install \.", text)
+    # the pinned dependencies are installed in a layer of their own, before any code is copied in
+    deps, code = text.index("pip install -r /tmp/requirements.txt"), text.index("COPY --chown=ray:users soma_cluster")
+    assert text.index("COPY --chown=ray:users pyproject.toml") < deps < code < text.index("pip install --no-deps .")
     assert re.search(r"apt-get install .*\bgcc\b", text)                  # soma_cluster/fused.py builds its kernels at first use
     images = {c["image"] for _, d in by_kind("RayCluster") for g in [d["spec"]["headGroupSpec"], *d["spec"]["workerGroupSpecs"]]
               for c in g["template"]["spec"]["containers"]}
@@ -188,3 +190,58 @@ def test_the_checker_catches_a_wrong_command_or_option():
                 "soma prepare s3://b/c --presets tiny"):
         with pytest.raises(AssertionError):
             check_command(bad, group)
+
+
+# -- closed to strangers, elastic, sized --------------------------------------------------------------
+def containers(spec: dict) -> list[dict]:
+    groups = [spec["headGroupSpec"], *spec["workerGroupSpecs"]]
+    return [c for g in groups for c in g["template"]["spec"]["containers"]]
+
+
+def token_from_secret(container: dict) -> bool:
+    env = {e["name"]: e for e in container.get("env", [])}
+    mode = env.get("RAY_AUTH_MODE", {}).get("value")
+    ref = env.get("RAY_AUTH_TOKEN", {}).get("valueFrom", {}).get("secretKeyRef", {})
+    return mode == "token" and ref.get("name") == "soma-ray-auth" and ref.get("key") == "auth_token"
+
+
+def test_kuberay_clusters_use_token_auth_everywhere_and_start_with_no_gpu_workers():
+    specs = [(p, d["spec"]) for p, d in by_kind("RayCluster")] + [(p, d["spec"]["rayClusterSpec"]) for p, d in by_kind("RayJob")
+                                                                   if "rayClusterSpec" in d["spec"]]
+    assert specs
+    for path, spec in specs:
+        assert all(token_from_secret(c) for c in containers(spec)), f"{path}: a Ray container without the token"
+        assert token_from_secret({"env": spec["autoscalerOptions"]["env"]}), f"{path}: the autoscaler needs the token too"
+        assert spec["enableInTreeAutoscaling"] is True
+        for g in spec["workerGroupSpecs"]:
+            assert g["minReplicas"] == 0 and g["replicas"] == 0, f"{path}: GPU workers start at zero and grow on demand"
+        for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
+            store = int(g["rayStartParams"]["object-store-memory"])
+            shm = [v for v in g["template"]["spec"]["volumes"] if v["name"] == "dshm"][0]["emptyDir"]["sizeLimit"]
+            assert store < int(shm.removesuffix("Gi")) * 2 ** 30, f"{path}: the object store must fit in /dev/shm"
+    for path, doc in by_kind("RayJob"):
+        submitter = doc["spec"]["submitterPodTemplate"]["spec"]["containers"][0]
+        assert token_from_secret(submitter), f"{path}: the job submitter needs the token"
+
+
+def test_every_service_account_named_is_defined_with_a_cloud_role():
+    accounts = {d["metadata"]["name"]: d for _, d in by_kind("ServiceAccount")}
+    named = {s for p in YAMLS for doc in load(p) for s in re.findall(r"'serviceAccountName': '([\w-]+)'", str(doc))}
+    assert named and named <= set(accounts), (named, set(accounts))
+    for name in named:
+        assert any(k.endswith("role-arn") or k.endswith("gcp-service-account") for k in accounts[name]["metadata"]["annotations"])
+
+
+def test_launcher_cluster_ships_the_token_and_starts_ray_with_it():
+    [cfg] = load(DEPLOY / "cluster.yaml")
+    assert "~/.ray/auth_token" in cfg["file_mounts"]
+    assert any("RAY_AUTH_MODE=token" in o for o in cfg["docker"]["run_options"])
+    assert all("RAY_AUTH_MODE=token ray start" in c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+               if "ray start" in c)
+    assert all(t.get("min_workers", 0) == 0 for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"])
+
+
+def test_docs_submit_the_driver_as_a_ray_job():
+    text = (ROOT / "docs" / "cluster.md").read_text() + (DEPLOY / "cluster.yaml").read_text()
+    assert re.search(r"ray job submit[^\n]*-- soma launch", text) and re.search(r"ray job submit[^\n]*-- soma resume", text)
+    assert "--tmux" not in text and "ray://" not in text.replace("Not as a `ray://` client", "")

@@ -15,7 +15,7 @@ import torch
 
 from conftest import micro_config
 from pipelines.campaign import Driver, Job, expert_jobs
-from pipelines.events import history
+from soma_cluster.events import history
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
 from soma_cluster.ledger import Ledger
@@ -41,7 +41,7 @@ def seeded(tmp_path_factory, text_corpus, ray_local):
     cfg = config(corpus={"source": str(text_corpus)})
     store = Store(str(root))
     prepare(store, cfg)
-    assert Driver(store, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
+    assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
     return root, cfg
 
 
@@ -156,7 +156,7 @@ def test_hung_expert_is_killed_and_retried(seeded, reference, tmp_path, ray_loca
 
 
 def test_expert_budget_stops_cleanly_within_the_bound(seeded, tmp_path, ray_local):
-    cap_s = 4.0
+    cap_s = 10.0                 # the actor's start-up (2-7 s on a loaded 2-core host) is part of what it spends
     store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0},
                                                       train={"updates": 100000}))
     result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
@@ -236,7 +236,7 @@ def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_
     cap_s = 8.0
     store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0,
                                                               "pool_policy": "even"}, train={"updates": 100000},
-                                                      retry={"max_retries": 1}))
+                                                      retry={"max_retries": 0}))
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     state.body.fill_(float("nan"))
     save_checkpoint(store, "experts/expert-0001", state)
@@ -251,7 +251,7 @@ def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_
 
 def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_path, ray_local):
     """A worker that stops reporting while holding its GPU (SIGSTOP) cannot spend past cap + grace."""
-    cap_s, grace = 5.0, 1.0
+    cap_s, grace = 10.0, 1.0     # room for the actor's start-up, so it is still training when it is frozen
     store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": grace},
                                                       train={"updates": 100000}, retry={"heartbeat_timeout_s": 120}))
     thread, result = run_in_thread(store, cfg)
@@ -265,25 +265,55 @@ def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_pat
     assert spent <= cap_s + bound + 0.1
 
 
-def test_work_checkpointed_after_the_last_heartbeat_is_kept_not_wasted(seeded, tmp_path):
-    """An actor that dies after writing a checkpoint but before its heartbeat: the retry resumes from that
-    checkpoint, so what it reported is kept and the forwards it never reported are counted as training."""
-    from pipelines.campaign import Account
-    store, cfg = clone(seeded, tmp_path / "c")
-    per_update = 2 * cfg.spsa.n_pert
-    state = load_checkpoint(store, "seed").state(torch.device("cpu"))
-    state.step, state.forwards = 12, 12 * per_update
-    save_checkpoint(store, "experts/expert-0000", state)                  # written after the heartbeat at step 9
+def test_sigterm_is_a_preemption_checkpointed_and_rescheduled_bitwise(seeded, reference, tmp_path, ray_local):
+    """SIGTERM (a spot notice, a drain) mid-chunk: the worker checkpoints and leaves, the driver records
+    `preempted` (not a failure, no retry spent), and the expert ends bitwise equal to an undisturbed run."""
+    store, cfg = clone(seeded, tmp_path / "c", config(retry={"max_retries": 0}))
+    thread, result = run_in_thread(store, cfg)
+    wait_for(lambda: [x for x in events(store, "expert-0000", "heartbeat") if x["attempt"] == 0 and x["step"] >= 4], what="training")
+    os.kill(events(store, "expert-0000", "started")[0]["pid"], signal.SIGTERM)
+    thread.join(timeout=300)
+    assert not thread.is_alive()
+    assert result == {"expert-0000": "finished", "expert-0001": "finished"}          # max_retries 0, yet it came back
+    pre = events(store, "expert-0000", "preempted")
+    assert len(pre) == 1 and not events(store, "expert-0000", "failed") and history(store)["expert-0000"].failures == 0
+    ckpts = [x["step"] for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0]
+    again = events(store, "expert-0000", "started")[-1]
+    assert again["attempt"] == 1 and again["resumed"] and again["step"] == ckpts[-1] == pre[0]["step"]   # nothing lost
+    assert_bitwise(store, reference, [0, 1])
+    mine, ref = Ledger(store).totals(), Ledger(reference).totals()
+    assert mine.forwards["expert_training"] == ref.forwards["expert_training"]
+    assert mine.gpu_seconds["preempted"] > 0 and mine.gpu_seconds["wasted"] == 0 and mine.forwards["wasted"] == 0
+    print(f"\npreempted at step {pre[0]['step']} (checkpoint {ckpts[-1]}); preempted {mine.gpu_seconds['preempted']:.2f} GPU-s, "
+          f"wasted {mine.gpu_seconds['wasted']:.2f}, training forwards {mine.forwards['expert_training']} = fault-free")
+
+
+def test_a_gpu_share_without_cuda_is_an_error_naming_the_node(seeded, tmp_path, ray_local):
+    store, cfg = clone(seeded, tmp_path / "c", config(resources={"allow_cpu": False}))
     driver = Driver(store, cfg, expert_jobs(cfg), show_progress=False)
-    c = Account(Job("expert", 0), 0, start_forwards=0, step=9, ckpt_forwards=6 * per_update, ckpt_gpu_s=1.0)
-    c.reported = {"gpu_seconds": 2.0, "wall_seconds": 2.0, "forwards": 9 * per_update, "tokens": 0}
-    driver._fail(c, "actor_died: test")
-    totals = Ledger(store).totals()
-    assert totals.forwards["expert_training"] == 3 * per_update           # steps 10-12, never reported, kept
-    assert totals.forwards["wasted"] == 0 and totals.gpu_seconds["wasted"] == 0
-    # had the checkpoint been the one it reported (step 6), steps 7-9 would be lost
-    store2, _ = clone(seeded, tmp_path / "c2")
-    state.step, state.forwards = 6, 6 * per_update
-    save_checkpoint(store2, "experts/expert-0000", state)
-    Driver(store2, cfg, expert_jobs(cfg), show_progress=False)._fail(c, "actor_died: test")
-    assert Ledger(store2).totals().forwards["wasted"] == 3 * per_update
+    assert set(driver.run().values()) == {"failed_permanently"}
+    why = driver.bad_input["expert-0000"]
+    assert "node 127.0.0.1" in why and "no CUDA device" in why and "resources.allow_cpu=true" in why
+    assert len(events(store, "expert-0000", "failed")) == 1                            # no retry can fix the node
+
+
+def test_launch_exits_3_when_an_expert_fails_permanently_and_its_traceback_reaches_the_driver(seeded, tmp_path):
+    import subprocess
+    import sys
+    store, cfg = clone(seeded, tmp_path / "c")
+    state = load_checkpoint(store, "seed").state(torch.device("cpu"))
+    name = save_checkpoint(store, "experts/expert-0001", state)
+    meta = store.read_json(f"experts/expert-0001/{name}.json")
+    del meta["state"]["history"]                                                          # a metadata file a bug could write
+    store.write_json(f"experts/expert-0001/{name}.json", meta)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    env.pop("RAY_ADDRESS", None)
+    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"], env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 3, out.stderr[-3000:]
+    errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
+    assert len(errors) == 1 and "expert-0001" in errors[0] and "KeyError" in errors[0], errors
+    assert "Traceback" in out.stderr and "expert_worker.py" in out.stderr                 # the worker's traceback, in the driver's log
+    failed = events(store, "expert-0001", "failed")
+    assert len(failed) == cfg.retry.max_retries + 1 and all("KeyError" in f["traceback"] for f in failed)
+    assert history(store)["expert-0000"].state == "finished"

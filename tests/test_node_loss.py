@@ -36,7 +36,7 @@ def test_node_removal_retries_its_experts_bitwise(cluster, tmp_path, text_corpus
     cfg = micro_config(corpus={"source": str(text_corpus)}, **{k: dict(v) for k, v in CHAOS.items()})
     ref = Store(str(tmp_path / "ref"))
     prepare(ref, cfg)
-    assert Driver(ref, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
+    assert Driver(ref, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
     shutil.copytree(tmp_path / "ref", tmp_path / "hit")
     assert set(Driver(ref, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
 

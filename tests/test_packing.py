@@ -29,7 +29,7 @@ def seeded4(tmp_path_factory, text_corpus, ray_local):
     cfg = packed(2, corpus={"source": str(text_corpus)})
     store = Store(str(root))
     prepare(store, cfg)
-    assert Driver(store, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
+    assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
     return root, cfg
 
 

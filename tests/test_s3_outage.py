@@ -13,7 +13,7 @@ import pytest
 
 from conftest import micro_config
 from pipelines.campaign import Driver, Job
-from pipelines.events import history
+from soma_cluster.events import history
 from pipelines.evaluate import evaluate
 from pipelines.prepare import prepare
 from s3server import Proxy, s3  # noqa: F401  (fixture)
@@ -116,7 +116,7 @@ def test_campaign_with_ray_workers_survives_endpoint_restart_and_pause(s3, proxy
     t0 = time.monotonic()
     prepare(store, cfg)
     print(f"prepare {time.monotonic() - t0:.1f} s")
-    assert Driver(store, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
+    assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
     direct = s3.fs()
     root = f"{s3.bucket}/outage/camp"
 
@@ -127,7 +127,7 @@ def test_campaign_with_ray_workers_survives_endpoint_restart_and_pause(s3, proxy
     print(f"seed done {time.monotonic() - t0:.1f} s")
     outages = Outages(s3, proxy, first_expert_checkpoint)
     outages.start()
-    jobs = [Job("expert", e) for e in range(cfg.n_experts)]
+    jobs = [Job(e) for e in range(cfg.n_experts)]
     outcome = Driver(store, cfg, jobs, show_progress=False).run()
     ended = time.monotonic()
     print(f"experts done {ended - t0:.1f} s, outages {[(w, round(a - t0, 1), round(b - t0, 1)) for w, a, b in outages.windows]}")

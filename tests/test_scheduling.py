@@ -7,7 +7,7 @@ import pytest
 
 from conftest import micro_config
 from pipelines.campaign import Driver, Job, expert_jobs
-from pipelines.events import history
+from soma_cluster.events import history
 from pipelines.prepare import prepare
 from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store
@@ -50,7 +50,7 @@ def test_half_gpu_experts_run_four_at_a_time_and_the_rest_queue(ray_two_gpus, tm
     cfg = micro_config(n_experts=N_EXPERTS, corpus={"source": str(text_corpus)}, resources={"num_gpus": SHARE})
     store = Store(str(tmp_path / "camp"))
     prepare(store, cfg)
-    assert Driver(store, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
+    assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
     outcome = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
     assert set(outcome.values()) == {"finished"} and len(outcome) == N_EXPERTS
     hist = history(store)

@@ -7,7 +7,7 @@ import torch
 from conftest import micro_config
 from pipelines.campaign import Driver, Job
 from pipelines.common import claim_campaign
-from pipelines.events import history
+from soma_cluster.events import history
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.ledger import Ledger
@@ -25,24 +25,26 @@ def prepared(tmp_path_factory, text_corpus):
 
 def test_actor_trains_checkpoints_and_reports_gpu_seconds(ray_local, prepared):
     store, cfg = prepared
-    t0 = time.monotonic()
-    actor = start_worker(store.url, {}, "seed", -1, 0, 0.5, 0.0)
-    info = ray_local.get(actor.setup.remote(), timeout=120)["experts"][-1]
-    assert info["step"] == 0 and not info["resumed"] and info["n_train"] > 0
+    t0_wall = time.time()
+    actor = start_worker(store.url, {}, [None], [0], 0.5, 0.0, requested_at=time.time())
+    report = ray_local.get(actor.setup.remote(), timeout=120)
+    info = report.experts[None]
+    assert info.step == 0 and not info.resumed and info.n_train > 0
+    assert report.device == "cpu" and report.held_from >= t0_wall      # not granted at the request: held from its first instruction
     beats = []
     for _ in range(10):                                       # bounded: 6 updates in chunks of <= 3
-        beats.append(ray_local.get(actor.run_chunk.remote(3), timeout=120)["experts"][-1])
-        if beats[-1]["done"]:
+        beats.append(ray_local.get(actor.run_chunk.remote(3), timeout=120).experts[None])
+        if beats[-1].done:
             break
-    assert [b["updates"] for b in beats] == [1, 3, 2]         # the first chunk measures one update
-    wall = time.monotonic() - t0
+    assert [b.updates for b in beats] == [1, 3, 2]            # the first chunk measures one update
+    wall = time.time() - report.held_from
     ray_local.kill(actor)
-    assert beats[-1]["done"] and beats[-1]["step"] == cfg.seed_stage.updates
-    assert beats[-1]["checkpoint"] == "step-000006"
-    gpu_s = beats[-1]["gpu_seconds"]
+    assert beats[-1].done and beats[-1].step == cfg.seed_stage.updates
+    assert beats[-1].checkpoint == "step-000006"
+    gpu_s = beats[-1].usage.gpu_seconds
     assert 0 < gpu_s <= wall * 0.5 + 1e-6                     # half a GPU held, never more than wall x 0.5
-    assert gpu_s == pytest.approx(beats[-1]["wall_seconds"] * 0.5)
-    assert beats[-1]["forwards"] == cfg.seed_stage.updates * (2 * cfg.spsa.n_pert + 1)
+    assert gpu_s == pytest.approx(beats[-1].usage.wall_seconds * 0.5)
+    assert beats[-1].usage.forwards == cfg.seed_stage.updates * (2 * cfg.spsa.n_pert + 1)
     ck = load_checkpoint(store, "seed")
     assert ck.meta["state"]["step"] == 6 and set(ck.tensors) >= {"body", "head", "body_m", "body_v", "head_m", "head_v"}
     assert torch.isfinite(ck.tensors["body"]).all()
@@ -50,8 +52,8 @@ def test_actor_trains_checkpoints_and_reports_gpu_seconds(ray_local, prepared):
 
 def test_driver_runs_seed_and_experts_and_ledger_adds_up(ray_local, prepared):
     store, cfg = prepared
-    assert Driver(store, cfg, [Job("seed", -1)], show_progress=False).run() == {"seed": "finished"}
-    jobs = [Job("expert", e) for e in range(cfg.n_experts)]
+    assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
+    jobs = [Job(e) for e in range(cfg.n_experts)]
     outcome = Driver(store, cfg, jobs, show_progress=False).run()
     assert outcome == {"expert-0000": "finished", "expert-0001": "finished"}
     hist = history(store)

@@ -1,34 +1,43 @@
 """ExpertWorker: a Ray actor that trains ONE model (the seed, or one expert on its own shard), or G
 small experts packed on the engine's expert axis, each on its own shard.
 
-It never talks to another actor. The driver calls `setup()` once, then `run_chunk()` repeatedly;
-each call returns one heartbeat per expert (step, losses, GPU-seconds held so far). Checkpoints go
-straight to the campaign directory. The GPU-second clock starts the moment the actor exists, i.e.
-holds its GPU.
+It never talks to another actor. The driver calls `setup()` once, then `run_chunk()` repeatedly; each
+call returns a typed report (soma_cluster/messages.py) with one heartbeat per job. Checkpoints go
+straight to the campaign directory, each carrying the attempt's usage up to it (what a lost attempt
+keeps). The GPU-second clock starts when the actor began holding its GPU share (`held_from`): never while
+it waited in Ray's queue.
+
+SIGTERM (a spot notice, a node drain, a KubeRay scale-down) is a preemption, not a failure: the worker
+finishes the update in flight, checkpoints every job it trains, reports `preempted` and exits; if it
+has not left within retry.preemption_grace_s of the signal, it exits anyway.
 """
 from __future__ import annotations
 
+import logging
 import os
+import signal
 import tempfile
+import threading
 import time
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
+import psutil
 import ray
 import torch
 
 from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig, load_campaign_config
+from soma_cluster.errors import DeviceError
+from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.model import init_body, init_head
-from soma_cluster.shards import Shard, expert_name, open_shard
+from soma_cluster.schedule import SEED_JOB, Job
+from soma_cluster.shards import Shard, open_shard
 from soma_cluster.spsa import derive_seed
 from soma_cluster.storage import Store
 from soma_cluster.trainer import Method, NonFiniteLoss, Trainer, TrainState, pick_device, update_experts
 
-SEED_DIR = "seed"
-
-
-def model_dir(role: str, expert: int) -> str:
-    return SEED_DIR if role == "seed" else f"experts/{expert_name(expert)}"
+log = logging.getLogger(__name__)
+SEED_STREAM = -1           # the seed model's RNG stream id (probes, data order), as it has always been
 
 
 def union_shard(store: Store, n_experts: int, cache: str) -> Shard:
@@ -37,60 +46,101 @@ def union_shard(store: Store, n_experts: int, cache: str) -> Shard:
     return Shard(-1, parts[0].seq_bytes, [a for p in parts for a in p.train], [a for p in parts for a in p.val])
 
 
-def start_state(store: Store, cfg: CampaignConfig, role: str, device: torch.device) -> TrainState:
+def start_state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) -> TrainState:
     """A fresh seed model, or an expert starting from the seed (body and head; the head trains only if 'own')."""
-    if role == "seed":
+    if job.expert is None:
         gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "seed-init"))
         body, head = init_body(cfg.model, gen), init_head(cfg.model, gen)
         return TrainState.fresh(body.to(device), head.to(device), True, cfg.seed_stage.eps, cfg.seed_stage.lr)
-    seed = load_checkpoint(store, SEED_DIR).state(device)
+    seed = load_checkpoint(store, SEED_JOB.model_dir).state(device)
     method = cfg.train.method
     eps = cfg.eggroll.sigma if method == "eggroll" else cfg.spsa.eps      # the perturbation scale the schedule halves
     lr = cfg.bptt.lr if method == "bptt" else cfg.spsa.lr
     return TrainState.fresh(seed.body, seed.head, cfg.model.head == "own", eps, lr)
 
 
-def training_method(cfg: CampaignConfig, role: str) -> Method:
+def training_method(cfg: CampaignConfig, job: Job) -> Method:
     """The seed stage is always SPSA with the delta-rule decoder; experts train by train.method."""
-    return Method(cfg.train.method if role == "expert" else "spsa", cfg.eggroll, cfg.bptt)
+    return Method(cfg.train.method if job.expert is not None else "spsa", cfg.eggroll, cfg.bptt)
+
+
+def held_from(requested_at: float | None, granted: bool, now: float) -> float:
+    """When an actor began holding its GPU share (wall clock). Asked for while the GPUs present had room
+    (`granted`), Ray gave it the share at once: from the request (its process start is the job's cost).
+    Asked for beyond them, it waited in Ray's queue (for a GPU to free, or for the autoscaler's node),
+    which is no one's cost: from now, its first instruction. Ray may have started its process ahead of
+    the grant, so the process's own start says nothing; its start-up after the grant (~1-3 s) goes
+    uncharged, the price of never charging the wait."""
+    return min(requested_at, now) if requested_at is not None and granted else now
+
+
+def alive(p: Incarnation) -> bool:
+    """Whether that process still exists (a pid reused by another process does not count)."""
+    try:
+        proc = psutil.Process(p.pid)
+        return abs(proc.create_time() - p.created) < 0.5 and proc.status() != psutil.STATUS_ZOMBIE
+    except psutil.Error:
+        return False
+
+
+class Preemption:
+    """SIGTERM sets `requested`; the training loop leaves at the next update boundary. A timer makes the
+    process exit `grace_s` after the signal whatever it is doing, so the notice's deadline is kept."""
+
+    def __init__(self, grace_s: float):
+        self.grace_s = grace_s
+        self.requested: float | None = None
+        # only in an actor's own process (Ray runs its methods on the main thread), never in a driver or a test
+        if ray.is_initialized() and ray.get_runtime_context().get_actor_id() is not None:
+            signal.signal(signal.SIGTERM, self._on_signal)
+
+    def _on_signal(self, signum, frame) -> None:
+        if self.requested is None:
+            self.requested = time.monotonic()
+            timer = threading.Timer(self.grace_s, os._exit, args=(128 + signal.SIGTERM,))
+            timer.daemon = True
+            timer.start()
 
 
 @dataclass
 class Member:
-    """One expert inside an actor: its trainer, where it checkpoints, and what it has reported."""
-    expert: int
+    """One job inside an actor: its trainer, where it checkpoints, and what it has reported."""
+    job: Job
     attempt: int
-    dir: str
     trainer: Trainer
     target: int
     resumed: bool
+    start_step: int
     start_forwards: int
     start_tokens: int
     last_ckpt_step: int
-    last_ckpt_held: float = 0.0       # wall seconds attributed to it when that checkpoint was written
-    last_ckpt_forwards: int = 0
-    reason: str | None = None         # set once it stops: finished, converged, budget_exhausted, or a failure
+    reason: str | None = None         # set once it stops: finished, converged, budget_exhausted, preempted, or a failure
     failed: bool = False
     told: bool = False                # its last heartbeat (done) has gone to the driver
 
 
 class ExpertWorker:
-    """Trains one expert, or G small experts packed on the expert axis (`resources.experts_per_actor`).
+    """Trains one job, or G small experts packed on the expert axis (`resources.experts_per_actor`).
 
     Packed experts share the actor's forward passes but nothing else: each has its own shard, probes,
     optimizer, schedule, budget and checkpoints, and stops on its own. The actor's held time is split
-    evenly among the experts it is training at each moment, so their GPU-seconds add up to the actor's."""
+    evenly among the jobs it is training at each moment, so their GPU-seconds add up to the actor's."""
 
-    def __init__(self, campaign_url: str, storage_options: dict, role: str, experts: int | list[int],
-                 attempts: int | list[int], num_gpus: float):
-        self.t0 = self._tick_at = time.monotonic()
+    def __init__(self, campaign_url: str, storage_options: dict, experts: list[int | None], attempts: list[int],
+                 num_gpus: float, requested_at: float | None = None, granted: bool = False,
+                 previous: tuple[Incarnation, ...] = ()):
+        now_wall, now = time.time(), time.monotonic()
+        self.held_from = held_from(requested_at, granted, now_wall)
+        self.t0 = self._tick_at = now - (now_wall - self.held_from)
+        self.process = Incarnation(ray.get_runtime_context().get_node_id() if ray.is_initialized() else None, os.getpid(),
+                                   psutil.Process().create_time())
         self.store = Store(campaign_url, storage_options)
-        self.experts = [experts] if isinstance(experts, int) else list(experts)
-        self.attempts = [attempts] * len(self.experts) if isinstance(attempts, int) else list(attempts)
-        self.role, self.num_gpus = role, num_gpus
-        self.held = dict.fromkeys(self.experts, 0.0)     # wall seconds attributed to each expert
-        self.members: dict[int, Member] = {}
+        self.jobs, self.attempts, self.previous = [Job(e) for e in experts], list(attempts), tuple(previous)
+        self.num_gpus = num_gpus
+        self.held = dict.fromkeys(self.jobs, 0.0)       # wall seconds attributed to each job
+        self.members: dict[Job, Member] = {}
         self.sec_per_update: float | None = None        # one packed update of every live member
+        self.preemption = Preemption(20.0)
 
     def pid(self) -> int:
         return os.getpid()
@@ -99,56 +149,82 @@ class ExpertWorker:
         return [m for m in self.members.values() if m.reason is None]
 
     def _tick(self) -> None:
-        """Attribute the time since the last tick to the experts whose last heartbeat is still to come (all
-        of them during setup), so the experts' seconds add up to the actor's: nothing is lost or counted twice."""
+        """Attribute the time since the last tick to the jobs whose last heartbeat is still to come (all of
+        them during setup), so the jobs' seconds add up to the actor's: nothing is lost or counted twice."""
         now = time.monotonic()
-        live = [m.expert for m in self.members.values() if not m.told] if self.members else self.experts
-        for e in live:
-            self.held[e] += (now - self._tick_at) / len(live)
+        live = [m.job for m in self.members.values() if not m.told] if self.members else self.jobs
+        for job in live:
+            self.held[job] += (now - self._tick_at) / len(live)
         self._tick_at = now
 
-    def setup(self, experts: int | list[int] | None = None, attempts: int | list[int] | None = None) -> dict:
-        """Load the experts (their checkpoints or the seed). With `experts`, an actor whose experts have all
-        ended takes new ones (resources.reuse_actors): the time since its last heartbeat goes to them."""
+    def _usage(self, m: Member) -> Usage:
+        st = m.trainer.state
+        return Usage(self.held[m.job] * self.num_gpus, self.held[m.job], st.forwards - m.start_forwards, st.tokens - m.start_tokens)
+
+    def setup(self, experts: list[int | None] | None = None, attempts: list[int] | None = None) -> SetupReport:
+        """Load the jobs (their checkpoints, or the seed). With `experts`, an actor whose jobs have all ended
+        takes new ones (resources.reuse_actors): the time since its last heartbeat goes to them."""
+        held_from = self.held_from
         if experts is not None:
             if any(not m.told for m in self.members.values()):
-                raise RuntimeError("setup(experts=...) while experts are still training in this actor")
-            self.experts = [experts] if isinstance(experts, int) else list(experts)
-            self.attempts = [attempts] * len(self.experts) if isinstance(attempts, int) else list(attempts)
-            self.held |= dict.fromkeys(self.experts, 0.0)
+                raise RuntimeError("setup(experts=...) while jobs are still training in this actor")
+            self.jobs, self.attempts, self.previous = [Job(e) for e in experts], list(attempts), ()
+            self.held |= dict.fromkeys(self.jobs, 0.0)
             self.members, self.sec_per_update = {}, None
+            held_from = time.time() - (time.monotonic() - self._tick_at)
         self.cfg = cfg = load_campaign_config(self.store)
+        self.preemption.grace_s = cfg.retry.preemption_grace_s
+        waited = self._outlive(cfg.retry.kill_wait_s)
+        device = self._device(cfg)
+        cache = os.path.join(tempfile.gettempdir(), "soma-cache", cfg.digest())
+        for job, attempt in zip(self.jobs, self.attempts):
+            self.members[job] = self._member(cfg, job, attempt, device, cache)
+        self._tick()
+        starts = {m.job.expert: ExpertStart(m.start_step, m.target, m.resumed, m.start_forwards, m.trainer.shard.n_train, self._usage(m))
+                  for m in self.members.values()}
+        node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else None
+        return SetupReport(device.type, node_ip, self.process, held_from, waited, starts)
+
+    def _outlive(self, bound_s: float) -> float:
+        """Wait (at most bound_s) for earlier processes of these jobs on this node, killed by the driver, to be
+        gone: Ray hands their GPU share on before a stopped process is reaped, and two processes must not
+        hold one device's memory at once."""
+        t = time.monotonic()
+        for p in [p for p in self.previous if p.node == self.process.node]:
+            while alive(p) and time.monotonic() - t < bound_s:
+                time.sleep(0.05)
+            if alive(p):
+                log.warning("pid %d (an earlier attempt) still exists after %.0f s; starting anyway", p.pid, bound_s)
+        return time.monotonic() - t
+
+    def _device(self, cfg: CampaignConfig) -> torch.device:
         device = pick_device()
         if device.type == "cpu":
+            if self.num_gpus > 0 and not cfg.resources.allow_cpu:
+                node = ray.util.get_node_ip_address() if ray.is_initialized() else "this machine"
+                raise DeviceError(f"node {node} (Ray node {str(self.process.node)[:12]}) gave this actor {self.num_gpus} GPU but torch "
+                                  f"finds no CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                                  f"fix that node's GPU driver or image, or set resources.allow_cpu=true to train on CPU")
             torch.set_num_threads(cfg.train.threads)
-        cache = os.path.join(tempfile.gettempdir(), "soma-cache", cfg.digest())
-        for expert, attempt in zip(self.experts, self.attempts):
-            self.members[expert] = self._member(cfg, expert, attempt, device, cache)
-        self._tick()
-        return {"device": str(device), "pid": os.getpid(), "wall_seconds": time.monotonic() - self.t0,
-                "node": ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
-                "experts": {m.expert: {"step": m.trainer.state.step, "target": m.target, "resumed": m.resumed,
-                                       "forwards": m.start_forwards, "n_train": m.trainer.shard.n_train}
-                            for m in self.members.values()}}
+        return device
 
-    def _member(self, cfg: CampaignConfig, expert: int, attempt: int, device: torch.device, cache: str) -> Member:
-        directory = model_dir(self.role, expert)
-        shard = union_shard(self.store, cfg.n_experts, cache) if self.role == "seed" else open_shard(self.store, expert, cache)
-        resumed = has_checkpoint(self.store, directory)
-        state = load_checkpoint(self.store, directory).state(device) if resumed else start_state(self.store, cfg, self.role, device)
-        target = cfg.seed_stage.updates if self.role == "seed" else cfg.train.updates
-        trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, expert, device, cfg.train.val_batches * cfg.spsa.batch,
-                          training_method(cfg, self.role))
-        return Member(expert, attempt, directory, trainer, target, resumed, state.forwards, state.tokens,
+    def _member(self, cfg: CampaignConfig, job: Job, attempt: int, device: torch.device, cache: str) -> Member:
+        seed_job = job.expert is None
+        shard = union_shard(self.store, cfg.n_experts, cache) if seed_job else open_shard(self.store, job.expert, cache)
+        resumed = has_checkpoint(self.store, job.model_dir)
+        state = load_checkpoint(self.store, job.model_dir).state(device) if resumed else start_state(self.store, cfg, job, device)
+        target = cfg.seed_stage.updates if seed_job else cfg.train.updates
+        trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, SEED_STREAM if seed_job else job.expert, device,
+                          cfg.train.val_batches * cfg.spsa.batch, training_method(cfg, job))
+        return Member(job, attempt, trainer, target, resumed, state.step, state.forwards, state.tokens,
                       state.step if resumed else -1)
 
     def _checkpoint(self, m: Member) -> str:
-        st = m.trainer.state
         self._tick()
-        m.last_ckpt_step, m.last_ckpt_held = st.step, self.held[m.expert]
-        m.last_ckpt_forwards = st.forwards - m.start_forwards
-        return save_checkpoint(self.store, m.dir, st, {"role": self.role, "expert": m.expert, "attempt": m.attempt,
-                                                       "config_digest": self.cfg.digest()})
+        m.last_ckpt_step = m.trainer.state.step
+        return save_checkpoint(self.store, m.job.model_dir, m.trainer.state,
+                               {"role": m.job.role, "expert": m.job.expert, "attempt": m.attempt,
+                                "config_digest": self.cfg.digest(), "usage": asdict(self._usage(m))})
 
     def _update(self, members: list[Member]) -> list[tuple[Member, float]]:
         """One packed update -> (member, loss); an expert whose loss goes non-finite is dropped (it fails
@@ -162,30 +238,34 @@ class ExpertWorker:
                 members = [m for m in members if not m.failed]
         return []
 
-    def run_chunk(self, max_updates: int, caps: dict[int, float | None] | float | None = None) -> dict:
-        """Up to max_updates updates of every live member; a member stops early (with a checkpoint) if the
-        next chunk would overrun its budget (`caps`: GPU-seconds per expert, its own cumulative clock)."""
-        caps = caps if isinstance(caps, dict) else dict.fromkeys(self.members, caps)
+    def _stop_over_budget(self, todo: int, caps: dict) -> None:
+        """A member whose next chunk would overrun its cap (GPU-seconds on its own cumulative clock) stops now; so
+        does one already past it (a start-up that cost more than was left), before any update is measured."""
+        live = self._live()
+        for m in live:
+            cap = caps.get(m.job.expert)
+            need = min(todo, m.target - m.trainer.state.step) * (self.sec_per_update or 0.0) / len(live)
+            if cap is not None and (self.held[m.job] + need) * self.num_gpus > cap:
+                m.reason = "budget_exhausted"
+
+    def run_chunk(self, max_updates: int, caps: dict[int | None, float | None] | None = None) -> ChunkReport:
+        """Up to max_updates updates of every live member, fewer if a preemption notice arrives."""
+        caps = caps or {}
         todo = min(max_updates, max((m.target - m.trainer.state.step for m in self._live()), default=0))
         if self.sec_per_update is None:
             todo = min(todo, 1)                              # measure one update before promising a chunk
         self._tick()
-        live = self._live()
-        for m in live:
-            cap = caps.get(m.expert)
-            need = min(todo, m.target - m.trainer.state.step) * (self.sec_per_update or 0.0) / len(live)
-            if cap is not None and self.sec_per_update is not None and (self.held[m.expert] + need) * self.num_gpus > cap:
-                m.reason = "budget_exhausted"
-        losses = {m.expert: [] for m in self.members.values()}
+        self._stop_over_budget(todo, caps)
+        losses = {m.job: [] for m in self.members.values()}
         val, ckpt = {}, {}
         t_start, done_updates = time.monotonic(), 0
         for _ in range(todo):
             batch = [m for m in self._live() if m.trainer.state.step < m.target]
-            if not batch:
+            if not batch or self.preemption.requested:
                 break
             for m, loss in self._update(batch):
-                losses[m.expert].append(loss)
-                self._after_update(m, losses[m.expert], val, ckpt)
+                losses[m.job].append(loss)
+                self._after_update(m, losses[m.job], val, ckpt)
             done_updates += 1
         if done_updates:
             per = (time.monotonic() - t_start) / done_updates
@@ -193,24 +273,25 @@ class ExpertWorker:
         for m in self.members.values():
             self._maybe_stop(m, ckpt)
         self._tick()
-        beats = {e: self._beat(m, losses[e], val.get(e), ckpt.get(e)) for e, m in self.members.items() if not m.told}
+        beats = {m.job.expert: self._beat(m, losses[m.job], val.get(m.job), ckpt.get(m.job)) for m in self.members.values() if not m.told}
         for m in self.members.values():
             m.told = m.reason is not None
-        return {"experts": beats, "wall_seconds": time.monotonic() - self.t0}
+        return ChunkReport(beats, time.monotonic() - self.t0)
 
     def _after_update(self, m: Member, losses: list, val: dict, ckpt: dict) -> None:
         cfg, tr = self.cfg, m.trainer
         st = tr.state
         if st.step % cfg.train.val_every == 0 or st.step == m.target:
-            val[m.expert] = tr.validate()
-            tr.observe_val(val[m.expert], cfg.train.val_every)
+            val[m.job] = tr.validate()
+            tr.observe_val(val[m.job], cfg.train.val_every)
             recent = losses[-cfg.train.val_every:]
-            st.history.append({"step": st.step, "train": sum(recent) / len(recent), "val": val[m.expert]})
+            st.history.append({"step": st.step, "train": sum(recent) / len(recent), "val": val[m.job]})
         if st.step % cfg.train.checkpoint_every == 0 or st.step == m.target:
-            ckpt[m.expert] = self._checkpoint(m)
+            ckpt[m.job] = self._checkpoint(m)
 
     def _maybe_stop(self, m: Member, ckpt: dict) -> None:
-        """At its target, at the lr floor and still not improving, or out of budget: stop with a checkpoint."""
+        """At its target, at the lr floor and still not improving, out of budget, or preempted: stop with a
+        checkpoint of the work since the last one."""
         if m.failed:
             return
         st, cfg = m.trainer.state, self.cfg
@@ -218,17 +299,15 @@ class ExpertWorker:
             m.reason = "finished"
         if m.reason is None and st.schedule.lr <= cfg.spsa.floor and st.schedule.since_best >= cfg.spsa.patience:
             m.reason = "converged"
-        if m.reason and m.last_ckpt_step != st.step:          # a clean stop always leaves a checkpoint
-            ckpt[m.expert] = self._checkpoint(m)
+        if m.reason is None and self.preemption.requested:
+            m.reason = "preempted"
+        moved = m.last_ckpt_step != st.step and (m.reason != "preempted" or st.step > m.start_step)
+        if m.reason and moved:          # a clean stop always leaves a checkpoint; a preempted one, of any new work
+            ckpt[m.job] = self._checkpoint(m)
 
-    def _beat(self, m: Member, losses: list, val: float | None, ckpt: str | None) -> dict:
+    def _beat(self, m: Member, losses: list, val: float | None, ckpt: str | None) -> Heartbeat:
         st = m.trainer.state
         sched = st.schedule
-        return {"step": st.step, "target": m.target, "updates": len(losses), "loss": sum(losses) / len(losses) if losses else None,
-                "val": val, "best_val": sched.best_val if sched.best_val != float("inf") else None,
-                "eps": sched.eps, "lr": sched.lr, "checkpoint": ckpt, "done": m.reason is not None,
-                "reason": m.reason, "failed": m.failed,
-                "gpu_seconds": self.held[m.expert] * self.num_gpus, "wall_seconds": self.held[m.expert],
-                "forwards": st.forwards - m.start_forwards, "tokens": st.tokens - m.start_tokens,
-                "sec_per_update": self.sec_per_update, "checkpoint_step": m.last_ckpt_step,
-                "checkpoint_gpu_seconds": m.last_ckpt_held * self.num_gpus, "checkpoint_forwards": m.last_ckpt_forwards}
+        return Heartbeat(st.step, m.target, len(losses), sum(losses) / len(losses) if losses else None, val,
+                         sched.best_val if sched.best_val != float("inf") else None, sched.eps, sched.lr, ckpt,
+                         m.last_ckpt_step, self._usage(m), self.sec_per_update, m.reason, m.failed)

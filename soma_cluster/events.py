@@ -1,0 +1,87 @@
+"""The campaign's state transitions, written to `<campaign>/events.jsonl` as they happen.
+
+Driver state is never only in memory: `soma resume` and `soma status` rebuild it from this log.
+An attempt is one actor's try at a job: `queued` (asked of Ray), `launched` (its process holds its GPU
+share; the event's time is that moment), `started`, heartbeats and checkpoints, then one end:
+`failed`, `preempted`, or the job's end (`finished`, `converged`, `budget_exhausted`,
+`failed_permanently`).
+"""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from soma_cluster.errors import SomaError
+from soma_cluster.storage import Store
+
+LOG = "events.jsonl"
+TERMINAL = ("finished", "converged", "budget_exhausted", "failed_permanently")
+# events that report progress or bookkeeping without changing where a job stands
+PROGRESS = ("heartbeat", "checkpointed", "budget_granted")
+ATTEMPT_ENDS = ("failed", "preempted") + TERMINAL
+
+
+def emit(store: Store, event: str, job: str, **fields) -> None:
+    store.append(LOG, {"event": event, "job": job, "t": time.time(), **fields})
+
+
+@dataclass
+class JobHistory:
+    job: str
+    state: str = "pending"          # last event that changed where the job stands
+    attempts: int = 0               # attempts begun (queued or launched), i.e. the next attempt's number
+    failures: int = 0               # failed attempts (preemptions and driver losses are not failures)
+    step: int = 0
+    val: float | None = None
+    last_error: str | None = None
+    events: list[dict] = field(default_factory=list)
+
+    @property
+    def terminal(self) -> bool:
+        return self.state in TERMINAL
+
+    def of_attempt(self, attempt: int) -> list[dict]:
+        return [ev for ev in self.events if ev.get("attempt") == attempt]
+
+    def ended(self, attempt: int) -> str | None:
+        """How `attempt` ended (failed, preempted, or a terminal state), or None if the log never says or a
+        later `reopened` voided its end (its last checkpoint was lost: as if interrupted at the one kept)."""
+        end = None
+        for ev in self.events:
+            if ev["event"] == "reopened":
+                end = None
+            elif ev.get("attempt") == attempt and ev["event"] in ATTEMPT_ENDS:
+                end = ev["event"]
+        return end
+
+    def held(self, attempt: int) -> bool:
+        """Whether `attempt`'s actor ever held its GPU (queued attempts that never started did not)."""
+        return any(ev["event"] in ("launched", "started") for ev in self.of_attempt(attempt))
+
+
+def history(store: Store) -> dict[str, JobHistory]:
+    out: dict[str, JobHistory] = {}
+    for ev in store.read_log(LOG):
+        h = out.setdefault(ev["job"], JobHistory(ev["job"]))
+        h.events.append(ev)
+        if ev["event"] in ("queued", "launched") and ev.get("attempt") is not None:
+            h.attempts = max(h.attempts, ev["attempt"] + 1)
+        if ev["event"] not in PROGRESS:
+            h.state = ev["event"]
+        h.step = ev.get("step", h.step) or h.step
+        if ev.get("val") is not None:
+            h.val = ev["val"]
+        if ev["event"] == "failed":
+            h.failures += 1
+            h.last_error = ev.get("reason")
+    return out
+
+
+def seed_done(store: Store) -> bool:
+    h = history(store).get("seed")
+    return bool(h and h.state == "finished")
+
+
+def require_seed(store: Store) -> None:
+    if not seed_done(store):
+        raise SomaError(f"{store.url} has no finished seed model; run soma seed {store.url} first")

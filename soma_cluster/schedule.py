@@ -1,0 +1,491 @@
+"""The campaign's decisions, as plain code: which jobs get an actor and when, what each may still spend,
+when a failed one is retried, and what a lost attempt cost. No Ray here.
+
+The driver's Ray loop (pipelines/campaign.py) feeds the Scheduler what actors report (typed messages,
+soma_cluster/messages.py) and carries out what it returns: start an actor, hand an idle one new jobs,
+send a chunk, stop one. Every transition is written to the campaign here (events and ledger), so state
+is never only in memory and `restore` rebuilds it after a driver loss.
+
+Accounting of an attempt that ends without finishing (a failure, a preemption, a lost driver): the
+checkpoint it leaves says exactly how much of its work is kept (the worker writes its own usage into
+every checkpoint), so training is corrected to that amount and the rest is filed as `wasted` (or
+`preempted`). Per expert, training forwards then equal a fault-free run's, whatever the kill moment.
+"""
+from __future__ import annotations
+
+import itertools
+import random
+import time
+from collections import deque
+from dataclasses import dataclass, field, fields
+from typing import Callable
+
+from soma_cluster.budget import BudgetBook
+from soma_cluster.config import CampaignConfig
+from soma_cluster.events import JobHistory, emit
+from soma_cluster.ledger import EXPERT_SPEND, Ledger
+from soma_cluster.messages import ChunkReport, Heartbeat, Incarnation, SetupReport, Usage
+from soma_cluster.shards import expert_name
+from soma_cluster.storage import Store
+
+POLL_S = 0.5    # the driver's loop waits at most this long for a result, so hangs and budgets are checked this often
+
+
+@dataclass(frozen=True, order=True)
+class Job:
+    """The seed model (expert None, N = 1 on the whole corpus) or one expert."""
+    expert: int | None = None
+
+    @property
+    def role(self) -> str:
+        return "seed" if self.expert is None else "expert"
+
+    @property
+    def name(self) -> str:
+        return "seed" if self.expert is None else expert_name(self.expert)
+
+    @property
+    def category(self) -> str:
+        """Ledger category of its useful work."""
+        return "seed" if self.expert is None else "expert_training"
+
+    @property
+    def model_dir(self) -> str:
+        return "seed" if self.expert is None else f"experts/{self.name}"
+
+
+SEED_JOB = Job(None)
+
+
+def expert_jobs(cfg: CampaignConfig) -> list[Job]:
+    return [Job(e) for e in range(cfg.n_experts)]
+
+
+def unit_name(jobs: list[Job]) -> str:
+    return jobs[0].name if len(jobs) == 1 else f"{jobs[0].name}+{len(jobs) - 1}"
+
+
+# Why an attempt exists, and so where its actor's start-up is billed: a job's first start is part of its
+# cost; a start that only happens because an earlier attempt was lost is that loss's cost.
+CAUSES = {"new": None, "retry": "wasted", "resumed": "wasted", "preempted": "preempted"}
+
+
+@dataclass
+class Account:
+    """One job's side of an attempt."""
+    job: Job
+    attempt: int
+    cause: str                       # key of CAUSES
+    started: bool = False            # its actor reported in (it held the GPU share)
+    setup: Usage = Usage()           # its share of the actor's start-up
+    reported: Usage = Usage()        # everything it reported in this attempt, start-up included
+    device: str | None = None
+    cap_s: float | None = None       # GPU-seconds it may hold, on its own cumulative clock, for this chunk
+    seq: int = 0
+    step: int = 0
+    improving: bool = True
+    ended: bool = False
+
+
+@dataclass
+class Unit:
+    """One actor's attempt: a single job, or G experts packed on the expert axis (resources.experts_per_actor)."""
+    id: int
+    accounts: dict[Job, Account]
+    requested: float                 # scheduler clock when it was asked of Ray
+    reused_from: int | None = None   # the unit whose idle actor takes these jobs (resources.reuse_actors)
+    previous: tuple[Incarnation, ...] = ()   # killed processes of these jobs that a retry must outlive
+    granted: bool = False            # the GPUs present had room for it when asked: Ray grants its share at once
+    phase: str = "queued"            # queued: asked of Ray, not reported in; running: reporting
+    last_beat: float = 0.0
+    process: Incarnation | None = None
+    leaving: bool = False            # preempted: the actor checkpoints and exits, it takes no more jobs
+
+    @property
+    def name(self) -> str:
+        return unit_name(list(self.accounts))
+
+    @property
+    def jobs(self) -> list[Job]:
+        return list(self.accounts)
+
+    def live(self) -> list[Account]:
+        return [c for c in self.accounts.values() if not c.ended]
+
+
+@dataclass(frozen=True)
+class Start:
+    unit: Unit
+
+
+@dataclass(frozen=True)
+class Reuse:
+    unit: Unit
+    actor_of: int                    # the finished unit whose actor now trains `unit`
+
+
+@dataclass(frozen=True)
+class Chunk:
+    unit: Unit
+    updates: int
+    caps: dict[int | None, float | None]
+
+
+@dataclass(frozen=True)
+class Stop:
+    unit: Unit
+
+
+Action = Start | Reuse | Chunk | Stop
+
+
+@dataclass(frozen=True)
+class Lost:
+    """Why an actor's attempt ended without a clean report."""
+    reason: str
+    kind: str = "failure"            # failure (retried), bad_input (no retry can fix it), preempted (not a failure)
+    traceback: str | None = None
+
+
+def _clamp(u: Usage) -> Usage:
+    return Usage(*(max(0, getattr(u, f.name)) for f in fields(u)))
+
+
+def settle(training: Usage, kept: Usage, unreported: Usage = Usage()) -> tuple[Usage, Usage]:
+    """An attempt ended without finishing: it reported `training` as useful work, its latest checkpoint
+    keeps `kept` of the attempt's work, and `unreported` is the driver's estimate of what it held since its
+    last report. Returns (the correction to training, what was lost). The correction is negative when work
+    after the checkpoint is lost, positive when it checkpointed after its last heartbeat (kept, never
+    reported); training plus the correction is exactly `kept`."""
+    return kept - training, _clamp(training + unreported - kept)
+
+
+def backoff_s(base: float, cap: float, failures: int, rng: random.Random) -> float:
+    """The wait before the retry after `failures` failures: exponential, capped, with equal jitter (half
+    fixed, half random), so experts that failed together (a lost node) do not come back in lockstep."""
+    delay = min(cap, base * 2 ** max(0, failures - 1))
+    return delay * (0.5 + 0.5 * rng.random())
+
+
+@dataclass
+class Scheduler:
+    store: Store
+    cfg: CampaignConfig
+    jobs: list[Job]
+    clock: Callable[[], float] = time.monotonic
+    rng: random.Random = field(default_factory=random.Random)
+    # the latest checkpoint's metadata of a job (None if it has none): what a lost attempt kept
+    latest: Callable[[Job], dict | None] = lambda job: None
+
+    def __post_init__(self) -> None:
+        self.ledger = Ledger(self.store)
+        self.book = BudgetBook(self.cfg.budget)
+        self.units: dict[int, Unit] = {}
+        self.open: dict[Job, Unit] = {}             # job -> the unit training it (queued or running)
+        self.pending: deque[Job] = deque()          # jobs waiting for an actor, in order
+        self.retry_at: dict[Job, float] = {}
+        self.next_attempt: dict[Job, int] = {}
+        self.cause: dict[Job, str] = {}
+        self.failures: dict[Job, int] = {}
+        self.killed: dict[Job, Incarnation] = {}    # the process of a job's last attempt, killed by the driver
+        self.outcome: dict[Job, str] = {}
+        self.bad_input: dict[Job, str] = {}
+        self._ids = itertools.count()
+        totals = self.ledger.totals()
+        self.spent = dict(totals.per_expert_gpu_seconds)   # kept in step with every record written
+        self.spent_total = sum(totals.gpu_seconds.values())
+
+    @property
+    def finished(self) -> bool:
+        return not (self.pending or self.units or self.retry_at)
+
+    # -- ledger and budgets ---------------------------------------------------------------------------
+    def _record(self, category: str, u: Usage, c: Account, seq: int, note: str = "", step: int | None = None) -> None:
+        self.ledger.record(category, u.gpu_seconds, u.wall_seconds, expert=c.job.expert, attempt=c.attempt, seq=seq,
+                           forwards=u.forwards, tokens=u.tokens, step=c.step if step is None else step, note=note, device=c.device)
+        if c.job.expert is not None and category in EXPERT_SPEND:
+            self.spent[c.job.expert] = self.spent.get(c.job.expert, 0.0) + u.gpu_seconds
+        self.spent_total += u.gpu_seconds
+
+    def left(self, job: Job) -> float | None:
+        """GPU-seconds the job may still spend; the campaign's remainder is shared among the open jobs."""
+        share = max(1, len(self.open) + (0 if job in self.open else 1))
+        spent = self.spent.get(job.expert, 0.0) if job.expert is not None else 0.0
+        return self.book.left(job.expert, spent, self.spent_total, share)
+
+    def _event(self, event: str, job: Job, **fields) -> None:
+        emit(self.store, event, job.name, **fields)
+
+    # -- starting actors ------------------------------------------------------------------------------
+    def _pack(self, first: Job) -> int:
+        return 1 if first.expert is None else self.cfg.resources.experts_per_actor
+
+    def _take(self) -> list[Job]:
+        g = self._pack(self.pending[0])
+        return [self.pending.popleft() for _ in range(min(g, len(self.pending)))]
+
+    def _due(self) -> list[Job]:
+        now = self.clock()
+        due = sorted(j for j, at in self.retry_at.items() if at <= now)
+        group = due[: self._pack(due[0])] if due else []
+        for job in group:
+            del self.retry_at[job]
+        return group
+
+    def requests(self, capacity: float, room: int = 0) -> list[Action]:
+        """Actors to ask Ray for now: due retries first, then pending jobs (up to experts_per_actor per actor),
+        while fewer than `capacity` actors are queued or running. The first `room` of those fit in the GPUs
+        present (Ray grants them at once); the others wait in Ray's queue, where an autoscaler sees them."""
+        out: list[Action] = []
+        while len(self.units) < capacity:
+            group = self._due() or (self._take() if self.pending else [])
+            if not group:
+                break
+            granted = len(self.units) < room
+            unit = self._open(group)
+            if unit is not None:
+                unit.granted = granted
+                out.append(Start(unit))
+        return out
+
+    def _open(self, jobs: list[Job], reused_from: int | None = None) -> Unit | None:
+        """A unit for the jobs the budget can still cover (the others end budget_exhausted); None if none."""
+        for job in [j for j in jobs if (left := self.left(j)) is not None and left <= 0]:
+            self._finish(job, "budget_exhausted", note="budget cannot cover a launch")
+            jobs = [j for j in jobs if j != job]
+        if not jobs:
+            return None
+        accounts = {}
+        for job in jobs:
+            n = self.next_attempt.get(job, 0)
+            self.next_attempt[job] = n + 1
+            accounts[job] = Account(job, n, self.cause.get(job, "new"))
+        previous = tuple(self.killed.pop(j) for j in jobs if j in self.killed)
+        unit = Unit(next(self._ids), accounts, self.clock(), reused_from, previous)
+        self.units[unit.id] = unit
+        for c in accounts.values():
+            self.open[c.job] = unit
+            if c.cause == "retry":
+                self._event("retried", c.job, attempt=c.attempt)
+            self._event("queued", c.job, attempt=c.attempt, num_gpus=self.cfg.resources.num_gpus / len(jobs),
+                        actor=unit.name, reused=reused_from is not None, cause=c.cause)
+        return unit
+
+    def _chunk(self, unit: Unit) -> Chunk:
+        caps = {}
+        for c in unit.live():
+            left = self.left(c.job)
+            c.cap_s = None if left is None else left + c.reported.gpu_seconds   # the worker compares its own cumulative clock
+            caps[c.job.expert] = c.cap_s
+        unit.last_beat = self.clock()
+        return Chunk(unit, self.cfg.train.chunk_updates, caps)
+
+    def _close(self, unit: Unit) -> list[Action]:
+        """Every job of the unit ended: its idle actor takes the next pending experts (resources.reuse_actors)
+        or is stopped."""
+        self.units.pop(unit.id, None)
+        if self.cfg.resources.reuse_actors and not unit.leaving:
+            while self.pending and self.pending[0].expert is not None:
+                nxt = self._open(self._take(), reused_from=unit.id)
+                if nxt is not None:
+                    return [Reuse(nxt, unit.id)]
+        return [Stop(unit)]
+
+    # -- what actors report ---------------------------------------------------------------------------
+    def on_setup(self, uid: int, report: SetupReport) -> list[Action]:
+        unit = self.units[uid]
+        unit.phase, unit.process, unit.last_beat = "running", report.process, self.clock()
+        for expert, start in report.experts.items():
+            c = unit.accounts[Job(expert)]
+            c.started, c.step, c.setup, c.reported, c.device = True, start.step, start.usage, start.usage, report.device
+            self._event("launched", c.job, t=report.held_from, attempt=c.attempt, actor=unit.name, reused=unit.reused_from is not None,
+                        num_gpus=self.cfg.resources.num_gpus / len(unit.accounts), device=report.device)
+            self._event("started", c.job, attempt=c.attempt, step=start.step, resumed=start.resumed, forwards=start.forwards,
+                        device=report.device, pid=report.process.pid, node=report.process.node, node_ip=report.node_ip,
+                        actor=unit.name, waited_s=report.waited_s)
+            note = "start-up: process, imports, data and model" + ("" if c.cause == "new" else f" (after {c.cause})")
+            self._record(CAUSES[c.cause] or c.job.category, start.usage, c, 0, note)
+        return [self._chunk(unit)] if unit.live() else self._close(unit)
+
+    def on_chunk(self, uid: int, report: ChunkReport) -> list[Action]:
+        unit = self.units[uid]
+        for expert, hb in report.experts.items():
+            self._on_heartbeat(unit, unit.accounts[Job(expert)], hb)
+        unit.last_beat = self.clock()
+        return [self._chunk(unit)] if unit.live() else self._close(unit)
+
+    def _on_heartbeat(self, unit: Unit, c: Account, hb: Heartbeat) -> None:
+        c.seq += 1
+        c.step = hb.step
+        self._record(c.job.category, hb.usage - c.reported, c, c.seq)
+        c.reported = hb.usage
+        if hb.val is not None:
+            c.improving = hb.best_val is not None and hb.val <= hb.best_val
+        self._event("heartbeat", c.job, attempt=c.attempt, step=hb.step, loss=hb.loss, val=hb.val,
+                    gpu_seconds=hb.usage.gpu_seconds, eps=hb.eps, lr=hb.lr)
+        if hb.checkpoint:
+            self._event("checkpointed", c.job, attempt=c.attempt, step=hb.checkpoint_step, checkpoint=hb.checkpoint)
+        if not hb.done:
+            return
+        self._end(c)
+        if hb.reason == "preempted":
+            unit.leaving = True
+            self._lose(c, Lost("preempted: the worker got SIGTERM and checkpointed", "preempted"))
+        elif hb.failed:
+            self._lose(c, Lost(hb.reason or "failed"))
+        else:
+            self._finish(c.job, hb.reason, attempt=c.attempt, step=hb.step, val=hb.best_val)
+
+    def on_lost(self, uid: int, lost: Lost, stop: tuple[Job, ...] = ()) -> list[Action]:
+        """The unit's actor is gone (or must be killed now): each job it was training settles what was lost
+        and is retried from its latest checkpoint; jobs in `stop` end budget_exhausted instead (hard-stopped
+        past their budget). A queued unit held nothing, so there is nothing to settle."""
+        unit = self.units.pop(uid)
+        live = unit.live()
+        share = self.cfg.resources.num_gpus / max(1, len(live))
+        held = max(0.0, self.clock() - unit.last_beat) if unit.phase == "running" else 0.0
+        unreported = Usage(held * share, held * share / self.cfg.resources.num_gpus)
+        for c in live:
+            self._end(c)
+            why = lost.reason if len(live) == 1 else f"{lost.reason} (in pack {unit.name})"
+            self._lose(c, Lost(why, lost.kind, lost.traceback), unreported, "budget_exhausted" if c.job in stop else None)
+            if unit.process is not None and lost.kind != "preempted":
+                self.killed[c.job] = unit.process
+        return [Stop(unit)]
+
+    def _end(self, c: Account) -> None:
+        c.ended = True
+        self.open.pop(c.job, None)
+
+    # -- ends -----------------------------------------------------------------------------------------
+    def _kept(self, c: Account) -> Usage:
+        """Of this attempt's work (start-up excluded), what its job's latest checkpoint keeps."""
+        meta = self.latest(c.job) if c.started else None
+        if not meta or meta.get("attempt") != c.attempt or "usage" not in meta:
+            return Usage()
+        return Usage(**meta["usage"]) - c.setup
+
+    def _lose(self, c: Account, lost: Lost, unreported: Usage = Usage(), end: str | None = None) -> None:
+        """Settle an attempt that ended without finishing, then retry, reschedule or end its job."""
+        if c.started:
+            fix, gone = settle(c.reported - c.setup, self._kept(c), unreported)
+            if not fix.is_zero:
+                self._record(c.job.category, fix, c, -1, f"settled against the latest checkpoint: {lost.reason}")
+            if not gone.is_zero:
+                self._record("preempted" if lost.kind == "preempted" else "wasted", gone, c, -1, f"lost after checkpoint: {lost.reason}")
+        if lost.kind == "preempted":
+            self._event("preempted", c.job, attempt=c.attempt, step=c.step, reason=lost.reason)
+            self.cause[c.job] = "preempted"
+            self.pending.appendleft(c.job)              # not a failure: no retry spent, no backoff
+            return
+        self.failures[c.job] = self.failures.get(c.job, 0) + 1
+        self._event("failed", c.job, attempt=c.attempt, step=c.step, reason=lost.reason,
+                    **({"traceback": lost.traceback} if lost.traceback else {}))
+        if end is not None or lost.kind == "bad_input":
+            if lost.kind == "bad_input":
+                self.bad_input[c.job] = lost.reason
+            self._finish(c.job, end or "failed_permanently", attempt=c.attempt, step=c.step, reason=lost.reason)
+        elif self.failures[c.job] > self.cfg.retry.max_retries:
+            self._finish(c.job, "failed_permanently", attempt=c.attempt, step=c.step, reason=lost.reason)
+        else:
+            r = self.cfg.retry
+            delay = backoff_s(r.backoff_s, r.backoff_max_s, self.failures[c.job], self.rng)
+            self.retry_at[c.job] = self.clock() + delay
+            self.cause[c.job] = "retry"
+            self._event("retry_scheduled", c.job, attempt=self.next_attempt[c.job], delay_s=delay)
+
+    def _finish(self, job: Job, end: str, **fields) -> None:
+        self.outcome[job] = end
+        self._event(end, job, **fields)
+        if job.expert is not None and end != "finished":
+            self._release(job)
+
+    def _release(self, job: Job) -> None:
+        """An expert that ended early returns its unspent budget to the pool (budget.pool_policy)."""
+        candidates = {u.accounts[j].job.expert: u.accounts[j].improving for j, u in self.open.items() if j.expert is not None}
+        candidates |= {j.expert: True for j in self.jobs if j.expert is not None and j not in self.outcome and j not in self.open}
+        for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
+            emit(self.store, "budget_granted", expert_name(expert), expert=expert, gpu_seconds=s, source=job.name)
+
+    # -- hangs and budgets ----------------------------------------------------------------------------
+    def watchdog(self) -> list[Action]:
+        """A running actor silent past retry.heartbeat_timeout_s has hung; one past a job's cap plus the grace
+        is hard-stopped; a queued one whose jobs the budget can no longer cover is cancelled."""
+        now, out = self.clock(), []
+        budgeted = self.book.campaign_s is not None or self.book.expert_s is not None
+        for unit in list(self.units.values()):
+            if unit.phase == "queued":
+                if budgeted and all((left := self.left(c.job)) is not None and left <= 0 for c in unit.live()):
+                    out += self._cancel(unit)
+                continue
+            silent = now - unit.last_beat
+            live = unit.live()
+            held = silent * self.cfg.resources.num_gpus / max(1, len(live))
+            over = tuple(c.job for c in live
+                         if c.cap_s is not None and c.reported.gpu_seconds + held > c.cap_s + self.cfg.budget.grace_gpu_seconds)
+            if silent > self.cfg.retry.heartbeat_timeout_s:
+                out += self.on_lost(unit.id, Lost(f"hang: no heartbeat for {silent:.0f} s"))
+            elif over:
+                out += self.on_lost(unit.id, Lost("budget_exhausted: hard stop past the grace"), stop=over)
+        return out
+
+    def _cancel(self, unit: Unit) -> list[Action]:
+        """A queued actor whose jobs the budget can no longer cover is withdrawn before it holds a GPU."""
+        self.units.pop(unit.id)
+        for c in unit.live():
+            self._end(c)
+            self._finish(c.job, "budget_exhausted", note="cancelled while queued: the budget cannot cover it")
+        return [Stop(unit)]
+
+    # -- after a driver loss --------------------------------------------------------------------------
+    def restore(self, past: dict[str, JobHistory]) -> None:
+        """Rebuild from the campaign directory: ended jobs stay ended, grants are replayed, failures counted,
+        and an attempt the lost driver left running is settled against its job's latest checkpoint."""
+        by_name = {j.name: j for j in self.jobs}
+        for h in past.values():
+            for ev in h.events:
+                if ev["event"] == "budget_granted" and h.job in by_name:
+                    e = by_name[h.job].expert
+                    self.book.granted[e] = self.book.granted.get(e, 0.0) + ev["gpu_seconds"]
+        records = None
+        for job in self.jobs:
+            h = past.get(job.name)
+            if h and h.terminal:
+                self.outcome[job] = h.state
+                continue
+            self.pending.append(job)
+            if not h or not h.attempts:
+                continue
+            self.next_attempt[job], self.failures[job] = h.attempts, h.failures
+            self.cause[job] = self._cause_after(h)
+            last = h.attempts - 1
+            if h.held(last) and h.ended(last) is None:
+                records = self.ledger.records() if records is None else records   # read once, not once per job
+                self._settle_interrupted(job, last, records)
+
+    @staticmethod
+    def _cause_after(h: JobHistory) -> str:
+        """Why the job's next attempt exists, from how its latest attempt that held a GPU ended."""
+        for attempt in range(h.attempts - 1, -1, -1):
+            if h.held(attempt):
+                return {"failed": "retry", "preempted": "preempted", None: "resumed"}.get(h.ended(attempt), "retry")
+        return "new"
+
+    def _settle_interrupted(self, job: Job, attempt: int, records: list[dict]) -> None:
+        mine = [r for r in records if r["expert"] == job.expert and r["attempt"] == attempt]
+        if any(r["seq"] == -1 for r in mine):       # settled by an earlier resume (that driver was lost too)
+            return
+        setup = sum((_usage(r) for r in mine if r["seq"] == 0), Usage())
+        training = sum((_usage(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
+        device = next((r.get("device") for r in mine if r.get("device")), None)
+        c = Account(job, attempt, "resumed", started=True, setup=setup, reported=setup + training, device=device,
+                    step=max((r["step"] for r in mine if r["step"] is not None), default=0))
+        fix, gone = settle(training, self._kept(c))
+        if not fix.is_zero:
+            self._record(job.category, fix, c, -1, "settled against the latest checkpoint: driver lost")
+        if not gone.is_zero:
+            self._record("wasted", gone, c, -1, "lost after checkpoint: driver lost")
+
+
+def _usage(rec: dict) -> Usage:
+    return Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
