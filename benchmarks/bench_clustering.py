@@ -30,7 +30,7 @@ scale     `soma prepare` on a >= 1 GB JSONL corpus generated from random lines o
           (MB/s), peak RSS (bounded by the sample, not the corpus) and shard sizes.
 
   PYTHONPATH=. python benchmarks/bench_clustering.py [--part quality campaign] [--mb 64] [--experts 16 64 256]
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part scale --gb 1.0 --experts 16 [--rule nearest]
+  PYTHONPATH=. python benchmarks/bench_clustering.py --part scale --gb 1.0 --experts 16 [--rule balanced nearest]
 
 Measured 2026-12-03 on the 2-core CPU host (load average 3-5 from other work): see RESULTS below the code.
 """
@@ -205,7 +205,7 @@ def share_seed(parent: str, child: str) -> None:
     """The nearest arm starts from the balanced arm's seed model (files and seed events copied, as `soma fork`
     does): the seed is trained on all train sequences either way, and one seed for both rules leaves the
     rule as the only difference between the two ensembles."""
-    from pipelines.events import LOG
+    from soma_cluster.events import LOG
     src, dst = Store(parent), Store(child)
     for rel in src.walk("seed"):
         dst.write_bytes(rel, src.read_bytes(rel))
@@ -324,19 +324,19 @@ def scale(args, tmp: str) -> None:
     text_bytes = generate(corpus, int(args.gb * 1e9), seed=0)
     rss_before = peak_rss_mib()
     print(f"generated {text_bytes / 1e9:.2f} GB of text in {time.perf_counter() - t:.0f} s; peak RSS so far {rss_before:.0f} MiB", flush=True)
-    for n in args.experts:
+    for n, rule in [(n, rule) for n in args.experts for rule in args.rule]:
         cfg = resolve("tiny", {"name": "bench-cluster", "n_experts": n,
                                "corpus": {"source": corpus, "max_bytes": text_bytes + 1, "test_fraction": 0.001},
-                               "router": {"sample_chunks": args.sample, "max_features": 50_000, "min_df": 5, "svd_dim": 128, "rule": args.rule}})
+                               "router": {"sample_chunks": args.sample, "max_features": 50_000, "min_df": 5, "svd_dim": 128, "rule": rule}})
         from pipelines.prepare import prepare
-        store = Store(os.path.join(tmp, f"campaign-{n}"))
+        store = Store(os.path.join(tmp, f"campaign-{rule}-{n}"))
         t = time.perf_counter()
         summary = prepare(store, cfg)
         wall = time.perf_counter() - t
         rows = summary["train_rows"]
         print("\n| corpus | experts | rule | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max | spread |")
         print("|---|---|---|---|---|---|---|---|---|")
-        print(f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {n} | {args.rule} | "
+        print(f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {n} | {rule} | "
               f"{args.sample:,} chunks | {wall:.0f} | {summary['corpus']['bytes'] / 1e6 / wall:.1f} | {peak_rss_mib():.0f} | "
               f"{min(rows):,}/{max(rows):,} | {summary['assigned_size_spread']:.3f} |")
         print(f"(peak RSS before prepare, from generating the corpus: {rss_before:.0f} MiB)")
@@ -352,7 +352,7 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)")
     p.add_argument("--gb", type=float, default=1.0, help="scale: generated corpus size")
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
-    p.add_argument("--rule", default="balanced", choices=["balanced", "nearest"], help="scale: router.rule")
+    p.add_argument("--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="soma-bench-cluster-", dir="/tmp")
     try:

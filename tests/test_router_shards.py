@@ -186,10 +186,43 @@ def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
         open_shard(store, 1)
 
 
+def shard_rows(store: Store, expert: int) -> list[bytes]:
+    shard = open_shard(store, expert)
+    return [bytes(r) for part in shard.train + shard.val for r in part]
+
+
+@pytest.mark.parametrize("rule", ["balanced", "nearest"])
+def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule):
+    """Both rules through prepare on real text: every sequence of every shard (train and val) is routed by
+    route() to its own shard first; balanced shards are within router.balance_tolerance over all
+    sequences, nearest shards are each sequence's nearest centroid (zero offsets, saved as such)."""
+    from conftest import micro_config
+    from pipelines.prepare import prepare
+    cfg = micro_config(n_experts=8, corpus={"max_bytes": 3_000_000}, router={"rule": rule})
+    store = Store(str(tmp_path / "c"))
+    summary = prepare(store, cfg)
+    router = load_router(store)
+    assert summary["rule"] == router.cfg.rule == rule
+    rows = [shard_rows(store, e) for e in range(8)]
+    sizes = np.array([len(r) for r in rows])
+    assert sizes.tolist() == [t + v for t, v in zip(summary["train_rows"], summary["val_rows"])]
+    emb = router.embed([router_text(r) for part in rows for r in part])
+    shard = np.repeat(np.arange(8), sizes)
+    top, _ = router.route(emb)
+    np.testing.assert_array_equal(top[:, 0], shard)                           # test routing agrees with the shards
+    cosine = np.argmax(emb @ router.centroids.T, axis=1)
+    if rule == "balanced":
+        assert np.abs(sizes / sizes.mean() - 1).max() <= cfg.router.balance_tolerance
+        assert np.mean(cosine != shard) > 0.01                                # the offsets do move sequences
+    else:
+        assert not router.offsets.any()
+        np.testing.assert_array_equal(cosine, shard)
+
+
 def test_n256_prepare_on_the_builtin_corpus_gives_every_shard_an_equal_share(tmp_path):
     """The mission's N on real text: 64 MB of the built-in corpus, 256 experts of about 230 sequences. The
     paper's nearest-centroid rule leaves some experts with a handful here; the balanced rule's shards are
-    all within router.balance_tolerance, and the saved router sends a shard's sequences back to it."""
+    all within router.balance_tolerance, and the saved router routes a shard's sequences back to it."""
     from pipelines.prepare import prepare
     cfg = resolve("tiny", {"n_experts": 256, "corpus": {"max_bytes": 64_000_000},
                            "router": {"kmeans_iters": 10}, "shards": {"min_train_seqs": 64}})
@@ -201,8 +234,10 @@ def test_n256_prepare_on_the_builtin_corpus_gives_every_shard_an_equal_share(tmp
     assert np.abs(sizes / sizes.mean() - 1).max() <= cfg.router.balance_tolerance
     assert min(summary["val_rows"]) >= 1 and summary["rule"] == "balanced"
     router = load_router(store)
-    for e in (0, 97, 255):
-        shard = open_shard(store, e)
-        rows = [router_text(bytes(r)) for r in shard.train[0][:100]]
-        assert np.mean(router.assign(router.embed(rows)) == e) >= 0.97       # float ties at most
     assert json.loads((tmp_path / "c" / "router" / "router.json").read_text())["config"]["rule"] == "balanced"
+    rows = [shard_rows(store, e)[:12] for e in range(256)]                  # 12 sequences of every shard
+    emb = router.embed([router_text(r) for part in rows for r in part])
+    top, _ = router.route(emb)
+    np.testing.assert_array_equal(top[:, 0], np.repeat(np.arange(256), [len(r) for r in rows]))
+    # the same centroids without the offsets (rule nearest) would not: a large share lands elsewhere
+    assert np.mean(np.argmax(emb @ router.centroids.T, axis=1) != top[:, 0]) > 0.05
