@@ -45,7 +45,7 @@ from soma_cluster.config import ModelConfig, RouterConfig
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.ensemble import Windows, evaluate_ensemble
 from soma_cluster.model import Layout, init_body, init_head
-from soma_cluster.router import fit_router
+from soma_cluster.router import fit_router, router_text
 
 
 def corpus_chunks(n_fit: int, n_windows: int) -> tuple[list[str], np.ndarray]:
@@ -56,7 +56,7 @@ def corpus_chunks(n_fit: int, n_windows: int) -> tuple[list[str], np.ndarray]:
         if i % 5 == 0 and len(wins) < n_windows:
             wins += pieces[: n_windows - len(wins)]
         else:
-            fit += [p[:1024].decode("utf-8", "ignore") for p in pieces]
+            fit += [router_text(p[:1024]) for p in pieces]
     return fit[:n_fit], np.frombuffer(b"".join(wins), dtype=np.uint8).reshape(-1, 1025)
 
 

@@ -100,6 +100,7 @@ def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignCo
         "uniform": {"nats_per_byte": UNIFORM_NATS, "bits_per_byte": 8.0},
         "ensemble_minus_seed": _paired(res.nats, seed_nats, w),
         "per_expert": per_expert, "top_k": min(ens.router.cfg.top_k, cfg.n_experts), "weighting": ens.router.cfg.weighting,
+        "rule": ens.router.cfg.rule,
         "routing_time_share": res.route_seconds / total_s, "ensemble_seconds": total_s, "seed_seconds": seed_seconds,
         "byte_tokens_per_second": len(win.data) * (win.data.shape[1] - 1) / total_s,
         "parameters": campaign_param_count(cfg.model, cfg.n_experts), "device": str(device),
@@ -215,7 +216,7 @@ def report(cfg: CampaignConfig, m: dict) -> str:
     rows = "\n".join(f"| {name} | {v['step']} | {v['own_val_nats']:.4f} | {v['routed_windows']} |" for name, v in m["per_expert"].items())
     return f"""# soma-cluster evaluation: {cfg.name} (preset {cfg.preset})
 
-N = {cfg.n_experts} experts, d = {cfg.model.d}, {m['parameters']:,} parameters; top-{m['top_k']} {m['weighting']} routing;
+N = {cfg.n_experts} experts, d = {cfg.model.d}, {m['parameters']:,} parameters; top-{m['top_k']} {m['weighting']} routing by the {m.get('rule', 'nearest')} rule;
 {m['windows']} test windows of {cfg.eval.window_bytes} bytes from {m['documents']} held-out documents, {m['scored_bytes']:,} scored bytes.
 
 | model | nats/byte [95% CI] | bits/byte |

@@ -5,10 +5,12 @@ shard writing stream in batches with bounded memory.
 """
 from __future__ import annotations
 
+import math
 import os
 import random
 import tempfile
 import time
+from dataclasses import replace
 
 import numpy as np
 import pyarrow as pa
@@ -19,16 +21,12 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Packer, describe_counts, describe_skipped, documents, is_test_doc
 from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
-from soma_cluster.router import Router, cluster_spread, fit_router, save_router
+from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import ShardWriter, expert_name, rows_to_numpy, schema
 from soma_cluster.storage import Store, file_sha256, put_file
 
 SPILL_BATCH = 4096
 EMBED_BATCH = 4096
-
-
-def _text(seq: bytes) -> str:
-    return seq.decode("utf-8", errors="ignore")
 
 
 class _Spill:
@@ -46,11 +44,11 @@ class _Spill:
 
     def add(self, seq: bytes) -> None:
         if len(self.sample) < self.sample_size:
-            self.sample.append(_text(seq))
+            self.sample.append(router_text(seq))
         else:
             j = self.rng.randrange(self.n + 1)
             if j < self.sample_size:
-                self.sample[j] = _text(seq)
+                self.sample[j] = router_text(seq)
         self.n += 1
         self.buf.append(seq)
         if len(self.buf) >= SPILL_BATCH:
@@ -120,26 +118,53 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
                    "test_windows": n_windows, "test_path": test_path}, spill.n
 
 
-def _assign(spill: _Spill, router: Router) -> np.ndarray:
-    labels = []
+def _embed_all(spill: _Spill, router: Router, tmpdir: str) -> np.ndarray:
+    """Every train sequence's router embedding (n, svd_dim) float32, memory-mapped from local disk
+    (512 bytes a sequence at svd_dim 128: half the spill itself)."""
+    emb = np.lib.format.open_memmap(os.path.join(tmpdir, "embeddings.npy"), mode="w+", dtype=np.float32,
+                                    shape=(spill.n, router.mean.shape[0]))
+    pos = 0
     with progress() as bar:
-        task = bar.add_task("assigning sequences", total=spill.n)
+        task = bar.add_task("embedding sequences", total=spill.n)
         for col in spill.batches():
             seqs = rows_to_numpy(col, spill.seq_bytes)
             for a in range(0, len(seqs), EMBED_BATCH):
-                texts = [_text(s.tobytes()) for s in seqs[a:a + EMBED_BATCH]]
-                labels.append(router.nearest(router.embed(texts)))
+                texts = [router_text(s.tobytes()) for s in seqs[a:a + EMBED_BATCH]]
+                emb[pos:pos + len(texts)] = router.embed(texts)
+                pos += len(texts)
                 bar.advance(task, len(texts))
-    return np.concatenate(labels)
+    return emb
+
+
+def _assign(spill: _Spill, router: Router, tmpdir: str) -> tuple[Router, np.ndarray]:
+    """Shard labels (n,) of every train sequence under the router's rule. The balanced rule's offsets are
+    refitted on all the sequences (warm from the sample's), so the shards, not just the sample, are equal
+    up to ties; the router saved and used for routing carries these offsets."""
+    emb = _embed_all(spill, router, tmpdir)
+    if router.cfg.rule == "balanced":
+        router = replace(router, offsets=fit_offsets(emb, router.centroids, router.offsets))
+    labels = router.assign(emb)
+    del emb
+    return router, labels
 
 
 def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
     val_every = max(2, round(1.0 / cfg.shards.val_fraction))
-    for e, n in enumerate(sizes):
-        n_val = n // val_every
-        if n - n_val < cfg.shards.min_train_seqs or n_val < 1:
-            raise SomaError(f"{expert_name(e)} would get {n} sequences ({n_val} val), below shards.min_train_seqs="
-                            f"{cfg.shards.min_train_seqs} train and 1 val; lower n_experts or add data")
+    e = int(np.argmin(sizes))
+    n = int(sizes[e])
+    n_val = n // val_every
+    if n - n_val < cfg.shards.min_train_seqs:
+        raise SomaError(f"{expert_name(e)} would get {n} sequences ({n_val} val), below shards.min_train_seqs="
+                        f"{cfg.shards.min_train_seqs} train; lower n_experts or add data")
+    if n_val < 1:
+        need = math.ceil(1000 / max(n, 2)) / 1000     # round(1 / fraction) <= n puts one of its n sequences in val
+        raise SomaError(f"{expert_name(e)} would get {n} sequences and 0 val: shards.val_fraction={cfg.shards.val_fraction} puts one in "
+                        f"every {val_every} in val; raise shards.val_fraction to {need} or more (or add data, or lower n_experts)")
+    spread = size_spread(sizes)
+    if cfg.router.rule == "balanced" and spread > cfg.router.balance_tolerance:
+        raise SomaError(f"router: the balanced rule gives shards of {sizes.min()}-{sizes.max()} sequences ({spread:.1%} from the mean), over "
+                        f"router.balance_tolerance={cfg.router.balance_tolerance} (identical chunks always share a shard); "
+                        "raise the tolerance, lower n_experts or add data")
 
 
 def prepare(store: Store, cfg: CampaignConfig) -> dict:
@@ -154,9 +179,10 @@ def prepare(store: Store, cfg: CampaignConfig) -> dict:
         spill, corpus_info, n_seqs = _read_corpus(cfg, tmp, store)
         if n_seqs < cfg.n_experts:
             raise SomaError(f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than n_experts={cfg.n_experts}; lower n_experts or add data")
-        console.print(f"fitting router on {len(spill.sample)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, N={cfg.n_experts})")
+        console.print(f"fitting router on {len(spill.sample)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, "
+                      f"N={cfg.n_experts}, rule {cfg.router.rule})")
         router, sample_labels = fit_router(spill.sample, cfg.n_experts, cfg.router, cfg.seed)
-        labels = _assign(spill, router)
+        router, labels = _assign(spill, router, tmp)
         sizes = np.bincount(labels, minlength=cfg.n_experts)
         _check_sizes(cfg, sizes)
         claim_campaign(store, cfg)                      # nothing is written before the data is known to fit
@@ -174,11 +200,12 @@ def prepare(store: Store, cfg: CampaignConfig) -> dict:
     fit_sizes = np.bincount(sample_labels, minlength=cfg.n_experts)
     summary = {"complete": True, "n_experts": cfg.n_experts, "seq_bytes": cfg.shards.seq_bytes, "corpus": corpus_info,
                "train_rows": [m["train_rows"] for m in manifests], "val_rows": [m["val_rows"] for m in manifests],
-               "fit_cluster_sizes": fit_sizes.tolist(), "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
+               "rule": router.cfg.rule, "fit_cluster_sizes": fit_sizes.tolist(), "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
                "assigned_size_spread": cluster_spread(labels, cfg.n_experts), "top_terms": router.top_terms, "wall_seconds": time.monotonic() - t0}
     store.write_json("shards/manifest.json", summary)
+    how = "offsets refitted on all of them" if router.cfg.rule == "balanced" else "each to its nearest centroid"
     console.print(f"cluster sizes: within {summary['fit_size_spread']:.1%} of the mean on the fit sample (balanced k-means), "
-                  f"{summary['assigned_size_spread']:.1%} over all sequences (each to its nearest centroid)")
+                  f"{summary['assigned_size_spread']:.1%} over all sequences (rule {router.cfg.rule}: {how})")
     Ledger(store).record("preprocessing", 0.0, summary["wall_seconds"], note="driver CPU: corpus, router fit, shard writing")
     for e, terms in enumerate(router.top_terms):
         console.print(f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  top terms: {', '.join(terms[:8])}")

@@ -66,7 +66,10 @@ class RouterConfig(_Section):
     weighting: Literal["uniform", "softmax"] = "uniform"   # softmax(-d^2/T) is c-BTM's option
     temperature: float = Field(0.1, gt=0.0)
     kmeans_iters: int = Field(20, ge=1)
-    balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster
+    # balanced: argmax(similarity - offset), offsets fitted so every expert gets an equal share (refitted over
+    # all train sequences by prepare); nearest: the paper's nearest centroid. Shards and routing use the same rule
+    rule: Literal["balanced", "nearest"] = "balanced"
+    balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster (balanced: of a shard too)
 
 
 class ShardConfig(_Section):

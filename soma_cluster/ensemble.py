@@ -3,7 +3,8 @@
 Windows of 1,025 bytes: the model reads bytes 0..1023 (state reset per window); prediction i is for
 byte i+1, and predictions i = 256..1023 are scored (768 per window), so every scored byte comes
 after the 256-byte prefix the router saw. The ensemble averages the probabilities of the top
-min(4, N) experts (uniform, or c-BTM softmax(-d^2/T) weights). Reductions are FP64; confidence
+min(4, N) experts under the router's rule, the one its shards were made with (uniform, or c-BTM
+softmax(-d^2/T) weights). Reductions are FP64; confidence
 intervals come from a paired document bootstrap.
 """
 from __future__ import annotations
@@ -21,7 +22,7 @@ from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.model import forward_blocks, target_logprobs
-from soma_cluster.router import Router
+from soma_cluster.router import Router, router_text
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store, sha256
 
@@ -170,7 +171,7 @@ def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tup
     it, mix. The experts of a pass run together on the expert axis (see plan_passes): N = 256 narrow
     experts cost a few wide passes instead of 256 thin ones."""
     t0 = time.perf_counter()
-    texts = [bytes(w[: router.cfg.prefix_bytes]).decode("utf-8", errors="ignore") for w in win.data]
+    texts = [router_text(bytes(w[: router.cfg.prefix_bytes])) for w in win.data]
     top, weights = router.route(router.embed(texts))
     t1 = time.perf_counter()
     prob = np.zeros((len(win.data), win.data.shape[1] - 1 - context), dtype=np.float64)

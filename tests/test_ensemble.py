@@ -8,7 +8,7 @@ from soma_cluster.config import ModelConfig, RouterConfig
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.ensemble import Windows, evaluate_ensemble, packed_logprobs, plan_passes, window_logprobs
 from soma_cluster.model import init_body, init_head
-from soma_cluster.router import fit_router
+from soma_cluster.router import fit_router, router_text
 
 CPU = torch.device("cpu")
 
@@ -40,12 +40,12 @@ def test_packed_experts_match_each_expert_alone(chunks, d, own):
 def test_ensemble_is_the_routed_average(chunks):
     cfg = ModelConfig(d=32)
     n = 6
-    router, _ = fit_router([c.decode("utf-8", "ignore") for c in chunks], n, RouterConfig(max_features=2000, min_df=2, svd_dim=8), 0)
+    router, _ = fit_router([router_text(c) for c in chunks], n, RouterConfig(max_features=2000, min_df=2, svd_dim=8), 0)
     ex = experts(cfg, n, False)
     data = np.frombuffer(b"".join(chunks[:40]), dtype=np.uint8).reshape(40, 1025)[:, :400]
     win = Windows(np.ascontiguousarray(data), np.arange(40) // 4)
     res = evaluate_ensemble(router, cfg, ex, win, 256, 16, CPU)
-    texts = [bytes(w[:256]).decode("utf-8", "ignore") for w in win.data]
+    texts = [router_text(bytes(w[:256])) for w in win.data]
     top, weights = router.route(router.embed(texts))
     want = np.zeros((40, 400 - 1 - 256))
     for i in range(40):

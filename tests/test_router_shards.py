@@ -1,20 +1,54 @@
+"""The router (features, balanced k-means, the balanced rule and its offsets, persistence, the bytes-to-text
+decoding) and the per-expert Arrow shards, including N = 256 prepared on the built-in corpus."""
+import json
+
 import numpy as np
 import pytest
+from safetensors.numpy import load as st_load
+from safetensors.numpy import save as st_save
 
-from soma_cluster.config import RouterConfig
+from soma_cluster.config import RouterConfig, resolve
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.router import balanced_assign, balanced_kmeans, fit_router, load_router, save_router
+from soma_cluster.router import (assign, balanced_kmeans, cluster_spread, fit_offsets, fit_router, load_router, router_text,
+                                 save_router)
 from soma_cluster.shards import ShardWriter, open_shard
-from soma_cluster.storage import Store
+from soma_cluster.storage import Store, sha256
 
 
-@pytest.mark.parametrize("n,k", [(100, 4), (101, 4), (7, 7), (1000, 13)])
-def test_balanced_assign_sizes_differ_by_at_most_one(n, k):
-    sims = np.random.default_rng(n).normal(size=(n, k)).astype(np.float32)
-    sims[:, 0] += 3.0                                   # everyone prefers cluster 0
-    sizes = np.bincount(balanced_assign(sims), minlength=k)
-    assert sizes.sum() == n and sizes.max() - sizes.min() <= 1
+def skewed(n: int, seed: int, dim: int = 16) -> np.ndarray:
+    """Unit rows from a mixture whose components have weights 1 : 2 : ... : 8 around random directions."""
+    rng = np.random.default_rng(0)
+    centers = rng.normal(size=(8, dim))
+    draw = np.random.default_rng(seed)
+    comp = draw.choice(8, size=n, p=np.arange(1, 9) / 36)
+    x = centers[comp] + 0.8 * draw.normal(size=(n, dim))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+@pytest.mark.parametrize("n_clusters", [2, 16, 64])
+def test_balanced_rule_splits_the_fit_set_equally_where_nearest_does_not(n_clusters):
+    x = skewed(20_000, seed=1)
+    centroids = x[np.linspace(0, len(x) - 1, n_clusters).astype(int)]          # data points: nearest is lopsided
+    assert cluster_spread(assign(x, centroids, np.zeros(n_clusters)), n_clusters) > 0.3
+    offsets = fit_offsets(x, centroids)
+    assert cluster_spread(assign(x, centroids, offsets), n_clusters) <= 0.025     # equal up to the rows within T of a tie
+    # new rows from the same distribution: the deviation expected of a sample, about sqrt(N / n) per cluster
+    fresh = assign(skewed(20_000, seed=2), centroids, offsets)
+    assert cluster_spread(fresh, n_clusters) < 5 * np.sqrt(n_clusters / len(x))
+    # a warm start (what prepare's refit over all sequences does) lands on the same rule
+    again = fit_offsets(x, centroids, offsets + np.float32(0.01) * np.sin(np.arange(n_clusters)).astype(np.float32))
+    assert np.mean(assign(x, centroids, again) == assign(x, centroids, offsets)) > 0.99
+
+
+def test_one_cluster_and_candidate_fit_beyond_the_dense_limit(monkeypatch):
+    x = skewed(3000, seed=3)
+    assert fit_offsets(x, x[:1]).tolist() == [0.0]
+    import soma_cluster.router as router_mod
+    monkeypatch.setattr(router_mod, "DENSE_ENTRIES", 3000 * 40 // 4)       # cold fit on a subsample, then candidates
+    monkeypatch.setattr(router_mod, "CANDIDATES", 6)
+    centroids = x[np.linspace(0, 2999, 40).astype(int)]
+    assert cluster_spread(assign(x, centroids, fit_offsets(x, centroids)), 40) <= 0.06      # 75 rows a cluster: +-4
 
 
 def test_balanced_kmeans_recovers_separated_clusters():
@@ -22,16 +56,17 @@ def test_balanced_kmeans_recovers_separated_clusters():
     centers = np.eye(8)[:4]
     x = np.concatenate([c + 0.05 * rng.normal(size=(50, 8)) for c in centers])
     x /= np.linalg.norm(x, axis=1, keepdims=True)
-    _, labels = balanced_kmeans(x.astype(np.float32), 4, 10, seed=0)
+    centroids, offsets, labels = balanced_kmeans(x.astype(np.float32), 4, 10, seed=0)
     for block in range(4):
         assert len(set(labels[block * 50:(block + 1) * 50])) == 1
+    np.testing.assert_array_equal(labels, assign(x.astype(np.float32), centroids, offsets))
 
 
 @pytest.fixture(scope="module")
 def texts():
     out = []
     for doc in builtin_documents(800_000):
-        out += [doc.data[i:i + 1024].decode("utf-8", "ignore") for i in range(0, len(doc.data) - 1023, 1024)]
+        out += [router_text(doc.data[i:i + 1024]) for i in range(0, len(doc.data) - 1023, 1024)]
     return out
 
 
@@ -39,13 +74,15 @@ def test_router_clusters_are_balanced_and_reload_identically(tmp_path, texts):
     cfg = RouterConfig(max_features=3000, min_df=3, svd_dim=16)
     router, labels = fit_router(texts, 4, cfg, seed=0)
     sizes = np.bincount(labels, minlength=4)
-    assert sizes.max() - sizes.min() <= 1
+    assert sizes.max() - sizes.min() <= 2
     assert all(len(t) == 8 for t in router.top_terms)
     store = Store(str(tmp_path / "c"))
     save_router(store, router)
     again = load_router(store)
     emb_a, emb_b = router.embed(texts[:50]), again.embed(texts[:50])
     np.testing.assert_array_equal(emb_a, emb_b)
+    np.testing.assert_array_equal(router.offsets, again.offsets)
+    assert again.cfg.rule == "balanced" and np.abs(again.offsets).max() > 0
     top, w = again.route(emb_b)
     assert top.shape == (50, 4) and np.allclose(w.sum(1), 1.0)
     arrays = tmp_path / "c" / "router" / "arrays.safetensors"
@@ -54,18 +91,75 @@ def test_router_clusters_are_balanced_and_reload_identically(tmp_path, texts):
         load_router(store)
 
 
-def test_balance_tolerance_is_enforced(texts):
-    from soma_cluster.router import cluster_spread
-    cfg = RouterConfig(max_features=3000, min_df=3, svd_dim=16, balance_tolerance=0.05)
-    router, labels = fit_router(texts[:400], 8, cfg, seed=0)          # 50 per cluster: within 2%
+def test_routing_ranks_by_the_rules_scores(texts):
+    router, _ = fit_router(texts, 8, RouterConfig(max_features=3000, min_df=3, svd_dim=16, weighting="softmax"), seed=0)
+    emb = router.embed(texts[:200])
+    top, w = router.route(emb)
+    np.testing.assert_array_equal(top[:, 0], router.assign(emb))              # a window's first expert: its shard's
+    assert (np.diff(w, axis=1) <= 1e-12).all() and np.allclose(w.sum(1), 1.0)  # weights fall along the ranking
+    nearest = fit_router(texts, 8, RouterConfig(max_features=3000, min_df=3, svd_dim=16, rule="nearest"), seed=0)[0]
+    np.testing.assert_array_equal(nearest.centroids, router.centroids)       # same k-means, only the rule differs
+    assert not nearest.offsets.any()
+    np.testing.assert_array_equal(nearest.assign(emb), np.argmax(emb @ nearest.centroids.T, axis=1))
+
+
+def test_router_saved_before_offsets_existed_loads_as_nearest(tmp_path, texts):
+    router, _ = fit_router(texts[:400], 4, RouterConfig(max_features=3000, min_df=3, svd_dim=16), seed=0)
+    store = Store(str(tmp_path / "c"))
+    save_router(store, router)
+    arrays = st_load(store.read_bytes("router/arrays.safetensors"))
+    old = st_save({k: v for k, v in arrays.items() if k != "offsets"})      # the layout written before this change
+    store.write_bytes("router/arrays.safetensors", old)
+    meta = store.read_json("router/router.json")
+    del meta["config"]["rule"]
+    meta["files"]["arrays.safetensors"] = sha256(old)
+    store.write_json("router/router.json", meta)
+    loaded = load_router(store)
+    assert loaded.cfg.rule == "nearest" and not loaded.offsets.any()
+    emb = loaded.embed(texts[:50])
+    np.testing.assert_array_equal(loaded.assign(emb), np.argmax(emb @ loaded.centroids.T, axis=1))
+
+
+def test_router_text_keeps_every_letter():
+    assert router_text("naïve café".encode()) == "naïve café"                 # UTF-8 as UTF-8
+    assert router_text("fïle naïve".encode("latin-1")) == "fïle naïve"        # Latin-1 letters stay letters
+    assert router_text("x café".encode()[:-1]) == "x caf"                      # a character cut at the chunk's end
+    assert router_text("é is".encode()[1:]) == " is"                           # and at its start
+    assert router_text(b"a\xff\xfeb") == "a\xff\xfeb"
+    words = "fïle système über naïve déjà crème garçon château river stone cloud paper".split()
+    rng = np.random.default_rng(0)
+    latin = [" ".join(rng.choice(words, 12)).encode("latin-1") for _ in range(120)]      # a Latin-1 corpus
+    router, _ = fit_router([router_text(t) for t in latin], 2, RouterConfig(max_features=100, min_df=2, svd_dim=4), seed=0)
+    assert {"fïle", "système", "über", "garçon"} <= set(router.vocabulary)
+
+
+def test_fit_sample_is_balanced_down_to_a_few_rows_per_cluster(texts):
+    cfg = RouterConfig(max_features=3000, min_df=3, svd_dim=16)
+    _, labels = fit_router(texts[:400], 8, cfg, seed=0)                        # 50 per cluster
     assert cluster_spread(labels, 8) <= 0.05
-    with pytest.raises(SomaError, match="balance_tolerance"):
-        fit_router(texts[:403], 100, cfg.model_copy(update={"min_df": 2}), seed=0)   # 4 or 5 per cluster: 24% apart
+    _, labels = fit_router(texts[:403], 100, cfg.model_copy(update={"min_df": 2}), seed=0)   # 4 or 5 per cluster
+    assert set(np.bincount(labels, minlength=100)) <= {4, 5}
 
 
 def test_router_needs_enough_chunks():
     with pytest.raises(SomaError, match="lower n_experts"):
         fit_router(["a b c"] * 3, 4, RouterConfig(), 0)
+
+
+def test_size_errors_name_the_setting_to_change():
+    from pipelines.prepare import _check_sizes
+    cfg = resolve("tiny", {"n_experts": 4, "shards": {"min_train_seqs": 16, "val_fraction": 0.01}})
+    with pytest.raises(SomaError, match="shards.min_train_seqs") as err:
+        _check_sizes(cfg, np.array([300, 300, 10, 300]))
+    assert "expert-0002" in str(err.value)
+    with pytest.raises(SomaError, match="shards.val_fraction") as err:           # train rows fine, no val row
+        _check_sizes(cfg, np.array([60, 60, 60, 60]))
+    fix = float(str(err.value).split("raise shards.val_fraction to ")[1].split()[0])
+    _check_sizes(cfg.model_copy(update={"shards": cfg.shards.model_copy(update={"val_fraction": fix})}), np.array([60, 60, 60, 60]))
+    with pytest.raises(SomaError, match="balance_tolerance"):
+        _check_sizes(cfg, np.array([300, 300, 200, 400]))
+    nearest = cfg.model_copy(update={"router": cfg.router.model_copy(update={"rule": "nearest"})})
+    _check_sizes(nearest, np.array([300, 300, 200, 400]))                     # the paper's rule is not held to it
 
 
 def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
@@ -90,3 +184,60 @@ def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
     victim.write_bytes(bytes(data))
     with pytest.raises(ChecksumError, match="expert-0001/val.arrow"):
         open_shard(store, 1)
+
+
+def shard_rows(store: Store, expert: int) -> list[bytes]:
+    shard = open_shard(store, expert)
+    return [bytes(r) for part in shard.train + shard.val for r in part]
+
+
+@pytest.mark.parametrize("rule", ["balanced", "nearest"])
+def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule):
+    """Both rules through prepare on real text: every sequence of every shard (train and val) is routed by
+    route() to its own shard first; balanced shards are within router.balance_tolerance over all
+    sequences, nearest shards are each sequence's nearest centroid (zero offsets, saved as such)."""
+    from conftest import micro_config
+    from pipelines.prepare import prepare
+    cfg = micro_config(n_experts=8, corpus={"max_bytes": 3_000_000}, router={"rule": rule})
+    store = Store(str(tmp_path / "c"))
+    summary = prepare(store, cfg)
+    router = load_router(store)
+    assert summary["rule"] == router.cfg.rule == rule
+    rows = [shard_rows(store, e) for e in range(8)]
+    sizes = np.array([len(r) for r in rows])
+    assert sizes.tolist() == [t + v for t, v in zip(summary["train_rows"], summary["val_rows"])]
+    emb = router.embed([router_text(r) for part in rows for r in part])
+    shard = np.repeat(np.arange(8), sizes)
+    top, _ = router.route(emb)
+    np.testing.assert_array_equal(top[:, 0], shard)                           # test routing agrees with the shards
+    cosine = np.argmax(emb @ router.centroids.T, axis=1)
+    if rule == "balanced":
+        assert np.abs(sizes / sizes.mean() - 1).max() <= cfg.router.balance_tolerance
+        assert np.mean(cosine != shard) > 0.01                                # the offsets do move sequences
+    else:
+        assert not router.offsets.any()
+        np.testing.assert_array_equal(cosine, shard)
+
+
+def test_n256_prepare_on_the_builtin_corpus_gives_every_shard_an_equal_share(tmp_path):
+    """The mission's N on real text: 64 MB of the built-in corpus, 256 experts of about 230 sequences. The
+    paper's nearest-centroid rule leaves some experts with a handful here; the balanced rule's shards are
+    all within router.balance_tolerance, and the saved router routes a shard's sequences back to it."""
+    from pipelines.prepare import prepare
+    cfg = resolve("tiny", {"n_experts": 256, "corpus": {"max_bytes": 64_000_000},
+                           "router": {"kmeans_iters": 10}, "shards": {"min_train_seqs": 64}})
+    store = Store(str(tmp_path / "c"))
+    summary = prepare(store, cfg)
+    sizes = np.array(summary["train_rows"]) + np.array(summary["val_rows"])
+    assert len(sizes) == 256 and sizes.sum() > 50_000
+    assert summary["assigned_size_spread"] <= cfg.router.balance_tolerance
+    assert np.abs(sizes / sizes.mean() - 1).max() <= cfg.router.balance_tolerance
+    assert min(summary["val_rows"]) >= 1 and summary["rule"] == "balanced"
+    router = load_router(store)
+    assert json.loads((tmp_path / "c" / "router" / "router.json").read_text())["config"]["rule"] == "balanced"
+    rows = [shard_rows(store, e)[:12] for e in range(256)]                  # 12 sequences of every shard
+    emb = router.embed([router_text(r) for part in rows for r in part])
+    top, _ = router.route(emb)
+    np.testing.assert_array_equal(top[:, 0], np.repeat(np.arange(256), [len(r) for r in rows]))
+    # the same centroids without the offsets (rule nearest) would not: a large share lands elsewhere
+    assert np.mean(np.argmax(emb @ router.centroids.T, axis=1) != top[:, 0]) > 0.05
