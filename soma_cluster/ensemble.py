@@ -20,7 +20,7 @@ import torch
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.model import forward_blocks, target_logprobs
+from soma_cluster.model import Layout, forward_blocks, target_logprobs
 from soma_cluster.router import Router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store, sha256
@@ -68,9 +68,14 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tenso
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
     bodies, heads = bodies.to(device), heads.to(device)
+    if fused.expert_usable(model, bodies, heads):                      # the whole expert in one fused kernel
+        return fused.expert_logprobs(model, Layout(model).views(bodies), heads, x, y, context).double().numpy()
     g, b = x.shape[0], x.shape[1]
     parts = []
     for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):   # h (G, Tb, B, e)
+        if t1 <= context:                                              # nothing scored in this block: no decoder
+            parts.append(h.new_zeros(g, t1 - t0, b))
+            continue
         if fused.usable(h, heads):
             parts.append(target_logprobs(h, heads, y[..., t0:t1]))                 # the fused kernel, no logits tensor
             continue
