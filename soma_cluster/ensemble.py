@@ -61,15 +61,15 @@ def bmm_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tensor, windows: np.ndarray, context: int,
-                    device: torch.device) -> np.ndarray:
-    """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e),
-    windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64."""
+def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor], heads: torch.Tensor | list[torch.Tensor],
+                    windows: np.ndarray, context: int, device: torch.device) -> np.ndarray:
+    """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e) (or lists of
+    G tensors), windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64."""
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
-    bodies, heads = bodies.to(device), heads.to(device)
-    if fused.expert_usable(model, bodies, heads):                      # the whole expert in one fused kernel
-        return fused.expert_logprobs(model, Layout(model).views(bodies), heads, x, y, context).double().numpy()
+    if device.type == "cpu" and fused.expert_usable(model, *bodies[:1], *heads[:1]):   # the whole expert in one kernel
+        return fused.expert_logprobs(Layout(model), bodies, heads, x, y, context).numpy().astype(np.float64)
+    bodies, heads = (torch.stack(list(t)).to(device) if isinstance(t, list) else t.to(device) for t in (bodies, heads))
     g, b = x.shape[0], x.shape[1]
     parts = []
     for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):   # h (G, Tb, B, e)
@@ -185,8 +185,7 @@ def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tup
         padded = np.zeros((len(units), units[0][2], win.data.shape[1]), dtype=np.uint8)
         for i, (e, a, n) in enumerate(units):
             padded[i, :n] = win.data[routed[e][0][a:a + n]]
-        lp = packed_logprobs(model, torch.stack([experts[e][0] for e, _, _ in units]), torch.stack([experts[e][1] for e, _, _ in units]),
-                             padded, context, device)
+        lp = packed_logprobs(model, [experts[e][0] for e, _, _ in units], [experts[e][1] for e, _, _ in units], padded, context, device)
         for i, (e, a, n) in enumerate(units):
             rows, slots = routed[e][0][a:a + n], routed[e][1][a:a + n]
             np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :n]))

@@ -28,6 +28,7 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
@@ -96,16 +97,17 @@ def _library():
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building the fused CPU kernels failed (%s): the model runs in plain torch (slower)", str(detail).strip()[:300])
         return None
-    lib.lstm_block.restype = lib.target_logprobs.restype = lib.expert_forward.restype = None
-    lib.vector_lanes.restype = lib.expert_packed_floats.restype = ctypes.c_int64
-    lib.vector_lanes.argtypes = []
-    lib.pointwise.restype = None
-    lib.pointwise.argtypes = [ctypes.c_int64, ctypes.c_void_p, ctypes.c_int64]
-    lib.expert_packed_floats.argtypes = [ctypes.c_int64] * 3
-    lib.lstm_block.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 5
-    lib.target_logprobs.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
-    lib.expert_forward.argtypes = [ctypes.c_void_p] * 3 + [ctypes.c_int64] + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 2 \
-        + [ctypes.c_void_p] * 2 + [ctypes.c_int64] * 8
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    signatures = {                                   # name: (result, arguments), as in kernels.c
+        "expert_forward": (None, [ptr] * 3 + [i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 8),
+        "lstm_block": (None, [ptr] * 5 + [i64] * 5),
+        "target_logprobs": (None, [ptr] * 4 + [i64] * 5),
+        "pack_recurrent": (None, [ptr] * 2 + [i64] * 2),
+        "padded_width": (i64, [i64]),
+        "pointwise": (None, [i64, ptr, i64]),
+    }
+    for name, (result, args) in signatures.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = result, args
     return lib
 
 
@@ -129,90 +131,79 @@ def pointwise(kind: str, x: torch.Tensor) -> torch.Tensor:
     return out
 
 
-def _round_up(n: int) -> int:
-    lanes = _library().vector_lanes()
-    return -(-n // lanes) * lanes
-
-
-def _pad(t: torch.Tensor, *sizes: int) -> torch.Tensor:
-    """t with its trailing len(sizes) dims zero-padded up to `sizes`."""
-    out = t.new_zeros(*t.shape[:t.dim() - len(sizes)], *sizes)
-    out[(..., *(slice(0, n) for n in t.shape[t.dim() - len(sizes):]))] = t
-    return out
-
-
-def _gate_columns(*ws: torch.Tensor, g_scale: float = 2.0) -> torch.Tensor:
-    """LSTM weights (C, 4d, d) each (W_ih and W_hh, or just W_hh) -> [W^T; ...] (C, len(ws) * D, 4D): the columns
-    of each `lanes` hidden units' four gates side by side (i, f, g, o), the g columns scaled by g_scale (see
-    kernels.c: 2, unless the caller has scaled them already)."""
-    c, four_d, d = ws[0].shape
-    big, lanes = _round_up(d), _library().vector_lanes()
-    scale = torch.tensor([1.0, 1.0, g_scale, 1.0], dtype=ws[0].dtype, device=ws[0].device).view(1, 1, 4, 1, 1)
-    w = _pad(torch.stack(ws, 1).view(c, len(ws), 4, d, d) * scale, big, big)       # (C, src, gate, unit, k)
-    w = w.view(c, len(ws), 4, big // lanes, lanes, big).permute(0, 1, 5, 3, 2, 4)  # (C, src, k, chunk, gate, lane)
-    return w.reshape(c, len(ws) * big, 4 * big)
-
-
-def pack_experts(cfg: ModelConfig, w: dict[str, torch.Tensor]) -> torch.Tensor:
-    """The body tensors of C copies by name ((C, *shape) each, model.Layout.views) -> the kernel's packed weights
-    (C, S): transposed, padded to the vector width, the LSTM's gate columns interleaved (layout: kernels.c)."""
-    c = w["lnf"].shape[0]
-    d, e = cfg.d, cfg.embed_dim
-    big, big_e, hid = _round_up(d), _round_up(e), _round_up(4 * d)
-    parts = [_pad(w["proj_in"].transpose(1, 2), big_e, big)] if d != e else []
-    for k in range(cfg.depth):
-        parts += [_pad(w[f"b{k}.ln1"], big), _gate_columns(w[f"b{k}.w_ih"], w[f"b{k}.w_hh"]), _pad(w[f"b{k}.ln2"], big),
-                  _pad(w[f"b{k}.w1"].transpose(1, 2), big, hid), _pad(w[f"b{k}.w2"].transpose(1, 2), hid, big)]
-    parts.append(_pad(w["lnf"], big))
-    if d != e:
-        parts.append(_pad(w["proj_out"].transpose(1, 2), big, big_e))
-    packed = torch.cat([p.reshape(c, -1) for p in parts], dim=1)
-    assert packed.shape[1] == _library().expert_packed_floats(d, e, cfg.depth), "kernels.c and pack_experts disagree"
-    return packed
-
-
 def expert_usable(cfg: ModelConfig, *tensors: torch.Tensor) -> bool:
     """The whole-expert kernel can stand in for the model's torch forward (see `usable`), and wins at this width."""
     return cfg.d <= MAX_EXPERT_D and usable(*tensors)
 
 
-def _expert_forward(cfg: ModelConfig, w: dict[str, torch.Tensor], heads: torch.Tensor, x: torch.Tensor, y: torch.Tensor, first: int,
+Tensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _pointers(ts: Tensors, shape: tuple[int, ...], what: str) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """A C array of pointers to float32 tensors of `shape`: the rows of one tensor or a list of them (no stacking,
+    no copies unless one is not contiguous); also the tensors, to keep them alive during the call."""
+    keep = [t.contiguous() for t in ts]
+    if any(t.shape != shape or t.dtype != torch.float32 for t in keep):
+        raise ValueError(f"expert kernel: every {what} must be float32 of shape {shape}")
+    return (ctypes.c_void_p * len(keep))(*(t.data_ptr() for t in keep)), keep
+
+
+def _byte_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """x, y (G, B, T) bytes -> uint8 tensors sharing their row and group strides (views of one array, such as the
+    inputs and targets of windows, are passed as they are), row stride, group stride."""
+    if not (x.dtype == y.dtype == torch.uint8 and x.stride() == y.stride() and x.stride(-1) == 1):
+        x, y = x.to(torch.uint8).contiguous(), y.to(torch.uint8).contiguous()
+    return x, y, x.stride(1), x.stride(0)
+
+
+def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int,
                     keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
-    c = w["lnf"].shape[0]
-    heads = heads if heads.dim() == 3 else heads[None]
+    cfg = layout.cfg
     x, y = (t[None] if t.dim() == 2 else t for t in (x, y))
-    groups, b, t = x.shape
-    if c % groups or y.shape != x.shape or heads.shape[0] not in (1, groups) or heads.shape[1:] != (256, cfg.embed_dim):
-        raise ValueError(f"expert kernel: {c} copies, heads {tuple(heads.shape)}, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit")
-    packed = pack_experts(cfg, w)
-    heads = heads.contiguous()
-    heads_t = _pad(heads.transpose(1, 2), _round_up(cfg.embed_dim), 256).contiguous()      # (H, E, 256)
-    x, y = x.to(torch.uint8).contiguous(), y.to(torch.uint8).contiguous()
+    heads = heads[None] if isinstance(heads, torch.Tensor) and heads.dim() == 2 else heads
+    c, groups, b, t = len(bodies), *x.shape
+    if c % groups or y.shape != x.shape or len(heads) not in (1, groups):
+        raise ValueError(f"expert kernel: {c} copies, {len(heads)} heads, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit")
+    body_ptrs, body_keep = _pointers(bodies, (layout.size,), "body")
+    head_ptrs, head_keep = _pointers(heads, (256, cfg.embed_dim), "head")
+    names = (["proj_in"] if layout.wide else [None]) + [f"b{k}.{n}" for k in range(cfg.depth) for n in BLOCK_TENSORS] \
+        + ["lnf", "proj_out" if layout.wide else None]
+    offsets = (ctypes.c_int64 * len(names))(*(layout.offsets[n][0] if n else -1 for n in names))
+    x, y, ldx, ldg = _byte_rows(x, y)
     nll = torch.empty(c, b, dtype=torch.float64)
     logp = torch.empty(c, b, t - first) if keep else None
-    _library().expert_forward(packed.data_ptr(), heads.data_ptr(), heads_t.data_ptr(), heads.shape[0], x.data_ptr(), y.data_ptr(),
-                              t, groups, logp.data_ptr() if keep else None, nll.data_ptr(), c, b, t, first, cfg.d,
-                              cfg.embed_dim, cfg.depth, EXPERT_ROWS)
+    _library().expert_forward(body_ptrs, offsets, head_ptrs, len(heads), x.data_ptr(), y.data_ptr(), ldx, ldg, groups,
+                              logp.data_ptr() if keep else None, nll.data_ptr(), c, b, t, first, cfg.d, cfg.embed_dim,
+                              cfg.depth, EXPERT_ROWS)
+    del body_keep, head_keep
     return nll, logp
 
 
-def expert_nll(cfg: ModelConfig, w: dict[str, torch.Tensor], heads: torch.Tensor, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-    """Sum over time of -log p(y) of every copy and row, float64 (C, B). w: the body tensors of C copies by name
-    (model.Layout.views); heads (256, e) or (H, 256, e);
-    x, y (B, T) bytes shared by all copies, or (G, B, T) with copies g*P .. g*P+P-1 on group g (and head g when H = G)."""
-    return _expert_forward(cfg, w, heads, x, y, 0, keep=False)[0]
+BLOCK_TENSORS = ("ln1", "w_ih", "w_hh", "ln2", "w1", "w2")       # kernels.c's pack_body reads them in this order
 
 
-def expert_logprobs(cfg: ModelConfig, w: dict[str, torch.Tensor], heads: torch.Tensor, x: torch.Tensor, y: torch.Tensor,
-                    first: int = 0) -> torch.Tensor:
+def expert_nll(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Sum over time of -log p(y) of every copy and row, float64 (C, B). layout: model.Layout of the expert;
+    bodies (C, M) or C tensors (M,); heads (256, e), (H, 256, e) or H tensors (256, e); x, y (B, T) bytes shared by
+    all copies, or (G, B, T) with copies g*P .. g*P+P-1 on group g (and head g when H = G)."""
+    return _expert_forward(layout, bodies, heads, x, y, 0, keep=False)[0]
+
+
+def expert_logprobs(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int = 0) -> torch.Tensor:
     """log p(y) of the predictions t >= first: (C, B, T - first) float32; arguments as `expert_nll`. The decoder
     is not run for t < first."""
-    return _expert_forward(cfg, w, heads, x, y, first, keep=True)[1]
+    return _expert_forward(layout, bodies, heads, x, y, first, keep=True)[1]
 
 
 def pack_recurrent(w_hh_t: torch.Tensor) -> torch.Tensor:
-    """W_hh^T (P, d, 4d), its g columns already scaled by 2 (model.LSTMState) -> the recurrence kernel's (P, D, 4D)."""
-    return _gate_columns(w_hh_t.transpose(1, 2), g_scale=1.0)
+    """W_hh^T (P, d, 4d), its g columns already scaled by 2 (model.LSTMState) -> the recurrence kernel's layout
+    (P, D, 4D): D = d rounded up to the vector width, the four gates of each vector of hidden units side by side."""
+    p, d, _ = w_hh_t.shape
+    big = _library().padded_width(d)
+    w_hh_t = w_hh_t.contiguous()
+    out = w_hh_t.new_empty(p, big, 4 * big)
+    _library().pack_recurrent(w_hh_t.data_ptr(), out.data_ptr(), p, d)
+    return out
 
 
 def lstm_block(gates_in: torch.Tensor, w_hh: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
@@ -221,7 +212,8 @@ def lstm_block(gates_in: torch.Tensor, w_hh: torch.Tensor, h: torch.Tensor, c: t
     releases the GIL during the call."""
     p, t, b, four_d = gates_in.shape
     d = four_d // 4
-    if w_hh.shape != (p, _round_up(d), 4 * _round_up(d)):
+    big = _library().padded_width(d)
+    if w_hh.shape != (p, big, 4 * big):
         raise ValueError(f"lstm_block: w_hh {tuple(w_hh.shape)} is not packed for d = {d} (see pack_recurrent)")
     gates_in, w_hh = gates_in.contiguous(), w_hh.contiguous()
     if not (h.is_contiguous() and c.is_contiguous()):

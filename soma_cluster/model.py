@@ -273,7 +273,7 @@ def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: tor
     kernel where it runs (soma_cluster.fused), else block by block in time (see forward_blocks) with the loss
     of each block reduced as soon as it exists."""
     if not compiled and fused.expert_usable(cfg, body, head):
-        nll = fused.expert_nll(cfg, Layout(cfg).views(body), head, x, y)          # (C, B) float64
+        nll = fused.expert_nll(Layout(cfg), body, head, x, y)                     # (C, B) float64
         return (nll.sum(dim=1) / (y.shape[-1] * y.shape[-2])).float()
     total = torch.zeros(body.shape[0], dtype=torch.float64, device=body.device)
     for t0, t1, h in forward_blocks(cfg, body, head, x, compiled, block):

@@ -42,7 +42,7 @@ def expert_calls(monkeypatch):
     real = fused._expert_forward
 
     def counted(*args, **kwargs):
-        calls.append(args[0].d)
+        calls.append(args[0].cfg.d)
         return real(*args, **kwargs)
     monkeypatch.setattr(fused, "_expert_forward", counted)
     return calls

@@ -14,8 +14,9 @@
  * Rows never interact and every reduction has a fixed order, so results do not depend on the number of
  * threads or on how the tiles are spread over them.
  *
- * Packed weights (one block of floats per copy, built by fused.pack_experts; D, E, H are d, e, 4d rounded
- * up to the vector width, padding is zero):
+ * The whole-expert kernel reads each copy's flat body (model.Layout's order, located by the caller's offsets)
+ * and packs it once per thread into the layout below (D, E, H are d, e, 4d rounded up to the vector width,
+ * padding is zero):
  *   proj_in^T (E, D)                                      wide experts only (d != e)
  *   per block: ln1 (D), Wx (2D, 4D), ln2 (D), W1^T (D, H), W2^T (H, D)
  *   lnf (D)
@@ -121,15 +122,24 @@ INLINE void vstore_part(float *p, vf v, int64_t n)
 INLINE vf vexp(vf x)
 {
     x = vmin(vmax(x, vset(-87.0f)), vset(88.0f));
+#if VL == 16
+    const vf n = (vf)_mm512_roundscale_ps((__m512)(x * 1.44269504088896341f), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+#else
     const vf n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;   /* round(x / ln 2) */
+#endif
     const vf r = x - n * 0.693359375f + n * 2.12194440e-4f;
     vf p = r * 1.9875691500e-4f + 1.3981999507e-3f;
     p = p * r + 8.3334519073e-3f;
     p = p * r + 4.1665795894e-2f;
     p = p * r + 1.6666665459e-1f;
     p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+#if VL == 16
+    return (vf)_mm512_scalef_ps((__m512)p, (__m512)n);                     /* p 2^n */
+#else
     const vi scale = (__builtin_convertvector(n, vi) + 127) << 23;        /* 2^n */
-    return (p * r * r + r + 1.0f) * (vf)scale;
+    return p * (vf)scale;
+#endif
 }
 
 INLINE vf vsigmoid(vf x) { return vrecip(1.0f + vexp(-x)); }
@@ -201,6 +211,14 @@ INLINE void mm_block(const int rb, const int nv, const int epi, const float *res
         gelu_rows(rb, nv, out, ldo);
 }
 
+/* rows per block when n rows go in blocks of at most `most`: as even as the count allows (8 rows as 4 + 4, not
+ * 6 + 2), so no block is left with too few rows to keep the FMA units busy */
+static int64_t balanced(int64_t n, int64_t most)
+{
+    const int64_t blocks = (n + most - 1) / most;
+    return (n + blocks - 1) / blocks;
+}
+
 #define RB_MAX(nv) ((ACC_REGS) / (nv) < 8 ? (ACC_REGS) / (nv) : 8)
 #define MM_ROWS(EPI, NV)                                                                                    \
     switch (rb) {                                                                                           \
@@ -228,7 +246,7 @@ static void mm(int epi, const float *a, int64_t lda, const float *w, int64_t ldw
 {
     for (int64_t c0 = 0; c0 < N / VL; c0 += 4) {
         const int nv = (int)(N / VL - c0 < 4 ? N / VL - c0 : 4);
-        const int64_t step = RB_MAX(nv);
+        const int64_t step = balanced(n, RB_MAX(nv));
         for (int64_t r0 = 0; r0 < n; r0 += step) {
             const int rb = (int)(n - r0 < step ? n - r0 : step);
             const float *a_ = a + r0 * lda, *w_ = w + c0 * VL;
@@ -310,8 +328,9 @@ static void lstm_rows(const float *a, int64_t lda, const float *w, int64_t K, in
 {
     for (int64_t j = 0; j < D / VL; ++j) {
         const int64_t lanes = d - j * VL < VL ? d - j * VL : VL;
-        for (int64_t r0 = 0; r0 < n; r0 += LSTM_RB) {
-            const int rb = (int)(n - r0 < LSTM_RB ? n - r0 : LSTM_RB);
+        const int64_t step = balanced(n, LSTM_RB);
+        for (int64_t r0 = 0; r0 < n; r0 += step) {
+            const int rb = (int)(n - r0 < step ? n - r0 : step);
             const float *a_ = a + r0 * lda, *w_ = w + j * 4 * VL, *g_ = gin ? gin + r0 * ldg + j * VL : 0;
             float *c_ = c + r0 * ldc + j * VL, *h_ = hout + r0 * ldh + j * VL, *s_ = res ? res + r0 * ldr + j * VL : 0;
 #define LSTM_CASE(RB) case RB: lstm_block_rows(RB, a_, lda, w_, 4 * D, K, g_, ldg, d, lanes, c_, ldc, h_, ldh, s_, ldr); break;
@@ -364,7 +383,37 @@ static float log_softmax_at(const float *l, int y)
 
 static int64_t round_up(int64_t n) { return (n + VL - 1) / VL * VL; }
 
-int64_t vector_lanes(void) { return VL; }
+/* d rounded up to the vector width: the padded width of the kernels' layouts */
+int64_t padded_width(int64_t d) { return round_up(d); }
+
+/* W^T of the g-scaled LSTM weights into rows [k0, k0 + d) of a Wx-layout matrix (rows of 4D): w (4d, d) row-major,
+ * its g rows (2d .. 3d) multiplied by g_scale; out must be zeroed (padding stays zero) */
+static void pack_gates(const float *w, int64_t d, float g_scale, float *out, int64_t k0)
+{
+    const int64_t D = round_up(d);
+    for (int64_t q = 0; q < 4; ++q)
+        for (int64_t u = 0; u < d; ++u) {
+            const float *row = w + (q * d + u) * d, scale = q == 2 ? g_scale : 1.0f;
+            float *col = out + k0 * 4 * D + (u / VL) * 4 * VL + q * VL + u % VL;
+            for (int64_t k = 0; k < d; ++k)
+                col[k * 4 * D] = row[k] * scale;
+        }
+}
+
+/* W_hh^T (P, d, 4d), its g columns already scaled by 2, into the recurrence kernel's layout (P, D, 4D) */
+void pack_recurrent(const float *w_hh_t, float *out, int64_t P, int64_t d)
+{
+    const int64_t D = round_up(d);
+    memset(out, 0, (size_t)(P * D * 4 * D) * sizeof(float));
+    for (int64_t p = 0; p < P; ++p) {
+        float *o = out + p * D * 4 * D;
+        const float *w = w_hh_t + p * d * 4 * d;                 /* (d, 4d): column q*d + u of row k */
+        for (int64_t q = 0; q < 4; ++q)
+            for (int64_t u = 0; u < d; ++u)
+                for (int64_t k = 0; k < d; ++k)
+                    o[k * 4 * D + (u / VL) * 4 * VL + q * VL + u % VL] = w[k * 4 * d + q * d + u];
+    }
+}
 
 /* x[j] <- exp, sigmoid or GELU (kind 0, 1, 2) of x[j], j < n: the kernels' own pointwise functions, for tests */
 void pointwise(int64_t kind, float *x, int64_t n)
@@ -401,7 +450,36 @@ static Shape shape_of(int64_t d, int64_t e, int64_t depth)
     return s;
 }
 
-int64_t expert_packed_floats(int64_t d, int64_t e, int64_t depth) { return shape_of(d, e, depth).size; }
+/* out (rows_out x cols_out, row stride ld) <- the transpose of w (cols x rows, row-major); out must be zeroed */
+static void transpose_into(const float *w, int64_t rows, int64_t cols, float *out, int64_t ld)
+{
+    for (int64_t j = 0; j < cols; ++j)
+        for (int64_t k = 0; k < rows; ++k)
+            out[k * ld + j] = w[j * rows + k];
+}
+
+/* One copy's flat body -> its packed weights (layout at the top). off: the flat offsets in model.Layout's
+ * order, proj_in (or -1), per block ln1, w_ih, w_hh, ln2, w1, w2, then lnf, proj_out (or -1). */
+static void pack_body(const Shape *s, const float *body, const int64_t *off, float *out)
+{
+    const int64_t d = s->d, e = s->e, D = s->D, E = s->E, H = s->H;
+    memset(out, 0, (size_t)s->size * sizeof(float));
+    if (s->wide)
+        transpose_into(body + off[0], e, d, out, D);                        /* proj_in (d, e) -> (E, D) */
+    for (int64_t k = 0; k < s->depth; ++k) {
+        const int64_t *o = off + 1 + 6 * k;
+        float *blk = out + s->block0 + k * s->block;
+        memcpy(blk + s->g1, body + o[0], (size_t)d * sizeof(float));
+        pack_gates(body + o[1], d, 2.0f, blk + s->wx, 0);
+        pack_gates(body + o[2], d, 2.0f, blk + s->wx, D);
+        memcpy(blk + s->g2, body + o[3], (size_t)d * sizeof(float));
+        transpose_into(body + o[4], d, 4 * d, blk + s->w1, H);              /* w1 (4d, d) -> (D, H) */
+        transpose_into(body + o[5], 4 * d, d, blk + s->w2, D);              /* w2 (d, 4d) -> (H, D) */
+    }
+    memcpy(out + s->gf, body + off[1 + 6 * s->depth], (size_t)d * sizeof(float));
+    if (s->wide)
+        transpose_into(body + off[2 + 6 * s->depth], d, e, out + s->pout, E);   /* proj_out (e, d) -> (D, E) */
+}
 
 /* floats of one tile's buffers for `rows` rows */
 static int64_t tile_floats(const Shape *s, int64_t rows)
@@ -457,29 +535,41 @@ static void expert_tile(const Shape *s, const float *restrict wts, const float *
     }
 }
 
-/* C copies of an expert over B rows of T bytes. wts (C, size) packed weights; heads (H, 256, e) and their
- * transposes heads_t (H, E, 256) (rows e.. zero); x, y (Y, B, ldx) bytes. Copy i reads rows group i / (C / Y)
- * and head (i / (C / Y)) % H. Out: nll (C, B) the sums over t >= t_first of -log p(y), and when logp is not
- * null, logp (C, B, T - t_first). Tasks are (copy, tile of `rows` rows). */
-void expert_forward(const float *wts, const float *heads, const float *heads_t, int64_t n_heads, const uint8_t *x,
-                    const uint8_t *y, int64_t ldx, int64_t groups, float *logp, double *nll, int64_t C, int64_t B,
-                    int64_t T, int64_t t_first, int64_t d, int64_t e, int64_t depth, int64_t rows)
+/* C copies of an expert over B rows of T bytes each.
+ *   bodies   C pointers to flat bodies, off the offsets of their tensors (see pack_body)
+ *   heads    H pointers to (256, e) byte embeddings / decoders
+ *   x, y     bytes: row b of group g at g * ldg + b * ldx, T steps; copy i reads group i / (C / groups) and
+ *            head (i / (C / groups)) % H
+ * Out: nll (C, B) the sums over t >= t_first of -log p(y), and when logp is not null, logp (C, B, T - t_first).
+ * Tasks are (copy, tile of `rows` rows); a thread packs a copy's weights and a head's transpose when its task
+ * needs another one than its last. */
+void expert_forward(const float *const *bodies, const int64_t *off, const float *const *heads, int64_t n_heads,
+                    const uint8_t *x, const uint8_t *y, int64_t ldx, int64_t ldg, int64_t groups, float *logp, double *nll,
+                    int64_t C, int64_t B, int64_t T, int64_t t_first, int64_t d, int64_t e, int64_t depth, int64_t rows)
 {
     const Shape s = shape_of(d, e, depth);
     const int64_t tiles = (B + rows - 1) / rows, per = C / groups, ldp = T - t_first;
-    const size_t bytes = ((size_t)tile_floats(&s, rows) * sizeof(float) + 63) / 64 * 64;
+    const size_t tile_bytes = ((size_t)tile_floats(&s, rows) * sizeof(float) + 63) / 64 * 64;
+    const size_t wts_bytes = ((size_t)s.size * sizeof(float) + 63) / 64 * 64, head_bytes = (size_t)(s.E * VOCAB) * sizeof(float);
 #pragma omp parallel
     {
-        float *buf = aligned_alloc(64, bytes);
+        float *buf = aligned_alloc(64, tile_bytes), *wts = aligned_alloc(64, wts_bytes), *head_t = aligned_alloc(64, head_bytes);
+        int64_t packed = -1, transposed = -1;
+        memset(head_t, 0, head_bytes);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < C * tiles; ++task) {
             const int64_t i = task / tiles, r0 = (task % tiles) * rows, n = B - r0 < rows ? B - r0 : rows;
-            const int64_t grp = i / per, hd = grp % n_heads;
-            const int64_t off = (grp * B + r0) * ldx;
-            expert_tile(&s, wts + i * s.size, heads + hd * VOCAB * e, heads_t + hd * s.E * VOCAB, x + off, y + off, ldx, T,
-                        t_first, n, logp ? logp + (i * B + r0) * ldp : 0, ldp, nll + i * B + r0, buf, rows);
+            const int64_t grp = i / per, hd = grp % n_heads, at = grp * ldg + r0 * ldx;
+            if (packed != i)
+                pack_body(&s, bodies[i], off, wts), packed = i;
+            if (transposed != hd)
+                transpose_into(heads[hd], e, VOCAB, head_t, VOCAB), transposed = hd;   /* (256, e) -> (E, 256) */
+            expert_tile(&s, wts, heads[hd], head_t, x + at, y + at, ldx, T, t_first, n, logp ? logp + (i * B + r0) * ldp : 0,
+                        ldp, nll + i * B + r0, buf, rows);
         }
         free(buf);
+        free(wts);
+        free(head_t);
     }
 }
 
