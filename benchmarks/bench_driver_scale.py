@@ -75,7 +75,7 @@ import ray  # noqa: E402
 
 from pipelines.campaign import Driver, also_ready, expert_jobs  # noqa: E402
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage  # noqa: E402
-from pipelines.events import history  # noqa: E402
+from soma_cluster.events import history  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 from workers import SCHEDULING  # noqa: E402
@@ -126,7 +126,7 @@ def stand_in_factory(target: int, sec_per_update: float):
     def start(url, storage_options, experts, attempts, num_gpus, num_cpus, name=None, placement="pack", **_):
         return RemoteStandIn.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
                                      scheduling_strategy=SCHEDULING[placement]).remote(
-            url, storage_options, role, experts, attempts, num_gpus, target, sec_per_update)
+            url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
     return start
 
 
@@ -203,12 +203,13 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     return 1e3 * spent / done
 
 
-def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False) -> dict:
-    cfg = resolve("tiny", {"name": f"bench-{n}-{pack}-{reuse}", "n_experts": n,
+def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False, pending: int | None = None) -> dict:
+    cfg = resolve("tiny", {"name": f"bench-{n}-{pack}-{reuse}-{pending}", "n_experts": n,
                            "train": {"updates": args.chunks * args.chunk_updates, "chunk_updates": args.chunk_updates},
-                           "resources": {"num_gpus": args.share, "num_cpus": 0.0, "experts_per_actor": pack, "reuse_actors": reuse},
+                           "resources": {"num_gpus": args.share, "num_cpus": 0.0, "experts_per_actor": pack, "reuse_actors": reuse,
+                                         "max_pending": pending},
                            "retry": {"heartbeat_timeout_s": 600.0}})
-    store = Store(os.path.join(args.campaign_dir or root, f"driver-{n}-{pack}-{reuse}"))
+    store = Store(tempfile.mkdtemp(prefix=f"driver-{n}-{pack}-{reuse}-{pending}-", dir=args.campaign_dir or root))
     driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False,
                          actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
     cpu, t = time.process_time(), time.monotonic()
@@ -257,6 +258,8 @@ def main() -> None:
     p.add_argument("--chunk-s", type=float, default=2.0, help="stand-in seconds of work per chunk")
     p.add_argument("--pack", type=int, nargs="+", default=[1, 4], help="experts per actor (resources.experts_per_actor)")
     p.add_argument("--reuse", action="store_true", help="also run each G with resources.reuse_actors")
+    p.add_argument("--max-pending", nargs="+", default=["default"],
+                   help="resources.max_pending values to run each G with ('default': every remaining job queued at once, 0 with reuse)")
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
@@ -272,8 +275,9 @@ def main() -> None:
         print(f"bare Ray loop (wait + get + submit, no Driver): {floor:.3f} ms per result", flush=True)
         rows = []
         for n in args.experts:
-            systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}", g, lambda n, a, r, g=g, reuse=reuse: run_driver(n, a, r, g, reuse))
-                       for g in args.pack for reuse in ((False, True) if args.reuse else (False,))]
+            systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}{'' if mp == 'default' else f', max_pending={mp}'}", g,
+                        lambda n, a, r, g=g, reuse=reuse, mp=mp: run_driver(n, a, r, g, reuse, None if mp == "default" else int(mp)))
+                       for g in args.pack for reuse in ((False, True) if args.reuse else (False,)) for mp in args.max_pending]
             if not args.no_tune:
                 systems.append(("Ray Tune", 1, run_tune))
             for name, g, fn in systems:
@@ -294,7 +298,7 @@ def main() -> None:
             if name.startswith("soma"):
                 print(f"{name} N={n}: driver loop / bare Ray loop per heartbeat = {r['collect_ms'] / floor:.2f} "
                       f"(per actor call: {r['collect_ms'] * g / floor:.2f})")
-        drivers = {n: r for name, n, g, *_, r in rows if name == "soma Driver, G=1"}
+        drivers = {n: r for name, n, g, *_, r in rows if name.startswith("soma Driver, G=1") and "reuse" not in name}
         for name, n, *_, r in rows:
             if name == "Ray Tune" and n in drivers:
                 print(f"N={n}: Ray Tune wall / soma Driver (G=1) wall = {r['wall'] / drivers[n]['wall']:.2f}")

@@ -19,6 +19,7 @@ import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
 from pipelines.common import console, progress
+from pipelines.reopen import reopen_unverified
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import JobsFailed, SomaError
@@ -31,6 +32,7 @@ from workers import actor_name, start_worker
 
 FLUSH_S = 0.25          # group commit: held log records are made durable at least this often
 SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join and leave over minutes)
+QUEUED_POLL_S = 0.2     # how soon an actor Ray has just placed is seen (its setup report), while others run
 TRACEBACK_CHARS = 4000  # of a worker's traceback, kept in its `failed` event
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
 
@@ -71,6 +73,7 @@ class Driver:
         self.inflight: dict[int, object] = {}          # unit id -> the one call it is running (setup or a chunk)
         self.campaign_id = cfg.digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf     # cluster GPUs, and when they were last read
+        self._queued_polled = -math.inf
 
     @property
     def outcome(self) -> dict[str, str]:
@@ -170,7 +173,7 @@ class Driver:
         self._apply(self.sched.requests(self._capacity(), self._slots()))
         if self.inflight:
             owner = {ref: uid for uid, ref in self.inflight.items()}
-            ready = self._wait(list(owner))
+            ready = self._ready()
             try:                      # one call for every ready result; on any error, each on its own
                 results = ray.get(ready, timeout=60)
             except (RayActorError, RayTaskError, GetTimeoutError):
@@ -184,6 +187,22 @@ class Driver:
             now = time.monotonic()
             time.sleep(min(POLL_S, max(0.0, min(self.sched.retry_at.values(), default=now) - now)))
         self._apply(self.sched.watchdog())
+
+    def _ready(self) -> list:
+        """Results to handle now. The blocking wait covers running actors only: queued ones (up to every remaining
+        job, waiting for a GPU or a node) report once, when Ray places them, and are polled without blocking at
+        most every QUEUED_POLL_S, so the loop's cost per heartbeat does not grow with the queue."""
+        running, queued = [], []
+        for uid, ref in self.inflight.items():
+            (running if self.sched.units[uid].phase == "running" else queued).append(ref)
+        if not running:
+            return self._wait(queued)
+        ready = self._wait(running)
+        now = time.monotonic()
+        if queued and now - self._queued_polled >= QUEUED_POLL_S:
+            self._queued_polled = now
+            ready += ray.wait(queued, num_returns=len(queued), timeout=0)[0]
+        return ready
 
     def _wait(self, refs: list) -> list:
         """Block until a result is ready (at most POLL_S), then take every other one that is ready too."""
@@ -206,6 +225,7 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> dic
     """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. Raises SomaError
     on bad input and JobsFailed when experts failed permanently."""
     require_seed(store)
+    reopen_unverified(store, expert_jobs(cfg))  # an expert is finished only while its last checkpoint verifies
     cap = cfg.budget.campaign_gpu_hours
     spent = Ledger(store).totals().gpu_hours
     hist = history(store)

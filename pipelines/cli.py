@@ -37,9 +37,13 @@ def _run(fn: Callable[[], None]) -> None:
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
     overrides = parse_overrides(sets or [])
-    if corpus:
+    if corpus is not None:
+        if not corpus.strip():
+            raise SomaError("--corpus is empty; pass a corpus directory, file or s3:// URL (or leave it out: built-in corpus)")
         overrides.setdefault("corpus", {})["source"] = corpus
-    if experts:
+    if experts is not None:
+        if experts < 1:
+            raise SomaError(f"--experts/-n {experts}: a campaign needs at least 1 expert; pass e.g. -n 4")
         overrides["n_experts"] = experts
     return resolve(preset, overrides, config)
 

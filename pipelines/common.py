@@ -27,8 +27,8 @@ def load_config(store: Store) -> CampaignConfig:
 
 def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> bool:
     """Bind the directory to this config. True if it was already bound to the same config;
-    an empty or absent directory is claimed (unless write=False: only checked); anything else is
-    refused, never overwritten."""
+    an empty or absent directory is claimed (unless write=False: only checked, its bucket included);
+    anything else is refused, never overwritten. An edited campaign.yaml is refused (load_config)."""
     if store.exists(CONFIG):
         existing = load_config(store)
         if existing.digest() != cfg.digest():
@@ -36,6 +36,7 @@ def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> boo
         return True
     if store.listdir(""):
         raise SomaError(f"{store.url} is not empty and holds no {CONFIG}; choose an empty or new directory")
+    store.require_bucket()      # s3://: a missing bucket is found before any data is read, not at the first write
     if write:
         store.write_new(CONFIG, to_yaml_text(cfg).encode())
     return False

@@ -16,7 +16,7 @@ import pyarrow.ipc as ipc
 
 from pipelines.common import claim_campaign, console, progress
 from soma_cluster.config import CampaignConfig
-from soma_cluster.corpus import Packer, describe_counts, documents, is_test_doc
+from soma_cluster.corpus import Packer, describe_counts, describe_skipped, documents, is_test_doc
 from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
 from soma_cluster.router import Router, cluster_spread, fit_router, save_router
@@ -81,6 +81,7 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
     train_pack = Packer(cfg.shards.seq_bytes)
     test_pack = Packer(win, owner_at=cfg.eval.context_bytes + 1)
     counts: dict[str, int] = {}
+    skipped: dict[str, list[str]] = {}          # user files left out, by reason (not text, empty)
     n_docs = n_test = n_windows = 0
     windows, owners = [], []
     with progress() as bar, pa.OSFile(test_path, "wb") as sink, ipc.new_file(sink, test_schema) as test_out:
@@ -91,7 +92,7 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
                 owners.clear()
         task = bar.add_task("reading corpus (MB)", total=round(cfg.corpus.max_bytes / 1e6))
         read = 0
-        for doc in documents(cfg.corpus, counts):
+        for doc in documents(cfg.corpus, counts, skipped):
             n_docs += 1
             read += len(doc.data)
             bar.update(task, completed=min(round(read / 1e6), round(cfg.corpus.max_bytes / 1e6)))
@@ -113,8 +114,9 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
     if not n_windows:
         raise SomaError(f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {win}-byte evaluation window; add data or raise corpus.test_fraction")
     console.print(f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(counts)}); "
-                  f"{spill.n} train sequences, {n_windows} test windows from {n_test} held-out documents")
+                  f"{spill.n} train sequences, {n_windows} test windows from {n_test} held-out documents{describe_skipped(skipped, 3)}")
     return spill, {"documents": n_docs, "bytes": read, "sources": counts, "test_documents": n_test,
+                   "skipped_files": {why: len(files) for why, files in skipped.items()},
                    "test_windows": n_windows, "test_path": test_path}, spill.n
 
 

@@ -11,10 +11,10 @@ import re
 from pathlib import Path
 
 import numpy as np
+from scipy import stats
 
 from soma_cluster.storage import Store
 
-T95 = {1: 12.706, 2: 4.303, 3: 3.182, 4: 2.776, 5: 2.571, 6: 2.447, 7: 2.365, 8: 2.306, 9: 2.262}   # t_{0.975, df}
 ZO_NOTE = ("SOMA is a zero-order method: it is meant to beat other zero-order training (monolithic SPSA, EGGROLL) "
            "at matched compute, not backpropagation, which remains far better per GPU-hour.")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
@@ -38,7 +38,7 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
     a = np.asarray(values, dtype=np.float64)
     if len(a) < 2:
         return float(a.mean()), float(a.mean()), float(a.mean())
-    half = T95.get(len(a) - 1, 1.96) * a.std(ddof=1) / math.sqrt(len(a))
+    half = stats.t.ppf(0.975, df=len(a) - 1) * a.std(ddof=1) / math.sqrt(len(a))
     return float(a.mean()), float(a.mean() - half), float(a.mean() + half)
 
 

@@ -3,6 +3,7 @@ from __future__ import annotations
 
 from pipelines.campaign import Driver, raise_failures
 from pipelines.common import console
+from pipelines.reopen import reopen_unverified
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import seed_done
@@ -13,6 +14,7 @@ from soma_cluster.storage import Store
 def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True) -> str:
     if not store.exists("shards/manifest.json"):
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
+    reopen_unverified(store, [SEED_JOB])        # done only while its last checkpoint verifies
     if seed_done(store):
         console.print("seed model already trained; skipping")
         return "finished"

@@ -7,6 +7,7 @@ Never pickle, never torch.load.
 """
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass
 
 import torch
@@ -15,7 +16,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.storage import Store, sha256
+from soma_cluster.storage import Store, parse_checked_json, sha256
 from soma_cluster.trainer import TrainState
 
 
@@ -57,19 +58,124 @@ def has_checkpoint(store: Store, directory: str) -> bool:
     return store.exists(f"{directory}/latest.json")
 
 
+def _fix(store: Store, directory: str) -> str:
+    """The command that recovers from a bad checkpoint in `directory` (see `fall_back`)."""
+    cmd = "soma seed" if directory == "seed" else "soma resume"
+    return (f"run {cmd} {store.url}: it falls back to the newest checkpoint of {directory} that verifies "
+            f"and retrains the updates after it")
+
+
 def load_checkpoint(store: Store, directory: str, name: str | None = None) -> Checkpoint:
-    if name is None:
-        name = store.read_json(f"{directory}/latest.json")["name"]
-    meta = store.read_json(f"{directory}/{name}.json")
+    try:
+        if name is None:
+            name = _read_checked(store, f"{directory}/latest.json")["name"]
+        meta = _read_checked(store, f"{directory}/{name}.json")
+    except FileNotFoundError as exc:
+        raise SomaError(f"{store.url}/{exc.args[0]} is missing; {_fix(store, directory)}") from None
+    except ChecksumError as exc:
+        raise ChecksumError(f"{exc}".split("; ")[0] + f"; {_fix(store, directory)}") from None
     where = f"{store.url}/{directory}/{name}.safetensors"
     try:
         blob = store.read_bytes(f"{directory}/{name}.safetensors")
     except FileNotFoundError:
-        raise SomaError(f"checkpoint {where} is missing; restore it or delete {directory}/latest.json to restart that expert") from None
+        raise SomaError(f"checkpoint {where} is missing; {_fix(store, directory)}") from None
     if sha256(blob) != meta["tensors_sha256"]:
-        raise ChecksumError(f"checkpoint {where} fails its checksum (truncated or corrupt); restore it or delete {directory}/latest.json to restart that expert")
+        raise ChecksumError(f"checkpoint {where} fails its checksum (truncated or corrupt); {_fix(store, directory)}")
     try:
         tensors = st_load(blob)
     except SafetensorError:
-        raise ChecksumError(f"checkpoint {where} is not a safetensors file; restore it") from None
+        raise ChecksumError(f"checkpoint {where} is not a safetensors file; {_fix(store, directory)}") from None
     return Checkpoint(name, meta, tensors)
+
+
+# -- verification and fallback ------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class CheckpointCheck:
+    """What a checkpoint directory holds that can be trusted.
+
+    latest: the name latest.json points at (None: no latest.json, or it is unreadable)
+    valid:  the newest checkpoint that verifies, no newer than `latest` (None: none does)
+    step:   valid's step (None with it)
+    bad:    (name, why) of a missing or unreadable latest.json, then of every newer checkpoint that failed,
+            newest first: the work they held is lost
+    """
+    directory: str
+    latest: str | None
+    valid: str | None
+    step: int | None
+    bad: tuple[tuple[str, str], ...] = ()
+
+    @property
+    def ok(self) -> bool:
+        """latest.json points at a checkpoint that verifies (or there is no checkpoint at all, nor a trace of one)."""
+        return self.latest == self.valid and not self.bad
+
+
+def _read_checked(store: Store, rel: str) -> dict:
+    """A checksummed JSON artifact; FileNotFoundError(rel) if absent, ChecksumError if corrupt. A store that
+    cannot be reached raises its own SomaError: an outage is never taken for a bad checkpoint."""
+    try:
+        raw = store.read_bytes(rel)
+    except FileNotFoundError:
+        raise FileNotFoundError(rel) from None
+    return parse_checked_json(raw, f"{store.url}/{rel}")
+
+
+def verify(store: Store, directory: str, name: str) -> str | None:
+    """Why checkpoint `name` cannot be loaded (metadata or tensors missing, unreadable, failing a checksum), or None."""
+    try:
+        meta = _read_checked(store, f"{directory}/{name}.json")
+    except FileNotFoundError:
+        return "metadata missing"
+    except ChecksumError:
+        return "metadata corrupt"
+    try:
+        blob = store.read_bytes(f"{directory}/{name}.safetensors")
+    except FileNotFoundError:
+        return "tensors missing"
+    if sha256(blob) != meta.get("tensors_sha256"):
+        return "tensors fail their checksum (truncated or corrupt)"
+    try:
+        st_load(blob)
+    except SafetensorError:
+        return "tensors are not a safetensors file"
+    return None
+
+
+def check_checkpoints(store: Store, directory: str) -> CheckpointCheck:
+    """Verify the checkpoint latest.json points at and, if it fails, each older one until one verifies.
+    Without a readable latest.json every step-*.json/.safetensors present is a candidate. Read-only."""
+    names = store.listdir(directory)
+    steps = {int(n[5:11]) for n in names if re.fullmatch(r"step-\d{6}\.(json|safetensors)", n)}
+    latest, bad = None, []
+    if "latest.json" in names:
+        try:
+            latest = _read_checked(store, f"{directory}/latest.json")["name"]
+        except (FileNotFoundError, ChecksumError, KeyError):
+            bad.append(("latest.json", "unreadable"))
+    elif steps:
+        bad.append(("latest.json", "missing"))
+    if latest is not None and re.fullmatch(r"step-\d{6}", latest):     # newer files were never published
+        steps = {s for s in steps if s <= int(latest[5:])} | {int(latest[5:])}
+    for step in sorted(steps, reverse=True):
+        name = f"step-{step:06d}"
+        why = verify(store, directory, name)
+        if why is None:
+            return CheckpointCheck(directory, latest, name, step, tuple(bad))
+        bad.append((name, why))
+    return CheckpointCheck(directory, latest, None, None, tuple(bad))
+
+
+def fall_back(store: Store, directory: str) -> CheckpointCheck:
+    """Make latest.json point at the newest checkpoint that verifies (or remove it when none does, so training
+    starts from the beginning); the checks are returned as they were found. Nothing changes when all is well.
+    Training resumed from there is bitwise what it would have been (SPEC section 6), so the lost updates are
+    simply retrained."""
+    check = check_checkpoints(store, directory)
+    if check.ok:
+        return check
+    if check.valid is not None:
+        store.write_json(f"{directory}/latest.json", {"step": check.step, "name": check.valid})
+    elif "latest.json" in store.listdir(directory):
+        store.remove(f"{directory}/latest.json")
+    return check

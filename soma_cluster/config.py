@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
@@ -278,20 +279,39 @@ def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, confi
     tree = preset_tree(preset)
     tree["preset"] = preset
     origin = f"preset {preset}"
-    if config_file:
+    if config_file is not None:
+        if not config_file.strip():
+            raise SomaError("--config is empty; pass a YAML file of settings or leave it out")
         path = Path(config_file)
-        if not path.is_file():
-            raise SomaError(f"config file {config_file} not found; pass an existing YAML file")
+        if not path.exists():
+            raise SomaError(f"config file {config_file!r} not found; pass an existing YAML file")
+        if not path.is_file():          # a FIFO would block the read, a directory cannot be read
+            raise SomaError(f"config file {config_file} is not a regular file; pass a YAML file")
         try:
-            user = yaml.safe_load(path.read_text()) or {}
+            user = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
             raise SomaError(f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax") from None
+        if user is None:                # empty or comments only: almost surely not what was meant
+            raise SomaError(f"config file {config_file} is empty (no settings); write the sections to change in it "
+                            f"(e.g. spsa: {{n_pert: 16}}, as in soma_cluster/presets/tiny.yaml) or leave out --config")
         if not isinstance(user, dict):
             raise SomaError(f"config file {config_file} must hold a mapping of sections; see soma_cluster/presets/")
         tree, origin = merge_trees(tree, user), f"config file {config_file}"
     if overrides:
         tree, origin = merge_trees(tree, overrides), "overrides"
     return validated(tree, origin)
+
+
+# campaign.yaml carries, in comment lines, the sha256 of the config it was written with and a short one per
+# top-level key, so that a hand edit is refused (naming what changed) instead of run against shards, a
+# router and checkpoints made for the original. A campaign.yaml without them (written before they
+# existed) loads unchecked, as it always did.
+_DIGEST = re.compile(r"^# config-sha256: ([0-9a-f]{64})[ \t]*$", re.M)
+_KEY_DIGESTS = re.compile(r"^# key-sha256: (.*)$", re.M)
+
+
+def _sha(obj: Any) -> str:
+    return hashlib.sha256(json.dumps(obj, sort_keys=True, separators=(",", ":")).encode()).hexdigest()
 
 
 def from_yaml_text(text: str, origin: str) -> CampaignConfig:
@@ -301,18 +321,37 @@ def from_yaml_text(text: str, origin: str) -> CampaignConfig:
         raise SomaError(f"{origin} is not valid YAML; restore it from a backup or start a new campaign") from None
     if not isinstance(tree, dict):
         raise SomaError(f"{origin} does not hold a campaign config; restore it or start a new campaign")
+    recorded = _DIGEST.search(text)
+    if recorded and _sha(tree) != recorded.group(1):
+        raise SomaError(f"{origin} was edited after the campaign was prepared ({_edited(text, tree)}), but its router, shards "
+                        f"and checkpoints were made for the config recorded in it; undo the edit, or put new settings in a "
+                        f"new campaign (soma prepare NEW_URL --set KEY=VALUE, or soma fork for training-side settings)")
     return validated(tree, origin)
+
+
+def _edited(text: str, tree: dict[str, Any]) -> str:
+    """Which top-level keys differ from those recorded, e.g. 'n_experts changed'."""
+    line = _KEY_DIGESTS.search(text)
+    was = dict(p.split("=", 1) for p in line.group(1).split()) if line else {}
+    changed = sorted(k for k in set(was) | set(tree) if was.get(k) != (_sha(tree[k])[:8] if k in tree else None))
+    return f"{', '.join(changed)} changed" if line and changed else "it no longer matches its config-sha256"
 
 
 CONFIG_FILE = "campaign.yaml"
 
 
 def load_campaign_config(store) -> CampaignConfig:
-    """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store)."""
+    """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store),
+    refused if campaign.yaml was edited since it was written."""
     if not store.exists(CONFIG_FILE):
         raise SomaError(f"{store.url} holds no {CONFIG_FILE}; run soma prepare {store.url} first")
     return from_yaml_text(store.read_bytes(CONFIG_FILE).decode(), f"{store.url}/{CONFIG_FILE}")
 
 
 def to_yaml_text(cfg: CampaignConfig) -> str:
-    return yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
+    tree = yaml.safe_load(body)                 # the digests are of what a reader will load back
+    keys = " ".join(f"{k}={_sha(v)[:8]}" for k, v in tree.items())
+    return ("# The resolved config of this campaign, written once when it was created. Every soma command checks it\n"
+            "# against the digests below and refuses an edited copy: its router, shards and checkpoints were made for it.\n"
+            f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n{body}")

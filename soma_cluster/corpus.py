@@ -10,8 +10,11 @@ import gzip
 import hashlib
 import io
 import json
+import os
 import re
+import stat
 import sysconfig
+import zlib
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
@@ -23,7 +26,7 @@ import pyarrow.parquet as pq
 
 from soma_cluster.config import CorpusConfig
 from soma_cluster.errors import SomaError
-from soma_cluster.storage import storage_options_from_env
+from soma_cluster.storage import storage_options_from_env, transient_errors, with_s3_defaults
 
 MIN_DOC_BYTES = 64
 MAX_DOC_BYTES = 256_000
@@ -146,55 +149,161 @@ def _text_rows(batch: pa.RecordBatch) -> Iterator[str]:
             yield value.decode("utf-8", errors="ignore")
 
 
-def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, field: str) -> Iterator[Document]:
-    name = path.rsplit("/", 1)[-1]
-    kind = name.split(".", 1)[1] if "." in name else "text"     # bytes are reported per file kind
-    if name.endswith(".jsonl") or name.endswith(".jsonl.gz"):
-        with fs.open(path, "rb", compression="infer") as fh:
-            for i, line in enumerate(io.TextIOWrapper(fh, encoding="utf-8", errors="ignore")):
-                if not line.strip():
-                    continue
-                try:
-                    row = json.loads(line)
-                except json.JSONDecodeError:
-                    raise SomaError(f"corpus file {path} line {i + 1} is not JSON; fix or remove that line") from None
-                text = row.get(field) if isinstance(row, dict) else None
-                if isinstance(text, str):
-                    yield Document(f"{path}:{i}", kind, text.encode())
-        return
-    if name.endswith(".parquet") or name.endswith(".arrow"):
+SNIFF_BYTES = 8192
+# C0 control bytes that text does not use (tab, newlines, form feed, backspace and escape are kept out), and DEL
+_CONTROL = bytes(sorted(set(range(32)) - set(b"\t\n\v\f\r\b\x1b"))) + b"\x7f"
+_NOT_CONTROL = bytes(sorted(set(range(256)) - set(_CONTROL)))
+MAX_CONTROL_SHARE = 0.05
+SKIP_NUL, SKIP_CONTROL, SKIP_EMPTY = "not text (NUL bytes)", "not text (control bytes)", "empty"
+
+
+def not_text(head: bytes) -> str | None:
+    """Why the first SNIFF_BYTES of a file say it is not text, or None if they look like text.
+
+    A NUL byte is the mark of binary data (git's and Perl's test): 8 KiB of compressed or random bytes
+    hold one with probability 1 - (255/256)^8192 > 1 - 1e-13. Failing that, more than 5% control bytes
+    (random bytes without NUL: 10%; text: ~0). Bytes >= 0x80 are not counted: Latin-1, GBK or Shift-JIS
+    text is text to a byte-level model even where it is not UTF-8.
+    """
+    if b"\x00" in head:
+        return SKIP_NUL
+    if head and len(head.translate(None, _NOT_CONTROL)) > MAX_CONTROL_SHARE * len(head):
+        return SKIP_CONTROL
+    return None
+
+
+_SPECIAL = ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
+            (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
+
+
+def _require_regular(path: str, root: bool = False) -> None:
+    """A local corpus path is a regular file, found by stat alone: opening a FIFO blocks until a writer comes,
+    and a device never ends."""
+    try:
+        mode = os.stat(path).st_mode
+    except FileNotFoundError:
+        raise SomaError(f"corpus file {path} is a broken symbolic link (or vanished); remove it or point it at a file") from None
+    except OSError as exc:
+        raise SomaError(f"corpus file {path} cannot be read ({type(exc).__name__}); fix its permissions or remove it") from None
+    for test, kind in _SPECIAL:
+        if test(mode):
+            fix = "pass a text file or a directory of them" if root else "remove it from the corpus directory"
+            raise SomaError(f"corpus path {path} is a {kind}, not a regular file; {fix}")
+
+
+def _jsonl_docs(fh, path: str, name: str, kind: str, field: str) -> Iterator[Document]:
+    for i, line in enumerate(io.TextIOWrapper(fh, encoding="utf-8", errors="ignore")):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError:
+            raise SomaError(f"corpus file {path} line {i + 1} is not JSON; fix or remove that line") from None
+        text = row.get(field) if isinstance(row, dict) else None
+        if isinstance(text, str):
+            yield Document(f"{name}:{i}", kind, text.encode())
+
+
+def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, name: str, field: str,
+                    skipped: dict[str, list[str]]) -> Iterator[Document]:
+    """The documents of one corpus file; `name` (its path relative to the corpus root) keys them, so the
+    test split and the shards do not depend on where the corpus lives. A file that is not text is skipped
+    and listed in `skipped` by reason."""
+    base = name.rsplit("/", 1)[-1]
+    kind = base.split(".", 1)[1] if "." in base else "text"     # bytes are reported per file kind
+    if base.endswith(".parquet") or base.endswith(".arrow"):
         with fs.open(path, "rb") as fh:
             i = 0
-            for batch in _text_batches(fh, name, field, path):
+            for batch in _text_batches(fh, base, field, path):
                 for text in _text_rows(batch):
-                    yield Document(f"{path}:{i}", kind, text.encode())
+                    yield Document(f"{name}:{i}", kind, text.encode())
                     i += 1
         return
     with fs.open(path, "rb", compression="infer") as fh:
-        yield Document(path, kind, fh.read())
+        head = fh.read(SNIFF_BYTES)
+        why = SKIP_EMPTY if not head else not_text(head)
+        if why:
+            skipped.setdefault(why, []).append(name)
+            return
+        if base.endswith(".jsonl") or base.endswith(".jsonl.gz"):
+            fh.seek(0)
+            yield from _jsonl_docs(fh, path, name, kind, field)
+        else:
+            yield Document(name, kind, head + fh.read())
 
 
-def user_documents(cfg: CorpusConfig) -> Iterator[Document]:
-    fs, root = fsspec.core.url_to_fs(cfg.source, **{**storage_options_from_env(cfg.source), **cfg.storage_options})
-    if not fs.exists(root):
-        raise SomaError(f"corpus path {cfg.source} not found; pass an existing directory or file (or corpus.source=builtin)")
-    paths = sorted(p for p in fs.find(root) if not p.rsplit("/", 1)[-1].startswith(".")) if fs.isdir(root) else [root]
+def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list[tuple[str, str]]:
+    """(path, path relative to the corpus root) of every file to read, in relative-path order. A local
+    special file (FIFO, socket, device) or broken link is refused here, before any file is opened."""
+    try:
+        is_dir = fs.info(root)["type"] == "directory"
+    except FileNotFoundError:
+        raise SomaError(f"corpus path {source} not found; pass an existing directory or file (or corpus.source=builtin)") from None
+    except (PermissionError, *transient_errors()) as exc:
+        raise SomaError(f"corpus path {source} cannot be read ({type(exc).__name__}); check the path, its permissions "
+                        f"and, for s3://, the endpoint (SOMA_S3_ENDPOINT) and credentials") from None
+    if is_dir:
+        base = root.rstrip("/")
+        files = [(p, p[len(base):].lstrip("/")) for p in fs.find(base)]
+        files = sorted(((p, rel) for p, rel in files if not rel.rsplit("/", 1)[-1].startswith(".")), key=lambda pr: pr[1])
+    else:
+        files = [(root, root.rstrip("/").rsplit("/", 1)[-1])]
+    if _is_local(fs):
+        if not is_dir:
+            _require_regular(root, root=True)
+        for path, _ in files:
+            _require_regular(path)
+    return files
+
+
+def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
+    return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+
+
+def user_documents(cfg: CorpusConfig, skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
+    """The documents of a user corpus, up to cfg.max_bytes; files that are not text (or are empty) are
+    skipped and listed in `skipped` by reason. A corpus with no text is an error naming the files."""
+    options = with_s3_defaults(cfg.source, {**storage_options_from_env(cfg.source), **cfg.storage_options}, botocore_attempts=3)
+    fs, root = fsspec.core.url_to_fs(cfg.source, **options)
+    skipped = {} if skipped is None else skipped
     total = 0
-    for path in paths:
-        for doc in _user_file_docs(fs, path, cfg.text_field):
-            if len(doc.data) < 1:
-                continue
-            total += len(doc.data)
-            yield doc
-            if total >= cfg.max_bytes:
-                return
+    for path, name in _corpus_files(fs, cfg.source, root):
+        try:
+            for doc in _user_file_docs(fs, path, name, cfg.text_field, skipped):
+                if not doc.data:
+                    continue
+                total += len(doc.data)
+                yield doc
+                if total >= cfg.max_bytes:
+                    return
+        except (EOFError, zlib.error, *transient_errors()) as exc:    # OSError: permissions, a bad .gz, the store
+            raise SomaError(f"corpus file {path} cannot be read ({type(exc).__name__}); fix or remove it (for s3://, "
+                            f"check the endpoint SOMA_S3_ENDPOINT and the credentials)") from None
+    if total == 0:
+        raise SomaError(f"corpus {cfg.source} holds no text{describe_skipped(skipped, names=3)}; point corpus.source "
+                        f"at text files (.txt, .md, .jsonl, .parquet, .arrow)")
 
 
-def documents(cfg: CorpusConfig, counts: dict[str, int] | None = None) -> Iterator[Document]:
+def describe_skipped(skipped: dict[str, list[str]], names: int = 0) -> str:
+    """'; skipped 3 files: not text (NUL bytes) 2 (a.bin, b.bin), empty 1 (c.txt)', or '' if none was."""
+    n = sum(len(v) for v in skipped.values())
+    if not n:
+        return ""
+    parts = []
+    for why, files in sorted(skipped.items(), key=lambda kv: -len(kv[1])):
+        shown = ", ".join(files[:names]) + (", ..." if len(files) > names else "") if names else ""
+        parts.append(f"{why} {len(files)}" + (f" ({shown})" if shown else ""))
+    return f"; skipped {n} file{'s' if n > 1 else ''}: " + ", ".join(parts)
+
+
+def documents(cfg: CorpusConfig, counts: dict[str, int] | None = None,
+              skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
+    """The corpus's documents; `counts` receives bytes per source or file kind, `skipped` the user files
+    left out, by reason."""
     if cfg.source == "builtin":
         yield from builtin_documents(cfg.max_bytes, counts)
         return
-    for doc in user_documents(cfg):
+    for doc in user_documents(cfg, skipped):
         if counts is not None:
             counts[doc.source] = counts.get(doc.source, 0) + len(doc.data)
         yield doc

@@ -44,8 +44,15 @@ class JobHistory:
         return [ev for ev in self.events if ev.get("attempt") == attempt]
 
     def ended(self, attempt: int) -> str | None:
-        """How `attempt` ended (failed, preempted, or a terminal state), or None if the log never says."""
-        return next((ev["event"] for ev in reversed(self.of_attempt(attempt)) if ev["event"] in ATTEMPT_ENDS), None)
+        """How `attempt` ended (failed, preempted, or a terminal state), or None if the log never says or a
+        later `reopened` voided its end (its last checkpoint was lost: as if interrupted at the one kept)."""
+        end = None
+        for ev in self.events:
+            if ev["event"] == "reopened":
+                end = None
+            elif ev.get("attempt") == attempt and ev["event"] in ATTEMPT_ENDS:
+                end = ev["event"]
+        return end
 
     def held(self, attempt: int) -> bool:
         """Whether `attempt`'s actor ever held its GPU (queued attempts that never started did not)."""

@@ -334,7 +334,7 @@ class Scheduler:
         elif hb.failed:
             self._lose(c, Lost(hb.reason or "failed"))
         else:
-            self._finish(c.job, hb.reason, step=hb.step, val=hb.best_val)
+            self._finish(c.job, hb.reason, attempt=c.attempt, step=hb.step, val=hb.best_val)
 
     def on_lost(self, uid: int, lost: Lost, stop: tuple[Job, ...] = ()) -> list[Action]:
         """The unit's actor is gone (or must be killed now): each job it was training settles what was lost
@@ -384,9 +384,9 @@ class Scheduler:
         if end is not None or lost.kind == "bad_input":
             if lost.kind == "bad_input":
                 self.bad_input[c.job] = lost.reason
-            self._finish(c.job, end or "failed_permanently", step=c.step, reason=lost.reason)
+            self._finish(c.job, end or "failed_permanently", attempt=c.attempt, step=c.step, reason=lost.reason)
         elif self.failures[c.job] > self.cfg.retry.max_retries:
-            self._finish(c.job, "failed_permanently", step=c.step, reason=lost.reason)
+            self._finish(c.job, "failed_permanently", attempt=c.attempt, step=c.step, reason=lost.reason)
         else:
             r = self.cfg.retry
             delay = backoff_s(r.backoff_s, r.backoff_max_s, self.failures[c.job], self.rng)
@@ -412,9 +412,10 @@ class Scheduler:
         """A running actor silent past retry.heartbeat_timeout_s has hung; one past a job's cap plus the grace
         is hard-stopped; a queued one whose jobs the budget can no longer cover is cancelled."""
         now, out = self.clock(), []
+        budgeted = self.book.campaign_s is not None or self.book.expert_s is not None
         for unit in list(self.units.values()):
             if unit.phase == "queued":
-                if all((left := self.left(c.job)) is not None and left <= 0 for c in unit.live()):
+                if budgeted and all((left := self.left(c.job)) is not None and left <= 0 for c in unit.live()):
                     out += self._cancel(unit)
                 continue
             silent = now - unit.last_beat

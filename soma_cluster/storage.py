@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import math
 import os
 import queue
 import re
@@ -19,6 +20,7 @@ import uuid
 from contextlib import contextmanager
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, TypeVar
+from urllib.parse import urlsplit
 
 import fsspec
 
@@ -34,9 +36,13 @@ _TRANSIENT: tuple[type[BaseException], ...] | None = None
 
 # Where an s3:// endpoint may come from (first set wins); credentials are never read from here.
 ENDPOINT_ENV = ("SOMA_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
+# How long one storage call may keep retrying an object store it cannot reach before it reports it (seconds).
+TIMEOUT_ENV = "SOMA_S3_TIMEOUT_S"
+DEFAULT_TIMEOUT_S = 15.0
+CONNECT_TIMEOUT_S = 5.0        # per attempt (s3fs's own default, stated so the deadline can count on it)
 
 
-def _transient_errors() -> tuple[type[BaseException], ...]:
+def transient_errors() -> tuple[type[BaseException], ...]:
     """What an object store restarting or a dropped connection surfaces as, through s3fs/aiobotocore.
 
     s3fs turns S3 error responses into OSError subclasses, but a refused or reset connection comes out
@@ -80,6 +86,73 @@ def storage_options_from_env(url: str, environ: dict[str, str] | None = None) ->
     return {"client_kwargs": {"endpoint_url": endpoint}} if endpoint else {}
 
 
+def storage_timeout_s(environ: dict[str, str] | None = None) -> float:
+    """SOMA_S3_TIMEOUT_S, else 15 s: the bound on one storage call's retries against an unreachable store."""
+    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "").strip()
+    if not raw:
+        return DEFAULT_TIMEOUT_S
+    try:
+        value = float(raw)
+    except ValueError:
+        value = math.nan
+    if not value > 0:
+        raise SomaError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; "
+                        f"set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}")
+    return value
+
+
+def with_s3_defaults(url: str, options: dict[str, Any], botocore_attempts: int,
+                     connect_timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+    """fsspec options for `url` with botocore's timeouts and retry count stated, where the caller did not.
+
+    There is one retry layer per reader: a Store retries in `retrying` (so botocore makes one attempt,
+    botocore_attempts=1), a corpus read lets botocore's standard mode retry (a few attempts). Stacked
+    layers multiply: botocore's legacy 5 attempts inside 6 Store tries took ~50 s to report a refused port.
+    """
+    if not url.startswith(("s3://", "s3a://")):
+        return dict(options)
+    config = dict(options.get("config_kwargs") or {})
+    config.setdefault("connect_timeout", connect_timeout_s)
+    config.setdefault("retries", {"total_max_attempts": botocore_attempts, "mode": "standard"})
+    return {**options, "config_kwargs": config}
+
+
+def endpoint_of(options: dict[str, Any]) -> str:
+    """The endpoint a client talks to, for messages: host and port only (never a user:password@ part)."""
+    url = (options.get("client_kwargs") or {}).get("endpoint_url") or options.get("endpoint_url")
+    if not url:
+        return "the default AWS S3 endpoint"
+    parts = urlsplit(url)
+    return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
+
+
+def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float, hint: str,
+             max_tries: int | None = None, on_retry: Callable[[], None] = lambda: None) -> T:
+    """fn(), with transient remote errors (an object store restarting, a dropped or refused connection)
+    retried with backoff 0.2 s, 0.4 s, ... 5 s for at most `timeout_s` in all: an attempt starts only
+    while it can still time out (`attempt_s`, the connect timeout) within that bound. Then one SomaError."""
+    t0 = time.monotonic()
+    last_start = t0 + timeout_s - attempt_s
+    delay, tries = 0.2, 0
+    while True:
+        tries += 1
+        try:
+            return fn()
+        except _PERMANENT:
+            raise
+        except transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
+            now = time.monotonic()
+            if now >= last_start or (max_tries is not None and tries >= max_tries):
+                n = f"{tries} tries" if tries > 1 else "1 try"
+                raise SomaError(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
+            wait = min(delay, last_start - now)
+            # the type only: messages and storage options are never logged (they can name credentials)
+            log.warning("%s failed (%s), retry %d in %.1f s", what, type(exc).__name__, tries, wait)
+            time.sleep(wait)
+            delay = min(delay * 2, 5.0)
+            on_retry()
+
+
 def sha256(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
@@ -99,13 +172,25 @@ def safe_relpath(rel: str) -> str:
 class Store:
     """Reads and writes artifacts under one campaign root."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retries: int = 5):
+    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retries: int | None = None,
+                 timeout_s: float | None = None):
+        """`retries` caps the retries of one call (none: only the time bound); `timeout_s` is that bound
+        (default: SOMA_S3_TIMEOUT_S, else 15 s). Both matter only for remote stores."""
         self.url = url.rstrip("/")
-        self.fs, root = fsspec.core.url_to_fs(self.url, **(storage_options or {}))
+        self.storage_options = dict(storage_options or {})     # as given: what workers are handed
+        remote = "://" in self.url and not self.url.startswith("file://")
+        self.timeout_s = timeout_s if timeout_s is not None else storage_timeout_s() if remote else DEFAULT_TIMEOUT_S
+        # a connect timeout of at most a third of the bound leaves room for retries within it
+        options = with_s3_defaults(self.url, self.storage_options, 1, min(CONNECT_TIMEOUT_S, self.timeout_s / 3))
+        self.fs, root = fsspec.core.url_to_fs(self.url, **options)
         self.root = root.rstrip("/")
-        self.local = "file" in (self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,))
+        protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
+        self.local = "file" in protocols
+        if "s3" in protocols:
+            self.fs.retries = 1      # s3fs's own loop (timeouts, resets) would stack under `retrying` too
         self.retries = retries
-        self.storage_options = dict(storage_options or {})
+        self.connect_timeout_s = float((options.get("config_kwargs") or {}).get("connect_timeout", CONNECT_TIMEOUT_S))
+        self._endpoint = endpoint_of(options)
         self._log_cache: dict[str, dict[str, list[dict[str, Any]]]] = {}   # remote logs: object name -> its records
         self._batch: dict[str, list[str]] | None = None    # appends held back inside `batch()`: log -> lines
         self._writer: _LogWriter | None = None              # the background writer of a `batch(background=True)`
@@ -120,25 +205,28 @@ class Store:
         return self.root if (rel == "" and root_ok) else f"{self.root}/{safe_relpath(rel)}"
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
-        """Retry transient remote errors (an object store restarting) with bounded backoff."""
+        """fn() through `retrying` (the only retry layer: botocore is told to make one attempt)."""
         if self.local:
             return fn()
-        delay = 0.2
-        for attempt in range(self.retries + 1):
-            try:
-                return fn()
-            except _PERMANENT:
-                raise
-            except _transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
-                if attempt == self.retries:
-                    raise SomaError(f"storage {self.url}: {what} failed after {self.retries + 1} tries ({type(exc).__name__}); check the endpoint") from None
-                # the type only: messages and storage options are never logged (they can name credentials)
-                log.warning("storage %s: %s failed (%s), retry %d/%d in %.1f s", self.url, what, type(exc).__name__,
-                            attempt + 1, self.retries, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
-                self.fs.invalidate_cache()   # a listing cached before the outage may be stale after it
-        raise AssertionError("unreachable")
+        hint = (f"check that {self._endpoint} is up and reachable from here (SOMA_S3_ENDPOINT), "
+                f"or allow longer with {TIMEOUT_ENV} (now {self.timeout_s:g})")
+        # a listing cached before an outage may be stale after it
+        return retrying(fn, f"storage {self.url}: {what}", self.timeout_s, self.connect_timeout_s, hint,
+                        None if self.retries is None else self.retries + 1, self.fs.invalidate_cache)
+
+    def require_bucket(self) -> None:
+        """On s3://, the bucket exists and answers: checked before work that ends in writing to it."""
+        if self.local:
+            return
+        bucket = self.root.split("/", 1)[0]
+        try:
+            self._retry(f"check bucket {bucket}", lambda: self.fs.info(bucket, refresh=True))
+        except FileNotFoundError:
+            raise SomaError(f"bucket {bucket} of {self.url} does not exist at {self._endpoint}; create it "
+                            f"(e.g. aws s3 mb s3://{bucket}) or choose a campaign URL in an existing bucket") from None
+        except PermissionError:
+            raise SomaError(f"bucket {bucket} of {self.url}: access denied with these credentials; use credentials "
+                            f"that may write there (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
 
     # -- whole objects ------------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -184,6 +272,24 @@ class Store:
         if self.exists(rel):
             raise SomaError(f"{self.url}/{rel} already exists; it is never overwritten (use a new campaign URL)")
         self.write_bytes(rel, data)
+
+    def remove(self, rel: str) -> None:
+        """Delete one artifact (absent already: nothing to do). Used only to retract a pointer such as latest.json."""
+        path = self.full(rel)
+        if self.local:
+            try:
+                os.unlink(path)
+            except FileNotFoundError:
+                pass
+            return
+
+        def rm() -> None:
+            try:
+                self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+            self.fs.invalidate_cache(path)
+        self._retry(f"remove {rel}", rm)
 
     def write_json(self, rel: str, obj: dict[str, Any]) -> None:
         body = dict(obj)

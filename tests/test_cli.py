@@ -102,16 +102,53 @@ def test_corrupt_shard_stops_that_expert_at_once_with_its_name(tmp_path, text_co
     assert bytes(raw) == shard.read_bytes()                             # and nothing was rewritten
 
 
-def test_non_utf8_bytes_and_empty_documents_are_handled(tmp_path, text_corpus, micro_yaml):
+def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro_yaml):
+    """Files that are not text are skipped and counted, a FIFO is refused at once (opening it would block),
+    Latin-1 text is kept byte for byte, and a corpus with no text at all is refused naming its files."""
+    import os
+    import random
+    import time
+
     corpus = tmp_path / "corpus"
     shutil.copytree(text_corpus, corpus)
-    (corpus / "binary.txt").write_bytes(bytes(range(256)) * 400 + b"\xff\xfe invalid \xc3\x28 utf-8")
-    (corpus / "empty.txt").write_bytes(b"")
+    rng = random.Random(0)
+    # (names sort before doc-*.txt: the micro corpus's max_bytes stops the reading at about the copied corpus)
+    for name in ("a-photo.jpg", "a-archive.txt"):                       # random bytes, whatever the name says
+        (corpus / name).write_bytes(rng.randbytes(50_000))
+    latin1 = "Café crème brûlée, déjà vu à la française: naïve façade. ".encode("latin-1") * 40
+    (corpus / "a-latin1.txt").write_bytes(latin1)
+    (corpus / "a-empty.txt").write_bytes(b"")
+    os.mkfifo(corpus / "queue")
+    t0 = time.monotonic()
+    proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(corpus), timeout=120)
+    assert time.monotonic() - t0 < 60                                   # refused at once, not read forever
+    assert_one_line_error(proc, f"{corpus / 'queue'} is a FIFO", "remove it")
+    assert not (tmp_path / "c").exists()
+    (corpus / "queue").unlink()                                         # the suggested fix
     proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(corpus))
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert (tmp_path / "c" / "router" / "router.json").exists()
+    out = " ".join((proc.stdout + proc.stderr).split())
+    assert "skipped 3 files: not text (NUL bytes) 2 (a-archive.txt, a-photo.jpg), empty 1 (a-empty.txt)" in out, out
+    manifest = json.loads((tmp_path / "c" / "shards" / "manifest.json").read_text())
+    assert manifest["corpus"]["skipped_files"] == {"not text (NUL bytes)": 2, "empty": 1}
     from soma_cluster.config import CorpusConfig
     from soma_cluster.corpus import user_documents
-    docs = list(user_documents(CorpusConfig(source=str(corpus), max_bytes=200_000)))
-    assert docs[0].doc_id.endswith("binary.txt") and docs[0].data.endswith(b"\xc3\x28 utf-8")   # bytes kept as they are
-    assert not any(d.doc_id.endswith("empty.txt") for d in docs)       # an empty file is not a document
+    docs = {d.doc_id: d.data for d in user_documents(CorpusConfig(source=str(corpus), max_bytes=10**9))}
+    assert docs["a-latin1.txt"] == latin1                               # bytes kept as they are
+    assert not {"a-photo.jpg", "a-archive.txt", "a-empty.txt"} & set(docs)
+    # nothing but binary files: refused, naming them, and nothing written
+    junk = tmp_path / "junk"
+    junk.mkdir()
+    for i in range(5):
+        (junk / f"blob-{i}.dat").write_bytes(rng.randbytes(20_000))
+    proc = soma("prepare", str(tmp_path / "d"), "--config", micro_yaml, "--corpus", str(junk))
+    assert_one_line_error(proc, "holds no text", "not text (NUL bytes) 5 (blob-0.dat, blob-1.dat, blob-2.dat, ...)",
+                          "point corpus.source at text files")
+    assert not (tmp_path / "d").exists()
+    # a FIFO as the corpus path itself, or as the config file: refused without opening it
+    os.mkfifo(tmp_path / "fifo")
+    assert_one_line_error(soma("prepare", str(tmp_path / "d"), "--config", micro_yaml, "--corpus", str(tmp_path / "fifo"), timeout=60),
+                          "is a FIFO", "pass a text file or a directory")
+    assert_one_line_error(soma("prepare", str(tmp_path / "d"), "--config", str(tmp_path / "fifo"), timeout=60),
+                          "not a regular file")
+    assert not (tmp_path / "d").exists()

@@ -2,13 +2,14 @@
 import glob
 import json
 import os
+import re
 import subprocess
 import sys
 
 import pytest
 import yaml
 
-from conftest import MICRO
+from conftest import MICRO, assert_one_line_error
 from s3server import s3  # noqa: F401  (fixture)
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.storage import Store, put_file, sha256, storage_options_from_env
@@ -64,10 +65,10 @@ def test_storage_options_from_env_never_carry_credentials():
     assert storage_options_from_env("/tmp/x", env) == {}
 
 
-def soma_s3(s3, *args, timeout=300):  # noqa: F811
+def soma_s3(s3, *args, timeout=300, env=None):  # noqa: F811
     """The `soma` CLI with credentials only in the standard AWS variables and the endpoint in SOMA_S3_ENDPOINT."""
-    env = {k: v for k, v in os.environ.items() if not k.startswith("AWS_")}
-    env.update({"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200", **s3.env()})
+    base = {k: v for k, v in os.environ.items() if not k.startswith("AWS_") and not k.startswith("SOMA_S3_")}
+    env = {**base, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200", **s3.env(), **(env or {})}
     return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
 
 
@@ -131,8 +132,69 @@ def test_unreachable_endpoint_is_a_clear_bounded_error(s3):  # noqa: F811
     from s3server import free_port
     opts = s3.storage_options(f"http://127.0.0.1:{free_port()}", connect_timeout=1, read_timeout=1, retries={"max_attempts": 1})
     store = Store(s3.url("gone"), opts, retries=1)
-    with pytest.raises(SomaError, match="failed after 2 tries.*check the endpoint") as err:
+    with pytest.raises(SomaError, match="failed after 2 tries in .* s .*check that http://127.0.0.1:.* is up and reachable") as err:
         store.write_json("a.json", {"x": 1})
     assert s3.secret not in str(err.value)
-    with pytest.raises(SomaError, match="check the endpoint"):
+    with pytest.raises(SomaError, match="is up and reachable"):
         store.exists("a.json")                  # never a silent False while the store cannot be reached
+
+
+def _manifests(read, n_experts: int) -> dict:
+    """Everything prepare decided about the data (what it measured about itself, wall time, left out)."""
+    top = json.loads(read("shards/manifest.json"))
+    top.pop("wall_seconds"), top.pop("checksum")
+    out = {"shards": top, "test": json.loads(read("test/manifest.json"))}
+    for e in range(n_experts):
+        out[f"expert-{e:04d}"] = json.loads(read(f"shards/expert-{e:04d}/manifest.json"))
+    return out
+
+
+def test_missing_bucket_then_one_corpus_from_two_locations(s3, tmp_path, text_corpus):  # noqa: F811
+    """A missing bucket is found before the corpus is read (and creating it is the fix); then one corpus prepared
+    from the S3 server and from a local directory of another name gives the same test set and shards."""
+    import shutil
+    import time
+
+    cfg = tmp_path / "micro.yaml"
+    cfg.write_text(yaml.safe_dump(MICRO))
+    bucket = f"{s3.bucket}-new"
+    camp = f"s3://{bucket}/runs/c"
+    s3.fs().put(str(text_corpus) + "/", f"{s3.bucket}/corpora/same/", recursive=True)
+    t0 = time.monotonic()
+    proc = soma_s3(s3, "prepare", camp, "--config", str(cfg), "--corpus", s3.url("corpora/same"), timeout=120)
+    assert_one_line_error(proc, f"bucket {bucket} of {camp} does not exist", f"create it (e.g. aws s3 mb s3://{bucket})")
+    assert time.monotonic() - t0 < 30 and "corpus:" not in proc.stdout + proc.stderr      # before any data was read
+    assert "Traceback" not in proc.stderr and s3.secret not in proc.stdout + proc.stderr
+    assert bucket not in [b.rstrip("/") for b in s3.fs().ls("", refresh=True)]              # nothing was written
+    s3.fs().mkdir(bucket)                                                                   # the suggested fix
+    proc = soma_s3(s3, "prepare", camp, "--config", str(cfg), "--corpus", s3.url("corpora/same"))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    # the same files elsewhere on local disk, under another name
+    local_corpus = tmp_path / "elsewhere" / "my-copy"
+    shutil.copytree(text_corpus, local_corpus)
+    local_camp = tmp_path / "local-camp"
+    proc = soma_s3(s3, "prepare", str(local_camp), "--config", str(cfg), "--corpus", str(local_corpus))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    fs = s3.fs()
+    on_s3 = _manifests(lambda rel: fs.cat_file(f"{bucket}/runs/c/{rel}"), MICRO["n_experts"])
+    local = _manifests(lambda rel: (local_camp / rel).read_bytes(), MICRO["n_experts"])
+    assert on_s3 == local
+    print("manifests equal:", json.dumps({k: v for k, v in local["shards"]["corpus"].items()}),
+          "train rows", local["shards"]["train_rows"], "val rows", local["shards"]["val_rows"], "test", local["test"])
+
+
+def test_unreachable_endpoint_is_reported_within_the_bound(s3):  # noqa: F811
+    import time
+
+    from s3server import free_port
+    gone = f"http://127.0.0.1:{free_port()}"
+    for limit, env in ((15.0, {}), (3.0, {"SOMA_S3_TIMEOUT_S": "3"})):
+        t0 = time.monotonic()
+        proc = soma_s3(s3, "status", s3.url("gone"), env={"SOMA_S3_ENDPOINT": gone, **env}, timeout=120)
+        wall = time.monotonic() - t0
+        assert_one_line_error(proc, "failed after", f"check that {gone} is up and reachable", f"SOMA_S3_TIMEOUT_S (now {limit:g})")
+        took = float(re.search(r"tries in ([0-9.]+) s", proc.stderr).group(1))
+        print(f"SOMA_S3_TIMEOUT_S={limit:g}: reported after {took:.1f} s of retries, {wall:.1f} s wall")
+        assert took <= limit and wall < limit + 10
+        assert s3.secret not in proc.stdout + proc.stderr
+    assert_one_line_error(soma_s3(s3, "status", s3.url("gone"), env={"SOMA_S3_TIMEOUT_S": "soon"}), "SOMA_S3_TIMEOUT_S='soon'")

@@ -239,12 +239,13 @@ class ExpertWorker:
         return []
 
     def _stop_over_budget(self, todo: int, caps: dict) -> None:
-        """A member whose next chunk would overrun its cap (GPU-seconds on its own cumulative clock) stops now."""
+        """A member whose next chunk would overrun its cap (GPU-seconds on its own cumulative clock) stops now; so
+        does one already past it (a start-up that cost more than was left), before any update is measured."""
         live = self._live()
         for m in live:
             cap = caps.get(m.job.expert)
             need = min(todo, m.target - m.trainer.state.step) * (self.sec_per_update or 0.0) / len(live)
-            if cap is not None and self.sec_per_update is not None and (self.held[m.job] + need) * self.num_gpus > cap:
+            if cap is not None and (self.held[m.job] + need) * self.num_gpus > cap:
                 m.reason = "budget_exhausted"
 
     def run_chunk(self, max_updates: int, caps: dict[int | None, float | None] | None = None) -> ChunkReport:

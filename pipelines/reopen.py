@@ -1,0 +1,44 @@
+"""A job is done only while its last checkpoint verifies.
+
+If the checkpoint a job's `latest.json` points at is truncated, corrupt or gone, the job's work since its
+newest checkpoint that still verifies is lost, whatever events.jsonl says: `latest.json` is pointed back
+at that checkpoint (or removed, when none verifies) and a `reopened` event makes the job pending again,
+so the next `soma seed` / `soma launch` / `soma resume` retrains the lost updates. A resumed run is bitwise
+the run that never stopped (SPEC section 6), so the result is the one the lost checkpoint held.
+"""
+from __future__ import annotations
+
+from concurrent.futures import ThreadPoolExecutor
+
+from pipelines.common import console
+from soma_cluster.checkpoint import CheckpointCheck, fall_back
+from soma_cluster.events import emit, history
+from soma_cluster.schedule import Job
+from soma_cluster.storage import Store
+
+PARALLEL_CHECKS = 8     # checkpoints verified at once (each is a few reads: latest.json, metadata, tensors)
+
+
+def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointCheck]:
+    """For each job that has run: fall back to its newest checkpoint that verifies and, where that changed
+    anything, emit `reopened` and say so. Returns the reopened jobs' checks. The driver then settles the
+    reopened attempt against that checkpoint: its work after it moves from training to wasted."""
+    past = history(store)
+    ran = [(job.name, job.model_dir) for job in jobs if job.name in past]
+    with ThreadPoolExecutor(PARALLEL_CHECKS) as pool:
+        checks = dict(zip((name for name, _ in ran), pool.map(lambda job: fall_back(store, job[1]), ran)))
+    reopened = {}
+    for name, c in checks.items():
+        h = past[name]
+        if c.ok:
+            continue
+        lost = max(0, h.step - (c.step or 0))
+        if h.terminal and c.valid is not None and not lost:       # only the pointer was gone: nothing to retrain
+            console.print(f"{name}: latest.json pointed again at {c.valid}, its last checkpoint (which verifies)")
+            continue
+        reopened[name] = c
+        what = "; ".join(f"{n}: {why}" for n, why in c.bad)
+        emit(store, "reopened", name, step=c.step or 0, was=h.state, checkpoint=c.valid, bad=[n for n, _ in c.bad], reason=what)
+        start = f"from {c.valid} (step {c.step})" if c.valid else "from the start (no checkpoint of it verifies)"
+        console.print(f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain")
+    return reopened
