@@ -10,9 +10,35 @@ timing one whole update (all 2 * n_pert forwards of both); the ratio is the medi
 Useful FLOPs count only the matmuls (2 x MACs) the model needs; sgemm is the best of 5 runs at n = 4096,
 measured before and after the updates (the best of all 10 is used, which makes the fraction conservative).
 
-  PYTHONPATH=. python benchmarks/bench_spsa.py [--repeats 5] [--chunks 16] [--torch-path]
+  PYTHONPATH=. python benchmarks/bench_spsa.py [--repeats 5] [--chunks 16] [--torch-path] [--shapes ...] [--no-extras]
 
-Measured table: see the end of this docstring (filled in from a run on the 2-core host).
+Measured 2026-12-04 on the 2-core host while other sessions saturated it (load average 24-36). A full paper-small
+run (B 64, T 1024, n_pert 64, 5 repeats) was killed by its 25-minute bound before it printed anything, so these
+are at paper-small's B and n_pert with T = 256 (paper-small-T256), 3 paired repeats, --no-extras:
+
+  2 threads (--repeats 3 --shapes paper-small-T256,tiny --no-extras; sgemm 12.8 / 22.5 GF/s before / after):
+
+  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
+  |---|---|---|---|---|
+  | paper-small-T256 | peer nn.LSTM loop | 150.02 (132.81-340.83) | 1.00x | 0.051 (0.057) |
+  | paper-small-T256 | ours chunk=16 | 10.48 (9.70-10.86) | 15.47x (31.40, 12.68, 15.47) | 0.727 (0.785) |
+  | tiny | peer nn.LSTM loop | 17.67 (10.17-19.54) | 1.00x | 0.007 (0.012) |
+  | tiny | ours chunk=8 | 0.49 (0.22-0.52) | 37.33x (20.70, 80.58, 37.33) | 0.242 (0.543) |
+
+  1 thread (OMP_NUM_THREADS=1 MKL_NUM_THREADS=1, --repeats 3 --shapes paper-small-T256 --no-extras; sgemm 31.0 /
+  26.8 GF/s):
+
+  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
+  |---|---|---|---|---|
+  | paper-small-T256 | peer nn.LSTM loop | 15.02 (14.66-19.24) | 1.00x | 0.368 (0.377) |
+  | paper-small-T256 | ours chunk=16 | 4.85 (4.67-7.28) | 3.02x (3.02, 3.22, 2.64) | 1.139 (1.185) |
+
+  Read with care. On two threads under that load the peer (262k small nn.LSTM steps per update, each an OpenMP
+  region) suffers far more than our coarse kernel tasks, so 15.5x overstates the speed-up, as the issue's 3.84x
+  (loaded) vs 1.88x (quiet) did; the single-thread pairing, which oversubscription does not skew that way, reads
+  3.0x: the >= 4x goal is NOT shown. The fractions of sgemm are not trustworthy either: sgemm itself read 13-31
+  GF/s (146-160 quiet), and > 1 on one thread only says both were squeezed differently. A quiet-host run of the
+  default command is still owed (last quiet figures, before the whole-expert kernel: 1.82x, 0.40 of sgemm).
 """
 from __future__ import annotations
 
@@ -204,7 +230,8 @@ def main() -> None:
     ap.add_argument("--repeats", type=int, default=5, help="paired repeats (peer, ours) per shape")
     ap.add_argument("--chunks", default="16", help="probes per batched pass (spsa.pert_chunk), comma-separated")
     ap.add_argument("--torch-path", action="store_true", help="also time ours with the fused kernels off")
-    ap.add_argument("--shapes", default="paper-small,tiny")
+    ap.add_argument("--shapes", default="paper-small,tiny", help=f"of {', '.join(s[0] for s in SHAPES)}")
+    ap.add_argument("--no-extras", action="store_true", help="skip the packed-vs-separate and peak-memory runs")
     args = ap.parse_args()
     sgemm = [sgemm_flops()]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
@@ -238,13 +265,15 @@ def main() -> None:
             ratios = [p / s for p, s in zip(peer, v)]
             print(f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(ratios):.2f}x "
                   f"({', '.join(f'{r:.2f}' for r in ratios)}) | {flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |")
+    if args.no_extras:
+        return
     t_sep, t_pk = packed_vs_separate()
     print(f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x")
     base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 16)
     print(f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)")
 
 
-SHAPES = [("paper-small", 32, 64, 1023, 64), ("tiny", 32, 8, 255, 8)]        # name, d, B, T, n_pert
+SHAPES = [("paper-small", 32, 64, 1023, 64), ("paper-small-T256", 32, 64, 255, 64), ("tiny", 32, 8, 255, 8)]   # name, d, B, T, n_pert
 
 
 if __name__ == "__main__":
