@@ -1,48 +1,42 @@
 """The fused CPU kernels (soma_cluster/fused.py) against the torch path they replace, side by side in one run.
 
-Recurrence: one time block of a bias-free LSTM layer (gates_in given, the sequential h W_hh^T + gates part
-only), at the evaluator's shapes: narrow experts packed on the copy axis (P copies of B rows) and wide
-ones (one copy of many rows). Decoder: log p(target) of C x R rows against a 256-way head, torch's
-bmm + log_softmax + gather vs the kernel. GF/s counts the matmul FLOPs only. Each timing is the fastest
-of --repeats alternating runs; the machine's sgemm GF/s is measured in the same run.
+Whole expert: log p(target) of C copies x B rows x T steps (the evaluator's shapes: narrow experts packed on the
+copy axis, wide ones with many rows), three ways: torch only (SOMA_FUSED=0), torch's matmuls with the recurrence
+and decoder kernels (the composed path wider experts take), and the whole-expert kernel. Recurrence: one time
+block of a bias-free LSTM layer (gates_in given: the sequential h W_hh^T + cell part only), torch's
+step-by-step bmm vs the kernel. Decoder: log p(target) of C x R rows against a 256-way head. GF/s counts the
+matmul FLOPs only. Each timing is the fastest of --repeats alternating runs; the machine's sgemm (best of 5
+at n = 4096) is measured in the same run.
 
   PYTHONPATH=. python benchmarks/bench_kernels.py [--repeats 3]
 
-Measured 2026-12-03 on the 2-core CPU host (sgemm 146 GF/s), --repeats 3:
-
-  | recurrence P x T x B, d | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |
-  |---|---|---|---|---|---|
-  | 32 x 32 x 16, 32 | 7.3 | 3.6 | 18.4 | 37.2 | 2.02x |
-  | 256 x 32 x 16, 32 | 70.7 | 30.1 | 15.2 | 35.6 | 2.35x |
-  | 8 x 32 x 64, 64 | 13.7 | 11.3 | 39.3 | 47.4 | 1.21x |
-  | 2 x 32 x 256, 128 | 27.2 | 39.9 | 79.1 | 53.8 | 0.68x |
-  | 1 x 32 x 512, 181 | 45.0 | 97.9 | 95.5 | 43.9 | 0.46x |
-
-  | decoder C x R, e | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |
-  |---|---|---|---|---|---|
-  | 32 x 512, 32 | 6.1 | 5.4 | 44.1 | 49.5 | 1.12x |
-  | 1 x 16384, 32 | 6.1 | 4.4 | 44.0 | 60.9 | 1.38x |
-
-  Hence fused.MAX_RECURRENT_D = 64. The kernel's inner product keeps its accumulators in L1 rather than
-  registers (one load and one store per vector FMA), which caps it near 50 GF/s; torch's per-step bmm wins once
-  d is wide enough for MKL to reuse W_hh across many rows. Before the kernels ran on torch's own OpenMP threads
-  (an early version used a Python thread pool), torch's spinning OpenMP workers cost ~5 ms per call.
+Not re-measured since the whole-expert kernel and the packed recurrence layout landed (issue 17: the 2-core
+host was shared and saturated; bench_spsa.py and bench_inference.py carry that round's measurements). The
+previous table (2026-12-03, sgemm 146 GF/s) measured the old L1-accumulating recurrence kernel: 2.0-2.35x torch
+at d = 32, 1.21x at d = 64, 0.46-0.68x at d >= 128, whence the old d <= 64 cut. fused.MAX_EXPERT_D = 192 and
+MAX_RECURRENT_D = 1024 came from this script's expert and recurrence tables on the register-blocked kernels
+(per fused.py); those runs' tables were not kept.
 """
 from __future__ import annotations
 
 import argparse
 import os
 import time
+from contextlib import contextmanager
 
+import numpy as np
 import torch
 
 from bench_spsa import sgemm_flops        # this folder is on sys.path when run as a script
 from soma_cluster import fused
-from soma_cluster.ensemble import bmm_logprobs
-from soma_cluster.model import step_by_step
+from soma_cluster.config import ModelConfig
+from soma_cluster.ensemble import bmm_logprobs, packed_logprobs
+from soma_cluster.model import init_body, init_head, step_by_step
 
-RECURRENCE = [(32, 32, 16, 32), (256, 32, 16, 32), (8, 32, 64, 64), (2, 32, 256, 128), (1, 32, 512, 181)]   # P, T, B, d
+EXPERT = [(32, 8, 256, 32), (4, 64, 256, 64), (2, 64, 256, 128), (2, 64, 128, 181), (2, 64, 64, 256), (2, 64, 32, 361)]   # C, B, T, d
+RECURRENCE = [(32, 32, 16, 32), (8, 32, 64, 64), (2, 32, 256, 128), (1, 32, 512, 181), (1, 32, 256, 361), (1, 32, 128, 512)]   # P, T, B, d
 DECODER = [(32, 512, 32), (1, 16384, 32)]                                                                 # C, R, e
+CPU = torch.device("cpu")
 
 
 def fastest(fns: dict, repeats: int) -> dict[str, float]:
@@ -55,36 +49,86 @@ def fastest(fns: dict, repeats: int) -> dict[str, float]:
     return best
 
 
+@contextmanager
+def kernels(expert: bool, any_: bool = True):
+    """The kernels on or off: all (SOMA_FUSED=0), or only the whole-expert one (the composed path)."""
+    saved = fused.MAX_EXPERT_D
+    if not any_:
+        os.environ["SOMA_FUSED"] = "0"
+        fused._library.cache_clear()
+    fused.MAX_EXPERT_D = saved if expert else 0
+    try:
+        yield
+    finally:
+        fused.MAX_EXPERT_D = saved
+        os.environ.pop("SOMA_FUSED", None)
+        fused._library.cache_clear()
+
+
+def expert_table(repeats: int, gen: torch.Generator) -> None:
+    print("| whole expert C x B x T, d | torch only ms | composed ms | kernel ms | torch GF/s | composed GF/s | kernel GF/s "
+          "| kernel vs composed |")
+    print("|---|---|---|---|---|---|---|---|")
+    for c, b, t, d in EXPERT:
+        cfg = ModelConfig(d=d, head="own")
+        bodies = torch.stack([init_body(cfg, gen) for _ in range(c)])
+        heads = torch.stack([init_head(cfg, gen) for _ in range(c)])
+        windows = np.random.default_rng(0).integers(0, 256, size=(c, b, t + 1), dtype=np.uint8)
+
+        def run(expert, any_=True):
+            def go():
+                with kernels(expert, any_):
+                    packed_logprobs(cfg, bodies, heads, windows, 0, CPU)
+            return go
+        s = fastest({"torch": run(False, False), "composed": run(False), "kernel": run(True)}, repeats)
+        per_token = 32 * d * d + (4 * d * 32 if d != 32 else 0) + 2 * 256 * 32
+        flop = c * b * t * per_token / 1e9
+        print(f"| {c} x {b} x {t}, {d} | {s['torch'] * 1e3:.0f} | {s['composed'] * 1e3:.0f} | {s['kernel'] * 1e3:.0f} | "
+              f"{flop / s['torch']:.1f} | {flop / s['composed']:.1f} | {flop / s['kernel']:.1f} | {s['composed'] / s['kernel']:.2f}x |",
+              flush=True)
+
+
+def recurrence_table(repeats: int, gen: torch.Generator) -> None:
+    print("\n| recurrence P x T x B, d | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
+    print("|---|---|---|---|---|---|")
+    for pp, t, b, d in RECURRENCE:
+        gi, w = torch.randn(pp, t, b, 4 * d, generator=gen), torch.randn(pp, d, 4 * d, generator=gen) / d ** 0.5
+        packed = fused.pack_recurrent(w)
+        h, c = torch.zeros(pp, b, d), torch.zeros(pp, b, d)
+        s = fastest({"torch": lambda: step_by_step(gi, w, h.clone(), c.clone()),
+                     "kernel": lambda: fused.lstm_block(gi, packed, h.clone(), c.clone())}, repeats)
+        flop = 2 * pp * t * b * d * 4 * d / 1e9
+        print(f"| {pp} x {t} x {b}, {d} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
+              f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |", flush=True)
+
+
+def decoder_table(repeats: int, gen: torch.Generator) -> None:
+    print("\n| decoder C x R, e | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
+    print("|---|---|---|---|---|---|")
+    for cc, r, e in DECODER:
+        h, heads = torch.randn(cc, r, e, generator=gen), torch.randn(cc, 256, e, generator=gen) * 0.3
+        y = torch.randint(0, 256, (cc, r), generator=gen, dtype=torch.uint8)
+        s = fastest({"torch": lambda: bmm_logprobs(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, repeats)
+        flop = 2 * cc * r * e * 256 / 1e9
+        print(f"| {cc} x {r}, {e} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
+              f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |", flush=True)
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1)
+    p.add_argument("--tables", default="expert,recurrence,decoder")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
     if not fused.available():
         raise SystemExit("the fused kernels are not available here (no C compiler, or SOMA_FUSED=0)")
     gen = torch.Generator().manual_seed(0)
-    print(f"{args.threads} threads, sgemm {sgemm_flops() / 1e9:.0f} GF/s\n")
-    print("| recurrence P x T x B, d | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
-    print("|---|---|---|---|---|---|")
+    print(f"{args.threads} threads, sgemm {sgemm_flops() / 1e9:.0f} GF/s (best of 5, n=4096), load average {os.getloadavg()[0]:.2f}\n")
     with torch.no_grad():
-        for pp, t, b, d in RECURRENCE:
-            gi, w = torch.randn(pp, t, b, 4 * d, generator=gen), torch.randn(pp, d, 4 * d, generator=gen) / d ** 0.5
-            h, c = torch.zeros(pp, b, d), torch.zeros(pp, b, d)
-            s = fastest({"torch": lambda: step_by_step(gi, w, h.clone(), c.clone()),
-                         "kernel": lambda: fused.lstm_block(gi, w, h.clone(), c.clone())}, args.repeats)
-            flop = 2 * pp * t * b * d * 4 * d / 1e9
-            print(f"| {pp} x {t} x {b}, {d} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
-                  f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |")
-        print("\n| decoder C x R, e | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
-        print("|---|---|---|---|---|---|")
-        for cc, r, e in DECODER:
-            h, heads = torch.randn(cc, r, e, generator=gen), torch.randn(cc, 256, e, generator=gen) * 0.3
-            y = torch.randint(0, 256, (cc, r), generator=gen, dtype=torch.uint8)
-            s = fastest({"torch": lambda: bmm_logprobs(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, args.repeats)
-            flop = 2 * cc * r * e * 256 / 1e9
-            print(f"| {cc} x {r}, {e} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
-                  f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |")
+        for name in args.tables.split(","):
+            {"expert": expert_table, "recurrence": recurrence_table, "decoder": decoder_table}[name](args.repeats, gen)
+    print(f"\nload average {os.getloadavg()[0]:.2f}")
 
 
 if __name__ == "__main__":

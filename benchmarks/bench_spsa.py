@@ -2,33 +2,73 @@
 
 Peer: the same model built from torch modules (fused nn.LSTM, Linear, LayerNorm), one forward per
 perturbed copy (2 * n_pert forwards per update), parameters loaded with vector_to_parameters.
-Ours: `spsa_estimate` with all copies of a probe chunk in one batched pass.
-Useful FLOPs count only the matmuls (2 x MACs) the model needs; the machine's sgemm FLOP/s is
-measured in the same run. Run: .venv/bin/python benchmarks/bench_spsa.py [--peer-fraction 0.125]
+Ours: `spsa_estimate` with all copies of a probe chunk in one batched pass (soma_cluster.model.copy_losses:
+the fused whole-expert kernel on the CPU, see soma_cluster/fused.py).
+
+The host is shared and noisy, so the peer and ours run in paired repeats, alternating which goes first, each
+timing one whole update (all 2 * n_pert forwards of both); the ratio is the median of the per-repeat ratios.
+Useful FLOPs count only the matmuls (2 x MACs) the model needs; sgemm is the best of 5 runs at n = 4096,
+measured before and after the updates (the best of all 10 is used, which makes the fraction conservative).
+
+  PYTHONPATH=. python benchmarks/bench_spsa.py [--repeats 5] [--chunks 16] [--torch-path] [--shapes ...] [--no-extras]
+
+Measured 2026-12-04 on the 2-core host while other sessions saturated it (load average 24-36). A full paper-small
+run (B 64, T 1024, n_pert 64, 5 repeats) was killed by its 25-minute bound before it printed anything, so these
+are at paper-small's B and n_pert with T = 256 (paper-small-T256), 3 paired repeats, --no-extras:
+
+  2 threads (--repeats 3 --shapes paper-small-T256,tiny --no-extras; sgemm 12.8 / 22.5 GF/s before / after):
+
+  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
+  |---|---|---|---|---|
+  | paper-small-T256 | peer nn.LSTM loop | 150.02 (132.81-340.83) | 1.00x | 0.051 (0.057) |
+  | paper-small-T256 | ours chunk=16 | 10.48 (9.70-10.86) | 15.47x (31.40, 12.68, 15.47) | 0.727 (0.785) |
+  | tiny | peer nn.LSTM loop | 17.67 (10.17-19.54) | 1.00x | 0.007 (0.012) |
+  | tiny | ours chunk=8 | 0.49 (0.22-0.52) | 37.33x (20.70, 80.58, 37.33) | 0.242 (0.543) |
+
+  1 thread (OMP_NUM_THREADS=1 MKL_NUM_THREADS=1, --repeats 3 --shapes paper-small-T256 --no-extras; sgemm 31.0 /
+  26.8 GF/s):
+
+  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
+  |---|---|---|---|---|
+  | paper-small-T256 | peer nn.LSTM loop | 15.02 (14.66-19.24) | 1.00x | 0.368 (0.377) |
+  | paper-small-T256 | ours chunk=16 | 4.85 (4.67-7.28) | 3.02x (3.02, 3.22, 2.64) | 1.139 (1.185) |
+
+  Read with care. On two threads under that load the peer (262k small nn.LSTM steps per update, each an OpenMP
+  region) suffers far more than our coarse kernel tasks, so 15.5x overstates the speed-up, as the issue's 3.84x
+  (loaded) vs 1.88x (quiet) did; the single-thread pairing, which oversubscription does not skew that way, reads
+  3.0x: the >= 4x goal is NOT shown. The fractions of sgemm are not trustworthy either: sgemm itself read 13-31
+  GF/s (146-160 quiet), and > 1 on one thread only says both were squeezed differently. A quiet-host run of the
+  default command is still owed (last quiet figures, before the whole-expert kernel: 1.82x, 0.40 of sgemm).
 """
 from __future__ import annotations
 
 import argparse
 import multiprocessing as mp
+import os
 import resource
+import statistics
 import time
 
 import torch
 from torch import nn
 
+from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.model import Layout, copy_losses, init_body, init_head
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import probes, spsa_estimate
 
 
-def sgemm_flops(n: int = 2048, reps: int = 5) -> float:
+def sgemm_flops(n: int = 4096, reps: int = 5) -> float:
+    """The machine's sgemm FLOP/s: the best of `reps` timed n x n products (one untimed first)."""
     a, b = torch.randn(n, n), torch.randn(n, n)
     torch.mm(a, b)
-    t = time.perf_counter()
+    best = float("inf")
     for _ in range(reps):
+        t = time.perf_counter()
         torch.mm(a, b)
-    return reps * 2 * n ** 3 / (time.perf_counter() - t)
+        best = min(best, time.perf_counter() - t)
+    return 2 * n ** 3 / best
 
 
 def useful_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -72,32 +112,54 @@ class PeerModel(nn.Module):
         return nn.functional.cross_entropy((self.lnf(h) @ head.t()).reshape(-1, 256), y.reshape(-1).long())
 
 
-def peer_update_seconds(cfg, n_pert, x, y, head, fraction):
-    model = PeerModel(cfg.d, cfg.depth)
-    theta = nn.utils.parameters_to_vector(model.parameters()).detach()
-    z = torch.randint(-1, 2, (2 * n_pert, theta.numel())).float()
-    count = max(1, round(2 * n_pert * fraction))
-    with torch.no_grad():
-        nn.utils.vector_to_parameters(theta, model.parameters())
-        model.loss(head, x[:, :16], y[:, :16])
-        t = time.perf_counter()
-        for j in range(count):
-            nn.utils.vector_to_parameters(theta + 1e-3 * z[j], model.parameters())
-            model.loss(head, x, y)
-        return (time.perf_counter() - t) * (2 * n_pert / count)
+class Peer:
+    """One SPSA update the way a user would write it: 2 * n_pert forwards of the nn.Module model, one per copy."""
+
+    def __init__(self, cfg, n_pert, x, y, head):
+        self.model = PeerModel(cfg.d, cfg.depth)
+        self.theta = nn.utils.parameters_to_vector(self.model.parameters()).detach()
+        self.z = torch.randint(-1, 2, (n_pert, self.theta.numel())).float()
+        self.x, self.y, self.head = x, y, head
+        with torch.no_grad():
+            self.model.loss(head, x, y)                                     # warm-up: one whole forward
+
+    @torch.no_grad()
+    def update(self) -> None:
+        for zj in self.z:
+            for sign in (1.0, -1.0):
+                nn.utils.vector_to_parameters(self.theta + sign * 1e-3 * zj, self.model.parameters())
+                self.model.loss(self.head, self.x, self.y)
 
 
-def ours_update_seconds(cfg, n_pert, x, y, head, chunk, compiled, block=8):
-    g = torch.Generator().manual_seed(0)
-    theta = init_body(cfg, g)
-    mask = Layout(cfg).gain_mask()
-    f = lambda bodies: copy_losses(cfg, bodies, head, x, y, compiled, block)  # noqa: E731
-    with torch.no_grad():
-        z = probes(n_pert, mask, 0)
-        spsa_estimate(theta, z[:chunk], 1e-3, lambda b: copy_losses(cfg, b, head, x[:, :16], y[:, :16], compiled), chunk)
-        t = time.perf_counter()
-        spsa_estimate(theta, z, 1e-3, f, chunk)
-        return time.perf_counter() - t
+class Ours:
+    """One SPSA update through spsa_estimate: every chunk of probes' +/- copies in one batched pass."""
+
+    def __init__(self, cfg, n_pert, x, y, head, chunk):
+        self.theta = init_body(cfg, torch.Generator().manual_seed(0))
+        self.z = probes(n_pert, Layout(cfg).gain_mask(), 0)
+        self.loss = lambda bodies: copy_losses(cfg, bodies, head, x, y)  # noqa: E731
+        self.chunk = chunk
+        with torch.no_grad():                                             # warm-up: one batched pass (and the kernel build)
+            spsa_estimate(self.theta, self.z[:chunk], 1e-3, self.loss, chunk)
+
+    @torch.no_grad()
+    def update(self) -> None:
+        spsa_estimate(self.theta, self.z, 1e-3, self.loss, self.chunk)
+
+
+def timed(fn) -> float:
+    t = time.perf_counter()
+    fn()
+    return time.perf_counter() - t
+
+
+def paired(fns: dict, repeats: int) -> dict[str, list[float]]:
+    """Seconds of each fn per repeat, run in turn, the order reversed every other repeat (drift cancels)."""
+    out = {k: [] for k in fns}
+    for rep in range(repeats):
+        for k in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
+            out[k].append(timed(fns[k]))
+    return out
 
 
 def _vm_hwm_mib() -> float:
@@ -111,7 +173,7 @@ def _peak_child(q, d, b, t, n_pert, chunk):
     cfg = ModelConfig(d=d, embed_dim=d)
     base = _vm_hwm_mib()
     x, y = torch.randint(0, 256, (b, t)), torch.randint(0, 256, (b, t))
-    ours_update_seconds(cfg, n_pert, x, y, init_head(cfg, torch.Generator().manual_seed(1)), chunk, False)
+    Ours(cfg, n_pert, x, y, init_head(cfg, torch.Generator().manual_seed(1)), chunk).update()
     q.put((base, _vm_hwm_mib()))
 
 
@@ -150,37 +212,68 @@ def packed_vs_separate(g_experts=16, b=8, t=256, n_pert=8):
     return t_sep, time.perf_counter() - t0
 
 
+def torch_path(fn):
+    """fn run with the fused kernels off (SOMA_FUSED=0): the model's plain torch path."""
+    def run():
+        os.environ["SOMA_FUSED"] = "0"
+        fused._library.cache_clear()
+        try:
+            fn()
+        finally:
+            del os.environ["SOMA_FUSED"]
+            fused._library.cache_clear()
+    return run
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--peer-fraction", type=float, default=0.125, help="share of the peer's 2*n_pert forwards timed (scaled up)")
-    ap.add_argument("--chunks", default="8,16")
-    ap.add_argument("--compile", action="store_true", help="also time the torch.compile'd step")
-    ap.add_argument("--whole-sequence", action="store_true", help="also time without time blocking (block = T)")
+    ap.add_argument("--repeats", type=int, default=5, help="paired repeats (peer, ours) per shape")
+    ap.add_argument("--chunks", default="16", help="probes per batched pass (spsa.pert_chunk), comma-separated")
+    ap.add_argument("--torch-path", action="store_true", help="also time ours with the fused kernels off")
+    ap.add_argument("--shapes", default="paper-small,tiny", help=f"of {', '.join(s[0] for s in SHAPES)}")
+    ap.add_argument("--no-extras", action="store_true", help="skip the packed-vs-separate and peak-memory runs")
     args = ap.parse_args()
-    peak = sgemm_flops()
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {peak / 1e9:.1f} GFLOP/s")
-    rows = []
-    for name, d, b, t, n_pert in (("paper-small", 32, 64, 1023, 64), ("tiny", 32, 8, 255, 8)):
+    sgemm = [sgemm_flops()]
+    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
+          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    results = []
+    for name, d, b, t, n_pert in SHAPES:
+        if name not in args.shapes.split(","):
+            continue
         cfg = ModelConfig(d=d, embed_dim=d)
         x, y = torch.randint(0, 256, (b, t)), torch.randint(0, 256, (b, t))
         head = init_head(cfg, torch.Generator().manual_seed(1))
-        flops = useful_flops(cfg, 2 * n_pert * b * t)
-        peer = peer_update_seconds(cfg, n_pert, x, y, head, args.peer_fraction)
-        rows.append((name, "peer nn.LSTM loop", peer, 1.0, flops / peer / peak))
-        chunks = sorted({min(int(c), n_pert) for c in args.chunks.split(",")})
-        for chunk in chunks:
-            variants = [(False, 8)] + ([(True, 8)] if args.compile else []) + ([(False, 0)] if args.whole_sequence else [])
-            for compiled, block in variants:
-                s = ours_update_seconds(cfg, n_pert, x, y, head, chunk, compiled, block)
-                label = f"ours chunk={chunk} block={block or 'T'}{' compiled' if compiled else ''}"
-                rows.append((name, label, s, peer / s, flops / s / peak))
-        n_var = 1 + bool(args.compile) + bool(args.whole_sequence)
-        for r in rows[-(1 + len(chunks) * n_var):]:
-            print(f"{r[0]:12s} {r[1]:36s} {r[2]:8.2f} s/update  speed-up {r[3]:5.2f}x  useful/sgemm {r[4]:.3f}", flush=True)
+        fns = {"peer nn.LSTM loop": Peer(cfg, n_pert, x, y, head).update}
+        for chunk in sorted({min(int(c), n_pert) for c in args.chunks.split(",")}):
+            ours = Ours(cfg, n_pert, x, y, head, chunk)
+            fns[f"ours chunk={chunk}"] = ours.update
+            if args.torch_path:
+                fns[f"ours chunk={chunk}, torch path"] = torch_path(ours.update)
+        secs = paired(fns, args.repeats)
+        for k, v in secs.items():
+            print(f"  {name} {k}: " + ", ".join(f"{s:.2f}" for s in v) + " s", flush=True)
+        results.append((name, useful_flops(cfg, 2 * n_pert * b * t), secs))
+    sgemm.append(sgemm_flops())
+    peak = max(sgemm)
+    print(f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): using {peak / 1e9:.1f}; "
+          f"load average {os.getloadavg()[0]:.2f}\n")
+    print("| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |")
+    print("|---|---|---|---|---|")
+    for name, flops, secs in results:
+        peer = secs["peer nn.LSTM loop"]
+        for k, v in secs.items():
+            ratios = [p / s for p, s in zip(peer, v)]
+            print(f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(ratios):.2f}x "
+                  f"({', '.join(f'{r:.2f}' for r in ratios)}) | {flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |")
+    if args.no_extras:
+        return
     t_sep, t_pk = packed_vs_separate()
-    print(f"G=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x")
-    base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 8)
-    print(f"peak RSS of one paper-small update (chunk 8): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)")
+    print(f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x")
+    base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 16)
+    print(f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)")
+
+
+SHAPES = [("paper-small", 32, 64, 1023, 64), ("paper-small-T256", 32, 64, 255, 64), ("tiny", 32, 8, 255, 8)]   # name, d, B, T, n_pert
 
 
 if __name__ == "__main__":

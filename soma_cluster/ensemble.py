@@ -21,7 +21,7 @@ import torch
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.model import forward_blocks, target_logprobs
+from soma_cluster.model import Layout, forward_blocks, target_logprobs
 from soma_cluster.router import Router, router_text
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store, sha256
@@ -62,16 +62,21 @@ def bmm_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> torch
 
 
 @torch.no_grad()
-def packed_logprobs(model: ModelConfig, bodies: torch.Tensor, heads: torch.Tensor, windows: np.ndarray, context: int,
-                    device: torch.device) -> np.ndarray:
-    """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e),
-    windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64."""
+def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor], heads: torch.Tensor | list[torch.Tensor],
+                    windows: np.ndarray, context: int, device: torch.device) -> np.ndarray:
+    """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e) (or lists of
+    G tensors), windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64."""
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
-    bodies, heads = bodies.to(device), heads.to(device)
+    if device.type == "cpu" and fused.expert_usable(model, *bodies[:1], *heads[:1]):   # the whole expert in one kernel
+        return fused.expert_logprobs(Layout(model), bodies, heads, x, y, context).numpy().astype(np.float64)
+    bodies, heads = (torch.stack(list(t)).to(device) if isinstance(t, list) else t.to(device) for t in (bodies, heads))
     g, b = x.shape[0], x.shape[1]
     parts = []
     for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):   # h (G, Tb, B, e)
+        if t1 <= context:                                              # nothing scored in this block: no decoder
+            parts.append(h.new_zeros(g, t1 - t0, b))
+            continue
         if fused.usable(h, heads):
             parts.append(target_logprobs(h, heads, y[..., t0:t1]))                 # the fused kernel, no logits tensor
             continue
@@ -181,8 +186,7 @@ def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tup
         padded = np.zeros((len(units), units[0][2], win.data.shape[1]), dtype=np.uint8)
         for i, (e, a, n) in enumerate(units):
             padded[i, :n] = win.data[routed[e][0][a:a + n]]
-        lp = packed_logprobs(model, torch.stack([experts[e][0] for e, _, _ in units]), torch.stack([experts[e][1] for e, _, _ in units]),
-                             padded, context, device)
+        lp = packed_logprobs(model, [experts[e][0] for e, _, _ in units], [experts[e][1] for e, _, _ in units], padded, context, device)
         for i, (e, a, n) in enumerate(units):
             rows, slots = routed[e][0][a:a + n], routed[e][1][a:a + n]
             np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :n]))

@@ -1,18 +1,22 @@
-"""Fused CPU kernels (csrc/kernels.c) for the two hot spots of narrow experts.
+"""Fused CPU kernels (csrc/kernels.c) for narrow experts.
 
-- The LSTM recurrence. Step by step in torch it is a tiny bmm plus half a dozen pointwise ops per time
-  step, each a separate pass over memory and a dispatch: at d = 32 that overhead, not arithmetic, is
-  most of the time. The kernel keeps a tile of rows in cache and runs the whole time block.
-- log p(target) under the byte decoder. In torch it writes (rows, 256) logits, reads them back for
-  log_softmax, writes that and gathers one column; the kernel keeps each tile's logits in cache.
+- The whole expert (`expert_nll`, `expert_logprobs`): embedding, every LSTM/MLP block, the final norm and
+  log p(target), for a tile of batch rows of one copy at a time, step by step. In torch each time step of
+  a d = 32 layer is a tiny bmm plus a dozen pointwise passes over (copies, B, 4d) slabs: dispatch and
+  memory traffic, not arithmetic, are most of the time. The kernel keeps the tile's activations in L1/L2
+  and each copy's weights (160 KiB at d = 32) in L2, and fuses LayerNorm, the gate nonlinearities, the
+  cell update and exact GELU into register-blocked matmuls.
+- The LSTM recurrence alone (`lstm_block`) and the decoder's log-probabilities (`target_logprobs`), for
+  wider experts that keep torch's big matmuls for the rest.
 
-Both run on torch's own OpenMP threads: the library links libgomp.so.1, which the process already has
+All run on torch's own OpenMP threads: the library links libgomp.so.1, which the process already has
 loaded from torch, so the two share one runtime and one thread pool instead of competing for cores.
 
-The library is compiled with the machine's C compiler at first use (0.2 s here) into a cache keyed by
-the source, the compiler and the CPU, since it is built for the CPU it runs on. Without a compiler, or
-with SOMA_FUSED=0, `available()` is False and the model keeps its torch path; the kernel never runs
-under autograd or on CUDA (the caller checks `usable`).
+The library is compiled with the machine's C compiler at first use (a few seconds) into a cache keyed by
+the source, the compiler and the CPU, since it is built for the CPU it runs on: AVX-512, AVX2+FMA, or
+portable vector code elsewhere. Without a compiler, or with SOMA_FUSED=0, `available()` is False and the
+model keeps its torch path; the kernels never run under autograd or on CUDA (the caller checks `usable`).
+Results agree with the torch path to float32 rounding and do not depend on the number of threads.
 """
 from __future__ import annotations
 
@@ -24,19 +28,23 @@ import platform
 import shutil
 import subprocess
 import tempfile
+from collections.abc import Sequence
 from functools import cache
 from pathlib import Path
 
 import torch
 
+from soma_cluster.config import ModelConfig
+
 log = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
-# Widest d for which the recurrence kernel beats torch's step-by-step bmm. benchmarks/bench_kernels.py on
-# the 2-core host, kernel speed-up: d=32 2.0-2.4x, d=64 1.2x, d=128 0.7x, d=181 0.5x; above d=64,
-# MKL's reuse of W_hh across many rows wins.
-MAX_RECURRENT_D = 64
-MAX_KERNEL_D = 1024       # the kernel keeps 8 rows x 4d gates on the thread's stack: 128 KiB at this width
+# Widest d for which the whole-expert kernel beats torch's composed path, and for which the recurrence
+# kernel beats torch's step-by-step bmm (benchmarks/bench_kernels.py on the 2-core host).
+MAX_EXPERT_D = 192
+MAX_RECURRENT_D = 1024
+EXPERT_ROWS = 32          # batch rows of one copy per task of the whole-expert kernel
+RECURRENT_ROWS = 32       # likewise for the recurrence kernel
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -89,9 +97,17 @@ def _library():
         detail = getattr(exc, "stderr", "") or exc
         log.warning("building the fused CPU kernels failed (%s): the model runs in plain torch (slower)", str(detail).strip()[:300])
         return None
-    lib.lstm_block.restype = lib.target_logprobs.restype = None
-    lib.lstm_block.argtypes = [ctypes.c_void_p] * 5 + [ctypes.c_int64] * 4
-    lib.target_logprobs.argtypes = [ctypes.c_void_p] * 4 + [ctypes.c_int64] * 5
+    i64, ptr = ctypes.c_int64, ctypes.c_void_p
+    signatures = {                                   # name: (result, arguments), as in kernels.c
+        "expert_forward": (None, [ptr] * 3 + [i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 8),
+        "lstm_block": (None, [ptr] * 5 + [i64] * 5),
+        "target_logprobs": (None, [ptr] * 4 + [i64] * 5),
+        "pack_recurrent": (None, [ptr] * 2 + [i64] * 2),
+        "padded_width": (i64, [i64]),
+        "pointwise": (None, [i64, ptr, i64]),
+    }
+    for name, (result, args) in signatures.items():
+        getattr(lib, name).restype, getattr(lib, name).argtypes = result, args
     return lib
 
 
@@ -108,18 +124,102 @@ def usable(*tensors: torch.Tensor) -> bool:
     return available()
 
 
-def lstm_block(gates_in: torch.Tensor, w_hh_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
-    """gates_in (P, T, B, 4d), w_hh_t (P, d, 4d), state h, c (P, B, d) updated in place -> out (P, T, B, d).
-    The kernel spreads its tiles over torch's intra-op threads (the same OpenMP runtime); ctypes releases
-    the GIL during the call."""
+def pointwise(kind: str, x: torch.Tensor) -> torch.Tensor:
+    """The kernels' own exp, sigmoid or (exact) GELU of a float32 tensor, for tests."""
+    out = x.to(torch.float32).contiguous().clone()
+    _library().pointwise(("exp", "sigmoid", "gelu").index(kind), out.data_ptr(), out.numel())
+    return out
+
+
+def expert_usable(cfg: ModelConfig, *tensors: torch.Tensor) -> bool:
+    """The whole-expert kernel can stand in for the model's torch forward (see `usable`), and wins at this width."""
+    return cfg.d <= MAX_EXPERT_D and usable(*tensors)
+
+
+Tensors = torch.Tensor | Sequence[torch.Tensor]
+
+
+def _pointers(ts: Tensors, shape: tuple[int, ...], what: str) -> tuple[ctypes.Array, list[torch.Tensor]]:
+    """A C array of pointers to float32 tensors of `shape`: the rows of one tensor or a list of them (no stacking,
+    no copies unless one is not contiguous); also the tensors, to keep them alive during the call."""
+    keep = [t.contiguous() for t in ts]
+    if any(t.shape != shape or t.dtype != torch.float32 for t in keep):
+        raise ValueError(f"expert kernel: every {what} must be float32 of shape {shape}")
+    return (ctypes.c_void_p * len(keep))(*(t.data_ptr() for t in keep)), keep
+
+
+def _byte_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, int, int]:
+    """x, y (G, B, T) bytes -> uint8 tensors sharing their row and group strides (views of one array, such as the
+    inputs and targets of windows, are passed as they are), row stride, group stride."""
+    if not (x.dtype == y.dtype == torch.uint8 and x.stride() == y.stride() and x.stride(-1) == 1):
+        x, y = x.to(torch.uint8).contiguous(), y.to(torch.uint8).contiguous()
+    return x, y, x.stride(1), x.stride(0)
+
+
+def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int,
+                    keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+    cfg = layout.cfg
+    x, y = (t[None] if t.dim() == 2 else t for t in (x, y))
+    heads = heads[None] if isinstance(heads, torch.Tensor) and heads.dim() == 2 else heads
+    c, groups, b, t = len(bodies), *x.shape
+    if c % groups or y.shape != x.shape or len(heads) not in (1, groups):
+        raise ValueError(f"expert kernel: {c} copies, {len(heads)} heads, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit")
+    body_ptrs, body_keep = _pointers(bodies, (layout.size,), "body")
+    head_ptrs, head_keep = _pointers(heads, (256, cfg.embed_dim), "head")
+    names = (["proj_in"] if layout.wide else [None]) + [f"b{k}.{n}" for k in range(cfg.depth) for n in BLOCK_TENSORS] \
+        + ["lnf", "proj_out" if layout.wide else None]
+    offsets = (ctypes.c_int64 * len(names))(*(layout.offsets[n][0] if n else -1 for n in names))
+    x, y, ldx, ldg = _byte_rows(x, y)
+    nll = torch.empty(c, b, dtype=torch.float64)
+    logp = torch.empty(c, b, t - first) if keep else None
+    _library().expert_forward(body_ptrs, offsets, head_ptrs, len(heads), x.data_ptr(), y.data_ptr(), ldx, ldg, groups,
+                              logp.data_ptr() if keep else None, nll.data_ptr(), c, b, t, first, cfg.d, cfg.embed_dim,
+                              cfg.depth, EXPERT_ROWS)
+    del body_keep, head_keep
+    return nll, logp
+
+
+BLOCK_TENSORS = ("ln1", "w_ih", "w_hh", "ln2", "w1", "w2")       # kernels.c's pack_body reads them in this order
+
+
+def expert_nll(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+    """Sum over time of -log p(y) of every copy and row, float64 (C, B). layout: model.Layout of the expert;
+    bodies (C, M) or C tensors (M,); heads (256, e), (H, 256, e) or H tensors (256, e); x, y (B, T) bytes shared by
+    all copies, or (G, B, T) with copies g*P .. g*P+P-1 on group g (and head g when H = G)."""
+    return _expert_forward(layout, bodies, heads, x, y, 0, keep=False)[0]
+
+
+def expert_logprobs(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int = 0) -> torch.Tensor:
+    """log p(y) of the predictions t >= first: (C, B, T - first) float32; arguments as `expert_nll`. The decoder
+    is not run for t < first."""
+    return _expert_forward(layout, bodies, heads, x, y, first, keep=True)[1]
+
+
+def pack_recurrent(w_hh_t: torch.Tensor) -> torch.Tensor:
+    """W_hh^T (P, d, 4d), its g columns already scaled by 2 (model.LSTMState) -> the recurrence kernel's layout
+    (P, D, 4D): D = d rounded up to the vector width, the four gates of each vector of hidden units side by side."""
+    p, d, _ = w_hh_t.shape
+    big = _library().padded_width(d)
+    w_hh_t = w_hh_t.contiguous()
+    out = w_hh_t.new_empty(p, big, 4 * big)
+    _library().pack_recurrent(w_hh_t.data_ptr(), out.data_ptr(), p, d)
+    return out
+
+
+def lstm_block(gates_in: torch.Tensor, w_hh: torch.Tensor, h: torch.Tensor, c: torch.Tensor) -> torch.Tensor:
+    """gates_in (P, T, B, 4d), w_hh packed by `pack_recurrent`, state h, c (P, B, d) updated in place -> out
+    (P, T, B, d). The kernel spreads its tiles over torch's intra-op threads (the same OpenMP runtime); ctypes
+    releases the GIL during the call."""
     p, t, b, four_d = gates_in.shape
-    if four_d // 4 > MAX_KERNEL_D:
-        raise ValueError(f"lstm_block: d = {four_d // 4} is wider than the kernel's stack buffers allow ({MAX_KERNEL_D}); use the torch path")
-    gates_in, w_hh_t = gates_in.contiguous(), w_hh_t.contiguous()
+    d = four_d // 4
+    big = _library().padded_width(d)
+    if w_hh.shape != (p, big, 4 * big):
+        raise ValueError(f"lstm_block: w_hh {tuple(w_hh.shape)} is not packed for d = {d} (see pack_recurrent)")
+    gates_in, w_hh = gates_in.contiguous(), w_hh.contiguous()
     if not (h.is_contiguous() and c.is_contiguous()):
         raise ValueError("lstm_block updates h and c in place: they must be contiguous")
-    out = gates_in.new_empty(p, t, b, four_d // 4)
-    _library().lstm_block(gates_in.data_ptr(), w_hh_t.data_ptr(), h.data_ptr(), c.data_ptr(), out.data_ptr(), p, t, b, four_d // 4)
+    out = gates_in.new_empty(p, t, b, d)
+    _library().lstm_block(gates_in.data_ptr(), w_hh.data_ptr(), h.data_ptr(), c.data_ptr(), out.data_ptr(), p, t, b, d, RECURRENT_ROWS)
     return out
 
 

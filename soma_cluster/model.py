@@ -164,6 +164,7 @@ class LSTMState:
         self.c = w_ih.new_zeros(p, batch, d)
         self.compiled = compiled
         self.step = cell_fn(compiled)
+        self.w_hh_packed = None                                         # W_hh^T in the fused kernel's layout, made once
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x (P or 1, Tb, B, d) -> h (P, Tb, B, d): the input matmul hoisted over the block, then the
@@ -171,7 +172,9 @@ class LSTMState:
         by step."""
         gates_in = copy_matmul(x.expand(self.h.shape[0], -1, -1, -1), self.w_ih)         # (P, Tb, B, 4d)
         if not self.compiled and self.h.shape[-1] <= fused.MAX_RECURRENT_D and fused.usable(gates_in, self.w_hh_t, self.h, self.c):
-            return fused.lstm_block(gates_in, self.w_hh_t, self.h, self.c)
+            if self.w_hh_packed is None:
+                self.w_hh_packed = fused.pack_recurrent(self.w_hh_t)
+            return fused.lstm_block(gates_in, self.w_hh_packed, self.h, self.c)
         out, self.h, self.c = step_by_step(gates_in, self.w_hh_t, self.h, self.c, self.step)
         return out
 
@@ -266,8 +269,12 @@ def target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block:
 
 def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, compiled: bool = False,
                 block: int = 8) -> torch.Tensor:
-    """Mean next-byte cross-entropy (nats/byte) of each copy, body (C, M) -> (C,), computed block by block
-    in time (see forward_blocks) with the loss of each block reduced as soon as it exists."""
+    """Mean next-byte cross-entropy (nats/byte) of each copy, body (C, M) -> (C,): in the fused whole-expert
+    kernel where it runs (soma_cluster.fused), else block by block in time (see forward_blocks) with the loss
+    of each block reduced as soon as it exists."""
+    if not compiled and fused.expert_usable(cfg, body, head):
+        nll = fused.expert_nll(Layout(cfg), body, head, x, y)                     # (C, B) float64
+        return (nll.sum(dim=1) / (y.shape[-1] * y.shape[-2])).float()
     total = torch.zeros(body.shape[0], dtype=torch.float64, device=body.device)
     for t0, t1, h in forward_blocks(cfg, body, head, x, compiled, block):
         total -= target_logprobs(h, head, y[..., t0:t1]).sum(dim=(1, 2)).double()

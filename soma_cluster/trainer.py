@@ -6,6 +6,7 @@ Everything an update depends on is either in `TrainState` (checkpointed) or rege
 from __future__ import annotations
 
 import math
+import os
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -28,9 +29,13 @@ class NonFiniteLoss(RuntimeError):
 
 
 def pick_device() -> torch.device:
+    """CUDA when present, else the CPU. TF32 matmuls stay off unless SOMA_TF32=1: SPSA reads loss differences of
+    order eps = 1e-3 between perturbed copies, which TF32's 10-bit mantissa may drown, and no measurement has
+    shown yet that it does not (benchmarks/gpu_check.sh compares the estimate under TF32 and FP32)."""
     if torch.cuda.is_available():
-        torch.backends.cuda.matmul.allow_tf32 = True
-        torch.backends.cudnn.allow_tf32 = True
+        tf32 = os.environ.get("SOMA_TF32", "0") == "1"
+        torch.backends.cuda.matmul.allow_tf32 = tf32
+        torch.backends.cudnn.allow_tf32 = tf32
         return torch.device("cuda")
     return torch.device("cpu")
 
