@@ -30,34 +30,40 @@ system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s
 
   PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune] [--campaign-dir /dev/shm/x]
 
-Measured 2026-12-03 on the 2-core dev box (load average 4-9 from the Ray processes themselves), one run each:
-`PYTHONPATH=. python benchmarks/bench_driver_scale.py --experts 256 --pack 1 4 --reuse` (16 slots, 6 chunks x 2 s;
-the bare Ray loop: 0.85 ms per result; Ray Tune from the run just before with the same settings, 435.7 s):
+Measured 2026-12-03/04 after the elastic-driver rebuild (issue 14), 2-core dev box shared with other sessions' tests
+(load average 6-30; ratios within one run only). The old driver (cc23df2, same day, no Tune) for comparison at N = 256:
+G=1 275.3 s, wall/ideal 1.43, 2.315 ms/hb (3.31x its bare Ray loop); reuse 1.04, 1.206 ms (1.72x); G=4 1.44,
+0.569 ms (0.81x); G=4 reuse 1.19, 0.383 ms (0.55x).
 
-| system | actors | ideal s | wall s | wall/ideal | actor start s | wall/(ideal+start) | driver loop ms/hb | / bare Ray | log writer ms/hb |
+`--experts 256 --pack 1 4 --reuse --no-tune` (16 slots, 6 chunks x 2 s; bare Ray loop 0.802 ms per result, load ~8):
+
+| system | actors | ideal s | wall s | wall/ideal | driver loop ms/hb | / bare Ray | log writer ms/hb |
+|---|---|---|---|---|---|---|---|
+| soma Driver, G=1                  | 256 | 192.0 | 312.5 | 1.63 | 2.708 | 3.37 | 2.253 |
+| soma Driver, G=1, reuse_actors    | 256 | 192.0 | 210.0 | 1.09 | 1.105 | 1.38 | 0.662 |
+| soma Driver, G=4                  |  64 |  48.0 |  75.6 | 1.58 | 0.698 | 0.87 | 0.769 |
+| soma Driver, G=4, reuse_actors    |  64 |  48.0 |  62.2 | 1.30 | 0.487 | 0.61 | 0.430 |
+
+An earlier run of the rebuilt driver with Ray Tune beside it (same settings, load 6-15): G=1 wall/ideal 1.48
+(3.14 ms/hb, 4.15x bare), reuse 1.06 (1.44 ms), G=4 1.52 (0.74 ms), G=4 reuse 1.23 (0.41 ms); Ray Tune 529.9 s,
+wall/ideal 2.76: Tune / Driver (G=1) = 1.86.
+
+`--experts 1024 --pack 1 4 --reuse --chunks 2 --chunk-s 1` with Ray Tune in the same run (bare Ray loop 0.944 ms per
+result; the host started 1.70 actors/s, so a new actor per expert is spawn-bound: 603 s; load 20-30 throughout):
+
+| system | actors | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | driver loop ms/hb | / bare Ray | log writer ms/hb |
 |---|---|---|---|---|---|---|---|---|---|
-| soma Driver, G=1                  | 256 | 192.0 | 252.6 | 1.32 | 3.47 | 1.02 | 2.42 | 2.86 | 1.11 |
-| soma Driver, G=1, reuse_actors    | 256 | 192.0 | 198.5 | 1.03 | 0.30 | 1.01 | 1.21 | 1.43 | 0.35 |
-| soma Driver, G=4                  |  64 |  48.0 |  66.0 | 1.38 | 3.44 | 1.07 | 0.64 | 0.75 | 0.26 |
-| soma Driver, G=4, reuse_actors    |  64 |  48.0 |  53.8 | 1.12 | 1.25 | 1.02 | 0.50 | 0.59 | 0.25 |
-| Ray Tune (same trials, resources) | 256 | 192.0 | 435.7 | 2.27 | -    | -    | -    | -    | -    |
+| soma Driver, G=1                  | 1024 | 128.0 | 603.3 |  938.1 |  7.33 | 1.55 | 6.303 | 6.68 | 8.518 |
+| soma Driver, G=1, reuse_actors    | 1024 | 128.0 | 603.3 |  176.7 |  1.38 | 0.29 | 1.215 | 1.29 | 1.186 |
+| soma Driver, G=4                  |  256 |  32.0 | 150.8 |  204.8 |  6.40 | 1.36 | 1.371 | 1.45 | 2.557 |
+| soma Driver, G=4, reuse_actors    |  256 |  32.0 | 150.8 |   50.5 |  1.58 | 0.33 | 0.344 | 0.36 | 0.411 |
+| Ray Tune (same trials, resources) | 1024 | 128.0 | 603.3 | 1365.5 | 10.67 | 2.26 | -     | -    | -     |
 
-`--experts 1024 --pack 1 4 --reuse --no-tune --chunks 2 --chunk-s 1` (bare Ray loop 0.94 ms per result; the host
-starts ~2-3 actors/s, so without reuse N = 1,024 is spawn-bound: 384 s):
-
-| system | actors | ideal s | wall s | wall/ideal | actor start s | wall/(ideal+start) | driver loop ms/hb | / bare Ray | log writer ms/hb |
-|---|---|---|---|---|---|---|---|---|---|
-| soma Driver, G=1                  | 1024 | 128.0 | 468.5 | 3.66 | 5.22 | 1.01 | 3.84 | 4.09 | 1.34 |
-| soma Driver, G=1, reuse_actors    | 1024 | 128.0 | 135.1 | 1.06 | 0.09 | 1.01 | 1.10 | 1.17 | 0.27 |
-| soma Driver, G=4                  |  256 |  32.0 | 101.9 | 3.18 | 4.20 | 1.03 | 0.95 | 1.01 | 0.32 |
-| soma Driver, G=4, reuse_actors    |  256 |  32.0 |  37.4 | 1.17 | 0.28 | 1.03 | 0.27 | 0.29 | 0.07 |
-
-Reading: what is left above ideal is actor start while a slot is held (wall/(ideal+start) 1.01-1.07);
-reuse_actors removes it. Without reuse, the loop's per-heartbeat time includes creating an actor per expert.
-With reuse, the loop costs 1.17-1.43x a bare Ray loop at G=1. A bare wait + get + submit is already
-0.85-0.94 ms on this loaded host (25 us for a get of a ready result on an idle one), so < 1 ms per heartbeat at
-G = 1 is out of reach here; packing divides the loop's cost by G (0.27-0.50 ms per expert heartbeat at G = 4).
-Ray Tune on the same trials: 1.75x the soma Driver's wall at G=1 (2.19x with reuse).
+Reading: without reuse, a campaign of short experts is bounded by how fast the host starts actor processes (wall/bound
+1.36-1.55 under this load); with reuse_actors the loop costs 1.29-1.38x a bare Ray loop at G = 1 and packing divides
+it by G (0.34-0.49 ms per expert heartbeat at G = 4), as before the rebuild (old: 1.72x and 0.38 ms). The G=1
+no-reuse rows are the noisiest (each actor start competes with the other sessions' processes). Ray Tune on the same
+trials: 1.86x the Driver's wall at N = 256 and 1.46x at N = 1,024 (G=1, no reuse; 7.7x the Driver with reuse).
 """
 from __future__ import annotations
 
