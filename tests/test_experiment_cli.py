@@ -79,7 +79,7 @@ def test_variance_experiment_and_readme_section(tmp_path):
 
 def test_experiment_bad_input_is_one_line(tmp_path):
     assert_one_line_error(soma("experiment", "nope", str(tmp_path / "x")), "unknown experiment 'nope'")
-    assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--scale", "huge"), "no scale 'huge'")
+    assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--scale", "huge"), "--scale 'huge'", "choose one of small, paper")
     assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--set", "spsa.objective=bogus"), "spsa.objective")
     foreign = tmp_path / "foreign"
     foreign.mkdir()
