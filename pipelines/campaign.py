@@ -284,7 +284,7 @@ class Driver:
     def _say_overruns(self) -> None:
         """Measured against bound, for the experts a per-expert cap stopped."""
         stopped = {j.expert for j, end in self.sched.outcome.items() if end == "budget_exhausted" and j.expert is not None}
-        over = {e: o for e, o in self.sched.book.overruns(Ledger(self.store).records()).items() if e in stopped}
+        over = {e: o for e, o in self.sched.book.overruns(self.sched.spent, self.sched.largest).items() if e in stopped}
         if over:
             e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
             console.print(f"budget: {len(over)} expert(s) stopped by their cap; largest overrun {worst.gpu_s:+.2f} GPU-s "

@@ -7,7 +7,6 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from soma_cluster.config import BudgetConfig
-from soma_cluster.ledger import EXPERT_SPEND
 
 
 @dataclass
@@ -58,27 +57,14 @@ class BudgetBook:
         per_expert = self.cfg.grace_gpu_seconds + poll_s * num_gpus
         return per_expert, per_expert * concurrent
 
-    def overruns(self, records: list[dict]) -> dict[int, Overrun]:
-        """Each capped expert's measured overrun against the bound the worker's rule gives. The worker starts a
-        chunk only if what it has held plus the chunk's cost estimated from its measured seconds per update fits
-        the cap, so it ends past the cap by at most what its last record cost beyond that estimate: at most the
-        largest single record billed to it (a start-up, or a chunk with its validations and checkpoints, none
-        interruptible). The driver's hard stop (`worst_overrun_s`) covers a worker that breaks that rule."""
-        spent: dict[int, float] = {}
-        largest: dict[int, float] = {}
-        for rec in records:
-            e = rec["expert"]
-            if e is None or rec["category"] not in EXPERT_SPEND:
-                continue
-            spent[e] = spent.get(e, 0.0) + rec["gpu_seconds"]
-            largest[e] = max(largest.get(e, 0.0), rec["gpu_seconds"])
-        out = {}
-        for e, s in spent.items():
-            cap = self.expert_cap(e)
-            if cap is not None:
-                out[e] = Overrun(s - cap, largest[e])
-        return out
-
+    def overruns(self, spent: dict[int, float], largest: dict[int, float]) -> dict[int, Overrun]:
+        """Each capped expert's measured overrun (`spent`: its GPU-seconds) against the bound the worker's rule
+        gives. The worker starts a chunk only if what it has held plus the chunk's cost estimated from its measured
+        seconds per update fits the cap, so it ends past the cap by at most what its last record cost beyond that
+        estimate: at most the largest single record billed to it (`largest`: a start-up, or a chunk with its
+        validations and checkpoints, none interruptible). The driver's hard stop (`worst_overrun_s`) covers a
+        worker that breaks that rule. Both come from the ledger (Totals) or the scheduler, which keeps them."""
+        return {e: Overrun(s - cap, largest.get(e, 0.0)) for e, s in spent.items() if (cap := self.expert_cap(e)) is not None}
 
 @dataclass(frozen=True)
 class Overrun:

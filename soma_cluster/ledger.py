@@ -27,6 +27,7 @@ class Totals:
     forwards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     per_expert_gpu_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    per_expert_largest: dict[int, float] = field(default_factory=lambda: defaultdict(float))   # its largest single record
     devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))   # device -> GPU-seconds on it
 
     @property
@@ -91,6 +92,7 @@ class Ledger:
             t.tokens[c] += rec["tokens"]
             if rec["expert"] is not None and c in EXPERT_SPEND:
                 t.per_expert_gpu_seconds[rec["expert"]] += rec["gpu_seconds"]
+                t.per_expert_largest[rec["expert"]] = max(t.per_expert_largest[rec["expert"]], rec["gpu_seconds"])
             if rec.get("device") and rec["gpu_seconds"]:
                 t.devices[rec["device"]] += rec["gpu_seconds"]
         return t

@@ -204,10 +204,15 @@ class Scheduler:
         self._ids = itertools.count()
         totals = self.ledger.totals()
         self.spent = dict(totals.per_expert_gpu_seconds)   # kept in step with every record written
-        self.spent_total = sum(totals.gpu_seconds.values())
+        self.largest = dict(totals.per_expert_largest)      # each expert's largest single record, likewise
         self.by_category = dict(totals.gpu_seconds)        # GPU-seconds per ledger category, likewise
         self.by_device = dict(totals.devices)              # GPU-seconds per device ("cuda", "cpu"), likewise
         self.totals_at_start = totals
+
+    @property
+    def spent_total(self) -> float:
+        """GPU-seconds of the whole campaign so far, every category."""
+        return sum(self.by_category.values())
 
     @property
     def finished(self) -> bool:
@@ -219,7 +224,7 @@ class Scheduler:
                            forwards=u.forwards, tokens=u.tokens, step=c.step if step is None else step, note=note, device=c.device)
         if c.job.expert is not None and category in EXPERT_SPEND:
             self.spent[c.job.expert] = self.spent.get(c.job.expert, 0.0) + u.gpu_seconds
-        self.spent_total += u.gpu_seconds
+            self.largest[c.job.expert] = max(self.largest.get(c.job.expert, 0.0), u.gpu_seconds)
         self.by_category[category] = self.by_category.get(category, 0.0) + u.gpu_seconds
         if c.device and u.gpu_seconds:
             self.by_device[c.device] = self.by_device.get(c.device, 0.0) + u.gpu_seconds

@@ -164,7 +164,7 @@ def test_expert_budget_stops_cleanly_within_the_bound(seeded, tmp_path, ray_loca
     assert set(result.values()) == {"budget_exhausted"}
     totals = Ledger(store).totals()
     hard = cfg.budget.grace_gpu_seconds + 0.5 * cfg.resources.num_gpus          # the driver's hard stop
-    over = BudgetBook(cfg.budget).overruns(Ledger(store).records())
+    over = BudgetBook(cfg.budget).overruns(totals.per_expert_gpu_seconds, totals.per_expert_largest)
     for e in range(cfg.n_experts):
         spent = totals.per_expert_gpu_seconds[e]
         print(f"\nexpert budget: expert {e} spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {over[e].gpu_s:+.2f}, "

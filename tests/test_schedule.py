@@ -300,9 +300,16 @@ def test_a_capped_expert_stops_within_its_derived_overrun_bound(seeded_inproc, t
                        budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 0.0},
                        corpus={"source": seeded_inproc[1].corpus.source})
     store = clone_as(seeded_inproc, tmp_path / "c", cfg)
-    outcome = InProcess(store, cfg, expert_jobs(cfg)).run(max_calls=50_000)
+    h = InProcess(store, cfg, expert_jobs(cfg))
+    outcome = h.run(max_calls=50_000)
     assert set(outcome.values()) == {"budget_exhausted"}
-    over = BudgetBook(cfg.budget).overruns(Ledger(store).records())
+    t = Ledger(store).totals()
+    over = BudgetBook(cfg.budget).overruns(t.per_expert_gpu_seconds, t.per_expert_largest)
+    # what the driver prints at its end comes from the scheduler's running sums, never a re-read of the ledger
+    kept = h.sched.book.overruns(h.sched.spent, h.sched.largest)
+    assert sorted(kept) == sorted(over)
+    assert all((kept[e].gpu_s, kept[e].bound_s) == pytest.approx((o.gpu_s, o.bound_s)) for e, o in over.items())
+    assert h.sched.spent_total == pytest.approx(sum(t.gpu_seconds.values()))
     assert sorted(over) == [0, 1]
     for e, o in over.items():
         print(f"\ncap {cap_s} GPU-s: expert {e} overrun {o.gpu_s:+.3f} GPU-s, derived bound {o.bound_s:.3f}")
