@@ -17,36 +17,28 @@ import time
 
 import torch
 
-from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
+from soma_cluster.checkpoint import has_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import seed_done
 from soma_cluster.ledger import Ledger
-from soma_cluster.model import init_body, init_head
 from soma_cluster.plan import predict
 from soma_cluster.schedule import POLL_S, SEED_JOB, Job
 from soma_cluster.shards import open_shard
-from soma_cluster.spsa import derive_seed
 from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, TrainState, pick_device, update_experts
-from workers.expert_worker import union_shard, training_method
+from workers.expert_worker import expert_start, start_state, training_method, union_shard
 
 CALIBRATION = "plan/calibration.json"
 PLAN = "plan/plan.json"
 
 
 def _state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) -> TrainState:
-    """The seed model if it is trained (what experts start from), else a fresh one of the same shape."""
-    if has_checkpoint(store, SEED_JOB.model_dir):
-        seed = load_checkpoint(store, SEED_JOB.model_dir).state(device)
-        body, head = seed.body, seed.head
-    else:
-        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "seed-init"))
-        body, head = init_body(cfg.model, gen).to(device), init_head(cfg.model, gen).to(device)
-    if job.expert is None:
-        return TrainState.fresh(body.clone(), head.clone(), True, cfg.seed_stage.eps, cfg.seed_stage.lr)
-    eps = cfg.eggroll.sigma if cfg.train.method == "eggroll" else cfg.spsa.eps
-    lr = cfg.bptt.lr if cfg.train.method == "bptt" else cfg.spsa.lr
-    return TrainState.fresh(body.clone(), head.clone(), cfg.model.head == "own", eps, lr)
+    """What the worker starts from (workers.expert_worker.start_state); an expert planned before the seed is trained
+    starts from a fresh seed-shaped model instead (the same shapes, so the same timings)."""
+    if job.expert is None or has_checkpoint(store, SEED_JOB.model_dir):
+        return start_state(store, cfg, job, device)
+    fresh = start_state(store, cfg, SEED_JOB, device)
+    return expert_start(cfg, fresh.body, fresh.head)
 
 
 def _trainer(store: Store, cfg: CampaignConfig, job: Job, device: torch.device, cache: str) -> Trainer:

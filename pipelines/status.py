@@ -11,7 +11,7 @@ from rich.table import Table
 from rich.text import Text
 
 from soma_cluster.config import CampaignConfig
-from soma_cluster.events import history
+from soma_cluster.events import TERMINAL, history
 from soma_cluster.ledger import Ledger
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
@@ -39,8 +39,7 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
 def plan_vs_actual(store: Store, snap: dict) -> dict | None:
     """Predicted (plan/plan.json) against actual (the ledger; the drivers' wall time from the events log) once every
     expert has ended; None while the campaign runs."""
-    ended = ("finished", "converged", "budget_exhausted", "failed_permanently")
-    if not all(r["state"] in ended for r in snap["jobs"]):
+    if not all(r["state"] in TERMINAL for r in snap["jobs"]):
         return None
     plan = store.read_json(PLAN)
     totals = Ledger(store).totals()
@@ -66,7 +65,7 @@ def stage_walls(store: Store) -> dict[str, float]:
     for h in history(store).values():
         key = "seed" if h.job == "seed" else "experts"
         for ev in h.events:
-            if ev["event"] in ("queued", "finished", "converged", "budget_exhausted", "failed_permanently"):
+            if ev["event"] == "queued" or ev["event"] in TERMINAL:
                 lo, hi = walls.get(key, [ev["t"], ev["t"]])
                 walls[key] = [min(lo, ev["t"]), max(hi, ev["t"])]
     return {k: hi - lo for k, (lo, hi) in walls.items()}

@@ -11,7 +11,7 @@ from __future__ import annotations
 import time
 
 from soma_cluster.config import CampaignConfig
-from soma_cluster.events import JobHistory
+from soma_cluster.events import TERMINAL, JobHistory
 from soma_cluster.ledger import CATEGORIES, Totals, hours_unit
 from soma_cluster.schedule import SEED_JOB, Job, JobView, Scheduler, expert_jobs, view_of
 
@@ -19,8 +19,7 @@ SNAPSHOT = "status.json"
 SCHEMA = 1
 # pending: no driver has asked Ray for it yet; queued: asked of Ray, waiting for a GPU share; retrying: failed,
 # waiting out its backoff or queued again; preempted: its node was reclaimed, rescheduled without spending a retry
-STATES = ("pending", "queued", "running", "retrying", "preempted", "finished", "converged", "budget_exhausted",
-          "failed_permanently")
+STATES = ("pending", "queued", "running", "retrying", "preempted") + TERMINAL
 
 
 def target(cfg: CampaignConfig, job: Job) -> int:
@@ -56,7 +55,7 @@ def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
     for job in sched.jobs:
         state = job_state(sched, job)
         spent = sched.by_category.get("seed", 0.0) if job.expert is None else sched.spent.get(job.expert, 0.0)
-        left = None if state in STATES[5:] else sched.left(job)
+        left = None if state in TERMINAL else sched.left(job)
         unit = sched.open.get(job)
         age = sched.clock() - unit.last_beat if unit is not None and unit.phase == "running" else None
         out[job.name] = _row(sched.cfg, job, state, sched.seen.get(job, JobView()), spent, left, sched.failures.get(job, 0), age)
@@ -89,7 +88,7 @@ def counts(rows: list[dict]) -> dict[str, int]:
 
 def eta_s(rows: list[dict], rate: float | None) -> float | None:
     """Seconds to go at `rate` updates per second (every job's together, measured by the driver), or None."""
-    left = sum(max(0, r["target"] - r["step"]) for r in rows if r["state"] not in STATES[5:])
+    left = sum(max(0, r["target"] - r["step"]) for r in rows if r["state"] not in TERMINAL)
     if left == 0:
         return 0.0
     return left / rate if rate else None

@@ -53,10 +53,15 @@ def start_state(store: Store, cfg: CampaignConfig, job: Job, device: torch.devic
         body, head = init_body(cfg.model, gen), init_head(cfg.model, gen)
         return TrainState.fresh(body.to(device), head.to(device), True, cfg.seed_stage.eps, cfg.seed_stage.lr)
     seed = load_checkpoint(store, SEED_JOB.model_dir).state(device)
+    return expert_start(cfg, seed.body, seed.head)
+
+
+def expert_start(cfg: CampaignConfig, body: torch.Tensor, head: torch.Tensor) -> TrainState:
+    """An expert's fresh state from a starting body and head, with train.method's perturbation scale and lr."""
     method = cfg.train.method
     eps = cfg.eggroll.sigma if method == "eggroll" else cfg.spsa.eps      # the perturbation scale the schedule halves
     lr = cfg.bptt.lr if method == "bptt" else cfg.spsa.lr
-    return TrainState.fresh(seed.body, seed.head, cfg.model.head == "own", eps, lr)
+    return TrainState.fresh(body, head, cfg.model.head == "own", eps, lr)
 
 
 def training_method(cfg: CampaignConfig, job: Job) -> Method:
