@@ -119,10 +119,10 @@ def _read_corpus(cfg: CampaignConfig, tmpdir: str, store: Store) -> tuple[_Spill
 
 
 def _embed_all(spill: _Spill, router: Router, tmpdir: str) -> np.ndarray:
-    """Every train sequence's router embedding (n, svd_dim) float32, memory-mapped from local disk
-    (512 bytes a sequence at svd_dim 128: half the spill itself)."""
+    """Every train sequence's router embedding (n, svd_dim + 8 hashed coordinates) float32, memory-mapped
+    from local disk (544 bytes a sequence at svd_dim 128: about half the spill itself)."""
     emb = np.lib.format.open_memmap(os.path.join(tmpdir, "embeddings.npy"), mode="w+", dtype=np.float32,
-                                    shape=(spill.n, router.mean.shape[0]))
+                                    shape=(spill.n, router.centroids.shape[1]))
     pos = 0
     with progress() as bar:
         task = bar.add_task("embedding sequences", total=spill.n)

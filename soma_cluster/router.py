@@ -1,5 +1,6 @@
-"""Router: TF-IDF -> TruncatedSVD -> mean removal -> L2 norm, balanced spherical k-means centroids, and
-the rule that sends training sequences to shards and test windows to experts.
+"""Router: TF-IDF -> TruncatedSVD -> mean removal -> L2 norm (plus a few coordinates hashed from the text,
+see _tie_break), balanced spherical k-means centroids, and the rule that sends training sequences to
+shards and test windows to experts.
 
 The rule. A chunk's score for expert j is its cosine similarity to centroid j minus a per-expert
 offset b_j. A training sequence goes to the expert of its highest score; a test window to the experts
@@ -14,6 +15,7 @@ router written on one machine loads bit-identically on any other.
 from __future__ import annotations
 
 import codecs
+import hashlib
 import json
 from dataclasses import dataclass, field
 
@@ -30,6 +32,8 @@ from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.storage import Store, sha256
 
 SCORE_BATCH = 8192          # rows per (rows, N) score block: 8 MiB of float32 at N = 256
+TIE_DIMS = 8                # coordinates hashed from a chunk's text, appended to its embedding (_tie_break)
+TIE_SCALE = 0.25            # their norm beside the unit SVD part
 
 
 def _cut_or_latin1(exc: UnicodeDecodeError) -> tuple[str, int]:
@@ -60,6 +64,29 @@ def _l2(x: np.ndarray) -> np.ndarray:
     return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
 
 
+def _tie_break(texts: list[str]) -> np.ndarray:
+    """(n, TIE_DIMS) float32 rows of norm TIE_SCALE, a hash of each text.
+
+    Chunks the SVD part cannot tell apart (no vocabulary term: numbers, base64, tables; or terms outside
+    the top components) all land on one point, -mean; a rule that is a function of that point alone sends
+    every one of them to one expert, however many there are, and no offsets can balance them. The hashed
+    coordinates make them distinct points that balanced k-means and the offsets can split, while leaving
+    real topics alone: every embedding has the same norm split (1 : TIE_SCALE), so a row's cosine scores
+    shrink by one common factor (an argmax the offsets absorb), and a topic centroid averages the random
+    hash coordinates of its members to near zero. Identical texts still hash alike and share an expert."""
+    raw = b"".join(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=2 * TIE_DIMS).digest() for t in texts)
+    h = np.frombuffer(raw, dtype="<i2").reshape(len(texts), TIE_DIMS).astype(np.float32) + np.float32(0.5)   # never all zero
+    return np.float32(TIE_SCALE) * _l2(h)
+
+
+def _unit_rows(proj: np.ndarray, mean: np.ndarray, texts: list[str], tie_break: bool = True) -> np.ndarray:
+    """Router embeddings (n, k [+ TIE_DIMS]) of unit norm from SVD projections (n, k) of `texts`."""
+    u = _l2(proj - mean)
+    if not tie_break:
+        return u.astype(np.float32)
+    return (np.hstack([u, _tie_break(texts)]) / np.float32(np.sqrt(1.0 + TIE_SCALE ** 2))).astype(np.float32)
+
+
 def assign(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The rule on unit rows emb (n, k), in blocks (emb may be a memory map): (n,) argmax_j emb.c_j - b_j."""
     b = offsets.astype(np.float32)
@@ -74,7 +101,7 @@ class Router:
     idf: np.ndarray                # (V,) float32
     components: np.ndarray         # (k, V) float32, SVD rows
     mean: np.ndarray               # (k,) float32, subtracted after projection
-    centroids: np.ndarray          # (N, k) float32, unit rows
+    centroids: np.ndarray          # (N, k + TIE_DIMS) float32, unit rows
     offsets: np.ndarray            # (N,) float32, subtracted from the cosine similarity; zeros for rule nearest
     top_terms: list[list[str]] = field(default_factory=list)
     _vec: TfidfVectorizer | None = field(default=None, repr=False)
@@ -91,9 +118,11 @@ class Router:
         return self._vec
 
     def embed(self, texts: list[str]) -> np.ndarray:
-        """(n,) texts -> (n, k) unit vectors in the router space."""
+        """(n,) texts -> (n, k + TIE_DIMS) unit vectors in the router space (n, k for a router saved before
+        the hashed coordinates existed: its centroids have k columns)."""
         tfidf = self.vectorizer().transform(texts).astype(np.float32)
-        return _l2(np.asarray(tfidf @ self.components.T, dtype=np.float32) - self.mean)
+        return _unit_rows(np.asarray(tfidf @ self.components.T, dtype=np.float32), self.mean, texts,
+                          tie_break=self.centroids.shape[1] > self.mean.shape[0])
 
     def scores(self, emb: np.ndarray) -> np.ndarray:
         """(n, k) -> (n, N) the rule's scores: cosine similarity to each centroid minus its offset."""
@@ -323,7 +352,7 @@ def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) 
     svd = TruncatedSVD(n_components=dim, random_state=seed, algorithm="randomized")
     proj = svd.fit_transform(tfidf).astype(np.float32)
     mean = proj.mean(axis=0)
-    emb = _l2(proj - mean)
+    emb = _unit_rows(proj, mean, texts)
     centroids, offsets, labels = balanced_kmeans(emb, n_clusters, cfg.kmeans_iters, seed)
     if cfg.rule == "nearest":
         offsets = np.zeros(n_clusters, np.float32)

@@ -100,11 +100,16 @@ def assert_bitwise(store, reference, experts):
 def test_sigkill_and_ray_kill_are_retried_bitwise(seeded, reference, tmp_path, ray_local):
     store, cfg = clone(seeded, tmp_path / "c")
     thread, result = run_in_thread(store, cfg)
-    # each is killed as soon as its first checkpoint is seen (waiting for both first lets a fast host finish one)
-    wait_for(lambda: [x for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0], what="expert 0 checkpoint")
-    os.kill(events(store, "expert-0000", "started")[0]["pid"], signal.SIGKILL)     # a real SIGKILL of the worker process
-    wait_for(lambda: [x for x in events(store, "expert-0001", "checkpointed") if x["attempt"] == 0], what="expert 1 checkpoint")
-    ray_local.kill(ray_local.get_actor(actor_name(cfg.digest()[:8], "expert-0001", 0), namespace=NAMESPACE))
+    # both run at once: each is killed as soon as its own first checkpoint is seen, whichever comes first
+    # (waiting for one before watching the other lets a fast host finish the other meanwhile)
+    kills = {"expert-0000": lambda: os.kill(events(store, "expert-0000", "started")[0]["pid"], signal.SIGKILL),   # a real SIGKILL
+             "expert-0001": lambda: ray_local.kill(ray_local.get_actor(actor_name(cfg.digest()[:8], "expert-0001", 0), namespace=NAMESPACE))}
+
+    def kill_checkpointed():
+        for job in [j for j in kills if any(x["attempt"] == 0 for x in events(store, j, "checkpointed"))]:
+            kills.pop(job)()
+        return not kills
+    wait_for(kill_checkpointed, what="both experts' first checkpoints")
     thread.join(timeout=300)
     assert not thread.is_alive()
     assert result == {"expert-0000": "finished", "expert-0001": "finished"}
