@@ -46,6 +46,20 @@ d = 181 <= fused.MAX_EXPERT_D = 192), --windows 128 --batch 128 --repeats 3, siz
   against 12.2x before the whole-expert kernel (measured at 512-1,024 windows on a quieter host, so not paired
   with this run). The matmul-work ratio is ~26x (issue 17): narrow experts still run at about 0.65 of the wide
   ones' efficiency here.
+
+Measured again 2026-12-04 05:26-05:32 on the same host, quiet (load average < 1.7, nothing else running):
+
+  | command | N=256, d=32: fastest s | N=8, d=181: fastest s | byte-tokens/s N=256 / N=8 | routing share N=256 | ratio per repeat | median |
+  |---|---|---|---|---|---|---|
+  | --repeats 3 (256 windows, batch 128) | 0.8 | 12.9 | 339,152 / 20,274 | 1.17% | 14.88, 16.28, 16.73 | 16.28x |
+  | --windows 1024 --batch 512 --repeats 3 | 2.9 | 53.6 | 366,934 / 19,548 | 1.59% | 19.37, 18.65, 17.45 | 18.65x |
+
+  Still short of 20x. N=256's time is all in the whole-expert kernel (cProfile of a 1,024-window evaluation: 2.71 of
+  2.81 s in fused._expert_forward, 11 calls); counting issue 17's multiply-adds per byte (40,960 per expert, four
+  experts a window; the decoder skipped over the 256 context bytes makes it a few % less) it runs at about
+  120-127 GFLOP/s, 0.65-0.68 of this host's 2-thread sgemm (187), where N=8's d=181 experts reach about 160-167
+  (0.86-0.89): 26x the matmul work at ~0.76 of the relative efficiency bounds the ratio near 20x. The kernel's row tile (fused.EXPERT_ROWS 8 / 16 / 32 / 64:
+  3.04 / 2.76 / 2.72 / 2.75 s) is not the limit.
 """
 from __future__ import annotations
 

@@ -39,6 +39,27 @@ are at paper-small's B and n_pert with T = 256 (paper-small-T256), 3 paired repe
   3.0x: the >= 4x goal is NOT shown. The fractions of sgemm are not trustworthy either: sgemm itself read 13-31
   GF/s (146-160 quiet), and > 1 on one thread only says both were squeezed differently. A quiet-host run of the
   default command is still owed (last quiet figures, before the whole-expert kernel: 1.82x, 0.40 of sgemm).
+
+Measured again 2026-12-04 05:20-05:25 on the same host, quiet (load average 0.4-1.6, nothing else running):
+
+  PYTHONPATH=. python benchmarks/bench_spsa.py --repeats 3 --shapes paper-small     (2 threads; sgemm 187.4 / 177.1 GF/s)
+
+  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
+  |---|---|---|---|---|
+  | paper-small | peer nn.LSTM loop | 23.84 (22.57-23.93) | 1.00x | 0.154 (0.162) |
+  | paper-small | ours chunk=16 | 4.85 (4.83-4.88) | 4.90x (4.90, 4.68, 4.92) | 0.756 (0.759) |
+
+  G=16 tiny experts: 16 separate updates 0.46 s, one packed update 0.42 s (1.10x); peak RSS of one paper-small
+  update 303 MiB (49 MiB above the process after imports).
+
+  Same host, quiet, at T = 256 (--repeats 3 --shapes paper-small-T256 --no-extras):
+    2 threads (sgemm 169.5 GF/s): peer 3.66 s, ours 1.19 s, 3.08x (2.51, 3.20, 3.08), 0.849 of sgemm
+    1 thread (OMP_NUM_THREADS=1 MKL_NUM_THREADS=1, sgemm 95.4 GF/s): peer 5.17 s, ours 2.35 s, 2.20x (2.28, 2.20, 2.20),
+    0.762 of sgemm
+
+  At the issue's shape (paper-small, T = 1024) both goals are met on a quiet host: 4.90x the peer (>= 4x) at
+  0.756 of sgemm (>= 0.5). The peer is relatively faster at T = 256 (3.1x there; 2.2x on one thread), so the
+  ratio depends on the sequence length, and the loaded-host figures above (15.5x, 3.02x) were not to be trusted.
 """
 from __future__ import annotations
 
