@@ -1,6 +1,7 @@
 """The `soma` command line: thin wiring over the pipelines. Bad input exits 2 with one line."""
 from __future__ import annotations
 
+import os
 import sys
 import time
 from typing import Callable, Optional
@@ -205,11 +206,17 @@ def status(campaign: str, as_json: bool = JsonOpt,
 
 
 @app.command()
-def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", help="GPUs to plan for (default: resources.local_gpus)"),
+def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", help="GPUs to plan for (default: the cluster's GPUs "
+                                                                          "with --address/RAY_ADDRESS, else resources.local_gpus)"),
          recalibrate: bool = typer.Option(False, "--recalibrate", help="time the model again (else plan/calibration.json is reused)"),
+         address: Optional[str] = typer.Option(None, "--address", help="Ray cluster whose worker times the calibration "
+                                                                       "(default: RAY_ADDRESS, else this process)"),
+         wait: float = typer.Option(900.0, "--wait", callback=_check_positive,
+                                    help="on a cluster: seconds to wait for a worker to hold an actor's resources for the calibration"),
          as_json: bool = JsonOpt) -> None:
     """Predict GPU-hours by category, wall time on --gpus GPUs and which experts a budget stops (and at what step),
-    from the config and a calibration timed on the real model and shards; written to CAMPAIGN/plan/."""
+    from the config and a calibration timed on the real model and shards (on a worker of the cluster with
+    --address or RAY_ADDRESS, else here); written to CAMPAIGN/plan/."""
     def go() -> None:
         from pipelines.plan import plan as run
         from pipelines.plan import render
@@ -220,7 +227,18 @@ def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", hel
         cfg = load_config(store)
         if gpus is not None and gpus < cfg.resources.num_gpus:
             raise SomaError(f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that")
-        p = run(store, cfg, gpus, recalibrate)
+        remote = address or os.environ.get("RAY_ADDRESS")
+        if remote:
+            from pipelines.raysession import ray_session
+            with ray_session(cfg, remote):
+                import ray
+                planned = gpus if gpus is not None else float(ray.cluster_resources().get("GPU", 0.0))
+                if planned < cfg.resources.num_gpus:
+                    raise SomaError(f"the cluster at {remote} has {planned:g} GPUs now (an autoscaling one may start with none); "
+                                    f"pass --gpus K, the GPUs the campaign will run on")
+                p = run(store, cfg, planned, recalibrate, cluster_wait_s=wait)
+        else:
+            p = run(store, cfg, gpus, recalibrate)
         if as_json:
             return emit_json(p)
         out.print(render(p, hours_unit({p["calibration"]["device"]: 1.0})), markup=False)

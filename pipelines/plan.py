@@ -6,6 +6,12 @@ validation, one checkpoint written to a scratch directory, loading shards and mo
 start-up (a fresh Python importing the worker, as Ray's worker process does). It is written to
 plan/calibration.json and reused by later plans (--recalibrate measures again); the plan goes to
 plan/plan.json, which `soma status` compares with the ledger once the campaign has ended.
+
+On a cluster (`--address`, or RAY_ADDRESS) the calibration runs as a Ray task holding one expert actor's
+resources (resources.num_gpus, num_cpus), so it times the device the experts will train on, not the
+machine `soma plan` runs on (a KubeRay head has no GPU); an autoscaling cluster adds a node for it. It
+records the node and its cores, and a calibration is reused only where it was measured (a cluster's
+for cluster plans, this machine's for local ones).
 """
 from __future__ import annotations
 
@@ -19,6 +25,7 @@ import torch
 
 from soma_cluster.checkpoint import has_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig
+from soma_cluster.errors import DeviceError, SomaError
 from soma_cluster.events import seed_done
 from soma_cluster.ledger import Ledger
 from soma_cluster.plan import predict
@@ -95,19 +102,58 @@ def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float 
         torch.set_num_threads(threads)
 
 
-def plan(store: Store, cfg: CampaignConfig, gpus: float | None, recalibrate: bool = False, cores: int | None = None) -> dict:
+def _calibrate_task(url: str, storage_options: dict, cfg: CampaignConfig) -> dict:
+    """The calibration inside a Ray worker that holds one expert actor's resources; refuses a GPU share
+    without a CUDA device as the expert worker does."""
+    import ray
+
+    node = ray.util.get_node_ip_address()
+    if pick_device().type == "cpu" and cfg.resources.num_gpus > 0 and not cfg.resources.allow_cpu:
+        raise DeviceError(f"node {node} gave the calibration {cfg.resources.num_gpus:g} GPU but torch finds no CUDA device "
+                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); fix that node's GPU driver or "
+                          f"image, or set resources.allow_cpu=true to train on CPU")
+    return {**calibrate(Store(url, storage_options), cfg), "where": "cluster", "node": node, "cores": os.cpu_count() or 1}
+
+
+def calibrate_on_cluster(store: Store, cfg: CampaignConfig, wait_s: float) -> dict:
+    """Run the calibration on a worker of the connected Ray cluster, waiting up to wait_s for one to hold
+    an actor's resources (time for the autoscaler to add a node)."""
+    import ray
+
+    r = cfg.resources
+    ref = ray.remote(_calibrate_task).options(num_gpus=r.num_gpus, num_cpus=r.num_cpus, max_retries=0).remote(
+        store.url, store.storage_options, cfg)
+    ready, _ = ray.wait([ref], timeout=wait_s)
+    if not ready:
+        ray.cancel(ref, force=True)
+        raise SomaError(f"no Ray worker could hold an expert actor's resources (num_gpus={r.num_gpus:g}, num_cpus={r.num_cpus:g}) "
+                        f"within --wait {wait_s:g} s to time the calibration; check that the cluster can add such a node "
+                        f"(ray status), or wait longer with --wait")
+    try:
+        return ray.get(ref)
+    except ray.exceptions.RayTaskError as exc:
+        if isinstance(exc.cause, SomaError):
+            raise exc.cause from None
+        raise
+
+
+def plan(store: Store, cfg: CampaignConfig, gpus: float | None, recalibrate: bool = False, cores: int | None = None,
+         cluster_wait_s: float | None = None) -> dict:
+    """cluster_wait_s: calibrate on the connected Ray cluster (waiting up to that long for a worker), else here."""
     if not store.exists("shards/manifest.json"):
-        from soma_cluster.errors import SomaError
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first (the plan times the real shards)")
+    where = "local" if cluster_wait_s is None else "cluster"
     cal = None if recalibrate or not store.exists(CALIBRATION) else store.read_json(CALIBRATION)
-    if cal is None or cal.get("config_digest") != cfg.digest() or (not seed_done(store) and "seed_update_s" not in cal):
-        cal = calibrate(store, cfg)
+    if (cal is None or cal.get("config_digest") != cfg.digest() or cal.get("where", "local") != where
+            or (not seed_done(store) and "seed_update_s" not in cal)):
+        cal = calibrate(store, cfg) if cluster_wait_s is None else calibrate_on_cluster(store, cfg, cluster_wait_s)
+        cal.setdefault("where", "local")
         store.write_json(CALIBRATION, cal)
     cal.pop("checksum", None)
     if gpus is None:
         gpus = float(cfg.resources.local_gpus)
     totals = Ledger(store).totals()
-    p = predict(cfg, cal, gpus, cores or os.cpu_count() or 1, dict(totals.gpu_seconds), seed_done(store))
+    p = predict(cfg, cal, gpus, cores or cal.get("cores") or os.cpu_count() or 1, dict(totals.gpu_seconds), seed_done(store))
     p["campaign"], p["made_at"] = store.url, time.time()
     store.write_json(PLAN, p)
     return p
@@ -119,7 +165,7 @@ def render(p: dict, unit: str) -> str:
     lines = [f"plan for {p['campaign']} on {p['gpus']:g} GPUs: {p['slots']} actors at once, {p['actors']} actors of "
              f"{p['experts_per_actor']} expert(s)" + (f", {p['cpu_contention']:.2f}x CPU contention ({p['cores']} cores)"
                                                    if p["cpu_contention"] > 1 else ""),
-             f"calibration ({c['device']}, {c['updates_timed']} timed updates): packed update {c['packed_update_s']:.4f} s, "
+             f"calibration ({c['device']}{' on ' + c['node'] if c.get('node') else ''}, {c['updates_timed']} timed updates): packed update {c['packed_update_s']:.4f} s, "
              f"validation {c['val_s']:.4f} s, checkpoint {c['checkpoint_s']:.4f} s, load {c['load_s']:.2f} s, "
              f"actor start-up {c['startup_s']:.2f} s",
              f"{unit}: seed {h['seed']:.4f}{' (spent)' if p['seed_trained'] else ''}, expert training {h['expert_training']:.4f}, "

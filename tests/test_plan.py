@@ -59,3 +59,36 @@ def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
     assert text.returncode == 0 and "wall time" in text.stdout and "worst-case" not in text.stdout
     bad = soma("plan", camp, "--gpus", "0.5")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpus 0.5")
+
+
+def test_soma_plan_calibrates_on_a_worker_of_the_cluster(tmp_path, text_corpus, micro_yaml, monkeypatch):
+    """With --address the calibration is a Ray task holding an actor's resources (a KubeRay head has no GPU to
+    time), reused only for cluster plans; GPUs default to the cluster's; a cluster without them is an error."""
+    from rayhead import RayHead
+    monkeypatch.delenv("RAY_ADDRESS", raising=False)
+    camp, strict = str(tmp_path / "camp"), str(tmp_path / "strict")
+    assert soma("prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
+    assert soma("prepare", strict, "--config", micro_yaml, "--corpus", str(text_corpus), "--set", "resources.allow_cpu=false").returncode == 0
+    cal_path = tmp_path / "camp" / "plan" / "calibration.json"
+    with RayHead(args=("--num-cpus=2", "--num-gpus=2")) as head:
+        proc = soma("plan", camp, "--address", head.address, "--json")
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        p = json.loads(proc.stdout)
+        c = p["calibration"]
+        assert p["gpus"] == 2 and c["where"] == "cluster" and c["node"] == "127.0.0.1" and c["cores"] >= 1 and c["packed_update_s"] > 0
+        measured = json.loads(cal_path.read_text())["measured_at"]
+        text = soma("plan", camp, "--address", head.address, "--gpus", "4")             # reuses the cluster's calibration
+        assert text.returncode == 0 and "on 4 GPUs" in text.stdout and "on 127.0.0.1" in text.stdout, text.stderr[-2000:]
+        assert json.loads(cal_path.read_text())["measured_at"] == measured
+        no_cuda = soma("plan", strict, "--address", head.address)                        # a GPU share without CUDA
+        assert no_cuda.returncode == 2 and no_cuda.stderr.startswith("error: node 127.0.0.1 gave the calibration 1 GPU"), no_cuda.stderr[-2000:]
+        assert "resources.allow_cpu=true" in no_cuda.stderr and "Traceback" not in no_cuda.stderr
+    local = soma("plan", camp, "--json")                                                 # here again: measured here
+    assert local.returncode == 0 and json.loads(local.stdout)["calibration"]["where"] == "local"
+    assert "node" not in json.loads(cal_path.read_text())
+    with RayHead(args=("--num-cpus=2", "--num-gpus=0")) as head:                         # scales from zero GPUs
+        none = soma("plan", camp, "--address", head.address)
+        assert none.returncode == 2 and none.stderr.startswith(f"error: the cluster at {head.address} has 0 GPUs now"), none.stderr[-2000:]
+        assert "--gpus K" in none.stderr
+        stuck = soma("plan", camp, "--address", head.address, "--gpus", "2", "--wait", "3", "--recalibrate")
+        assert stuck.returncode == 2 and stuck.stderr.startswith("error: no Ray worker could hold an expert actor's resources"), stuck.stderr[-2000:]
