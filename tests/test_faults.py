@@ -23,8 +23,10 @@ from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
 from workers import NAMESPACE, actor_name
 
+# 96 updates (about 2 s of training on 2 cores) so a fault aimed after an expert's first checkpoint lands
+# before it finishes: with 24 (0.3 s after the first checkpoint) a loaded CI host saw experts end unharmed
 CHAOS = dict(spsa={"n_pert": 4, "batch": 6, "seq_len": 160, "pert_chunk": 4},
-             train={"updates": 24, "chunk_updates": 3, "checkpoint_every": 6, "val_every": 6, "val_batches": 1},
+             train={"updates": 96, "chunk_updates": 3, "checkpoint_every": 6, "val_every": 6, "val_batches": 1},
              retry={"max_retries": 2, "backoff_s": 0.2, "heartbeat_timeout_s": 60})
 
 
