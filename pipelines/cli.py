@@ -101,11 +101,12 @@ def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpu
 
 @app.command()
 def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = ConfigOpt, set: Optional[list[str]] = SetOpt,
-            corpus: Optional[str] = CorpusOpt, experts: Optional[int] = ExpertsOpt) -> None:
-    """Build the corpus, fit the router and write one Arrow shard per expert under CAMPAIGN."""
+            corpus: Optional[str] = CorpusOpt, experts: Optional[int] = ExpertsOpt, address: Optional[str] = AddressOpt) -> None:
+    """Build the corpus, fit the router and write one Arrow shard per expert under CAMPAIGN (prepare.engine=ray, the
+    default with --address: on the cluster's CPU workers with Ray Data)."""
     def go() -> None:
         from pipelines.prepare import prepare as run
-        run(open_store(campaign), _config(preset, config, set, corpus, experts))
+        run(open_store(campaign), _config(preset, config, set, corpus, experts), address)
     _run(go)
 
 
@@ -258,7 +259,7 @@ def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, s
         t0 = time.monotonic()
         store = open_store(campaign)
         cfg = _config(preset, None, set, None, None)
-        run_prepare(store, cfg)
+        run_prepare(store, cfg, address)
         with ray_session(cfg, address):
             train_seed(store, cfg)
             run_launch(store, cfg)

@@ -70,6 +70,9 @@ class RouterConfig(_Section):
     # all train sequences by prepare); nearest: the paper's nearest centroid. Shards and routing use the same rule
     rule: Literal["balanced", "nearest"] = "balanced"
     balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster (balanced: of a shard too)
+    # the balanced rule's offsets are refitted on this many train sequences of lowest key (all of them when there are
+    # fewer): their embeddings sit in the driver's memory (544 bytes each at svd_dim 128)
+    refit_rows: int = Field(1_000_000, gt=0)
 
 
 class ShardConfig(_Section):
@@ -77,6 +80,15 @@ class ShardConfig(_Section):
     val_fraction: float = Field(0.01, gt=0.0, lt=0.5)
     rows_per_file: int = Field(65_536, gt=0)
     min_train_seqs: int = Field(16, ge=1)       # an expert with fewer is an error, not a silent no-op
+
+
+class PrepareConfig(_Section):
+    # local: the driver reads, embeds and writes everything itself; ray: Ray Data tasks on the cluster's CPU
+    # workers do it; auto: ray when a Ray address is given (--address or RAY_ADDRESS), else local. Both give
+    # the same router, shards and test windows (README "Preparing at scale")
+    engine: Literal["auto", "local", "ray"] = "auto"
+    part_bytes: int = Field(64_000_000, gt=0)   # corpus files grouped into parts of about this many bytes on disk
+    workers: int = Field(0, ge=0)              # Ray engine: CPU workers at most (0: as many as the cluster grants)
 
 
 class ModelConfig(_Section):
@@ -197,6 +209,7 @@ class CampaignConfig(_Section):
     corpus: CorpusConfig = CorpusConfig()
     router: RouterConfig = RouterConfig()
     shards: ShardConfig = ShardConfig()
+    prepare: PrepareConfig = PrepareConfig()
     model: ModelConfig = ModelConfig()
     spsa: SPSAConfig = SPSAConfig()
     eggroll: EggrollConfig = EggrollConfig()
@@ -224,8 +237,9 @@ class CampaignConfig(_Section):
         return self
 
     def digest(self) -> str:
-        """A stable hash of the resolved config: tells 'same campaign' from 'a different one'."""
-        blob = json.dumps(self.model_dump(mode="json"), sort_keys=True).encode()
+        """A stable hash of the resolved config: tells 'same campaign' from 'a different one'. How prepare runs
+        (engine, workers) is left out: every engine makes the same campaign."""
+        blob = json.dumps(self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}}), sort_keys=True).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 

@@ -130,15 +130,21 @@ def _text_batches(fh, name: str, field: str, where: str) -> Iterator[pa.RecordBa
     try:
         if name.endswith(".parquet"):
             pf = pq.ParquetFile(fh)
-            names, batches = pf.schema_arrow.names, lambda: pf.iter_batches(batch_size=4096, columns=[field])
+            names, groups, unit = pf.schema_arrow.names, pf.num_row_groups, "row group"
+            batches = lambda g: pf.iter_batches(batch_size=4096, columns=[field], row_groups=[g])  # noqa: E731
         else:
             reader = ipc.open_file(fh)
-            names, batches = reader.schema.names, lambda: (reader.get_batch(i).select([field]) for i in range(reader.num_record_batches))
-        if field not in names:
-            raise SomaError(f"corpus file {where} has no column {field!r}; set corpus.text_field to one of {names}")
-        yield from batches()
+            names, groups, unit = reader.schema.names, reader.num_record_batches, "record batch"
+            batches = lambda g: [reader.get_batch(g).select([field])]  # noqa: E731
     except (pa.ArrowInvalid, OSError) as exc:
         raise SomaError(f"corpus file {where} is not readable {name.rsplit('.', 1)[-1]} ({exc}); replace it") from None
+    if field not in names:
+        raise SomaError(f"corpus file {where} has no column {field!r}; set corpus.text_field to one of {names}")
+    for g in range(groups):
+        try:
+            yield from batches(g)
+        except (pa.ArrowInvalid, OSError) as exc:
+            raise SomaError(f"corpus file {where} {unit} {g} of {groups} is not readable ({exc}); replace the file") from None
 
 
 def _text_rows(batch: pa.RecordBatch) -> Iterator[str]:
@@ -232,26 +238,29 @@ def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, name: str, field: 
             yield Document(name, kind, head + fh.read())
 
 
-def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list[tuple[str, str]]:
-    """(path, path relative to the corpus root) of every file to read, in relative-path order. A local
-    special file (FIFO, socket, device) or broken link is refused here, before any file is opened."""
+def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list[tuple[str, str, int]]:
+    """(path, path relative to the corpus root, size in bytes) of every file to read, in relative-path
+    order. A local special file (FIFO, socket, device) or broken link is refused here, before any file is
+    opened."""
     try:
-        is_dir = fs.info(root)["type"] == "directory"
+        info = fs.info(root)
     except FileNotFoundError:
         raise SomaError(f"corpus path {source} not found; pass an existing directory or file (or corpus.source=builtin)") from None
     except (PermissionError, *transient_errors()) as exc:
         raise SomaError(f"corpus path {source} cannot be read ({type(exc).__name__}); check the path, its permissions "
                         f"and, for s3://, the endpoint (SOMA_S3_ENDPOINT) and credentials") from None
+    is_dir = info["type"] == "directory"
     if is_dir:
         base = root.rstrip("/")
-        files = [(p, p[len(base):].lstrip("/")) for p in fs.find(base)]
-        files = sorted(((p, rel) for p, rel in files if not rel.rsplit("/", 1)[-1].startswith(".")), key=lambda pr: pr[1])
+        found = fs.find(base, detail=True)
+        files = [(p, p[len(base):].lstrip("/"), int(d.get("size") or 0)) for p, d in found.items()]
+        files = sorted(((p, rel, n) for p, rel, n in files if not rel.rsplit("/", 1)[-1].startswith(".")), key=lambda f: f[1])
     else:
-        files = [(root, root.rstrip("/").rsplit("/", 1)[-1])]
+        files = [(root, root.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0))]
     if _is_local(fs):
         if not is_dir:
             _require_regular(root, root=True)
-        for path, _ in files:
+        for path, _, _ in files:
             _require_regular(path)
     return files
 
@@ -260,28 +269,98 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def user_documents(cfg: CorpusConfig, skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
-    """The documents of a user corpus, up to cfg.max_bytes; files that are not text (or are empty) are
-    skipped and listed in `skipped` by reason. A corpus with no text is an error naming the files."""
+def corpus_fs(cfg: CorpusConfig) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and root path of a user corpus (options from the environment and the config)."""
     options = with_s3_defaults(cfg.source, {**storage_options_from_env(cfg.source), **cfg.storage_options}, botocore_attempts=3)
-    fs, root = fsspec.core.url_to_fs(cfg.source, **options)
+    return fsspec.core.url_to_fs(cfg.source, **options)
+
+
+# -- parts: the unit of reading, packing and sampling ---------------------------------------------------------
+@dataclass(frozen=True)
+class CorpusFile:
+    path: str       # as the corpus's filesystem names it
+    name: str       # relative to the corpus root: the key of its documents (test split, shards)
+    budget: int     # document bytes it may give: corpus.max_bytes less the on-disk sizes of the files before it
+
+
+@dataclass(frozen=True)
+class Part:
+    """Consecutive corpus files (relative-path order) of about prepare.part_bytes on disk, packed on their own:
+    a sequence never spans two parts. No files: the built-in corpus, one part, read where the driver runs."""
+    index: int
+    files: tuple[CorpusFile, ...] = ()
+
+    @property
+    def builtin(self) -> bool:
+        return not self.files
+
+
+def plan_parts(cfg: CorpusConfig, part_bytes: int) -> list[Part]:
+    """The corpus's parts. corpus.max_bytes is applied file by file, the same in every engine and without
+    reading anything: a file is read if the files before it hold fewer bytes on disk than the cap, and gives
+    documents until their bytes reach what the cap leaves (the document that reaches it is kept whole)."""
+    if cfg.source == "builtin":
+        return [Part(0)]
+    fs, root = corpus_fs(cfg)
+    parts: list[Part] = []
+    group: list[CorpusFile] = []
+    before = grouped = 0
+    for path, name, size in _corpus_files(fs, cfg.source, root):
+        if before >= cfg.max_bytes:
+            break
+        group.append(CorpusFile(path, name, cfg.max_bytes - before))
+        before += size
+        grouped += size
+        if grouped >= part_bytes:
+            parts.append(Part(len(parts), tuple(group)))
+            group, grouped = [], 0
+    if group:
+        parts.append(Part(len(parts), tuple(group)))
+    return parts
+
+
+def part_documents(cfg: CorpusConfig, part: Part, counts: dict[str, int] | None = None,
+                   skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
+    """The documents of one part; `counts` receives bytes per source or file kind, `skipped` the files left
+    out, by reason."""
+    if part.builtin:
+        yield from builtin_documents(cfg.max_bytes, counts)
+        return
+    fs, _ = corpus_fs(cfg)
     skipped = {} if skipped is None else skipped
-    total = 0
-    for path, name in _corpus_files(fs, cfg.source, root):
+    for f in part.files:
+        total = 0
         try:
-            for doc in _user_file_docs(fs, path, name, cfg.text_field, skipped):
+            for doc in _user_file_docs(fs, f.path, f.name, cfg.text_field, skipped):
                 if not doc.data:
                     continue
                 total += len(doc.data)
+                if counts is not None:
+                    counts[doc.source] = counts.get(doc.source, 0) + len(doc.data)
                 yield doc
-                if total >= cfg.max_bytes:
-                    return
+                if total >= f.budget:
+                    break
         except (EOFError, zlib.error, *transient_errors()) as exc:    # OSError: permissions, a bad .gz, the store
-            raise SomaError(f"corpus file {path} cannot be read ({type(exc).__name__}); fix or remove it (for s3://, "
+            raise SomaError(f"corpus file {f.path} cannot be read ({type(exc).__name__}); fix or remove it (for s3://, "
                             f"check the endpoint SOMA_S3_ENDPOINT and the credentials)") from None
+
+
+def no_text_error(cfg: CorpusConfig, skipped: dict[str, list[str]]) -> SomaError:
+    return SomaError(f"corpus {cfg.source} holds no text{describe_skipped(skipped, names=3)}; point corpus.source "
+                     f"at text files (.txt, .md, .jsonl, .parquet, .arrow)")
+
+
+def user_documents(cfg: CorpusConfig, skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
+    """The documents of a user corpus, capped as plan_parts says; files that are not text (or are empty) are
+    skipped and listed in `skipped` by reason. A corpus with no text is an error naming the files."""
+    skipped = {} if skipped is None else skipped
+    total = 0
+    for part in plan_parts(cfg, part_bytes=1 << 62):
+        for doc in part_documents(cfg, part, None, skipped):
+            total += len(doc.data)
+            yield doc
     if total == 0:
-        raise SomaError(f"corpus {cfg.source} holds no text{describe_skipped(skipped, names=3)}; point corpus.source "
-                        f"at text files (.txt, .md, .jsonl, .parquet, .arrow)")
+        raise no_text_error(cfg, skipped)
 
 
 def describe_skipped(skipped: dict[str, list[str]], names: int = 0) -> str:

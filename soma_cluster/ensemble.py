@@ -35,21 +35,36 @@ class Windows:
     docs: np.ndarray        # (n,) document index owning the first scored byte
 
 
-def load_windows(store: Store, max_windows: int) -> Windows:
-    meta = store.read_json("test/manifest.json")
+def _window_file(store: Store, rel: str, digest: str) -> pa.Table:
     try:
-        raw = store.read_bytes("test/windows.arrow")
+        raw = store.read_bytes(rel)
     except FileNotFoundError:
-        raise SomaError(f"{store.url}/test/windows.arrow is missing; re-run soma prepare on a new campaign URL") from None
-    if sha256(raw) != meta["sha256"]:
-        raise ChecksumError(f"{store.url}/test/windows.arrow fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
-    table = ipc.open_file(pa.BufferReader(raw)).read_all()
-    data = rows_to_numpy(table.column("window").combine_chunks(), meta["window_bytes"])
-    docs = table.column("doc").to_numpy()
-    if len(data) > max_windows:                       # evenly spaced, deterministic subset
-        keep = np.linspace(0, len(data) - 1, max_windows).round().astype(np.int64)
-        data, docs = data[keep], docs[keep]
-    return Windows(np.ascontiguousarray(data), docs)
+        raise SomaError(f"{store.url}/{rel} is missing; re-run soma prepare on a new campaign URL") from None
+    if sha256(raw) != digest:
+        raise ChecksumError(f"{store.url}/{rel} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
+    return ipc.open_file(pa.BufferReader(raw)).read_all()
+
+
+def load_windows(store: Store, max_windows: int) -> Windows:
+    """At most max_windows test windows, evenly spaced over all of them (deterministic). Only the files holding
+    chosen windows are read: test/part-*.arrow, one per corpus part (test/windows.arrow in campaigns prepared
+    before parts)."""
+    meta = store.read_json("test/manifest.json")
+    files = meta.get("files") or [{"name": "windows.arrow", "rows": meta["windows"], "sha256": meta["sha256"]}]
+    total = sum(f["rows"] for f in files)
+    keep = np.linspace(0, total - 1, max_windows).round().astype(np.int64) if total > max_windows else np.arange(total)
+    bounds = np.cumsum([0] + [f["rows"] for f in files])
+    data, docs = [], []
+    for i, f in enumerate(files):
+        mine = keep[(keep >= bounds[i]) & (keep < bounds[i + 1])] - bounds[i]
+        if not len(mine):
+            continue
+        table = _window_file(store, f"test/{f['name']}", f["sha256"])
+        if len(table) != f["rows"]:
+            raise ChecksumError(f"{store.url}/test/{f['name']} holds {len(table)} windows, its manifest says {f['rows']}; re-run soma prepare")
+        data.append(rows_to_numpy(table.column("window").combine_chunks(), meta["window_bytes"])[mine])
+        docs.append(table.column("doc").to_numpy()[mine])
+    return Windows(np.ascontiguousarray(np.concatenate(data)), np.concatenate(docs))
 
 
 TIME_BLOCK = 32      # time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)

@@ -24,6 +24,11 @@ def expert_name(expert: int) -> str:
     return f"expert-{int(expert):04d}"
 
 
+def val_every(val_fraction: float) -> int:
+    """One sequence in this many of an expert's (in corpus order) is val."""
+    return max(2, round(1.0 / val_fraction))
+
+
 def schema(seq_bytes: int) -> pa.Schema:
     return pa.schema([pa.field(COLUMN, pa.binary(seq_bytes))])
 
@@ -58,54 +63,64 @@ class _ArrowFile:
         return entry
 
 
-class ShardWriter:
-    """Streams sequences into per-expert train/val files; every `val_every`-th sequence of an expert is val."""
+class ExpertWriter:
+    """Streams one expert's sequences into train-*.arrow files of rows_per_file rows and val.arrow: every
+    `val_every`-th sequence added is val. The files depend only on the order the sequences come in."""
 
-    def __init__(self, store: Store, n_experts: int, seq_bytes: int, val_fraction: float, rows_per_file: int):
-        self.store, self.n, self.seq_bytes, self.rows_per_file = store, n_experts, seq_bytes, rows_per_file
-        self.val_every = max(2, round(1.0 / val_fraction))
-        self.tmp = tempfile.TemporaryDirectory(prefix="soma-shards-")
-        self.seen = [0] * n_experts
-        self.pending: dict[tuple[int, str], list[bytes]] = {}
-        self.open: dict[tuple[int, str], _ArrowFile] = {}
-        self.done: dict[int, dict[str, list[dict]]] = {e: {"train": [], "val": []} for e in range(n_experts)}
-        self.train_files = [0] * n_experts
+    def __init__(self, store: Store, expert: int, seq_bytes: int, val_fraction: float, rows_per_file: int, tmpdir: str):
+        self.store, self.expert, self.seq_bytes, self.rows_per_file, self.tmpdir = store, expert, seq_bytes, rows_per_file, tmpdir
+        self.val_every = val_every(val_fraction)
+        self.seen = 0
+        self.pending: dict[str, list[bytes]] = {"train": [], "val": []}
+        self.open: dict[str, _ArrowFile] = {}
+        self.done: dict[str, list[dict]] = {"train": [], "val": []}
 
-    def add(self, expert: int, seq: bytes) -> None:
-        kind = "val" if self.seen[expert] % self.val_every == self.val_every - 1 else "train"
-        self.seen[expert] += 1
-        buf = self.pending.setdefault((expert, kind), [])
+    def add(self, seq: bytes) -> None:
+        kind = "val" if self.seen % self.val_every == self.val_every - 1 else "train"
+        self.seen += 1
+        buf = self.pending[kind]
         buf.append(seq)
         if len(buf) >= min(BATCH_ROWS, self.rows_per_file):
-            self._flush(expert, kind)
+            self._flush(kind)
 
-    def _flush(self, expert: int, kind: str) -> None:
-        rows = self.pending.pop((expert, kind), [])
+    def _flush(self, kind: str) -> None:
+        rows, self.pending[kind] = self.pending[kind], []
         if not rows:
             return
-        key = (expert, kind)
-        if key not in self.open:
-            name = "val.arrow" if kind == "val" else f"train-{self.train_files[expert]:05d}.arrow"
-            self.open[key] = _ArrowFile(self.store, f"shards/{expert_name(expert)}/{name}", self.seq_bytes, self.tmp.name)
-        f = self.open[key]
+        if kind not in self.open:
+            name = "val.arrow" if kind == "val" else f"train-{len(self.done['train']):05d}.arrow"
+            self.open[kind] = _ArrowFile(self.store, f"shards/{expert_name(self.expert)}/{name}", self.seq_bytes, self.tmpdir)
+        f = self.open[kind]
         f.write(rows)
         if kind == "train" and f.rows >= self.rows_per_file:
-            self.done[expert]["train"].append(self.open.pop(key).close())
-            self.train_files[expert] += 1
+            self.done["train"].append(self.open.pop(kind).close())
+
+    def close(self) -> dict:
+        """Flush, write the expert's manifest.json; returns it."""
+        for kind in ("train", "val"):
+            self._flush(kind)
+        for kind, f in list(self.open.items()):
+            self.done[kind].append(f.close())
+        self.open.clear()
+        m = {"expert": self.expert, "seq_bytes": self.seq_bytes, "train": self.done["train"], "val": self.done["val"],
+             "train_rows": sum(x["rows"] for x in self.done["train"]), "val_rows": sum(x["rows"] for x in self.done["val"])}
+        self.store.write_json(f"shards/{expert_name(self.expert)}/manifest.json", m)
+        return m
+
+
+class ShardWriter:
+    """Every expert's ExpertWriter, fed in corpus order."""
+
+    def __init__(self, store: Store, n_experts: int, seq_bytes: int, val_fraction: float, rows_per_file: int):
+        self.tmp = tempfile.TemporaryDirectory(prefix="soma-shards-")
+        self.experts = [ExpertWriter(store, e, seq_bytes, val_fraction, rows_per_file, self.tmp.name) for e in range(n_experts)]
+
+    def add(self, expert: int, seq: bytes) -> None:
+        self.experts[expert].add(seq)
 
     def close(self) -> list[dict]:
         """Flush everything, write one manifest per expert; returns those manifests."""
-        for key in list(self.pending):
-            self._flush(*key)
-        for (expert, kind), f in list(self.open.items()):
-            self.done[expert][kind].append(f.close())
-        self.open.clear()
-        manifests = []
-        for e in range(self.n):
-            m = {"expert": e, "seq_bytes": self.seq_bytes, "train": self.done[e]["train"], "val": self.done[e]["val"],
-                 "train_rows": sum(x["rows"] for x in self.done[e]["train"]), "val_rows": sum(x["rows"] for x in self.done[e]["val"])}
-            self.store.write_json(f"shards/{expert_name(e)}/manifest.json", m)
-            manifests.append(m)
+        manifests = [w.close() for w in self.experts]
         self.tmp.cleanup()
         return manifests
 

@@ -11,6 +11,7 @@ import json
 import logging
 import math
 import os
+import shutil
 import queue
 import re
 import tempfile
@@ -286,6 +287,25 @@ class Store:
         def rm() -> None:
             try:
                 self.fs.rm_file(path)
+            except FileNotFoundError:
+                pass
+            self.fs.invalidate_cache(path)
+        self._retry(f"remove {rel}", rm)
+
+    def remove_tree(self, rel: str) -> None:
+        """Delete rel and everything under it (absent already: nothing to do). Used for prepare's staging and to
+        undo a failed prepare in a campaign it found empty."""
+        path = self.full(rel)
+        if self.local:
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                self.remove(rel)
+            return
+
+        def rm() -> None:
+            try:
+                self.fs.rm(path, recursive=True)
             except FileNotFoundError:
                 pass
             self.fs.invalidate_cache(path)

@@ -1,0 +1,247 @@
+"""The Ray engine of `soma prepare`: soma_cluster.parts' per-part work as Ray Data operators on the cluster's CPU
+workers, driven by pipelines.prepare.prepare_with (the same driver as the local engine, hence the same campaign).
+
+- read: one task per part reads its files (local paths every node sees, or s3://), packs them and stages the
+  train sequences and test windows under the campaign's staging/ prefix; only counts and each part's lowest keys
+  come back to the driver.
+- sample: tasks send back the router's fit sample (the sequences of lowest key).
+- embed, count, write: a pool of actors that load the router once from the staged router files (never a pickled
+  sklearn object) embed every sequence (staged beside it), count the shard sizes, then label the sequences for a
+  hash shuffle by expert (Ray Data's groupby) whose groups, sorted into corpus order, are written straight to the
+  campaign's shard files by the workers.
+
+The driver holds only the samples (router.sample_chunks texts, router.refit_rows embeddings), the parts' lowest
+keys and the manifests; the corpus never passes through it. The built-in corpus is the files of the driver's own
+machine, so its one part is read by the driver. Bad input found by a worker (a corrupt Parquet row group, a JSONL
+line that is not JSON, a missing column) comes back as one error naming the file; a failed prepare removes its
+staging, and, when the campaign directory was empty, everything it wrote (campaign.yaml included).
+"""
+from __future__ import annotations
+
+import json
+import logging
+import tempfile
+from dataclasses import asdict
+
+import numpy as np
+import pyarrow as pa
+
+from pipelines.common import claim_campaign, console, open_store
+from pipelines.prepare import prepare_with
+from pipelines.raysession import ray_session
+from soma_cluster.config import CampaignConfig
+from soma_cluster.corpus import CorpusFile, Part
+from soma_cluster.errors import SomaError
+from soma_cluster.parts import PartStats, embed_part, count_part, label_part, read_part, read_seqs, sample_part
+from soma_cluster.router import Router, load_router, save_router
+from soma_cluster.shards import ExpertWriter
+from soma_cluster.storage import Store
+
+STAGING = "staging/prepare"
+
+
+def _part(row_json: str) -> Part:
+    spec = json.loads(row_json)
+    return Part(spec["index"], tuple(CorpusFile(**f) for f in spec["files"]))
+
+
+def _read(batch: dict, cfg_json: str, stage_url: str, options: dict, keep: int) -> dict:
+    cfg = CampaignConfig.model_validate_json(cfg_json)
+    try:
+        st = read_part(cfg, _part(batch["spec"][0]), Store(stage_url, options), keep)
+    except SomaError as exc:        # bad input comes back as data: Ray Data would wrap it in its own exception
+        return {"stats": np.array([""], dtype=object), "keys": np.array([b""], dtype=object), "node": np.array([_node_id()], dtype=object),
+                "error": np.array([str(exc)], dtype=object)}
+    body = asdict(st)
+    keys = body.pop("lowest_keys")
+    return {"stats": np.array([json.dumps(body)], dtype=object), "keys": np.array([keys.astype("<u8").tobytes()], dtype=object),
+            "node": np.array([_node_id()], dtype=object), "error": np.array([""], dtype=object)}
+
+
+def _node_id() -> str:
+    import ray
+
+    return ray.get_runtime_context().get_node_id()
+
+
+def _sample(batch: dict, stage_url: str, options: dict, below: int, seq_bytes: int) -> pa.Table:
+    with tempfile.TemporaryDirectory(prefix="soma-sample-") as tmp:
+        keys, seqs = sample_part(Store(stage_url, options), int(batch["part"][0]), below, tmp)
+    return pa.table({"key": pa.array(keys, pa.uint64()), "seq": pa.array(seqs, pa.binary(seq_bytes))})
+
+
+class _WithRouter:
+    """A Ray Data actor holding the router loaded from the staged router files."""
+
+    def __init__(self, stage_url: str, options: dict, router_dir: str):
+        self.stage = Store(stage_url, options)
+        self.router = load_router(Store(f"{stage_url}/{router_dir}", options))
+
+
+class _Embed(_WithRouter):
+    def __init__(self, stage_url: str, options: dict, router_dir: str, below: int | None):
+        super().__init__(stage_url, options, router_dir)
+        self.below = below
+
+    def __call__(self, batch: dict) -> dict:
+        with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
+            keys, emb = embed_part(self.router, self.stage, int(batch["part"][0]), self.below, tmp)
+        return {"key": keys, "emb": emb}
+
+
+class _Count(_WithRouter):
+    def __call__(self, batch: dict) -> dict:
+        with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
+            sizes = count_part(self.router, self.stage, int(batch["part"][0]), tmp)
+        return {"sizes": sizes[None, :]}
+
+
+class _Label(_WithRouter):
+    """A part's sequences with their expert and corpus position (part << 32 | row), for the shuffle by expert."""
+
+    def __call__(self, batch: dict) -> pa.Table:
+        part = int(batch["part"][0])
+        with tempfile.TemporaryDirectory(prefix="soma-label-") as tmp:
+            labels = label_part(self.router, self.stage, part, tmp)
+            seqs, _ = read_seqs(self.stage, part, tmp)
+        order = (np.int64(part) << np.int64(32)) + np.arange(len(seqs), dtype=np.int64)
+        return pa.table({"expert": pa.array(labels.astype(np.int32)), "order": pa.array(order), "seq": seqs})
+
+
+def _write_expert(group: pa.Table, campaign_url: str, options: dict, cfg_json: str) -> dict:
+    """One expert's sequences, put back in corpus order, into its shard files and manifest."""
+    cfg = CampaignConfig.model_validate_json(cfg_json)
+    expert = int(group.column("expert")[0].as_py())
+    seqs = group.column("seq").combine_chunks().take(pa.array(np.argsort(group.column("order").to_numpy(), kind="stable")))
+    with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
+        writer = ExpertWriter(Store(campaign_url, options), expert, cfg.shards.seq_bytes, cfg.shards.val_fraction,
+                              cfg.shards.rows_per_file, tmp)
+        for seq in seqs.to_pylist():
+            writer.add(seq)
+        manifest = writer.close()
+    return {"expert": np.array([expert]), "manifest": np.array([json.dumps(manifest)], dtype=object)}
+
+
+class RayEngine:
+    """The per-part work as Ray Data operators; staging under the campaign (every worker reaches it)."""
+
+    def __init__(self, store: Store, cfg: CampaignConfig):
+        import ray.data
+
+        self.rd = ray.data
+        self.cfg, self.store = cfg, store
+        self.stage = open_store(f"{store.url}/{STAGING}", store.storage_options)
+        self.options = store.storage_options
+        self.cfg_json = cfg.model_dump_json()
+        workers = cfg.prepare.workers or None
+        self.read_nodes = 0
+        self.tasks = dict(num_cpus=1, compute=ray.data.TaskPoolStrategy(size=workers))
+        self.actors = dict(num_cpus=1, compute=ray.data.ActorPoolStrategy(min_size=1, max_size=workers))
+
+    def _parts(self, parts: list[int]):
+        return self.rd.from_items([{"part": p} for p in parts], override_num_blocks=max(1, len(parts)))
+
+    def _save_router(self, router: Router, name: str) -> str:
+        save_router(open_store(f"{self.stage.url}/{name}", self.options), router)
+        return name
+
+    def read(self, parts: list[Part], keep_keys: int) -> list[PartStats]:
+        out = [read_part(self.cfg, p, self.stage, keep_keys) for p in parts if p.builtin]   # the driver's own files
+        remote = [p for p in parts if not p.builtin]
+        if remote:
+            console.print(f"reading {len(remote)} parts on the cluster")
+            rows = [{"spec": json.dumps({"index": p.index, "files": [asdict(f) for f in p.files]})} for p in remote]
+            ds = self.rd.from_items(rows, override_num_blocks=len(rows)).map_batches(
+                _read, batch_size=1, fn_kwargs=dict(cfg_json=self.cfg_json, stage_url=self.stage.url, options=self.options, keep=keep_keys),
+                **self.tasks)
+            nodes = set()
+            for row in ds.iter_rows():
+                if row["error"]:
+                    raise SomaError(row["error"])
+                body = json.loads(row["stats"])
+                out.append(PartStats(**body, lowest_keys=np.frombuffer(row["keys"], dtype="<u8").astype(np.uint64)))
+                nodes.add(row["node"])
+            self.read_nodes = len(nodes)
+            console.print(f"read {len(remote)} parts on {len(nodes)} node{'s' * (len(nodes) > 1)}")
+        return sorted(out, key=lambda st: st.part)
+
+    def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]:
+        ds = self._parts(parts).map_batches(_sample, batch_size=1, batch_format="numpy", **self.tasks,
+                                            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, below=below,
+                                                           seq_bytes=self.cfg.shards.seq_bytes))
+        keys, seqs = [], []
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            keys.append(batch.column("key").to_numpy())
+            seqs += batch.column("seq").to_pylist()
+        return (np.concatenate(keys) if keys else np.zeros(0, np.uint64)), seqs
+
+    def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]:
+        name = self._save_router(router, "router-fit")
+        console.print(f"embedding {len(parts)} parts on the cluster")
+        ds = self._parts(parts).map_batches(_Embed, batch_size=1, fn_constructor_args=(self.stage.url, self.options, name, below),
+                                            **self.actors)
+        keys, emb = [np.zeros(0, np.uint64)], [np.zeros((0, router.centroids.shape[1]), np.float32)]
+        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+            keys.append(batch["key"].astype(np.uint64))
+            emb.append(batch["emb"].astype(np.float32))
+        return np.concatenate(keys), np.concatenate(emb)
+
+    def count(self, router: Router, parts: list[int]) -> np.ndarray:
+        self.router_dir = self._save_router(router, "router")
+        ds = self._parts(parts).map_batches(_Count, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir),
+                                            **self.actors)
+        total = np.zeros(router.n_experts, np.int64)
+        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
+            total += batch["sizes"].sum(axis=0)
+        return total
+
+    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int]) -> list[dict]:
+        console.print(f"writing {cfg.n_experts} experts' shards from the cluster")
+        labelled = self._parts(parts).map_batches(_Label, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir),
+                                                  **self.actors)
+        written = labelled.groupby("expert", num_partitions=cfg.n_experts).map_groups(
+            _write_expert, batch_format="pyarrow", fn_kwargs=dict(campaign_url=store.url, options=self.options, cfg_json=self.cfg_json))
+        manifests = {int(row["expert"]): json.loads(row["manifest"]) for row in written.iter_rows()}
+        missing = sorted(set(range(cfg.n_experts)) - set(manifests))
+        if missing:                                    # the size check has given every expert rows
+            raise RuntimeError(f"the shuffle by expert returned no shard for experts {missing[:8]}")
+        return [manifests[e] for e in range(cfg.n_experts)]
+
+
+def _quiet_ray_data() -> None:
+    """Ray Data's own progress bars and INFO lines off: stages are reported by ours."""
+    import ray.data
+
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    log = logging.getLogger("ray.data")
+    log.setLevel(logging.WARNING)
+    if not any(isinstance(f, _NoBarsNote) for f in log.filters):
+        log.addFilter(_NoBarsNote())
+
+
+class _NoBarsNote(logging.Filter):
+    """Ray Data's note that its progress bars are off (we turned them off) is not a warning to the operator."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return not record.getMessage().startswith("Progress bars disabled")
+
+
+def prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
+    """prepare_with on the Ray engine, inside a Ray session (address, RAY_ADDRESS, else a local Ray). The
+    campaign is claimed first (staging lives under it); a failure removes the staging and, if the campaign was
+    new, everything this run wrote."""
+    existed = claim_campaign(store, cfg)
+    try:
+        with ray_session(cfg, address):
+            _quiet_ray_data()
+            summary = prepare_with(RayEngine(store, cfg), store, cfg)
+    except BaseException:
+        store.remove_tree(STAGING)
+        if not existed:
+            for name in store.listdir(""):
+                store.remove_tree(name)
+        raise
+    store.remove_tree(STAGING)
+    return summary
+

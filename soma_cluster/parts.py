@@ -1,0 +1,226 @@
+"""The per-part work of `soma prepare`, the same in both engines: the local engine runs it in its own process,
+part after part; the Ray engine runs it as Ray Data tasks on the cluster's CPU workers. Whatever runs it, a
+part's output depends only on the config and the part.
+
+- read_part: pack a part's documents (soma_cluster.corpus.Part) into train sequences and evaluation windows,
+  staged as Arrow IPC files, and report its counts and its lowest keys.
+- sample_part / embed_part: the router's fit sample, then every sequence's embedding and the offsets' refit
+  sample.
+- label_part / count_part: each sequence's expert under the fitted rule, and the sizes it gives.
+
+Keys. Every train sequence has a 64-bit key hashed from (seed, part, index in the part). The router is fitted
+on the router.sample_chunks sequences of smallest key, the balanced rule's offsets are refitted on the
+router.refit_rows smallest (a superset), both in key order. Keys depend on nothing an engine decides (worker
+count, completion order), so both engines draw the same samples: uniform over the whole corpus and reproducible
+from the seed. Sequences keep their corpus order (part, then index in the part) in each expert's shard, whose
+every val_every-th sequence is val (soma_cluster.shards.ExpertWriter), in both engines.
+"""
+from __future__ import annotations
+
+import io
+import os
+import tempfile
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.ipc as ipc
+
+from soma_cluster.config import CampaignConfig
+from soma_cluster.corpus import Packer, Part, is_test_doc, part_documents
+from soma_cluster.router import Router, router_text
+from soma_cluster.shards import rows_to_numpy
+from soma_cluster.storage import Store, file_sha256, put_file
+
+SEQS = "seqs/part-{:05d}.arrow"       # staged train sequences (seq, key) of a part
+EMBEDDINGS = "emb/part-{:05d}.npy"    # their router embeddings, float32
+WINDOWS = "test/part-{:05d}.arrow"    # a part's evaluation windows (window, doc): staged, then published as is
+WRITE_ROWS = 4096                     # rows per record batch of a staged file
+EMBED_ROWS = 4096                     # texts per router.embed call
+MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: np.ndarray) -> np.ndarray:
+    """SplitMix64's finaliser on uint64 (a bijection whose output bits all depend on every input bit)."""
+    with np.errstate(over="ignore"):
+        z = x + np.uint64(0x9E3779B97F4A7C15)
+        z = (z ^ (z >> np.uint64(30))) * np.uint64(0xBF58476D1CE4E5B9)
+        z = (z ^ (z >> np.uint64(27))) * np.uint64(0x94D049BB133111EB)
+        return z ^ (z >> np.uint64(31))
+
+
+def row_keys(seed: int, part: int, start: int, n: int) -> np.ndarray:
+    """(n,) uint64 keys of rows start..start+n of a part."""
+    salt = _splitmix64(np.array([seed & MASK64], dtype=np.uint64))[0]
+    rows = (np.uint64(part) << np.uint64(32)) + np.arange(start, start + n, dtype=np.uint64)
+    return _splitmix64(rows ^ salt)
+
+
+def lowest(keys: np.ndarray, k: int) -> np.ndarray:
+    """The k smallest keys, ascending (all of them if fewer)."""
+    if len(keys) > k:
+        keys = np.partition(keys, k - 1)[:k]
+    return np.sort(keys)
+
+
+def threshold(lowest_keys: np.ndarray, k: int) -> int:
+    """The largest key of the k-smallest sample over every part's k lowest keys (all rows: the largest)."""
+    merged = lowest(lowest_keys, k)
+    return int(merged[-1]) if len(merged) else 0
+
+
+def owner_id(part: int, doc: int) -> int:
+    """A held-out document's id, unique across parts (the bootstrap resamples by it)."""
+    return (part << 32) | doc
+
+
+@dataclass
+class PartStats:
+    """What reading a part found (sent from a worker to the driver)."""
+    part: int
+    documents: int = 0
+    bytes: int = 0
+    test_documents: int = 0
+    seqs: int = 0
+    windows: int = 0
+    windows_sha256: str = ""
+    sources: dict[str, int] = field(default_factory=dict)
+    skipped: dict[str, list[str]] = field(default_factory=dict)
+    lowest_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+
+
+class _Staged:
+    """An Arrow IPC file written in batches to a local temp file, then put into a store."""
+
+    def __init__(self, schema: pa.Schema, tmpdir: str):
+        self.schema = schema
+        fd, self.path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
+        os.close(fd)
+        self.sink = pa.OSFile(self.path, "wb")
+        self.writer = ipc.new_file(self.sink, schema)
+        self.cols: list[list] = [[] for _ in schema]
+        self.rows = 0
+
+    def add(self, *values) -> None:
+        for col, v in zip(self.cols, values):
+            col.append(v)
+        if len(self.cols[0]) >= WRITE_ROWS:
+            self.flush()
+
+    def flush(self) -> None:
+        if self.cols[0]:
+            self.writer.write_batch(pa.record_batch([pa.array(c, type=f.type) for c, f in zip(self.cols, self.schema)], schema=self.schema))
+            self.rows += len(self.cols[0])
+            self.cols = [[] for _ in self.schema]
+
+    def publish(self, store: Store, rel: str) -> str:
+        """Close, put into the store, return the file's sha256."""
+        self.flush()
+        self.writer.close()
+        self.sink.close()
+        digest = file_sha256(self.path)
+        put_file(store, self.path, rel)
+        return digest
+
+
+def seq_schema(seq_bytes: int) -> pa.Schema:
+    return pa.schema([pa.field("seq", pa.binary(seq_bytes)), pa.field("key", pa.uint64())])
+
+
+def window_schema(window_bytes: int) -> pa.Schema:
+    return pa.schema([pa.field("window", pa.binary(window_bytes)), pa.field("doc", pa.int64())])
+
+
+def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> PartStats:
+    """Pack one part: held-out documents (corpus.test_fraction, by document name) become evaluation windows,
+    the rest train sequences, each packed on its own within the part. Stages both; a part without windows
+    stages no window file."""
+    stats = PartStats(part.index)
+    with tempfile.TemporaryDirectory(prefix="soma-part-") as tmp:
+        seqs = _Staged(seq_schema(cfg.shards.seq_bytes), tmp)
+        windows = _Staged(window_schema(cfg.eval.window_bytes), tmp)
+        train = Packer(cfg.shards.seq_bytes)
+        test = Packer(cfg.eval.window_bytes, owner_at=cfg.eval.context_bytes + 1)
+        keys: list[np.ndarray] = []
+        batch: list[bytes] = []
+
+        def flush_seqs() -> None:
+            k = row_keys(cfg.seed, part.index, stats.seqs, len(batch))
+            for s, key in zip(batch, k.tolist()):
+                seqs.add(s, key)
+            keys.append(lowest(np.concatenate([*keys, k]), keep_keys))
+            del keys[:-1]
+            stats.seqs += len(batch)
+            batch.clear()
+
+        for doc in part_documents(cfg.corpus, part, stats.sources, stats.skipped):
+            stats.documents += 1
+            stats.bytes += len(doc.data)
+            if is_test_doc(doc.doc_id, cfg.corpus.test_fraction, cfg.seed):
+                stats.test_documents += 1
+                for w, owner in test.add(doc.data):
+                    windows.add(w, owner_id(part.index, owner))
+                    stats.windows += 1
+            else:
+                batch.extend(s for s, _ in train.add(doc.data))
+                if len(batch) >= WRITE_ROWS:
+                    flush_seqs()
+        flush_seqs()
+        stats.lowest_keys = keys[-1] if keys else np.zeros(0, np.uint64)
+        seqs.publish(stage, SEQS.format(part.index))
+        if stats.windows:
+            stats.windows_sha256 = windows.publish(stage, WINDOWS.format(part.index))
+        else:
+            windows.writer.close()
+            windows.sink.close()
+    return stats
+
+
+def read_seqs(stage: Store, part: int, cache_dir: str) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
+    """A part's staged train sequences and their keys."""
+    path = stage.local_copy(SEQS.format(part), cache_dir)
+    table = ipc.open_file(pa.memory_map(path, "r")).read_all()
+    return table.column("seq").combine_chunks(), table.column("key").to_numpy()
+
+
+def sample_part(stage: Store, part: int, below: int, cache_dir: str) -> tuple[np.ndarray, list[bytes]]:
+    """(keys, sequences) of the part's rows with key <= below."""
+    seqs, keys = read_seqs(stage, part, cache_dir)
+    take = np.flatnonzero(keys <= np.uint64(below))
+    return keys[take], [seqs[int(i)].as_py() for i in take]
+
+
+def embed_part(router: Router, stage: Store, part: int, below: int | None, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
+    """Embed every sequence of a part (staged beside them); returns (keys, embeddings) of the rows with
+    key <= below (the offsets' refit sample; none for None)."""
+    seqs, keys = read_seqs(stage, part, cache_dir)
+    rows = rows_to_numpy(seqs, seqs.type.byte_width)
+    emb = np.zeros((len(rows), router.centroids.shape[1]), np.float32)
+    for a in range(0, len(rows), EMBED_ROWS):
+        emb[a:a + EMBED_ROWS] = router.embed([router_text(s.tobytes()) for s in rows[a:a + EMBED_ROWS]])
+    buf = io.BytesIO()
+    np.save(buf, emb)
+    stage.write_bytes(EMBEDDINGS.format(part), buf.getvalue())
+    take = np.flatnonzero(keys <= np.uint64(below)) if below is not None else np.zeros(0, np.int64)
+    return keys[take], emb[take]
+
+
+def label_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.ndarray:
+    """(n,) the expert of each of a part's sequences under the router's rule (in SCORE_BATCH blocks from the
+    part's first row, so the scores are the same arithmetic in every engine)."""
+    emb = np.load(stage.local_copy(EMBEDDINGS.format(part), cache_dir), mmap_mode="r")
+    return router.assign(emb)
+
+
+def count_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.ndarray:
+    """(N,) how many of a part's sequences each expert gets."""
+    return np.bincount(label_part(router, stage, part, cache_dir), minlength=router.n_experts)
+
+
+def select(keys: np.ndarray, values, below: int):
+    """The rows with key <= below from gathered (keys, values), in key order."""
+    order = np.argsort(keys, kind="stable")
+    order = order[keys[order] <= np.uint64(below)]
+    if isinstance(values, np.ndarray):
+        return keys[order], values[order]
+    return keys[order], [values[int(i)] for i in order]
