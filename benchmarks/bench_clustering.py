@@ -117,6 +117,7 @@ import numpy as np
 
 from soma_cluster.config import resolve
 from soma_cluster.corpus import Packer, builtin_documents, is_test_doc
+from soma_cluster.parts import row_keys
 from soma_cluster.router import TIE_DIMS, _l2, assign, balanced_kmeans, cluster_spread, fit_offsets, fit_router, router_text
 from soma_cluster.storage import Store
 
@@ -182,16 +183,9 @@ def scores_of(name: str, labels: np.ndarray, sources: np.ndarray, n_clusters: in
 
 
 def prepare_sample(n_seqs: int, size: int, seed: int) -> list[int]:
-    """The indices of prepare's reservoir sample (pipelines.prepare._Spill.add), in its order."""
-    rng, sample = random.Random(seed), []
-    for i in range(n_seqs):
-        if len(sample) < size:
-            sample.append(i)
-        else:
-            j = rng.randrange(i + 1)
-            if j < size:
-                sample[j] = i
-    return sample
+    """The indices of prepare's router sample, in its order: the `size` sequences of lowest key
+    (soma_cluster.parts.row_keys; the built-in corpus is one part)."""
+    return np.argsort(row_keys(seed, 0, 0, n_seqs), kind="stable")[:size].tolist()
 
 
 def methods(emb: np.ndarray, sample: list[int], n: int, iters: int, seed: int, router=None) -> tuple[dict[str, np.ndarray], dict]:

@@ -170,10 +170,21 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     the router on the keyed sample, refit the offsets, check the sizes, then have the engine write the shards;
     nothing is written into the campaign before the data is known to fit, and shards/manifest.json comes last."""
     t0 = time.monotonic()
+    stages: dict[str, float] = {}
+
+    last = t0
+
+    def lap(name: str) -> None:         # wall seconds of each stage, into the manifest
+        nonlocal last
+        now = time.monotonic()
+        stages[name] = round(now - last, 3)
+        last = now
+
     parts = plan_parts(cfg.corpus, cfg.prepare.part_bytes)
     balanced = cfg.router.rule == "balanced"
     keep = max(cfg.router.sample_chunks, cfg.router.refit_rows if balanced else 0)
     stats = engine.read(parts, keep)
+    lap("read")
     corpus_info = _corpus_info(cfg, stats)
     n_seqs = corpus_info["train_sequences"]
     if n_seqs < cfg.n_experts:
@@ -182,29 +193,36 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     lowest_keys = lowest(np.concatenate([st.lowest_keys for st in stats]), keep)
     below = threshold(lowest_keys, cfg.router.sample_chunks)
     keys, seqs = select(*engine.sample(with_seqs, below), below)
+    lap("sample")
     console.print(f"fitting router on {len(seqs)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, "
                   f"N={cfg.n_experts}, rule {cfg.router.rule})")
     router, sample_labels = fit_router([router_text(s) for s in seqs], cfg.n_experts, cfg.router, cfg.seed)
     del seqs
+    lap("fit")
     refit_below = threshold(lowest_keys, cfg.router.refit_rows) if balanced else None
     keys, emb = engine.embed(router, with_seqs, refit_below)
+    lap("embed")
     if balanced:
         keys, emb = select(keys, emb, refit_below)
         router = replace(router, offsets=fit_offsets(emb, router.centroids, router.offsets))
     del emb
+    lap("refit")
     sizes = engine.count(router, with_seqs)
+    lap("count")
     _check_sizes(cfg, sizes)
     claim_campaign(store, cfg)                      # nothing is written before the data is known to fit
     save_router(store, router)
     manifests = engine.write(store, cfg, router, with_seqs)
     _publish_windows(store, engine.stage, stats, cfg)
+    lap("write")
     fit_sizes = np.bincount(sample_labels, minlength=cfg.n_experts)
     refit = min(cfg.router.refit_rows, n_seqs)
     summary = {"complete": True, "n_experts": cfg.n_experts, "seq_bytes": cfg.shards.seq_bytes, "corpus": corpus_info,
                "train_rows": [m["train_rows"] for m in manifests], "val_rows": [m["val_rows"] for m in manifests],
                "rule": router.cfg.rule, "fit_sample": len(sample_labels), "refit_sample": refit if balanced else 0,
                "fit_cluster_sizes": fit_sizes.tolist(), "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
-               "assigned_size_spread": size_spread(sizes), "top_terms": router.top_terms, "wall_seconds": time.monotonic() - t0}
+               "assigned_size_spread": size_spread(sizes), "top_terms": router.top_terms, "stage_seconds": stages,
+               "wall_seconds": time.monotonic() - t0}
     store.write_json("shards/manifest.json", summary)
     how = (f"offsets refitted on {'all' if refit == n_seqs else refit} of them" if balanced else "each to its nearest centroid")
     console.print(f"cluster sizes: within {summary['fit_size_spread']:.1%} of the mean on the fit sample (balanced k-means), "

@@ -32,9 +32,9 @@ from pipelines.raysession import ray_session
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import CorpusFile, Part
 from soma_cluster.errors import SomaError
-from soma_cluster.parts import PartStats, embed_part, count_part, label_part, read_part, read_seqs, sample_part
+from soma_cluster.parts import SEQS, PartStats, count_part, embed_part, label_part, read_part, read_seqs, sample_part
 from soma_cluster.router import Router, load_router, save_router
-from soma_cluster.shards import ExpertWriter
+from soma_cluster.shards import ExpertWriter, rows_to_numpy
 from soma_cluster.storage import Store
 
 STAGING = "staging/prepare"
@@ -83,10 +83,12 @@ class _Embed(_WithRouter):
         super().__init__(stage_url, options, router_dir)
         self.below = below
 
-    def __call__(self, batch: dict) -> dict:
+    def __call__(self, batch: dict) -> pa.Table:
         with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
             keys, emb = embed_part(self.router, self.stage, int(batch["part"][0]), self.below, tmp)
-        return {"key": keys, "emb": emb}
+        width = emb.shape[1] * 4            # rows as fixed-size binary: an empty refit sample converts too
+        rows = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())])
+        return pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
 
 
 class _Count(_WithRouter):
@@ -162,6 +164,10 @@ class RayEngine:
                 out.append(PartStats(**body, lowest_keys=np.frombuffer(row["keys"], dtype="<u8").astype(np.uint64)))
                 nodes.add(row["node"])
             self.read_nodes = len(nodes)
+            unseen = [p.index for p in remote if not self.stage.exists(SEQS.format(p.index))]
+            if unseen:
+                raise SomaError(f"the Ray workers staged parts {unseen[:5]} where this driver cannot see them: the campaign "
+                                f"{self.store.url} must be on storage every node reaches (s3://, or a filesystem shared by all nodes)")
             console.print(f"read {len(remote)} parts on {len(nodes)} node{'s' * (len(nodes) > 1)}")
         return sorted(out, key=lambda st: st.part)
 
@@ -181,9 +187,10 @@ class RayEngine:
         ds = self._parts(parts).map_batches(_Embed, batch_size=1, fn_constructor_args=(self.stage.url, self.options, name, below),
                                             **self.actors)
         keys, emb = [np.zeros(0, np.uint64)], [np.zeros((0, router.centroids.shape[1]), np.float32)]
-        for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-            keys.append(batch["key"].astype(np.uint64))
-            emb.append(batch["emb"].astype(np.float32))
+        for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
+            keys.append(batch.column("key").to_numpy())
+            col = batch.column("emb").combine_chunks()
+            emb.append(rows_to_numpy(col, col.type.byte_width).view(np.float32).copy())
         return np.concatenate(keys), np.concatenate(emb)
 
     def count(self, router: Router, parts: list[int]) -> np.ndarray:

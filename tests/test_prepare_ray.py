@@ -60,7 +60,7 @@ def campaign_digests(store: Store) -> dict[str, str]:
         data = store.read_bytes(rel)
         if rel == "shards/manifest.json":
             body = json.loads(data)
-            for key in ("wall_seconds", "checksum"):
+            for key in ("wall_seconds", "stage_seconds", "checksum"):
                 body.pop(key)
             data = json.dumps(body, sort_keys=True).encode()
         out[rel] = hashlib.sha256(data).hexdigest()

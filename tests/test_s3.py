@@ -142,7 +142,7 @@ def test_unreachable_endpoint_is_a_clear_bounded_error(s3):  # noqa: F811
 def _manifests(read, n_experts: int) -> dict:
     """Everything prepare decided about the data (what it measured about itself, wall time, left out)."""
     top = json.loads(read("shards/manifest.json"))
-    top.pop("wall_seconds"), top.pop("checksum")
+    top.pop("wall_seconds"), top.pop("stage_seconds"), top.pop("checksum")
     out = {"shards": top, "test": json.loads(read("test/manifest.json"))}
     for e in range(n_experts):
         out[f"expert-{e:04d}"] = json.loads(read(f"shards/expert-{e:04d}/manifest.json"))
