@@ -28,7 +28,8 @@ sys.path.insert(0, HERE)
 
 
 def _worker_rss(stop: threading.Event, peak: list[float]) -> None:
-    """Largest resident set of any Ray worker process (named ray::...) seen, every 0.2 s."""
+    """Largest private resident memory (RSS less shared pages: a worker maps the object store's shared memory, which
+    RSS would count) of any Ray worker process (named ray::...), every 0.2 s."""
     import psutil
 
     while not stop.wait(0.2):
@@ -36,7 +37,8 @@ def _worker_rss(stop: threading.Event, peak: list[float]) -> None:
             try:
                 cmd = " ".join(proc.info["cmdline"] or [])
                 if cmd.startswith("ray::") and proc.info["memory_info"] is not None:
-                    peak[0] = max(peak[0], proc.info["memory_info"].rss / 2**20)
+                    mem = proc.info["memory_info"]
+                    peak[0] = max(peak[0], (mem.rss - getattr(mem, "shared", 0)) / 2**20)
             except (psutil.Error, TypeError):
                 continue
 
@@ -120,7 +122,7 @@ def main() -> None:
         print(f"\n{text / 1e9:.2f} GB JSONL, N = {args.experts}, router sample {args.sample:,}, parts of {args.part_mb} MB; "
               f"campaigns identical across engines: {same} ({len(files[arms[0]])} files)\n")
         print("| engine | workers | wall s (median) | MB/s | vs local | vs 1 worker | read | sample | fit | embed | refit | count | write | "
-              "driver peak RSS MiB | worker peak RSS MiB |")
+              "driver peak RSS MiB | worker peak private RSS MiB |")
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         import statistics
 

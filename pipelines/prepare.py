@@ -21,22 +21,22 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Part, describe_counts, describe_skipped, no_text_error, plan_parts
 from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
-from soma_cluster.parts import (SEQS, WINDOWS, PartStats, count_part, embed_part, label_part, lowest, read_part, read_seqs, sample_part,
-                                select, threshold)
+from soma_cluster.parts import WINDOWS, PartStats, count_part, embed_part, lowest, read_part, sample_part, select, threshold, write_part
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
-from soma_cluster.shards import ShardWriter, expert_name, val_every
+from soma_cluster.shards import expert_name, val_every, write_manifests
 from soma_cluster.storage import Store, sha256
 
 
 class Engine(Protocol):
-    """Runs the per-part work over every part; the driver (prepare_with) decides from what it returns."""
+    """Runs the per-part work over every part, returning results in the order of `parts`; the driver (prepare_with)
+    decides from what it returns."""
     stage: Store
 
     def read(self, parts: list[Part], keep_keys: int) -> list[PartStats]: ...
     def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]: ...
     def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]: ...
     def count(self, router: Router, parts: list[int]) -> np.ndarray: ...
-    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int]) -> list[dict]: ...
+    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray) -> list[dict]: ...
 
 
 class LocalEngine:
@@ -76,16 +76,11 @@ class LocalEngine:
         return np.concatenate(keys), np.concatenate(emb)
 
     def count(self, router: Router, parts: list[int]) -> np.ndarray:
-        return sum((count_part(router, self.stage, p, self.cache) for p in parts), np.zeros(router.n_experts, np.int64))
+        return np.stack([count_part(router, self.stage, p, self.cache) for p in parts])
 
-    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int]) -> list[dict]:
-        writer = ShardWriter(store, cfg.n_experts, cfg.shards.seq_bytes, cfg.shards.val_fraction, cfg.shards.rows_per_file)
-        for p in parts:
-            labels = label_part(router, self.stage, p, self.cache)
-            seqs, _ = read_seqs(self.stage, p, self.cache)
-            for seq, lab in zip(seqs.to_pylist(), labels.tolist()):
-                writer.add(lab, seq)
-        return writer.close()
+    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray) -> list[dict]:
+        return [write_part(router, self.stage, store, p, b, cfg.shards.val_fraction, cfg.shards.rows_per_file, self.cache)
+                for p, b in zip(parts, before)]
 
 
 def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
@@ -207,12 +202,14 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         router = replace(router, offsets=fit_offsets(emb, router.centroids, router.offsets))
     del emb
     lap("refit")
-    sizes = engine.count(router, with_seqs)
+    per_part = engine.count(router, with_seqs)          # (parts, N): each expert's sequences in each part
+    sizes = per_part.sum(axis=0)
     lap("count")
     _check_sizes(cfg, sizes)
     claim_campaign(store, cfg)                      # nothing is written before the data is known to fit
     save_router(store, router)
-    manifests = engine.write(store, cfg, router, with_seqs)
+    before = np.cumsum(per_part, axis=0) - per_part     # an expert's sequences in the parts before each
+    manifests = write_manifests(store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, router, with_seqs, before))
     _publish_windows(store, engine.stage, stats, cfg)
     lap("write")
     fit_sizes = np.bincount(sample_labels, minlength=cfg.n_experts)

@@ -6,9 +6,9 @@ workers, driven by pipelines.prepare.prepare_with (the same driver as the local 
   come back to the driver.
 - sample: tasks send back the router's fit sample (the sequences of lowest key).
 - embed, count, write: a pool of actors that load the router once from the staged router files (never a pickled
-  sklearn object) embed every sequence (staged beside it), count the shard sizes, then label the sequences for a
-  hash shuffle by expert (Ray Data's groupby) whose groups, sorted into corpus order, are written straight to the
-  campaign's shard files by the workers.
+  sklearn object) embed every sequence (staged beside it), count each part's sequences per expert, then write
+  each part's files of every expert's shard straight into the campaign (a part's files are its own, and the
+  counts of the parts before it place its sequences in each expert's corpus order: no shuffle).
 
 The driver holds only the samples (router.sample_chunks texts, router.refit_rows embeddings), the parts' lowest
 keys and the manifests; the corpus never passes through it. The built-in corpus is the files of the driver's own
@@ -32,9 +32,9 @@ from pipelines.raysession import ray_session
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import CorpusFile, Part
 from soma_cluster.errors import SomaError
-from soma_cluster.parts import SEQS, PartStats, count_part, embed_part, label_part, read_part, read_seqs, sample_part
+from soma_cluster.parts import SEQS, PartStats, count_part, embed_part, read_part, sample_part, write_part
 from soma_cluster.router import Router, load_router, save_router
-from soma_cluster.shards import ExpertWriter, rows_to_numpy
+from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store
 
 STAGING = "staging/prepare"
@@ -93,35 +93,25 @@ class _Embed(_WithRouter):
 
 class _Count(_WithRouter):
     def __call__(self, batch: dict) -> dict:
-        with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
-            sizes = count_part(self.router, self.stage, int(batch["part"][0]), tmp)
-        return {"sizes": sizes[None, :]}
-
-
-class _Label(_WithRouter):
-    """A part's sequences with their expert and corpus position (part << 32 | row), for the shuffle by expert."""
-
-    def __call__(self, batch: dict) -> pa.Table:
         part = int(batch["part"][0])
-        with tempfile.TemporaryDirectory(prefix="soma-label-") as tmp:
-            labels = label_part(self.router, self.stage, part, tmp)
-            seqs, _ = read_seqs(self.stage, part, tmp)
-        order = (np.int64(part) << np.int64(32)) + np.arange(len(seqs), dtype=np.int64)
-        return pa.table({"expert": pa.array(labels.astype(np.int32)), "order": pa.array(order), "seq": seqs})
+        with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
+            sizes = count_part(self.router, self.stage, part, tmp)
+        return {"part": np.array([part]), "sizes": sizes[None, :]}
 
 
-def _write_expert(group: pa.Table, campaign_url: str, options: dict, cfg_json: str) -> dict:
-    """One expert's sequences, put back in corpus order, into its shard files and manifest."""
-    cfg = CampaignConfig.model_validate_json(cfg_json)
-    expert = int(group.column("expert")[0].as_py())
-    seqs = group.column("seq").combine_chunks().take(pa.array(np.argsort(group.column("order").to_numpy(), kind="stable")))
-    with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
-        writer = ExpertWriter(Store(campaign_url, options), expert, cfg.shards.seq_bytes, cfg.shards.val_fraction,
-                              cfg.shards.rows_per_file, tmp)
-        for seq in seqs.to_pylist():
-            writer.add(seq)
-        manifest = writer.close()
-    return {"expert": np.array([expert]), "manifest": np.array([json.dumps(manifest)], dtype=object)}
+class _Write(_WithRouter):
+    """A part's sequences into the campaign's shard files (every part's files are its own: no shuffle)."""
+
+    def __init__(self, stage_url: str, options: dict, router_dir: str, campaign_url: str, val_fraction: float, rows_per_file: int):
+        super().__init__(stage_url, options, router_dir)
+        self.store = Store(campaign_url, options)
+        self.val_fraction, self.rows_per_file = val_fraction, rows_per_file
+
+    def __call__(self, batch: dict) -> dict:
+        part = int(batch["part"][0])
+        with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
+            written = write_part(self.router, self.stage, self.store, part, batch["before"][0], self.val_fraction, self.rows_per_file, tmp)
+        return {"part": np.array([part]), "written": np.array([json.dumps(written)], dtype=object)}
 
 
 class RayEngine:
@@ -136,7 +126,6 @@ class RayEngine:
         self.options = store.storage_options
         self.cfg_json = cfg.model_dump_json()
         workers = cfg.prepare.workers or None
-        self.read_nodes = 0
         self.tasks = dict(num_cpus=1, compute=ray.data.TaskPoolStrategy(size=workers))
         self.actors = dict(num_cpus=1, compute=ray.data.ActorPoolStrategy(min_size=1, max_size=workers))
 
@@ -163,7 +152,6 @@ class RayEngine:
                 body = json.loads(row["stats"])
                 out.append(PartStats(**body, lowest_keys=np.frombuffer(row["keys"], dtype="<u8").astype(np.uint64)))
                 nodes.add(row["node"])
-            self.read_nodes = len(nodes)
             unseen = [p.index for p in remote if not self.stage.exists(SEQS.format(p.index))]
             if unseen:
                 raise SomaError(f"the Ray workers staged parts {unseen[:5]} where this driver cannot see them: the campaign "
@@ -197,22 +185,21 @@ class RayEngine:
         self.router_dir = self._save_router(router, "router")
         ds = self._parts(parts).map_batches(_Count, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir),
                                             **self.actors)
-        total = np.zeros(router.n_experts, np.int64)
+        sizes = {}
         for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-            total += batch["sizes"].sum(axis=0)
-        return total
+            sizes.update(zip(batch["part"].tolist(), batch["sizes"]))
+        return np.stack([sizes[p] for p in parts]).astype(np.int64)
 
-    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int]) -> list[dict]:
-        console.print(f"writing {cfg.n_experts} experts' shards from the cluster")
-        labelled = self._parts(parts).map_batches(_Label, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir),
-                                                  **self.actors)
-        written = labelled.groupby("expert", num_partitions=cfg.n_experts).map_groups(
-            _write_expert, batch_format="pyarrow", fn_kwargs=dict(campaign_url=store.url, options=self.options, cfg_json=self.cfg_json))
-        manifests = {int(row["expert"]): json.loads(row["manifest"]) for row in written.iter_rows()}
-        missing = sorted(set(range(cfg.n_experts)) - set(manifests))
-        if missing:                                    # the size check has given every expert rows
-            raise RuntimeError(f"the shuffle by expert returned no shard for experts {missing[:8]}")
-        return [manifests[e] for e in range(cfg.n_experts)]
+    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray) -> list[dict]:
+        console.print(f"writing {len(parts)} parts of the {cfg.n_experts} experts' shards from the cluster")
+        rows = [{"part": p, "before": b} for p, b in zip(parts, before)]
+        ds = self.rd.from_items(rows, override_num_blocks=max(1, len(rows))).map_batches(
+            _Write, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir, store.url,
+                                                       cfg.shards.val_fraction, cfg.shards.rows_per_file), **self.actors)
+        written = {}
+        for row in ds.iter_rows():
+            written[int(row["part"])] = {int(e): files for e, files in json.loads(row["written"]).items()}
+        return [written[p] for p in parts]
 
 
 def _quiet_ray_data() -> None:

@@ -6,14 +6,15 @@ part's output depends only on the config and the part.
   staged as Arrow IPC files, and report its counts and its lowest keys.
 - sample_part / embed_part: the router's fit sample, then every sequence's embedding and the offsets' refit
   sample.
-- label_part / count_part: each sequence's expert under the fitted rule, and the sizes it gives.
+- count_part / write_part: each sequence's expert under the fitted rule, the sizes it gives, and the part's
+  files of every expert's shard.
 
 Keys. Every train sequence has a 64-bit key hashed from (seed, part, index in the part). The router is fitted
 on the router.sample_chunks sequences of smallest key, the balanced rule's offsets are refitted on the
 router.refit_rows smallest (a superset), both in key order. Keys depend on nothing an engine decides (worker
 count, completion order), so both engines draw the same samples: uniform over the whole corpus and reproducible
 from the seed. Sequences keep their corpus order (part, then index in the part) in each expert's shard, whose
-every val_every-th sequence is val (soma_cluster.shards.ExpertWriter), in both engines.
+every val_every-th sequence is val (soma_cluster.shards.write_part_shards), in both engines.
 """
 from __future__ import annotations
 
@@ -29,7 +30,7 @@ import pyarrow.ipc as ipc
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Packer, Part, is_test_doc, part_documents
 from soma_cluster.router import Router, router_text
-from soma_cluster.shards import rows_to_numpy
+from soma_cluster.shards import rows_to_numpy, write_part_shards
 from soma_cluster.storage import Store, file_sha256, put_file
 
 SEQS = "seqs/part-{:05d}.arrow"       # staged train sequences (seq, key) of a part
@@ -215,6 +216,13 @@ def label_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.nd
 def count_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.ndarray:
     """(N,) how many of a part's sequences each expert gets."""
     return np.bincount(label_part(router, stage, part, cache_dir), minlength=router.n_experts)
+
+
+def write_part(router: Router, stage: Store, store: Store, part: int, before: np.ndarray, val_fraction: float, rows_per_file: int,
+               cache_dir: str) -> dict[int, dict[str, list[dict]]]:
+    """A part's sequences into the campaign's shard files; before[e]: expert e's sequences in earlier parts."""
+    seqs, _ = read_seqs(stage, part, cache_dir)
+    return write_part_shards(store, part, seqs, label_part(router, stage, part, cache_dir), before, val_fraction, rows_per_file)
 
 
 def select(keys: np.ndarray, values, below: int):

@@ -1,7 +1,8 @@
-"""Per-expert Arrow IPC shards: train-*.arrow and val.arrow with one fixed_size_binary column.
+"""Per-expert Arrow IPC shards: train-*.arrow and val-*.arrow (one or more per corpus part) with one
+fixed_size_binary column.
 
-Writers stream record batches (bounded memory per expert); readers memory-map the files and
-verify each file's checksum against the manifest before use.
+Prepare writes them a corpus part at a time (every part's files are its own, so parts are written in
+parallel); readers memory-map the files and verify each file's checksum against the manifest before use.
 """
 from __future__ import annotations
 
@@ -40,89 +41,53 @@ def rows_to_numpy(arr: pa.FixedSizeBinaryArray, seq_bytes: int) -> np.ndarray:
     return flat[arr.offset * seq_bytes:(arr.offset + len(arr)) * seq_bytes].reshape(len(arr), seq_bytes)
 
 
-class _ArrowFile:
-    """One IPC file being written in a local temp directory, moved into the campaign on close."""
-
-    def __init__(self, store: Store, rel: str, seq_bytes: int, tmpdir: str):
-        self.store, self.rel, self.seq_bytes = store, rel, seq_bytes
-        fd, self.path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
-        os.close(fd)
-        self.sink = pa.OSFile(self.path, "wb")
-        self.writer = ipc.new_file(self.sink, schema(seq_bytes))
-        self.rows = 0
-
-    def write(self, rows: list[bytes]) -> None:
-        self.writer.write_batch(pa.record_batch([pa.array(rows, type=pa.binary(self.seq_bytes))], schema=schema(self.seq_bytes)))
-        self.rows += len(rows)
-
-    def close(self) -> dict:
-        self.writer.close()
-        self.sink.close()
-        entry = {"name": self.rel.rsplit("/", 1)[-1], "rows": self.rows, "bytes": os.path.getsize(self.path), "sha256": file_sha256(self.path)}
-        put_file(self.store, self.path, self.rel)
-        return entry
+def write_rows(store: Store, rel: str, rows: pa.FixedSizeBinaryArray, tmpdir: str) -> dict:
+    """One shard file of `rows` (record batches of BATCH_ROWS) at rel; returns its manifest entry."""
+    seq_bytes = rows.type.byte_width
+    fd, path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
+    os.close(fd)
+    with pa.OSFile(path, "wb") as sink, ipc.new_file(sink, schema(seq_bytes)) as writer:
+        for a in range(0, len(rows), BATCH_ROWS):
+            writer.write_batch(pa.record_batch([rows.slice(a, BATCH_ROWS)], schema=schema(seq_bytes)))
+    entry = {"name": rel.rsplit("/", 1)[-1], "rows": len(rows), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
+    put_file(store, path, rel)
+    return entry
 
 
-class ExpertWriter:
-    """Streams one expert's sequences into train-*.arrow files of rows_per_file rows and val.arrow: every
-    `val_every`-th sequence added is val. The files depend only on the order the sequences come in."""
-
-    def __init__(self, store: Store, expert: int, seq_bytes: int, val_fraction: float, rows_per_file: int, tmpdir: str):
-        self.store, self.expert, self.seq_bytes, self.rows_per_file, self.tmpdir = store, expert, seq_bytes, rows_per_file, tmpdir
-        self.val_every = val_every(val_fraction)
-        self.seen = 0
-        self.pending: dict[str, list[bytes]] = {"train": [], "val": []}
-        self.open: dict[str, _ArrowFile] = {}
-        self.done: dict[str, list[dict]] = {"train": [], "val": []}
-
-    def add(self, seq: bytes) -> None:
-        kind = "val" if self.seen % self.val_every == self.val_every - 1 else "train"
-        self.seen += 1
-        buf = self.pending[kind]
-        buf.append(seq)
-        if len(buf) >= min(BATCH_ROWS, self.rows_per_file):
-            self._flush(kind)
-
-    def _flush(self, kind: str) -> None:
-        rows, self.pending[kind] = self.pending[kind], []
-        if not rows:
-            return
-        if kind not in self.open:
-            name = "val.arrow" if kind == "val" else f"train-{len(self.done['train']):05d}.arrow"
-            self.open[kind] = _ArrowFile(self.store, f"shards/{expert_name(self.expert)}/{name}", self.seq_bytes, self.tmpdir)
-        f = self.open[kind]
-        f.write(rows)
-        if kind == "train" and f.rows >= self.rows_per_file:
-            self.done["train"].append(self.open.pop(kind).close())
-
-    def close(self) -> dict:
-        """Flush, write the expert's manifest.json; returns it."""
-        for kind in ("train", "val"):
-            self._flush(kind)
-        for kind, f in list(self.open.items()):
-            self.done[kind].append(f.close())
-        self.open.clear()
-        m = {"expert": self.expert, "seq_bytes": self.seq_bytes, "train": self.done["train"], "val": self.done["val"],
-             "train_rows": sum(x["rows"] for x in self.done["train"]), "val_rows": sum(x["rows"] for x in self.done["val"])}
-        self.store.write_json(f"shards/{expert_name(self.expert)}/manifest.json", m)
-        return m
+def write_part_shards(store: Store, part: int, seqs: pa.FixedSizeBinaryArray, labels: np.ndarray, before: np.ndarray,
+                      val_fraction: float, rows_per_file: int) -> dict[int, dict[str, list[dict]]]:
+    """A corpus part's sequences into each expert's shard: shards/expert-E/train-PPPPP-KK.arrow (at most
+    rows_per_file rows each) and val-PPPPP.arrow. `before[e]` counts expert e's sequences in the parts before
+    this one: an expert's sequences, in corpus order, are val at every val_every-th place. Returns
+    {expert: {"train": entries, "val": entries}} for the experts with rows here."""
+    every = val_every(val_fraction)
+    order = np.argsort(labels, kind="stable")                    # by expert, corpus order within each
+    bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=len(before)))])
+    out: dict[int, dict[str, list[dict]]] = {}
+    with tempfile.TemporaryDirectory(prefix="soma-shards-") as tmp:
+        for e in np.flatnonzero(np.diff(bounds)).tolist():
+            idx = order[bounds[e]:bounds[e + 1]]
+            val = (before[e] + np.arange(len(idx))) % every == every - 1
+            base = f"shards/{expert_name(e)}"
+            train = seqs.take(pa.array(idx[~val]))
+            files = {"train": [write_rows(store, f"{base}/train-{part:05d}-{k:02d}.arrow", train.slice(a, rows_per_file), tmp)
+                               for k, a in enumerate(range(0, len(train), rows_per_file))], "val": []}
+            if val.any():
+                files["val"].append(write_rows(store, f"{base}/val-{part:05d}.arrow", seqs.take(pa.array(idx[val])), tmp))
+            out[e] = files
+    return out
 
 
-class ShardWriter:
-    """Every expert's ExpertWriter, fed in corpus order."""
-
-    def __init__(self, store: Store, n_experts: int, seq_bytes: int, val_fraction: float, rows_per_file: int):
-        self.tmp = tempfile.TemporaryDirectory(prefix="soma-shards-")
-        self.experts = [ExpertWriter(store, e, seq_bytes, val_fraction, rows_per_file, self.tmp.name) for e in range(n_experts)]
-
-    def add(self, expert: int, seq: bytes) -> None:
-        self.experts[expert].add(seq)
-
-    def close(self) -> list[dict]:
-        """Flush everything, write one manifest per expert; returns those manifests."""
-        manifests = [w.close() for w in self.experts]
-        self.tmp.cleanup()
-        return manifests
+def write_manifests(store: Store, n_experts: int, seq_bytes: int, written: list[dict[int, dict[str, list[dict]]]]) -> list[dict]:
+    """Every expert's manifest.json from the parts' written files (in part order); returns the manifests."""
+    manifests = []
+    for e in range(n_experts):
+        files = {split: [entry for part in written for entry in part.get(e, {}).get(split, [])] for split in ("train", "val")}
+        m = {"expert": e, "seq_bytes": seq_bytes, **files, "train_rows": sum(x["rows"] for x in files["train"]),
+             "val_rows": sum(x["rows"] for x in files["val"])}
+        store.write_json(f"shards/{expert_name(e)}/manifest.json", m)
+        manifests.append(m)
+    return manifests
 
 
 @dataclass

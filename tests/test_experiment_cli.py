@@ -41,7 +41,7 @@ def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path)
     # forks share the parent's data and seed model byte for byte, and carry its seed cost
     for child, parent in (("bptt", "soma"), ("eggroll", "mono-spsa")):
         c, p = out / "s0" / child, out / "s0" / parent
-        for rel in ("seed/latest.json", "test/part-00000.arrow", "test/manifest.json", "shards/expert-0000/val.arrow", "router/router.json"):
+        for rel in ("seed/latest.json", "test/part-00000.arrow", "test/manifest.json", "shards/expert-0000/val-00000.arrow", "router/router.json"):
             if (p / rel).exists():
                 assert (c / rel).read_bytes() == (p / rel).read_bytes(), (child, rel)
         assert arms[child]["gpu_hours_by_category"]["seed"] == arms[parent]["gpu_hours_by_category"]["seed"] > 0

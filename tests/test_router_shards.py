@@ -3,6 +3,7 @@ decoding) and the per-expert Arrow shards, including N = 256 prepared on the bui
 import json
 
 import numpy as np
+import pyarrow as pa
 import pytest
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
@@ -12,7 +13,7 @@ from soma_cluster.corpus import builtin_documents
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.router import (TIE_SCALE, Router, assign, balanced_kmeans, cluster_spread, fit_offsets, fit_router, load_router,
                                  router_text, save_router)
-from soma_cluster.shards import ShardWriter, open_shard
+from soma_cluster.shards import open_shard, write_manifests, write_part_shards
 from soma_cluster.storage import Store, sha256
 
 
@@ -191,26 +192,29 @@ def test_size_errors_name_the_setting_to_change():
 
 
 def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
+    """Three parts written one at a time: each expert's rows come back in corpus order, every 10th val across
+    parts, train files of at most rows_per_file rows; a flipped byte is a checksum error naming the file."""
     rng = np.random.default_rng(0)
-    seqs = [rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(500)]
-    labels = rng.integers(0, 3, len(seqs))
+    parts = [[rng.integers(0, 256, 64, dtype=np.uint8).tobytes() for _ in range(n)] for n in (200, 170, 130)]
+    labels = [rng.integers(0, 3, len(p)) for p in parts]
     store = Store(str(tmp_path / "c"))
-    writer = ShardWriter(store, 3, 64, val_fraction=0.1, rows_per_file=70)
-    for s, lab in zip(seqs, labels):
-        writer.add(int(lab), s)
-    manifests = writer.close()
+    before, written = np.zeros(3, np.int64), []
+    for i, (seqs, lab) in enumerate(zip(parts, labels)):
+        written.append(write_part_shards(store, i, pa.array(seqs, pa.binary(64)), lab, before, val_fraction=0.1, rows_per_file=20))
+        before = before + np.bincount(lab, minlength=3)
+    manifests = write_manifests(store, 3, 64, written)
     for e in range(3):
+        want = [s for seqs, lab in zip(parts, labels) for s, x in zip(seqs, lab) if x == e]
         shard = open_shard(store, e)
-        got = [bytes(r) for part in shard.train + shard.val for r in part]
-        want = [s for s, lab in zip(seqs, labels) if lab == e]
-        assert sorted(got) == sorted(want) and len(got) == len(want)
+        assert [bytes(r) for part in shard.val for r in part] == want[9::10]
+        assert [bytes(r) for part in shard.train for r in part] == [s for i, s in enumerate(want) if i % 10 != 9]
         assert manifests[e]["train_rows"] + manifests[e]["val_rows"] == len(want)
-        assert len(shard.train) > 1                      # rows_per_file rotation happened
-    victim = tmp_path / "c" / "shards" / "expert-0001" / "val.arrow"
+        assert max(len(f) for f in shard.train) <= 20 and len(shard.train) > 3      # rows_per_file rotation happened
+    victim = tmp_path / "c" / "shards" / "expert-0001" / "val-00001.arrow"
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
     victim.write_bytes(bytes(data))
-    with pytest.raises(ChecksumError, match="expert-0001/val.arrow"):
+    with pytest.raises(ChecksumError, match="expert-0001/val-00001.arrow"):
         open_shard(store, 1)
 
 
