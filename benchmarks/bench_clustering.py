@@ -32,6 +32,10 @@ scale     `soma prepare` on a >= 1 GB JSONL corpus generated from random lines o
   PYTHONPATH=. python benchmarks/bench_clustering.py [--part quality campaign] [--mb 64] [--experts 16 64 256]
   PYTHONPATH=. python benchmarks/bench_clustering.py --part scale --gb 1.0 --experts 16 [--rule balanced nearest]
 
+(The router's fit sample is now the sequences of lowest key (soma_cluster.parts), no longer a reservoir sample;
+prepare_sample below follows it. The tables were measured with the reservoir sample, a different uniform sample of
+the same size.)
+
 Measured 2026-12-04 on the 2-core CPU host, quiet (load < 1), after the router's hashed tie-break coordinates
 (soma_cluster/router.py: _tie_break; the baselines run on the SVD part alone, their own recipes). 64 MB of the
 built-in corpus: 59,879 train sequences from 7 sources (pydoc-topics, python-stdlib, licenses, common-licenses,
