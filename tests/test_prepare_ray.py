@@ -110,6 +110,10 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
     assert info["parts"] >= 5 and set(info["sources"]) == {"jsonl", "parquet", "txt", "txt.gz"}
     assert summaries["ray"]["train_rows"] == summaries["local"]["train_rows"]
     assert not stores["ray"].walk("staging")                                      # staging removed
+    print(f"identical: {len(a)} files ({sum(r.startswith('shards/') for r in a)} shard files and manifests, "
+          f"{sum(r.startswith('test/') for r in a)} test, {sum(r.startswith('router/') for r in a)} router); {info['parts']} parts, "
+          f"{info['documents']} documents, {info['train_sequences']} train sequences, {info['test_windows']} test windows; "
+          f"train rows {summaries['ray']['train_rows']}")
     shard = open_shard(stores["ray"], 3, str(tmp_path / "cache"))                   # what launch opens
     assert shard.n_train == summaries["ray"]["train_rows"][3]
 
@@ -124,17 +128,7 @@ def test_ray_engine_reads_on_several_nodes(cluster, s3, tmp_path, capfd):  # noq
     assert line and int(line[0].split(" on ")[1].split()[0]) >= 2, line
 
 
-@pytest.fixture(scope="module")
-def local_ray():
-    import ray
-
-    tmp = tempfile.mkdtemp(prefix="soma-ray-t-", dir="/tmp")
-    ray.init(num_cpus=2, num_gpus=0, include_dashboard=False, _temp_dir=tmp, log_to_driver=False, logging_level="WARNING")
-    yield ray
-    ray.shutdown()
-
-
-def test_ray_engine_on_a_local_ray_equals_the_local_engine_on_the_builtin_corpus(local_ray, tmp_path):
+def test_ray_engine_on_a_local_ray_equals_the_local_engine_on_the_builtin_corpus(ray_local, tmp_path):
     """The built-in corpus is the driver's own files: the driver reads its one part, the cluster does the rest."""
     from pipelines.prepare import prepare
 
@@ -173,7 +167,7 @@ def _bad_corpora(root: Path) -> dict[str, tuple[Path, str]]:
     return out
 
 
-def test_bad_input_is_one_error_naming_the_file_and_leaves_nothing(local_ray, tmp_path):
+def test_bad_input_is_one_error_naming_the_file_and_leaves_nothing(ray_local, tmp_path):
     from pipelines.prepare import prepare
 
     for name, (corpus, says) in _bad_corpora(tmp_path / "corpora").items():
