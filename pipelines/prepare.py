@@ -166,7 +166,6 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     nothing is written into the campaign before the data is known to fit, and shards/manifest.json comes last."""
     t0 = time.monotonic()
     stages: dict[str, float] = {}
-
     last = t0
 
     def lap(name: str) -> None:         # wall seconds of each stage, into the manifest

@@ -21,7 +21,7 @@ RAY_VERSION = version("ray")
 
 def pinned(name: str) -> str:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return next(d.split("==")[1] for d in deps if d.split("==")[0] == name)
+    return next(d.split("==")[1] for d in deps if d.split("==")[0].split("[")[0] == name)     # "ray[data]==x": ray
 
 
 def load(path: Path) -> list[dict]:

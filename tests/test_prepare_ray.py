@@ -93,7 +93,7 @@ def cluster(s3):  # noqa: F811
         shutil.rmtree(tmp, ignore_errors=True)
 
 
-def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, tmp_path):  # noqa: F811
+def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, tmp_path, capfd):  # noqa: F811
     from pipelines.prepare import prepare
 
     local_corpus = write_mixed_corpus(tmp_path / "corpus")
@@ -104,6 +104,8 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
     summaries = {}
     for engine, store in stores.items():
         summaries[engine] = prepare(store, engine_config(source, engine), cluster.address if engine == "ray" else None)
+    read = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("read ") and " parts on " in ln]
+    assert read and int(read[0].split(" on ")[1].split()[0]) >= 2, read          # the parts were read on several nodes
     a, b = (campaign_digests(s) for s in stores.values())
     assert a == b and len(a) > 20                                                 # router, every shard file, test parts
     info = summaries["ray"]["corpus"]
@@ -116,16 +118,6 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
           f"train rows {summaries['ray']['train_rows']}")
     shard = open_shard(stores["ray"], 3, str(tmp_path / "cache"))                   # what launch opens
     assert shard.n_train == summaries["ray"]["train_rows"][3]
-
-
-def test_ray_engine_reads_on_several_nodes(cluster, s3, tmp_path, capfd):  # noqa: F811
-    from pipelines.prepare import prepare
-
-    corpus = write_mixed_corpus(tmp_path / "corpus", 1_200_000)
-    store = Store(str(tmp_path / "camp"))
-    prepare(store, engine_config(str(corpus), "ray", 100_000), cluster.address)
-    line = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("read ") and " parts on " in ln]
-    assert line and int(line[0].split(" on ")[1].split()[0]) >= 2, line
 
 
 def test_ray_engine_on_a_local_ray_equals_the_local_engine_on_the_builtin_corpus(ray_local, tmp_path):
