@@ -59,7 +59,7 @@ class LocalEngine:
     def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]:
         keys, seqs = [], []
         for p in parts:
-            k, s = sample_part(self.stage, p, below, self.cache)
+            k, s = sample_part(self.cfg.seed, self.stage, p, below, self.cache)
             keys.append(k)
             seqs += s
         return np.concatenate(keys), seqs
@@ -69,7 +69,7 @@ class LocalEngine:
         with progress() as bar:
             task = bar.add_task("embedding sequences (parts)", total=len(parts))
             for p in parts:
-                k, e = embed_part(router, self.stage, p, below, self.cache)
+                k, e = embed_part(self.cfg.seed, router, self.stage, p, below, self.cache)
                 keys.append(k)
                 emb.append(e)
                 bar.advance(task)

@@ -64,9 +64,9 @@ def _node_id() -> str:
     return ray.get_runtime_context().get_node_id()
 
 
-def _sample(batch: dict, stage_url: str, options: dict, below: int, seq_bytes: int) -> pa.Table:
+def _sample(batch: dict, seed: int, stage_url: str, options: dict, below: int, seq_bytes: int) -> pa.Table:
     with tempfile.TemporaryDirectory(prefix="soma-sample-") as tmp:
-        keys, seqs = sample_part(Store(stage_url, options), int(batch["part"][0]), below, tmp)
+        keys, seqs = sample_part(seed, Store(stage_url, options), int(batch["part"][0]), below, tmp)
     return pa.table({"key": pa.array(keys, pa.uint64()), "seq": pa.array(seqs, pa.binary(seq_bytes))})
 
 
@@ -79,13 +79,13 @@ class _WithRouter:
 
 
 class _Embed(_WithRouter):
-    def __init__(self, stage_url: str, options: dict, router_dir: str, below: int | None):
+    def __init__(self, stage_url: str, options: dict, router_dir: str, seed: int, below: int | None):
         super().__init__(stage_url, options, router_dir)
-        self.below = below
+        self.seed, self.below = seed, below
 
     def __call__(self, batch: dict) -> pa.Table:
         with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
-            keys, emb = embed_part(self.router, self.stage, int(batch["part"][0]), self.below, tmp)
+            keys, emb = embed_part(self.seed, self.router, self.stage, int(batch["part"][0]), self.below, tmp)
         width = emb.shape[1] * 4            # rows as fixed-size binary: an empty refit sample converts too
         rows = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())])
         return pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
@@ -161,7 +161,7 @@ class RayEngine:
 
     def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]:
         ds = self._parts(parts).map_batches(_sample, batch_size=1, batch_format="numpy", **self.tasks,
-                                            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, below=below,
+                                            fn_kwargs=dict(seed=self.cfg.seed, stage_url=self.stage.url, options=self.options, below=below,
                                                            seq_bytes=self.cfg.shards.seq_bytes))
         keys, seqs = [], []
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
@@ -172,7 +172,7 @@ class RayEngine:
     def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]:
         name = self._save_router(router, "router-fit")
         console.print(f"embedding {len(parts)} parts on the cluster")
-        ds = self._parts(parts).map_batches(_Embed, batch_size=1, fn_constructor_args=(self.stage.url, self.options, name, below),
+        ds = self._parts(parts).map_batches(_Embed, batch_size=1, fn_constructor_args=(self.stage.url, self.options, name, self.cfg.seed, below),
                                             **self.actors)
         keys, emb = [np.zeros(0, np.uint64)], [np.zeros((0, router.centroids.shape[1]), np.float32)]
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):

@@ -30,10 +30,10 @@ import pyarrow.ipc as ipc
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Packer, Part, is_test_doc, part_documents
 from soma_cluster.router import Router, router_text
-from soma_cluster.shards import rows_to_numpy, write_part_shards
+from soma_cluster.shards import COLUMN, rows_to_numpy, schema, write_part_shards
 from soma_cluster.storage import Store, file_sha256, put_file
 
-SEQS = "seqs/part-{:05d}.arrow"       # staged train sequences (seq, key) of a part
+SEQS = "seqs/part-{:05d}.arrow"       # staged train sequences of a part (their keys are row_keys of their places)
 EMBEDDINGS = "emb/part-{:05d}.npy"    # their router embeddings, float32
 WINDOWS = "test/part-{:05d}.arrow"    # a part's evaluation windows (window, doc): staged, then published as is
 WRITE_ROWS = 4096                     # rows per record batch of a staged file
@@ -114,18 +114,17 @@ class _Staged:
             self.rows += len(self.cols[0])
             self.cols = [[] for _ in self.schema]
 
-    def publish(self, store: Store, rel: str) -> str:
-        """Close, put into the store, return the file's sha256."""
+    def close(self) -> None:
         self.flush()
         self.writer.close()
         self.sink.close()
+
+    def publish(self, store: Store, rel: str) -> str:
+        """Close, put into the store, return the file's sha256."""
+        self.close()
         digest = file_sha256(self.path)
         put_file(store, self.path, rel)
         return digest
-
-
-def seq_schema(seq_bytes: int) -> pa.Schema:
-    return pa.schema([pa.field("seq", pa.binary(seq_bytes)), pa.field("key", pa.uint64())])
 
 
 def window_schema(window_bytes: int) -> pa.Schema:
@@ -138,19 +137,17 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
     stages no window file."""
     stats = PartStats(part.index)
     with tempfile.TemporaryDirectory(prefix="soma-part-") as tmp:
-        seqs = _Staged(seq_schema(cfg.shards.seq_bytes), tmp)
+        seqs = _Staged(schema(cfg.shards.seq_bytes), tmp)
         windows = _Staged(window_schema(cfg.eval.window_bytes), tmp)
         train = Packer(cfg.shards.seq_bytes)
         test = Packer(cfg.eval.window_bytes, owner_at=cfg.eval.context_bytes + 1)
-        keys: list[np.ndarray] = []
         batch: list[bytes] = []
 
         def flush_seqs() -> None:
+            for s in batch:
+                seqs.add(s)
             k = row_keys(cfg.seed, part.index, stats.seqs, len(batch))
-            for s, key in zip(batch, k.tolist()):
-                seqs.add(s, key)
-            keys.append(lowest(np.concatenate([*keys, k]), keep_keys))
-            del keys[:-1]
+            stats.lowest_keys = lowest(np.concatenate([stats.lowest_keys, k]), keep_keys)
             stats.seqs += len(batch)
             batch.clear()
 
@@ -167,34 +164,36 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
                 if len(batch) >= WRITE_ROWS:
                     flush_seqs()
         flush_seqs()
-        stats.lowest_keys = keys[-1] if keys else np.zeros(0, np.uint64)
         seqs.publish(stage, SEQS.format(part.index))
         if stats.windows:
             stats.windows_sha256 = windows.publish(stage, WINDOWS.format(part.index))
         else:
-            windows.writer.close()
-            windows.sink.close()
+            windows.close()
     return stats
 
 
-def read_seqs(stage: Store, part: int, cache_dir: str) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
-    """A part's staged train sequences and their keys."""
+def read_seqs(stage: Store, part: int, cache_dir: str) -> pa.FixedSizeBinaryArray:
+    """A part's staged train sequences."""
     path = stage.local_copy(SEQS.format(part), cache_dir)
-    table = ipc.open_file(pa.memory_map(path, "r")).read_all()
-    return table.column("seq").combine_chunks(), table.column("key").to_numpy()
+    return ipc.open_file(pa.memory_map(path, "r")).read_all().column(COLUMN).combine_chunks()
 
 
-def sample_part(stage: Store, part: int, below: int, cache_dir: str) -> tuple[np.ndarray, list[bytes]]:
+def _seqs_and_keys(seed: int, stage: Store, part: int, cache_dir: str) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:
+    seqs = read_seqs(stage, part, cache_dir)
+    return seqs, row_keys(seed, part, 0, len(seqs))
+
+
+def sample_part(seed: int, stage: Store, part: int, below: int, cache_dir: str) -> tuple[np.ndarray, list[bytes]]:
     """(keys, sequences) of the part's rows with key <= below."""
-    seqs, keys = read_seqs(stage, part, cache_dir)
+    seqs, keys = _seqs_and_keys(seed, stage, part, cache_dir)
     take = np.flatnonzero(keys <= np.uint64(below))
     return keys[take], [seqs[int(i)].as_py() for i in take]
 
 
-def embed_part(router: Router, stage: Store, part: int, below: int | None, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
+def embed_part(seed: int, router: Router, stage: Store, part: int, below: int | None, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
     """Embed every sequence of a part (staged beside them); returns (keys, embeddings) of the rows with
     key <= below (the offsets' refit sample; none for None)."""
-    seqs, keys = read_seqs(stage, part, cache_dir)
+    seqs, keys = _seqs_and_keys(seed, stage, part, cache_dir)
     rows = rows_to_numpy(seqs, seqs.type.byte_width)
     emb = np.zeros((len(rows), router.centroids.shape[1]), np.float32)
     for a in range(0, len(rows), EMBED_ROWS):
@@ -221,7 +220,7 @@ def count_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.nd
 def write_part(router: Router, stage: Store, store: Store, part: int, before: np.ndarray, val_fraction: float, rows_per_file: int,
                cache_dir: str) -> dict[int, dict[str, list[dict]]]:
     """A part's sequences into the campaign's shard files; before[e]: expert e's sequences in earlier parts."""
-    seqs, _ = read_seqs(stage, part, cache_dir)
+    seqs = read_seqs(stage, part, cache_dir)
     return write_part_shards(store, part, seqs, label_part(router, stage, part, cache_dir), before, val_fraction, rows_per_file)
 
 
