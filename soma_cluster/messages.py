@@ -49,6 +49,8 @@ class ExpertStart:
     forwards: int           # the model's forward count as loaded
     n_train: int            # train sequences in its shard
     usage: Usage            # its share of the actor's start-up (process start, imports, data and model loading)
+    kept_by: int | None = None        # resumed: the attempt that wrote the checkpoint it loaded
+    kept: Usage | None = None         # resumed: that attempt's usage as its checkpoint recorded it
 
 
 @dataclass(frozen=True)

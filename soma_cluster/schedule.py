@@ -17,7 +17,7 @@ import itertools
 import random
 import time
 from collections import deque
-from dataclasses import dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
 from soma_cluster.budget import BudgetBook
@@ -140,6 +140,30 @@ Action = Start | Reuse | Chunk | Stop
 
 
 @dataclass(frozen=True)
+class Settlement:
+    """How an attempt that ended without finishing was settled, kept until its job's next attempt reports in:
+    that attempt says which checkpoint it really resumed from, which may be newer than the one the settlement
+    read (a worker declared lost that was still running, on a partitioned node or between Ray's kill and the
+    process's end, and wrote one more) or older (a checkpoint that did not verify)."""
+    attempt: int
+    setup: Usage                     # the attempt's start-up share (not part of its kept work)
+    training: Usage                  # what it reported as useful work
+    kept: Usage                      # what the settlement took its checkpoint to keep
+    unreported: Usage                # the driver's estimate of what it held after its last report
+    lost_to: str                     # ledger category of the lost part: wasted or preempted
+    device: str | None = None
+
+    def to_json(self) -> dict:
+        return {"attempt": self.attempt, **{k: asdict(getattr(self, k)) for k in ("setup", "training", "kept", "unreported")},
+                "lost_to": self.lost_to, "device": self.device}
+
+    @staticmethod
+    def from_json(d: dict) -> "Settlement":
+        return Settlement(d["attempt"], *(Usage(**d[k]) for k in ("setup", "training", "kept", "unreported")), d["lost_to"],
+                          d.get("device"))
+
+
+@dataclass(frozen=True)
 class Lost:
     """Why an actor's attempt ended without a clean report."""
     reason: str
@@ -198,6 +222,7 @@ class Scheduler:
         self.cause: dict[Job, str] = {}
         self.failures: dict[Job, int] = {}
         self.killed: dict[Job, Incarnation] = {}    # the process of a job's last attempt, killed by the driver
+        self.settled: dict[Job, Settlement] = {}    # a job's lost attempt, until its next attempt reports what it resumed
         self.outcome: dict[Job, str] = {}
         self.bad_input: dict[Job, str] = {}
         self.seen: dict[Job, JobView] = {j: JobView() for j in self.jobs}   # what `soma status` shows of each job
@@ -329,6 +354,7 @@ class Scheduler:
                         actor=unit.name, waited_s=report.waited_s)
             note = "start-up: process, imports, data and model" + ("" if c.cause == "new" else f" (after {c.cause})")
             self._record(CAUSES[c.cause] or c.job.category, start.usage, c, 0, note)
+            self._resettle(c.job, start.step, start.kept_by, start.kept)
         return [self._chunk(unit)] if unit.live() else self._close(unit)
 
     def on_chunk(self, uid: int, report: ChunkReport) -> list[Action]:
@@ -395,20 +421,20 @@ class Scheduler:
 
     def _lose(self, c: Account, lost: Lost, unreported: Usage = Usage(), end: str | None = None) -> None:
         """Settle an attempt that ended without finishing, then retry, reschedule or end its job."""
+        settled = {}
         if c.started:
-            fix, gone = settle(c.reported - c.setup, self._kept(c), unreported)
-            if not fix.is_zero:
-                self._record(c.job.category, fix, c, -1, f"settled against the latest checkpoint: {lost.reason}")
-            if not gone.is_zero:
-                self._record("preempted" if lost.kind == "preempted" else "wasted", gone, c, -1, f"lost after checkpoint: {lost.reason}")
+            s = Settlement(c.attempt, c.setup, c.reported - c.setup, self._kept(c), unreported,
+                           "preempted" if lost.kind == "preempted" else "wasted", c.device)
+            self._settle(c, s, f"{lost.reason}")
+            settled = {"settled": s.to_json()}
         if lost.kind == "preempted":
-            self._event("preempted", c.job, attempt=c.attempt, step=c.step, reason=lost.reason)
+            self._event("preempted", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled)
             self.cause[c.job] = "preempted"
             self.pending.appendleft(c.job)              # not a failure: no retry spent, no backoff
             return
         self.failures[c.job] = self.failures.get(c.job, 0) + 1
         self.seen.setdefault(c.job, JobView()).last_error = lost.reason
-        self._event("failed", c.job, attempt=c.attempt, step=c.step, reason=lost.reason,
+        self._event("failed", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled,
                     **({"traceback": lost.traceback} if lost.traceback else {}))
         if end is not None or lost.kind == "bad_input":
             if lost.kind == "bad_input":
@@ -422,6 +448,29 @@ class Scheduler:
             self.retry_at[c.job] = self.clock() + delay
             self.cause[c.job] = "retry"
             self._event("retry_scheduled", c.job, attempt=self.next_attempt[c.job], delay_s=delay)
+
+    def _settle(self, c: Account, s: Settlement, why: str) -> None:
+        """Training is corrected to what the checkpoint keeps, the rest of what the attempt held is lost."""
+        fix, gone = settle(s.training, s.kept, s.unreported)
+        if not fix.is_zero:
+            self._record(c.job.category, fix, c, -1, f"settled against the latest checkpoint: {why}")
+        if not gone.is_zero:
+            self._record(s.lost_to, gone, c, -1, f"lost after checkpoint: {why}")
+        self.settled[c.job] = s
+
+    def _resettle(self, job: Job, step: int, kept_by: int | None, kept: Usage | None) -> None:
+        """The job's new attempt resumed from a checkpoint of its lost attempt other than the one that attempt was
+        settled against: settle it again against the one really kept, and book the difference."""
+        s = self.settled.pop(job, None)
+        if s is None or kept_by != s.attempt or kept is None or kept - s.setup == s.kept:
+            return
+        (fix0, gone0), (fix1, gone1) = settle(s.training, s.kept, s.unreported), settle(s.training, kept - s.setup, s.unreported)
+        c = Account(job, s.attempt, "resumed", started=True, setup=s.setup, device=s.device, step=step)
+        note = "settled again: the next attempt resumed from a checkpoint the attempt wrote after it was declared lost"
+        if not (fix1 - fix0).is_zero:
+            self._record(job.category, fix1 - fix0, c, -2, note)
+        if not (gone1 - gone0).is_zero:
+            self._record(s.lost_to, gone1 - gone0, c, -2, note)
 
     def _finish(self, job: Job, end: str, **fields) -> None:
         self.outcome[job] = end
@@ -493,6 +542,10 @@ class Scheduler:
             if h.held(last) and h.ended(last) is None:
                 records = self.ledger.records() if records is None else records   # read once, not once per job
                 self._settle_interrupted(job, last, records)
+            else:
+                ends = [ev for ev in h.events if ev["event"] in ("failed", "preempted") and "settled" in ev]
+                if ends and h.held(ends[-1]["attempt"]) and ends[-1]["attempt"] == max(a for a in range(h.attempts) if h.held(a)):
+                    self.settled[job] = Settlement.from_json(ends[-1]["settled"])
 
     @staticmethod
     def _cause_after(h: JobHistory) -> str:
@@ -504,18 +557,16 @@ class Scheduler:
 
     def _settle_interrupted(self, job: Job, attempt: int, records: list[dict]) -> None:
         mine = [r for r in records if r["expert"] == job.expert and r["attempt"] == attempt]
-        if any(r["seq"] == -1 for r in mine):       # settled by an earlier resume (that driver was lost too)
-            return
         setup = sum((_usage(r) for r in mine if r["seq"] == 0), Usage())
         training = sum((_usage(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
         device = next((r.get("device") for r in mine if r.get("device")), None)
+        fixes = [_usage(r) for r in mine if r["seq"] < 0 and r["category"] == job.category]
+        if fixes or any(r["seq"] == -1 for r in mine):      # settled by an earlier resume (that driver was lost too)
+            self.settled[job] = Settlement(attempt, setup, training, training + sum(fixes, Usage()), Usage(), "wasted", device)
+            return
         c = Account(job, attempt, "resumed", started=True, setup=setup, reported=setup + training, device=device,
                     step=max((r["step"] for r in mine if r["step"] is not None), default=0))
-        fix, gone = settle(training, self._kept(c))
-        if not fix.is_zero:
-            self._record(job.category, fix, c, -1, "settled against the latest checkpoint: driver lost")
-        if not gone.is_zero:
-            self._record("wasted", gone, c, -1, "lost after checkpoint: driver lost")
+        self._settle(c, Settlement(attempt, setup, training, self._kept(c), Usage(), "wasted", device), "driver lost")
 
 
 def view_of(h: JobHistory) -> JobView:

@@ -94,6 +94,14 @@ class InProcess:
     def kill(self, uid: int, reason: str = "actor_died: killed by the test", kind: str = "failure") -> None:
         self.apply(self.sched.on_lost(uid, Lost(reason, kind)))
 
+    def zombie(self, uid: int) -> None:
+        """The driver declares the unit lost before its call ran, but the process lives on and runs the call
+        (a partitioned node, or the moment between Ray's kill and the process's end); its report never arrives."""
+        worker, call = self.workers[uid], self.calls[uid]
+        self.kill(uid)
+        if call[0] == "chunk":
+            worker.run_chunk(*call[1:])
+
     def run(self, max_calls: int = 10_000) -> dict[Job, str]:
         for _ in range(max_calls):                 # bounded
             uid = self.next_call()

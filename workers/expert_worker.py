@@ -119,6 +119,8 @@ class Member:
     start_forwards: int
     start_tokens: int
     last_ckpt_step: int
+    kept_by: int | None = None        # resumed: the attempt that wrote the loaded checkpoint, and its usage then
+    kept: Usage | None = None
     reason: str | None = None         # set once it stops: finished, converged, budget_exhausted, preempted, or a failure
     failed: bool = False
     told: bool = False                # its last heartbeat (done) has gone to the driver
@@ -185,7 +187,8 @@ class ExpertWorker:
         for job, attempt in zip(self.jobs, self.attempts):
             self.members[job] = self._member(cfg, job, attempt, device, cache)
         self._tick()
-        starts = {m.job.expert: ExpertStart(m.start_step, m.target, m.resumed, m.start_forwards, m.trainer.shard.n_train, self._usage(m))
+        starts = {m.job.expert: ExpertStart(m.start_step, m.target, m.resumed, m.start_forwards, m.trainer.shard.n_train, self._usage(m),
+                                             m.kept_by, m.kept)
                   for m in self.members.values()}
         node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else None
         return SetupReport(device.type, node_ip, self.process, held_from, waited, starts)
@@ -217,12 +220,14 @@ class ExpertWorker:
         seed_job = job.expert is None
         shard = union_shard(self.store, cfg.n_experts, cache) if seed_job else open_shard(self.store, job.expert, cache)
         resumed = has_checkpoint(self.store, job.model_dir)
-        state = load_checkpoint(self.store, job.model_dir).state(device) if resumed else start_state(self.store, cfg, job, device)
+        ckpt = load_checkpoint(self.store, job.model_dir) if resumed else None
+        state = ckpt.state(device) if ckpt else start_state(self.store, cfg, job, device)
+        kept = ckpt.meta.get("usage") if ckpt else None
         target = cfg.seed_stage.updates if seed_job else cfg.train.updates
         trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, SEED_STREAM if seed_job else job.expert, device,
                           cfg.train.val_batches * cfg.spsa.batch, training_method(cfg, job))
         return Member(job, attempt, trainer, target, resumed, state.step, state.forwards, state.tokens,
-                      state.step if resumed else -1)
+                      state.step if resumed else -1, ckpt.meta.get("attempt") if kept else None, Usage(**kept) if kept else None)
 
     def _checkpoint(self, m: Member) -> str:
         self._tick()
