@@ -425,7 +425,7 @@ class Scheduler:
         if c.started:
             s = Settlement(c.attempt, c.setup, c.reported - c.setup, self._kept(c), unreported,
                            "preempted" if lost.kind == "preempted" else "wasted", c.device)
-            self._settle(c, s, f"{lost.reason}")
+            self._settle(c, s, lost.reason)
             settled = {"settled": s.to_json()}
         if lost.kind == "preempted":
             self._event("preempted", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled)
@@ -543,8 +543,9 @@ class Scheduler:
                 records = self.ledger.records() if records is None else records   # read once, not once per job
                 self._settle_interrupted(job, last, records)
             else:
+                # its last attempt that held a GPU ended lost and the next has not reported in: finish that on setup
                 ends = [ev for ev in h.events if ev["event"] in ("failed", "preempted") and "settled" in ev]
-                if ends and h.held(ends[-1]["attempt"]) and ends[-1]["attempt"] == max(a for a in range(h.attempts) if h.held(a)):
+                if ends and ends[-1]["attempt"] == max(a for a in range(h.attempts) if h.held(a)):
                     self.settled[job] = Settlement.from_json(ends[-1]["settled"])
 
     @staticmethod

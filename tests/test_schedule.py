@@ -288,6 +288,24 @@ def test_ledger_is_exact_for_any_kill_moment(seeded_inproc, tmp_path, chunk, ckp
     assert lost > 0                                                             # the plans did lose reported work
 
 
+def test_a_zombies_checkpoint_is_settled_whether_or_not_the_driver_is_lost_before_the_retry(seeded_inproc, tmp_path):
+    """Declared lost, the process runs its chunk anyway and checkpoints; the retry resumes from that checkpoint.
+    Its settlement is finished when the retry reports in, by this driver or by a new one restored from disk."""
+    cfg = align(3, 6, corpus={"source": seeded_inproc[1].corpus.source})
+    resettled = 0
+    for i in range(2, 9):
+        for plan in ({i: "zombie"}, {i: "zombie", i + 1: "driver"}):
+            store = clone_as(seeded_inproc, tmp_path / f"z{i}-{len(plan)}", cfg)
+            h = InProcess(store, cfg, expert_jobs(cfg))
+            run_with_faults(h, plan)
+            got = Ledger(store).records()
+            resettled += sum(r["seq"] == -2 for r in got)
+            for e in range(cfg.n_experts):
+                assert per_expert(got, "expert_training", e) == 12 * PER_UPDATE, (plan, e)
+                assert per_expert(got, "wasted", e) == expected_lost(h, Job(e)), (plan, e)
+    assert resettled > 0                                                        # some zombies did checkpoint
+
+
 def test_checkpoint_meta_carries_the_attempts_usage(seeded_inproc, tmp_path):
     cfg = align(3, 6, corpus={"source": seeded_inproc[1].corpus.source})
     store = clone_as(seeded_inproc, tmp_path / "c", cfg)
