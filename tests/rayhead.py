@@ -72,9 +72,9 @@ class RayHead:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=20)
+            os.killpg(self.proc.pid, signal.SIGTERM)      # the GCS and raylet end at once; `ray start --block`
+            try:                                          # and one helper linger ~20 s: they are killed below
+                self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 pass
         for _ in range(20):                                    # bounded: whatever the head left, ours only
