@@ -31,12 +31,25 @@ class Checkpoint:
 
 
 def save_checkpoint(store: Store, directory: str, state: TrainState, extra: dict | None = None) -> str:
+    """Write the checkpoint, then point latest.json at it unless it already points at a later step: a process
+    the driver declared lost may still be running behind the retry that replaced it (between Ray's kill and the
+    process's end, or on a node cut off from the head), and its older checkpoint must not become the expert's
+    latest. (Only `fall_back` moves latest.json back, on purpose.)"""
     name = f"step-{state.step:06d}"
     blob = st_save(state.tensors())
     store.write_bytes(f"{directory}/{name}.safetensors", blob)
     store.write_json(f"{directory}/{name}.json", {"state": state.scalars(), "tensors_sha256": sha256(blob), **(extra or {})})
-    store.write_json(f"{directory}/latest.json", {"step": state.step, "name": name})
+    if (_latest_step(store, directory) or 0) <= state.step:
+        store.write_json(f"{directory}/latest.json", {"step": state.step, "name": name})
     return name
+
+
+def _latest_step(store: Store, directory: str) -> int | None:
+    """The step latest.json points at; None when it is absent or unreadable (then any checkpoint may replace it)."""
+    try:
+        return int(_read_checked(store, f"{directory}/latest.json")["step"])
+    except (FileNotFoundError, ChecksumError, KeyError, TypeError, ValueError):
+        return None
 
 
 def latest_meta(store: Store, directory: str) -> dict | None:

@@ -64,3 +64,21 @@ def test_an_unreachable_store_is_never_taken_for_a_bad_checkpoint(store, tmp_pat
         fall_back(store, D)
     monkeypatch.undo()
     assert check_checkpoints(store, D).ok
+
+
+def test_an_older_checkpoint_written_late_does_not_become_the_latest(store, tmp_path):
+    """A process declared lost, still running behind its retry, writes step 10 again after step 15 exists:
+    latest.json stays at 15. An unreadable latest.json, or a fall-back, still lets a checkpoint be latest."""
+    state = load_checkpoint(store, D, "step-000010").state(torch.device("cpu"))
+    save_checkpoint(store, D, state)
+    assert load_checkpoint(store, D).name == "step-000015"
+    (tmp_path / D / "latest.json").write_text("{trunc")
+    save_checkpoint(store, D, state)
+    assert load_checkpoint(store, D).name == "step-000010"
+    blob = tmp_path / D / "step-000015.safetensors"
+    blob.write_bytes(b"junk")
+    (tmp_path / D / "latest.json").unlink()
+    assert fall_back(store, D).valid == "step-000010"
+    state.step = 12
+    save_checkpoint(store, D, state)                                    # retraining after the fall-back moves it on
+    assert load_checkpoint(store, D).name == "step-000012"
