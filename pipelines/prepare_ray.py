@@ -5,10 +5,12 @@ workers, driven by pipelines.prepare.prepare_with (the same driver as the local 
   train sequences and test windows under the campaign's staging/ prefix; only counts and each part's lowest keys
   come back to the driver.
 - sample: tasks send back the router's fit sample (the sequences of lowest key).
-- embed, count, write: a pool of actors that load the router once from the staged router files (never a pickled
-  sklearn object) embed every sequence (staged beside it), count each part's sequences per expert, then write
-  each part's files of every expert's shard straight into the campaign (a part's files are its own, and the
-  counts of the parts before it place its sequences in each expert's corpus order: no shuffle).
+- embed, count, write: tasks on the same pool of worker processes, each of which loads the router once from the
+  staged router files (never a pickled sklearn object; Ray reuses a task's process, and an actor pool per stage
+  cost each stage ~2 s of process start and imports), embed every sequence (staged beside it), count each part's
+  sequences per expert, then write each part's files of every expert's shard straight into the campaign (a
+  part's files are its own, and the counts of the parts before it place its sequences in each expert's corpus
+  order: no shuffle).
 
 The driver holds only the samples (router.sample_chunks texts, router.refit_rows embeddings), the parts' lowest
 keys and the manifests; the corpus never passes through it. The built-in corpus is the files of the driver's own
@@ -70,48 +72,45 @@ def _sample(batch: dict, seed: int, stage_url: str, options: dict, below: int, s
     return pa.table({"key": pa.array(keys, pa.uint64()), "seq": pa.array(seqs, pa.binary(seq_bytes))})
 
 
-class _WithRouter:
-    """A Ray Data actor holding the router loaded from the staged router files."""
-
-    def __init__(self, stage_url: str, options: dict, router_dir: str):
-        self.stage = Store(stage_url, options)
-        self.router = load_router(Store(f"{stage_url}/{router_dir}", options))
+_ROUTER: dict[str, Router] = {}     # this worker process's router, by its files' digests: loaded once per process
 
 
-class _Embed(_WithRouter):
-    def __init__(self, stage_url: str, options: dict, router_dir: str, seed: int, below: int | None):
-        super().__init__(stage_url, options, router_dir)
-        self.seed, self.below = seed, below
-
-    def __call__(self, batch: dict) -> pa.Table:
-        with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
-            keys, emb = embed_part(self.seed, self.router, self.stage, int(batch["part"][0]), self.below, tmp)
-        width = emb.shape[1] * 4            # rows as fixed-size binary: an empty refit sample converts too
-        rows = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())])
-        return pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
-
-
-class _Count(_WithRouter):
-    def __call__(self, batch: dict) -> dict:
-        part = int(batch["part"][0])
-        with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
-            sizes = count_part(self.router, self.stage, part, tmp)
-        return {"part": np.array([part]), "sizes": sizes[None, :]}
+def _router(stage_url: str, options: dict, router_dir: str) -> Router:
+    """The router saved under the staging prefix, loaded once per worker process (Ray reuses a task's process
+    for the next task), never a pickled sklearn object. Known by the sha256 of its files, not its path (a later
+    prepare of the same campaign stages another router there); only the latest is kept."""
+    store = Store(f"{stage_url}/{router_dir}", options)
+    key = json.dumps(store.read_json("router/router.json")["files"], sort_keys=True)
+    if key not in _ROUTER:
+        _ROUTER.clear()
+        _ROUTER[key] = load_router(store)
+    return _ROUTER[key]
 
 
-class _Write(_WithRouter):
+def _embed(batch: dict, stage_url: str, options: dict, router_dir: str, seed: int, below: int | None) -> pa.Table:
+    router = _router(stage_url, options, router_dir)
+    with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
+        keys, emb = embed_part(seed, router, Store(stage_url, options), int(batch["part"][0]), below, tmp)
+    width = emb.shape[1] * 4            # rows as fixed-size binary: an empty refit sample converts too
+    rows = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())])
+    return pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
+
+
+def _count(batch: dict, stage_url: str, options: dict, router_dir: str) -> dict:
+    part = int(batch["part"][0])
+    with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
+        sizes = count_part(_router(stage_url, options, router_dir), Store(stage_url, options), part, tmp)
+    return {"part": np.array([part]), "sizes": sizes[None, :]}
+
+
+def _write(batch: dict, stage_url: str, options: dict, router_dir: str, campaign_url: str, val_fraction: float,
+           rows_per_file: int) -> dict:
     """A part's sequences into the campaign's shard files (every part's files are its own: no shuffle)."""
-
-    def __init__(self, stage_url: str, options: dict, router_dir: str, campaign_url: str, val_fraction: float, rows_per_file: int):
-        super().__init__(stage_url, options, router_dir)
-        self.store = Store(campaign_url, options)
-        self.val_fraction, self.rows_per_file = val_fraction, rows_per_file
-
-    def __call__(self, batch: dict) -> dict:
-        part = int(batch["part"][0])
-        with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
-            written = write_part(self.router, self.stage, self.store, part, batch["before"][0], self.val_fraction, self.rows_per_file, tmp)
-        return {"part": np.array([part]), "written": np.array([json.dumps(written)], dtype=object)}
+    part = int(batch["part"][0])
+    with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
+        written = write_part(_router(stage_url, options, router_dir), Store(stage_url, options), Store(campaign_url, options), part,
+                             batch["before"][0], val_fraction, rows_per_file, tmp)
+    return {"part": np.array([part]), "written": np.array([json.dumps(written)], dtype=object)}
 
 
 class RayEngine:
@@ -127,7 +126,6 @@ class RayEngine:
         self.cfg_json = cfg.model_dump_json()
         workers = cfg.prepare.workers or None
         self.tasks = dict(num_cpus=1, compute=ray.data.TaskPoolStrategy(size=workers))
-        self.actors = dict(num_cpus=1, compute=ray.data.ActorPoolStrategy(min_size=1, max_size=workers))
 
     def _parts(self, parts: list[int]):
         return self.rd.from_items([{"part": p} for p in parts], override_num_blocks=max(1, len(parts)))
@@ -172,8 +170,9 @@ class RayEngine:
     def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]:
         name = self._save_router(router, "router-fit")
         console.print(f"embedding {len(parts)} parts on the cluster")
-        ds = self._parts(parts).map_batches(_Embed, batch_size=1, fn_constructor_args=(self.stage.url, self.options, name, self.cfg.seed, below),
-                                            **self.actors)
+        ds = self._parts(parts).map_batches(_embed, batch_size=1, **self.tasks,
+                                            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=name,
+                                                           seed=self.cfg.seed, below=below))
         keys, emb = [np.zeros(0, np.uint64)], [np.zeros((0, router.centroids.shape[1]), np.float32)]
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             keys.append(batch.column("key").to_numpy())
@@ -183,8 +182,8 @@ class RayEngine:
 
     def count(self, router: Router, parts: list[int]) -> np.ndarray:
         self.router_dir = self._save_router(router, "router")
-        ds = self._parts(parts).map_batches(_Count, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir),
-                                            **self.actors)
+        ds = self._parts(parts).map_batches(_count, batch_size=1, **self.tasks,
+                                            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=self.router_dir))
         sizes = {}
         for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
             sizes.update(zip(batch["part"].tolist(), batch["sizes"]))
@@ -194,8 +193,9 @@ class RayEngine:
         console.print(f"writing {len(parts)} parts of the {cfg.n_experts} experts' shards from the cluster")
         rows = [{"part": p, "before": b} for p, b in zip(parts, before)]
         ds = self.rd.from_items(rows, override_num_blocks=max(1, len(rows))).map_batches(
-            _Write, batch_size=1, fn_constructor_args=(self.stage.url, self.options, self.router_dir, store.url,
-                                                       cfg.shards.val_fraction, cfg.shards.rows_per_file), **self.actors)
+            _write, batch_size=1, **self.tasks,
+            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=self.router_dir, campaign_url=store.url,
+                           val_fraction=cfg.shards.val_fraction, rows_per_file=cfg.shards.rows_per_file))
         written = {}
         for row in ds.iter_rows():
             written[int(row["part"])] = {int(e): files for e, files in json.loads(row["written"]).items()}

@@ -211,3 +211,21 @@ def test_the_keyed_sample_is_uniform_over_parts_and_follows_the_seed():
         first, second = row_keys(seed, 1, 0, 100), row_keys(seed, 1, 40, 60)
         np.testing.assert_array_equal(first[40:], second)           # a row's key depends on its place only
     assert not np.array_equal(row_keys(0, 0, 0, 50), row_keys(1, 0, 0, 50))
+
+
+def test_a_worker_process_reloads_the_router_when_another_is_staged_at_the_same_path(tmp_path):
+    """Worker processes keep the router they loaded across tasks; a later prepare of the same campaign stages
+    another router at the same path, and the cache (keyed by the files' sha256) must not hand out the old one."""
+    from pipelines.prepare_ray import _router
+    from soma_cluster.router import fit_router, router_text, save_router
+
+    texts = [router_text(d.data[:1024]) for d in builtin_documents(400_000)][:300]
+    cfg = micro_config().router
+    stage = Store(str(tmp_path / "stage"))
+    routers = []
+    for n in (2, 3):
+        router = fit_router(texts, n, cfg, 0)[0]
+        save_router(Store(f"{stage.url}/router"), router)
+        routers.append(_router(stage.url, {}, "router"))
+        assert routers[-1].n_experts == n
+    assert _router(stage.url, {}, "router") is routers[-1]                 # loaded once, then reused
