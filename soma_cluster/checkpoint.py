@@ -34,14 +34,29 @@ def save_checkpoint(store: Store, directory: str, state: TrainState, extra: dict
     """Write the checkpoint, then point latest.json at it unless it already points at a later step: a process
     the driver declared lost may still be running behind the retry that replaced it (between Ray's kill and the
     process's end, or on a node cut off from the head), and its older checkpoint must not become the expert's
-    latest. (Only `fall_back` moves latest.json back, on purpose.)"""
+    latest. (Only `fall_back` moves latest.json back, on purpose.) Such a process does not overwrite a checkpoint
+    of the same step that a later attempt of the same campaign wrote either: the tensors are the same, but its
+    metadata carries that attempt's usage, which settles the attempt's losses."""
     name = f"step-{state.step:06d}"
+    if _written_later(store, f"{directory}/{name}.json", extra or {}):
+        return name
     blob = st_save(state.tensors())
     store.write_bytes(f"{directory}/{name}.safetensors", blob)
     store.write_json(f"{directory}/{name}.json", {"state": state.scalars(), "tensors_sha256": sha256(blob), **(extra or {})})
     if (_latest_step(store, directory) or 0) <= state.step:
         store.write_json(f"{directory}/latest.json", {"step": state.step, "name": name})
     return name
+
+
+def _written_later(store: Store, rel: str, extra: dict) -> bool:
+    """A checkpoint `rel` exists, readable, written for the same config by a later attempt than extra's."""
+    if "attempt" not in extra:
+        return False
+    try:
+        meta = _read_checked(store, rel)
+    except (FileNotFoundError, ChecksumError):
+        return False
+    return meta.get("config_digest") == extra.get("config_digest") and meta.get("attempt", -1) > extra["attempt"]
 
 
 def _latest_step(store: Store, directory: str) -> int | None:

@@ -82,3 +82,17 @@ def test_an_older_checkpoint_written_late_does_not_become_the_latest(store, tmp_
     state.step = 12
     save_checkpoint(store, D, state)                                    # retraining after the fall-back moves it on
     assert load_checkpoint(store, D).name == "step-000012"
+
+
+def test_a_checkpoint_of_a_later_attempt_is_not_overwritten_by_an_earlier_one(tmp_path):
+    store = Store(str(tmp_path))
+    state = TrainState.fresh(torch.arange(8, dtype=torch.float32), torch.ones(4, 2), False, 1e-3, 1e-3)
+    state.step = 6
+    usage = lambda f: {"forwards": f, "gpu_seconds": 1.0, "wall_seconds": 1.0, "tokens": 0}      # noqa: E731
+    save_checkpoint(store, D, state, {"attempt": 2, "config_digest": "abc", "usage": usage(16)})
+    save_checkpoint(store, D, state, {"attempt": 1, "config_digest": "abc", "usage": usage(48)})   # the zombie, late
+    assert load_checkpoint(store, D).meta["attempt"] == 2 and load_checkpoint(store, D).meta["usage"]["forwards"] == 16
+    save_checkpoint(store, D, state, {"attempt": 1, "config_digest": "other", "usage": usage(48)})  # another config: written
+    assert load_checkpoint(store, D).meta["attempt"] == 1
+    save_checkpoint(store, D, state, {"attempt": 3, "config_digest": "other", "usage": usage(8)})   # a later attempt: written
+    assert load_checkpoint(store, D).meta["attempt"] == 3
