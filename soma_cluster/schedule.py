@@ -154,8 +154,7 @@ class Settlement:
     device: str | None = None
 
     def to_json(self) -> dict:
-        return {"attempt": self.attempt, **{k: asdict(getattr(self, k)) for k in ("setup", "training", "kept", "unreported")},
-                "lost_to": self.lost_to, "device": self.device}
+        return asdict(self)
 
     @staticmethod
     def from_json(d: dict) -> "Settlement":
@@ -561,9 +560,9 @@ class Scheduler:
         setup = sum((_usage(r) for r in mine if r["seq"] == 0), Usage())
         training = sum((_usage(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
         device = next((r.get("device") for r in mine if r.get("device")), None)
-        fixes = [_usage(r) for r in mine if r["seq"] < 0 and r["category"] == job.category]
-        if fixes or any(r["seq"] == -1 for r in mine):      # settled by an earlier resume (that driver was lost too)
-            self.settled[job] = Settlement(attempt, setup, training, training + sum(fixes, Usage()), Usage(), "wasted", device)
+        if any(r["seq"] < 0 for r in mine):         # settled by an earlier resume (that driver was lost too)
+            fixes = sum((_usage(r) for r in mine if r["seq"] < 0 and r["category"] == job.category), Usage())
+            self.settled[job] = Settlement(attempt, setup, training, training + fixes, Usage(), "wasted", device)
             return
         c = Account(job, attempt, "resumed", started=True, setup=setup, reported=setup + training, device=device,
                     step=max((r["step"] for r in mine if r["step"] is not None), default=0))
