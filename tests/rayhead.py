@@ -1,6 +1,6 @@
 """A Ray head this test owns, started with `ray start --head --block` on 127.0.0.1, and stopped by killing
 only the processes it started: every one of them (the head's, and the nodes an autoscaler adds) carries a
-marker in its environment, which is how `stop` finds them. Never `ray stop`, which kills every Ray on the
+marker in its environment, which is how `stop` finds them. Never Ray's own stop command, which kills every Ray on the
 machine."""
 from __future__ import annotations
 
