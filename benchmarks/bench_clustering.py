@@ -9,10 +9,12 @@ quality   The built-in corpus (real text on this machine) carries labels: every 
             balanced  balanced k-means whose assignment step is the balanced rule, offsets refit on all
                       sequences (what `soma prepare` does with router.rule balanced)
             nearest   the same centroids, each sequence to its nearest one (router.rule nearest, the paper's)
-            c-BTM     plain k-means (sklearn KMeans, k-means++, Lloyd) on the sample, nearest centroid for all
-            greedy    greedy-balanced spherical k-means (proposal rounds, the router before issue 19), its
-                      balanced assignment applied to all sequences at once (no per-sequence rule)
-            before    the router before issue 19: greedy-balanced k-means centroids, nearest centroid
+            k-means   plain k-means on the router's own features (the price of equal shares at equal features)
+            c-BTM     the c-BTM recipe: word TF-IDF (router.tokens words) -> SVD -> plain k-means (sklearn KMeans,
+                      k-means++, Lloyd) on the sample, nearest centroid for all
+            greedy    greedy-balanced spherical k-means (proposal rounds, the router before issue 19) on the word
+                      features, its balanced assignment applied to all sequences at once (no per-sequence rule)
+            before    the router before issue 19: greedy-balanced k-means centroids, nearest centroid (words)
           Reported: size spread over all sequences (max |size / mean - 1|), NMI against the sources
           (sklearn normalized_mutual_info_score, arithmetic mean), mutual information I(C; S) in nats and
           the cluster entropy H(C) (NMI = 2 I / (H(C) + H(S)): at equal information a balanced clustering,
@@ -31,6 +33,32 @@ scale     `soma prepare` on a >= 1 GB JSONL corpus generated from random lines o
 
   PYTHONPATH=. python benchmarks/bench_clustering.py [--part quality campaign] [--mb 64] [--experts 16 64 256]
   PYTHONPATH=. python benchmarks/bench_clustering.py --part scale --gb 1.0 --experts 16 [--rule balanced nearest]
+
+Measured 2026-12-04 on the 2-core host, quiet, with router.tokens layout (the default since this run; the
+baselines on word terms, their recipe) and the offsets fit that starts every fit on all clusters (2 minutes):
+
+  PYTHONPATH=. python benchmarks/bench_clustering.py --part quality --mb 64 --experts 16 256 --seeds 3
+
+  | N | method | spread (min-max) | spread, new half | NMI | NMI, 3 seeds: mean (min-max) | I(C;S) nats | H(C) | prefix: own shard 1st / in top 4 |
+  |---|---|---|---|---|---|---|---|---|
+  | 16 | balanced | 0.000 (3741-3743) | 0.049 | 0.4958 | 0.4760 (0.4609-0.4958) | 1.018 | 2.773 | 75.2% / 94.7% |
+  | 16 | nearest | 0.230 (2887-4602) | 0.230 | 0.4956 | 0.4812 (0.4703-0.4956) | 1.016 | 2.767 | 75.8% / 95.8% |
+  | 16 | k-means, router features | 1.408 (983-9013) | - | 0.5003 | 0.4924 (0.4570-0.5197) | 0.991 | 2.628 | - |
+  | 16 | c-BTM k-means | 1.081 (994-7789) | - | 0.4170 | 0.4210 (0.4136-0.4323) | 0.828 | 2.636 | - |
+  | 16 | greedy-balanced k-means | 0.000 (3742-3743) | - | 0.3858 | 0.3773 (0.3673-0.3858) | 0.792 | 2.773 | - |
+  | 16 | router before issue 19 | 0.417 (2181-5256) | - | 0.4141 | 0.4184 (0.4141-0.4233) | 0.845 | 2.746 | - |
+  | 256 | balanced | 0.012 (231-235) | 0.334 | 0.3291 | 0.3293 (0.3291-0.3296) | 1.132 | 5.545 | 40.5% / 68.3% |
+  | 256 | nearest | 0.675 (76-353) | 0.675 | 0.3329 | 0.3328 (0.3326-0.3329) | 1.142 | 5.527 | 42.8% / 69.8% |
+  | 256 | k-means, router features | 3.686 (17-1096) | - | 0.3453 | 0.3435 (0.3425-0.3453) | 1.159 | 5.382 | - |
+  | 256 | c-BTM k-means | 2.425 (43-801) | - | 0.3020 | 0.3017 (0.3012-0.3020) | 1.019 | 5.413 | - |
+  | 256 | greedy-balanced k-means | 0.004 (233-234) | - | 0.2882 | 0.2887 (0.2882-0.2893) | 0.991 | 5.545 | - |
+  | 256 | router before issue 19 | 0.979 (5-414) | - | 0.2946 | 0.2952 (0.2946-0.2957) | 1.007 | 5.505 | - |
+
+  The balanced rule on layout terms is above both baselines at both N, every seed (N = 16: lowest 0.4609 vs the
+  c-BTM recipe's highest 0.4323; N = 256: 0.3291 vs 0.3020), and routes a sequence's first 256 bytes to its own
+  shard more often (75% / 41% first, was 62% / 36% on words). On the same layout features plain k-means is
+  still above it (equal shares split the large sources). The tables below were measured with word terms
+  (`--tokens words`); the campaign table's test losses and timings have not been re-measured with layout terms.
 
 (The router's fit sample is now the sequences of lowest key (soma_cluster.parts), no longer a reservoir sample;
 prepare_sample below follows it. The tables were measured with the reservoir sample, a different uniform sample of
@@ -192,10 +220,11 @@ def prepare_sample(n_seqs: int, size: int, seed: int) -> list[int]:
     return np.argsort(row_keys(seed, 0, 0, n_seqs), kind="stable")[:size].tolist()
 
 
-def methods(emb: np.ndarray, sample: list[int], n: int, iters: int, seed: int, router=None) -> tuple[dict[str, np.ndarray], dict]:
+def methods(emb: np.ndarray, words: np.ndarray, sample: list[int], n: int, iters: int, seed: int, router=None) -> tuple[dict[str, np.ndarray], dict]:
     """Labels of every sequence under each method, k-means seeded with `seed`, and the two rules' (centroids,
     offsets); `router` (prepare's own, for the first seed) gives the balanced k-means centroids and sample
-    offsets instead of fitting them here."""
+    offsets instead of fitting them here. `emb` are the router's features, `words` the c-BTM recipe's
+    (router.tokens words), on which the baselines run."""
     from sklearn.cluster import KMeans
     if router is None:
         centroids, offsets, _ = balanced_kmeans(emb[sample], n, iters, seed)
@@ -204,7 +233,9 @@ def methods(emb: np.ndarray, sample: list[int], n: int, iters: int, seed: int, r
     rules = {"balanced": (centroids, fit_offsets(emb, centroids, offsets)),         # prepare's refit over all
              "nearest": (centroids, np.zeros(n, np.float32))}
     labels = {name: assign(emb, c, b) for name, (c, b) in rules.items()}
-    plain = _l2(emb[:, :-TIE_DIMS])                 # the baselines' own recipes: the SVD part, no hashed coordinates
+    same = _l2(emb[:, :-TIE_DIMS])                  # k-means on the router's own features (SVD part)
+    labels["k-means, router features"] = KMeans(n, n_init=1, random_state=seed).fit(same[sample]).predict(same)
+    plain = _l2(words[:, :-TIE_DIMS])               # the baselines' own recipes: word TF-IDF, the SVD part
     old = greedy_kmeans(plain[sample], n, iters, seed)
     labels["c-BTM k-means"] = KMeans(n, n_init=1, random_state=seed).fit(plain[sample]).predict(plain)
     labels["greedy-balanced k-means"] = balanced_assign_greedy(plain @ old.T)
@@ -223,6 +254,8 @@ def quality(args, cfg) -> list[dict]:
     texts = [router_text(seqs[i]) for i in sample]
     features = fit_router(texts, 1, cfg.router, cfg.seed)[0]                 # TF-IDF and SVD do not depend on N
     emb = embed_all(features, seqs)
+    recipe = cfg.router.model_copy(update={"tokens": "words"})
+    words = emb if recipe == cfg.router else embed_all(fit_router(texts, 1, recipe, cfg.seed)[0], seqs)
     probe = np.random.default_rng(cfg.seed).choice(len(seqs), min(20_000, len(seqs)), replace=False)
     prefix = embed_all(features, [seqs[i][:cfg.router.prefix_bytes] for i in probe])
     freq = np.bincount(sources) / len(sources)
@@ -232,11 +265,11 @@ def quality(args, cfg) -> list[dict]:
     for n in args.experts:
         t = time.perf_counter()
         router, _ = fit_router(texts, n, cfg.router, cfg.seed)
-        labels, rules = methods(emb, sample, n, cfg.router.kmeans_iters, cfg.seed, router)
+        labels, rules = methods(emb, words, sample, n, cfg.router.kmeans_iters, cfg.seed, router)
         seconds = time.perf_counter() - t
         half = fit_offsets(emb[::2], router.centroids, router.offsets)      # out of sample: fit on one half, count the other
         held_out = cluster_spread(assign(emb[1::2], router.centroids, half), n)
-        extra = [methods(emb, sample, n, cfg.router.kmeans_iters, cfg.seed + s)[0] for s in range(1, args.seeds)]
+        extra = [methods(emb, words, sample, n, cfg.router.kmeans_iters, cfg.seed + s)[0] for s in range(1, args.seeds)]
         for name, lab in labels.items():
             row = scores_of(name, lab, sources, n, seconds)
             row["nmi_seeds"] = [row["nmi"]] + [float(normalized_mutual_info_score(sources, e[name])) for e in extra]
@@ -417,13 +450,14 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)")
     p.add_argument("--gb", type=float, default=1.0, help="scale: generated corpus size")
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
+    p.add_argument("--tokens", default="layout", choices=["words", "layout"], help="quality: router.tokens (the baselines use words)")
     p.add_argument("--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="soma-bench-cluster-", dir="/tmp")
     try:
         if "scale" in args.part:
             scale(args, tmp)
-        cfg = resolve("tiny", {"corpus": {"max_bytes": int(args.mb * 1e6)}})
+        cfg = resolve("tiny", {"corpus": {"max_bytes": int(args.mb * 1e6)}, "router": {"tokens": args.tokens}})
         q = quality(args, cfg) if "quality" in args.part else []
         c = campaign(args, tmp) if "campaign" in args.part else []
         if q or c:

@@ -69,6 +69,10 @@ class RouterConfig(_Section):
     # balanced: argmax(similarity - offset), offsets fitted so every expert gets an equal share (refitted over
     # all train sequences by prepare); nearest: the paper's nearest centroid. Shards and routing use the same rule
     rule: Literal["balanced", "nearest"] = "balanced"
+    # TF-IDF terms. words: words of 2+ letters (scikit-learn's default, c-BTM's recipe); layout: also 1-letter words,
+    # runs of punctuation and a newline with the indentation after it, which tell code, markup, man pages and prose
+    # apart (README "The routing rule"). A router saved before this setting existed loads as words
+    tokens: Literal["words", "layout"] = "layout"
     balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster (balanced: of a shard too)
     # the balanced rule's offsets are refitted on this many train sequences of lowest key (all of them when there are
     # fewer): their embeddings sit in the driver's memory (544 bytes each at svd_dim 128)

@@ -1,4 +1,4 @@
-"""Router: TF-IDF -> TruncatedSVD -> mean removal -> L2 norm (plus a few coordinates hashed from the text,
+"""Router: TF-IDF (router.tokens) -> TruncatedSVD -> mean removal -> L2 norm (plus a few coordinates hashed from the text,
 see _tie_break), balanced spherical k-means centroids, and the rule that sends training sequences to
 shards and test windows to experts.
 
@@ -53,9 +53,15 @@ def router_text(data: bytes) -> str:
     return data.decode("utf-8", errors="soma-router")
 
 
+TOKEN_PATTERNS = {
+    "words": r"(?u)\b\w\w+\b",                       # scikit-learn's default
+    "layout": r"(?u)\b\w+\b|[^\w\s]+|\n\s*",          # + 1-letter words, punctuation runs, newline + indentation
+}
+
+
 def _vectorizer(cfg: RouterConfig, vocabulary: dict[str, int] | None = None) -> TfidfVectorizer:
     return TfidfVectorizer(
-        max_features=cfg.max_features, sublinear_tf=True, stop_words="english",
+        max_features=cfg.max_features, sublinear_tf=True, stop_words="english", token_pattern=TOKEN_PATTERNS[cfg.tokens],
         min_df=1 if vocabulary is not None else cfg.min_df, vocabulary=vocabulary, dtype=np.float32,
     )
 
@@ -153,7 +159,7 @@ TEMPERATURES = (0.05, 0.02, 0.01, 0.005, 0.002, 1e-3, 3e-4, 1e-4)  # smoothing, 
                                                           # close the soft loads are to the hard argmax's counts
 WARM_FROM = 2           # a warm start (offsets near the answer already) skips the two coarsest temperatures
 CANDIDATES = 16         # clusters a row is looked at for (its best under the current offsets) past DENSE_ENTRIES
-DENSE_ENTRIES = 1 << 22  # rows x clusters fitted on every cluster at once (float64 temporaries of 32 MiB)
+DENSE_ENTRIES = 1 << 24  # rows x clusters fitted on every cluster at once (float64 temporaries of 128 MiB)
 ROUNDS = 6              # candidate refreshes; one more than the first is typical
 NEWTON_ITERS = 20       # per temperature; 2-4 are typical
 KMEANS_TEMPERATURE = 0.01  # how far intermediate k-means steps fit the offsets
@@ -231,27 +237,37 @@ def _newton(sims: np.ndarray, cols: np.ndarray, caps: np.ndarray, b: np.ndarray,
     return b
 
 
+def _load_spread(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.ndarray) -> float:
+    return size_spread(np.bincount(assign(emb, centroids, b), minlength=len(caps)) / caps)
+
+
 def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.ndarray, m: int, temps: tuple) -> np.ndarray:
     """Newton over every temperature on each row's m candidate clusters, refreshing the candidates until no
-    row's best cluster lies outside them (with m = N, one round)."""
+    row's best cluster lies outside them (with m = N, one round). With m < N a round is kept only if it leaves
+    the hard loads over emb nearer equal than the best offsets before it: where the candidate sets cannot give
+    every cluster its share (topics so tight that many centroids sit within a row's similarity noise; seen at
+    N = 256 on real text features), the restricted dual has no minimum and Newton walks the offsets off."""
     n = len(emb)
-    chosen = None
+    chosen, kept, kept_spread = None, b, np.inf if m == len(centroids) else _load_spread(emb, centroids, b, caps)
     for _ in range(ROUNDS):
         sims, cols = _candidates(emb, centroids, b, m)
         best = cols[np.arange(n), np.argmax(sims - b[cols], axis=1)]
         if chosen is not None and np.array_equal(best, chosen):
             break
         reached = _reach(emb, centroids, b, sims, cols, caps)
-        if reached is not b:
-            b, chosen = reached, None
-            continue
+        if reached is not b:                              # candidates again under the lowered offsets
+            b = reached
+            sims, cols = _candidates(emb, centroids, b, m)
         for temp in temps:
             b = _newton(sims, cols, caps, b, temp)
         if m == len(centroids):
-            break
+            return b
+        spread = _load_spread(emb, centroids, b, caps)
+        if spread < kept_spread:
+            kept, kept_spread = b, spread
         chosen = cols[np.arange(n), np.argmax(sims - b[cols], axis=1)]
         temps = temps[WARM_FROM:] or temps[-1:]           # later rounds start warm
-    return b
+    return kept
 
 
 def _caps(n: int, n_clusters: int) -> np.ndarray:
@@ -269,24 +285,24 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
     every cluster holding n / N rows": at its optimum every row is in its cluster of highest similarity minus
     price, so the prices turn the balanced assignment into a rule any new chunk can follow. We minimise the
     entropy-smoothed dual D_T (convex; see _smoothed_dual) by Newton's method while lowering T to
-    `temperature`, so the soft loads it balances become the hard argmax's counts. A cold start fits every
-    cluster on up to DENSE_ENTRIES / N evenly spaced rows; then each row is looked at for its CANDIDATES best
-    clusters only (bounded memory for millions of rows). `offsets` warm-starts the fit (k-means iterations,
-    the refit over all sequences)."""
+    `temperature`, so the soft loads it balances become the hard argmax's counts. Every fit, cold or warm,
+    first runs on every cluster at once, on all rows or on DENSE_ENTRIES / N evenly spaced ones (a warm
+    start restricted to candidate clusters from the start diverged at N = 256 when the centroids had moved:
+    k-means iterations); past that limit each row is then looked at for its CANDIDATES best clusters only
+    (bounded memory for millions of rows). `offsets` warm-starts the fit (k-means iterations, the refit over
+    all sequences)."""
     n, n_clusters = len(emb), len(centroids)
     if n_clusters == 1:
         return np.zeros(1, np.float32)
     schedule = tuple(t for t in TEMPERATURES if t >= temperature)
+    b = np.zeros(n_clusters) if offsets is None else offsets.astype(np.float64)
+    if offsets is not None:
+        schedule = schedule[WARM_FROM:] or schedule[-1:]
     dense = n * n_clusters <= DENSE_ENTRIES
-    if offsets is None:
-        rows = emb if dense else emb[np.linspace(0, n - 1, DENSE_ENTRIES // n_clusters).astype(np.int64)]
-        b = _fit_rounds(rows, centroids, np.zeros(n_clusters), _caps(len(rows), n_clusters), n_clusters, schedule)
-        if dense:
-            return (b - b.mean()).astype(np.float32)
-    else:
-        b = offsets.astype(np.float64)
-    m = n_clusters if dense else CANDIDATES
-    b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), m, schedule[WARM_FROM:] or schedule[-1:])
+    rows = emb if dense else emb[np.linspace(0, n - 1, DENSE_ENTRIES // n_clusters).astype(np.int64)]
+    b = _fit_rounds(rows, centroids, b, _caps(len(rows), n_clusters), n_clusters, schedule)
+    if not dense:
+        b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), CANDIDATES, schedule[WARM_FROM:] or schedule[-1:])
     return (b - b.mean()).astype(np.float32)
 
 
@@ -378,7 +394,8 @@ def save_router(store: Store, router: Router) -> None:
 
 def load_router(store: Store) -> Router:
     """A router saved before the balanced rule existed has no offsets: it loads as rule nearest, the rule its
-    campaign's shards were made with, so routing still agrees with them."""
+    campaign's shards were made with, so routing still agrees with them; one saved before router.tokens existed
+    loads with the terms it was fitted with (words)."""
     meta = store.read_json("router/router.json")
     blobs = {}
     for name, digest in meta["files"].items():
@@ -389,7 +406,7 @@ def load_router(store: Store) -> Router:
         if sha256(blobs[name]) != digest:
             raise ChecksumError(f"{store.url}/router/{name} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
     arrays = st_load(blobs["arrays.safetensors"])
-    cfg = RouterConfig.model_validate(meta["config"])
+    cfg = RouterConfig.model_validate({"tokens": "words", **meta["config"]})     # saved before tokens existed: words
     if "offsets" not in arrays:
         cfg = cfg.model_copy(update={"rule": "nearest"})
     offsets = arrays.get("offsets", np.zeros(len(arrays["centroids"]), np.float32))

@@ -1,6 +1,7 @@
 """The router (features, balanced k-means, the balanced rule and its offsets, persistence, the bytes-to-text
 decoding) and the per-expert Arrow shards, including N = 256 prepared on the built-in corpus."""
 import json
+import re
 
 import numpy as np
 import pyarrow as pa
@@ -50,6 +51,27 @@ def test_one_cluster_and_candidate_fit_beyond_the_dense_limit(monkeypatch):
     monkeypatch.setattr(router_mod, "CANDIDATES", 6)
     centroids = x[np.linspace(0, 2999, 40).astype(int)]
     assert cluster_spread(assign(x, centroids, fit_offsets(x, centroids)), 40) <= 0.06      # 75 rows a cluster: +-4
+
+
+def tight_topics(n: int, seed: int, dim: int = 24, topics: int = 12) -> np.ndarray:
+    """Unit rows from a few tight topics of very unequal weights (Dirichlet 0.3): balanced k-means must put many
+    centroids inside the big topics, within a row's similarity noise of each other."""
+    rng = np.random.default_rng(seed)
+    weights = rng.dirichlet(np.full(topics, 0.3))
+    centers = rng.normal(size=(topics, dim))
+    x = centers[rng.choice(topics, n, p=weights)] + 0.3 * rng.normal(size=(n, dim)) * rng.uniform(0.2, 2.0, size=(n, 1))
+    return (x / np.linalg.norm(x, axis=1, keepdims=True)).astype(np.float32)
+
+
+def test_balanced_kmeans_stays_balanced_on_tight_unequal_topics_past_the_dense_limit(monkeypatch):
+    """k-means iterations warm-start the offsets from centroids that have moved; fitted on candidate clusters
+    only, that fit walked the offsets off (fit-sample shards of 0 to thousands at N = 256 on real features)."""
+    import soma_cluster.router as router_mod
+    x = tight_topics(6000, seed=1)
+    monkeypatch.setattr(router_mod, "DENSE_ENTRIES", 6000 * 64 // 2)      # the candidate fit past a 3,000-row subsample
+    centroids, offsets, labels = balanced_kmeans(x, 64, 10, seed=0)
+    assert cluster_spread(labels, 64) <= 0.1                                # 93-94 rows a cluster (before: 0 to 3,498)
+    np.testing.assert_array_equal(labels, assign(x, centroids, offsets))
 
 
 def test_balanced_kmeans_recovers_separated_clusters():
@@ -112,11 +134,12 @@ def test_router_saved_before_offsets_existed_loads_as_nearest(tmp_path, texts):
     old = st_save({k: v for k, v in arrays.items() if k != "offsets"})      # the layout written before this change
     store.write_bytes("router/arrays.safetensors", old)
     meta = store.read_json("router/router.json")
-    del meta["config"]["rule"]
+    del meta["config"]["rule"], meta["config"]["tokens"]
     meta["files"]["arrays.safetensors"] = sha256(old)
     store.write_json("router/router.json", meta)
     loaded = load_router(store)
     assert loaded.cfg.rule == "nearest" and not loaded.offsets.any()
+    assert loaded.cfg.tokens == "words"                                        # the terms it was fitted with
     emb = loaded.embed(texts[:50])
     np.testing.assert_array_equal(loaded.assign(emb), np.argmax(emb @ loaded.centroids.T, axis=1))
 
@@ -129,6 +152,19 @@ def test_router_saved_before_the_hashed_coordinates_embeds_without_them(texts):
     emb = old.embed(texts[:50])
     assert emb.shape == (50, k)                                                # the columns its centroids were fit on
     np.testing.assert_allclose(emb, router.embed(texts[:50])[:, :k] * np.sqrt(1 + TIE_SCALE ** 2), atol=1e-6)
+
+
+def test_layout_tokens_see_indentation_and_punctuation_that_words_drop(tmp_path, texts):
+    words, _ = fit_router(texts[:400], 4, RouterConfig(max_features=3000, min_df=3, svd_dim=16, tokens="words"), seed=0)
+    layout, _ = fit_router(texts[:400], 4, RouterConfig(max_features=3000, min_df=3, svd_dim=16), seed=0)
+    assert layout.cfg.tokens == "layout"
+    assert all(re.fullmatch(r"\w\w+", t) for t in words.vocabulary)
+    assert any(re.fullmatch(r"\n +", t) for t in layout.vocabulary) and any(re.fullmatch(r"[^\w\s]+", t) for t in layout.vocabulary)
+    store = Store(str(tmp_path / "c"))
+    save_router(store, layout)
+    again = load_router(store)
+    assert again.cfg.tokens == "layout"
+    np.testing.assert_array_equal(again.embed(texts[:50]), layout.embed(texts[:50]))   # same terms after a reload
 
 
 def test_router_text_keeps_every_letter():
