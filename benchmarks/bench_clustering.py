@@ -313,7 +313,7 @@ def share_seed(parent: str, child: str) -> None:
 
 
 def arm(root: str, rule: str, n: int, args, parent: str | None) -> dict:
-    sets = [f"corpus.max_bytes={int(args.mb * 1e6)}", f"router.rule={rule}", f"resources.experts_per_actor={max(1, n // 2)}",
+    sets = [f"corpus.max_bytes={int(args.mb * 1e6)}", f"router.rule={rule}", f"router.tokens={args.tokens}", f"resources.experts_per_actor={max(1, n // 2)}",
             *CAMPAIGN_SETS, f"seed_stage.updates={2 * args.updates}", f"train.updates={args.updates}",
             f"train.checkpoint_every={args.updates}", f"train.val_every={args.updates}"]
     camp, row = os.path.join(root, f"{rule}-{n}"), {"rule": rule, "N": n, "relaxed": False}
@@ -350,7 +350,8 @@ def campaign(args, root: str) -> list[dict]:
     rows = []
     for n in args.experts:
         rows.append(arm(root, "balanced", n, args, None))
-        rows.append(arm(root, "nearest", n, args, os.path.join(root, f"balanced-{n}")))
+        if "nearest" in args.campaign_rules:
+            rows.append(arm(root, "nearest", n, args, os.path.join(root, f"balanced-{n}")))
         shutil.rmtree(os.path.join(root, f"balanced-{n}"), ignore_errors=True)
         shutil.rmtree(os.path.join(root, f"nearest-{n}"), ignore_errors=True)
     return rows
@@ -450,7 +451,9 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)")
     p.add_argument("--gb", type=float, default=1.0, help="scale: generated corpus size")
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
-    p.add_argument("--tokens", default="layout", choices=["words", "layout"], help="quality: router.tokens (the baselines use words)")
+    p.add_argument("--campaign-rules", nargs="+", default=["balanced", "nearest"], choices=["balanced", "nearest"],
+                   help="campaign: the arms (balanced always runs: the nearest arm starts from its seed model)")
+    p.add_argument("--tokens", default="layout", choices=["words", "layout"], help="quality and campaign: router.tokens (the quality baselines use words)")
     p.add_argument("--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="soma-bench-cluster-", dir="/tmp")

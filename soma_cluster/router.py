@@ -159,7 +159,7 @@ TEMPERATURES = (0.05, 0.02, 0.01, 0.005, 0.002, 1e-3, 3e-4, 1e-4)  # smoothing, 
                                                           # close the soft loads are to the hard argmax's counts
 WARM_FROM = 2           # a warm start (offsets near the answer already) skips the two coarsest temperatures
 CANDIDATES = 16         # clusters a row is looked at for (its best under the current offsets) past DENSE_ENTRIES
-DENSE_ENTRIES = 1 << 24  # rows x clusters fitted on every cluster at once (float64 temporaries of 128 MiB)
+DENSE_ENTRIES = 1 << 23  # rows x clusters fitted on every cluster at once (float64 temporaries of 64 MiB)
 ROUNDS = 6              # candidate refreshes; one more than the first is typical
 NEWTON_ITERS = 20       # per temperature; 2-4 are typical
 KMEANS_TEMPERATURE = 0.01  # how far intermediate k-means steps fit the offsets
