@@ -253,11 +253,13 @@ def methods(emb: np.ndarray, words: np.ndarray, sample: list[int], n: int, iters
     rules = {"balanced": (centroids, fit_offsets(emb, centroids, offsets)),         # prepare's refit over all
              "nearest": (centroids, np.zeros(n, np.float32))}
     labels = {name: assign(emb, c, b) for name, (c, b) in rules.items()}
-    same = _l2(emb[:, :-TIE_DIMS])                  # k-means on the router's own features (SVD part)
-    labels["k-means, router features"] = KMeans(n, n_init=1, random_state=seed).fit(same[sample]).predict(same)
+
+    def kmeans(x: np.ndarray) -> np.ndarray:         # plain k-means fit on the sample, every sequence to its nearest
+        return KMeans(n, n_init=1, random_state=seed).fit(x[sample]).predict(x)
+    labels["k-means, router features"] = kmeans(_l2(emb[:, :-TIE_DIMS]))   # the router's own features (SVD part)
     plain = _l2(words[:, :-TIE_DIMS])               # the baselines' own recipes: word TF-IDF, the SVD part
     old = greedy_kmeans(plain[sample], n, iters, seed)
-    labels["c-BTM k-means"] = KMeans(n, n_init=1, random_state=seed).fit(plain[sample]).predict(plain)
+    labels["c-BTM k-means"] = kmeans(plain)
     labels["greedy-balanced k-means"] = balanced_assign_greedy(plain @ old.T)
     labels["router before issue 19"] = assign(plain, old, np.zeros(n, np.float32))
     return labels, rules
@@ -370,7 +372,7 @@ def campaign(args, root: str) -> list[dict]:
     rows = []
     for n in args.experts:
         rows.append(arm(root, "balanced", n, args, None))
-        if "nearest" in args.campaign_rules:
+        if not args.balanced_only:
             rows.append(arm(root, "nearest", n, args, os.path.join(root, f"balanced-{n}")))
         shutil.rmtree(os.path.join(root, f"balanced-{n}"), ignore_errors=True)
         shutil.rmtree(os.path.join(root, f"nearest-{n}"), ignore_errors=True)
@@ -471,8 +473,7 @@ def main() -> None:
     p.add_argument("--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)")
     p.add_argument("--gb", type=float, default=1.0, help="scale: generated corpus size")
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
-    p.add_argument("--campaign-rules", nargs="+", default=["balanced", "nearest"], choices=["balanced", "nearest"],
-                   help="campaign: the arms (balanced always runs: the nearest arm starts from its seed model)")
+    p.add_argument("--balanced-only", action="store_true", help="campaign: skip the nearest arm")
     p.add_argument("--tokens", default="layout", choices=["words", "layout"], help="quality and campaign: router.tokens (the quality baselines use words)")
     p.add_argument("--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)")
     args = p.parse_args()
