@@ -21,6 +21,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
+from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 from sklearn.cluster import kmeans_plusplus
@@ -164,6 +165,10 @@ ROUNDS = 6              # candidate refreshes; one more than the first is typica
 NEWTON_ITERS = 20       # per temperature; 2-4 are typical
 KMEANS_TEMPERATURE = 0.01  # how far intermediate k-means steps fit the offsets
 MAX_STEP = 0.25         # largest change of one offset per Newton step (similarities span [-1, 1])
+SETTLE_PATHS = 4096     # surplus rows settled exactly after Newton (a few per cluster at most when it converged)
+SETTLE_MARGINS = (1e-6, 4e-7, 1.6e-7, 0.0)   # how far a settled row beats its next candidate, widest first (float32
+                                             # scores resolve about 1e-7; at 0, ties fall with rounding)
+SETTLE_CYCLES = 64      # cycles of ties closer than that, shared out, before a narrower margin is tried
 
 
 def _candidates(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -270,6 +275,137 @@ def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.
     return kept
 
 
+def _leave_costs(sims: np.ndarray, cols: np.ndarray, b: np.ndarray, slot: np.ndarray, movable: np.ndarray,
+                 members: np.ndarray, n_clusters: int) -> tuple[np.ndarray, np.ndarray]:
+    """For one cluster's member rows: per cluster k, the least score a movable member gives up by moving to k
+    under the offsets b (>= 0 while every row is at its best; inf where no such member has k as a candidate)
+    and that member."""
+    cost, who = np.full(n_clusters, np.inf), np.full(n_clusters, -1, np.int64)
+    if not len(members):
+        return cost, who
+    adj = sims[members] - b[cols[members]]
+    i = np.arange(len(members))
+    red = adj[i, slot[members]][:, None] - adj
+    red[i, slot[members]] = np.inf
+    red[~movable[members]] = np.inf
+    order = np.argsort(cols[members].ravel(), kind="stable")        # entries by cluster (a radix sort)
+    to, red = cols[members].ravel()[order], red.ravel()[order]
+    new = np.r_[True, to[1:] != to[:-1]]
+    low = np.minimum.reduceat(red, np.flatnonzero(new))             # each cluster's cheapest entry
+    seg = np.cumsum(new) - 1
+    hit = np.flatnonzero(red == low[seg])
+    hit = hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]
+    cost[to[hit]], who[to[hit]] = red[hit], members[order[hit] // cols.shape[1]]
+    return np.maximum(cost, 0.0), who
+
+
+def _strict(cost: np.ndarray, margin: float) -> np.ndarray | None:
+    """Offset changes x (N,) with x_j - x_k <= cost_jk - margin (Bellman-Ford over the clusters): every row then
+    beats each of its other candidates by the margin. A cycle of clusters whose costs add up to less than that
+    (rows within float rounding of each other across a boundary) cannot: its edges share what it has equally,
+    up to SETTLE_CYCLES such cycles; past that, None."""
+    n_clusters = len(cost)
+    bound = cost - margin
+    for _ in range(SETTLE_CYCLES + 1):
+        x, pred = np.zeros(n_clusters), np.full(n_clusters, -1)
+        for _ in range(n_clusters):
+            via = x[None, :] + bound
+            k = np.argmin(via, axis=1)
+            better = via[np.arange(n_clusters), k] < x
+            if not better.any():
+                return x
+            x[better], pred[better] = via[better, k[better]], k[better]
+        j = np.flatnonzero(better)[0]
+        for _ in range(n_clusters):                                 # back along the predecessors into a cycle
+            j = pred[j]
+        cycle = [j]
+        while pred[cycle[-1]] != j:
+            cycle.append(pred[cycle[-1]])
+        src, dst = np.array(cycle), np.array(cycle[1:] + cycle[:1])
+        share = max(float(cost[src, dst].sum()), 0.0) / len(cycle)
+        bound[src, dst] = np.maximum(bound[src, dst], cost[src, dst] - share)
+    return None
+
+
+def _pinned_caps(caps: np.ndarray, pinned: np.ndarray) -> np.ndarray:
+    """Caps that hold every cluster's identical rows (pinned: they cannot be split) and take what that leaves over
+    from the largest caps, so the rest stay as equal as they can (same total)."""
+    if (pinned <= caps).all():
+        return caps
+    total = caps.sum()
+    level = max(int(caps.max()), 1)
+    while level > 0 and np.maximum(pinned, np.minimum(caps, level - 1)).sum() >= total:
+        level -= 1
+    out = np.maximum(pinned, np.minimum(caps, level))
+    cut = np.flatnonzero((out == level) & (pinned < level))[: int(out.sum() - total)]
+    out[cut] -= 1
+    return out
+
+
+def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.ndarray, m: int) -> np.ndarray:
+    """The last rows. Newton leaves the hard argmax a few rows off the caps: rows within the last temperature of
+    a tie, which fall one way or the other with the machine's float rounding. Settle them exactly as a min-cost
+    flow: from the argmax under b (every row at its best, so every move costs >= 0), send each surplus row along
+    the cheapest chain of moves (Dijkstra over the clusters, edge j -> k costing the least any member of j gives
+    up by moving to k) to a cluster short of its cap, raising the offsets of the clusters nearer than that
+    chain's cost by the difference (the transportation problem's successive shortest paths). Then spread the
+    ties that leaves (Bellman-Ford) so every row beats its next candidate by a margin float32 rounding cannot
+    undo, and keep the result if `assign` confirms it is nearer equal. Identical rows, which no offset can
+    separate, stay where they are (other members leave their cluster instead)."""
+    n_clusters = len(caps)
+    sims, cols = _candidates(emb, centroids, b32, m)
+    slot = np.argmax(sims - b32[cols], axis=1)                      # float32, as `assign` computes it
+    label = cols[np.arange(len(sims)), slot]
+    load = np.bincount(label, minlength=n_clusters)
+    if np.array_equal(load, caps):
+        return b32
+    b = b32.astype(np.float64)
+    rows = np.ascontiguousarray(emb).view(np.dtype((np.void, emb.dtype.itemsize * emb.shape[1]))).ravel()
+    _, twin, count = np.unique(rows, return_inverse=True, return_counts=True)
+    movable = count[twin] == 1                                      # identical rows share every score: they move together or not at all
+    caps = _pinned_caps(caps, np.bincount(label[~movable], minlength=n_clusters))
+    cost, who = np.empty((n_clusters, n_clusters)), np.empty((n_clusters, n_clusters), np.int64)
+    groups = np.split(np.argsort(label, kind="stable"), np.cumsum(load)[:-1])   # members of each cluster
+    for j in range(n_clusters):
+        cost[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
+    for _ in range(SETTLE_PATHS):
+        over, short = np.flatnonzero(load > caps), np.flatnonzero(load < caps)
+        if not len(over):
+            break
+        dist, pred, _ = dijkstra(csgraph_from_dense(cost, null_value=np.inf), indices=over, min_only=True,
+                                 return_predecessors=True)
+        d = short[np.argmin(dist[short])]
+        if not np.isfinite(dist[d]):
+            break                                                   # no chain of candidates reaches a short cluster
+        rise = np.maximum(dist[d] - dist, 0.0)                      # keeps every move's cost >= 0; the chain's are 0
+        b += rise
+        cost = np.maximum(cost + rise[None, :] - rise[:, None], 0.0)
+        path = [d]
+        while pred[path[-1]] >= 0:
+            path.append(pred[path[-1]])
+        for k, j in zip(path[:-1], path[1:]):                       # the cheapest member of j moves to k
+            r = who[j, k]
+            slot[r] = np.flatnonzero(cols[r] == k)[0]
+            groups[j], groups[k] = groups[j][groups[j] != r], np.append(groups[k], r)
+        load[path[-1]] -= 1
+        load[d] += 1
+        for j in path:
+            cost[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
+    excess = lambda offsets: np.maximum(np.bincount(assign(emb, centroids, offsets), minlength=n_clusters) - caps, 0).sum()  # noqa: E731
+    best, best_excess = b32, excess(b32)
+    for margin in SETTLE_MARGINS:                                   # the widest margin the ties allow
+        x = _strict(cost, margin)
+        if x is None:
+            continue
+        offsets = (b + x).astype(np.float32)
+        found = excess(offsets)
+        if found < best_excess:
+            best, best_excess = offsets, found
+        if found == 0:
+            break
+    return best
+
+
 def _caps(n: int, n_clusters: int) -> np.ndarray:
     caps = np.full(n_clusters, n // n_clusters, dtype=np.float64)
     caps[: n % n_clusters] += 1
@@ -279,7 +415,8 @@ def _caps(n: int, n_clusters: int) -> np.ndarray:
 def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | None = None,
                 temperature: float = TEMPERATURES[-1]) -> np.ndarray:
     """Offsets b (N,) under which the rule argmax_j(emb.c_j - b_j) gives every cluster an equal share of the
-    rows of emb (n, k), up to the few rows within about `temperature` of a tie.
+    rows of emb (n, k): to the row at the last temperature (_settle), up to the rows within about `temperature`
+    of a tie at a coarser one (k-means steps).
 
     They are the dual prices of the balanced assignment, the linear program "maximise the total similarity,
     every cluster holding n / N rows": at its optimum every row is in its cluster of highest similarity minus
@@ -303,7 +440,10 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
     b = _fit_rounds(rows, centroids, b, _caps(len(rows), n_clusters), n_clusters, schedule)
     if not dense:
         b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), CANDIDATES, schedule[WARM_FROM:] or schedule[-1:])
-    return (b - b.mean()).astype(np.float32)
+    b = (b - b.mean()).astype(np.float32)
+    if temperature > TEMPERATURES[-1]:
+        return b                                          # k-means steps: near-equal is enough
+    return _settle(emb, centroids, b, _caps(n, n_clusters), n_clusters if n * n_clusters <= DENSE_ENTRIES else CANDIDATES)
 
 
 # -- fitting ----------------------------------------------------------------------------------------------
@@ -351,9 +491,9 @@ def _top_terms(tfidf, labels: np.ndarray, vocabulary: list[str], n_clusters: int
 
 
 def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) -> tuple[Router, np.ndarray]:
-    """Fit on a sample of chunk texts; returns the router and the sample's balanced k-means labels (equal
-    up to the rows within a temperature of a tie: the tolerance is held where it matters, by prepare over
-    all sequences). Under rule nearest the offsets are zero (the centroids are the same)."""
+    """Fit on a sample of chunk texts; returns the router and the sample's balanced k-means labels (equal to
+    the row but for identical chunks, which share a cluster; prepare refits the offsets over all sequences).
+    Under rule nearest the offsets are zero (the centroids are the same)."""
     if len(texts) < n_clusters:
         raise SomaError(f"router sample has {len(texts)} chunks for {n_clusters} experts; lower n_experts or add data")
     vec = _vectorizer(cfg)
