@@ -1,5 +1,5 @@
 """Clustering and sharding: how well the routing rule recovers real topics, what it does at N = 256, and
-prepare's throughput at corpus scale. Three parts (`--part`, default quality and campaign):
+prepare's throughput at corpus scale. Four parts (`--part`, default quality and campaign):
 
 quality   The built-in corpus (real text on this machine) carries labels: every document comes from one
           source (man pages, package docs, Python sources, licenses, ...), counted by `soma prepare`. Its
@@ -30,9 +30,12 @@ campaign  A tiny campaign per rule and N through the CLI, prepare -> seed -> lau
           and shards.val_fraction = 0.05 (one val row from 20 sequences on) and is marked.
 scale     `soma prepare` on a >= 1 GB JSONL corpus generated from random lines of the built-in text: throughput
           (MB/s), peak RSS (bounded by the sample, not the corpus) and shard sizes.
+settle    The balanced rule's offsets fit with and without its exact last step (router._settle), on prepare's fit
+          sample and on every sequence: seconds, sizes and how many sequences change shard.
 
   PYTHONPATH=. python benchmarks/bench_clustering.py [--part quality campaign] [--mb 64] [--experts 16 64 256]
   PYTHONPATH=. python benchmarks/bench_clustering.py --part scale --gb 1.0 --experts 16 [--rule balanced nearest]
+  PYTHONPATH=. python benchmarks/bench_clustering.py --part settle --mb 190 --experts 16 256 [--repeats 2]
 
 Measured 2026-12-04 on the 2-core host, quiet, with router.tokens layout (the default since this run; the
 baselines on word terms, their recipe) and the offsets fit that starts every fit on all clusters (2 minutes):
@@ -438,6 +441,34 @@ def generate(root: str, total_bytes: int, seed: int) -> int:
     return written
 
 
+def settle(args, cfg) -> None:
+    """The offsets fit with and without its exact last step (router._settle), side by side on the same router
+    and rows: prepare's fit sample (every cluster at once) and its refit over every sequence (candidate
+    clusters past router.DENSE_ENTRIES). Alternating repeats, the fastest of each kept."""
+    seqs = labelled_sequences(cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed)[0]
+    sample = prepare_sample(len(seqs), cfg.router.sample_chunks, cfg.seed)
+    texts = [router_text(seqs[i]) for i in sample]
+    emb = embed_all(fit_router(texts, 1, cfg.router, cfg.seed)[0], seqs)
+    print("\n| N | rows | Newton only: s | sizes (excess over the shares) | with the settling step: s | sizes (excess) | rows moved |")
+    print("|---|---|---|---|---|---|---|")
+    for n in args.experts:
+        router, _ = fit_router(texts, n, cfg.router, cfg.seed)
+        for what, x in [("fit sample", emb[sample]), ("all sequences", emb)]:
+            runs: dict[bool, list] = {False: [], True: []}
+            for flag in [False, True] * args.repeats:
+                t = time.perf_counter()
+                offsets = fit_offsets(x, router.centroids, router.offsets, settle=flag)
+                runs[flag].append((time.perf_counter() - t, offsets))
+            cells, labels = [], []
+            for flag in (False, True):
+                seconds, offsets = min(runs[flag], key=lambda r: r[0])
+                labels.append(assign(x, router.centroids, offsets))
+                sizes = np.bincount(labels[-1], minlength=n)
+                excess = int(np.maximum(sizes - -(-len(x) // n), 0).sum())
+                cells.append(f"{seconds:.2f} | {sizes.min()}-{sizes.max()} ({excess})")
+            print(f"| {n} | {what}, {len(x):,} | {cells[0]} | {cells[1]} | {int(np.sum(labels[0] != labels[1]))} |", flush=True)
+
+
 def scale(args, tmp: str) -> None:
     corpus = os.path.join(tmp, "corpus")
     os.makedirs(corpus)
@@ -466,7 +497,7 @@ def scale(args, tmp: str) -> None:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", nargs="+", default=["quality", "campaign"], choices=["quality", "campaign", "scale"])
+    p.add_argument("--part", nargs="+", default=["quality", "campaign"], choices=["quality", "campaign", "scale", "settle"])
     p.add_argument("--experts", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--mb", type=float, default=64.0, help="built-in corpus MB for quality and campaign")
     p.add_argument("--seeds", type=int, default=3, help="quality: k-means seeds the NMI is averaged over")
@@ -475,6 +506,7 @@ def main() -> None:
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
     p.add_argument("--balanced-only", action="store_true", help="campaign: skip the nearest arm")
     p.add_argument("--tokens", default="layout", choices=["words", "layout"], help="quality and campaign: router.tokens (the quality baselines use words)")
+    p.add_argument("--repeats", type=int, default=2, help="settle: alternating repeats of each fit")
     p.add_argument("--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)")
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="soma-bench-cluster-", dir="/tmp")
@@ -482,6 +514,8 @@ def main() -> None:
         if "scale" in args.part:
             scale(args, tmp)
         cfg = resolve("tiny", {"corpus": {"max_bytes": int(args.mb * 1e6)}, "router": {"tokens": args.tokens}})
+        if "settle" in args.part:
+            settle(args, cfg)
         q = quality(args, cfg) if "quality" in args.part else []
         c = campaign(args, tmp) if "campaign" in args.part else []
         if q or c:

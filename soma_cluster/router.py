@@ -275,28 +275,42 @@ def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.
     return kept
 
 
+def _cheapest(to: np.ndarray, red: np.ndarray, n_clusters: int) -> tuple[np.ndarray, np.ndarray]:
+    """Per cluster k: the least red over the entries going to k (inf where none) and that entry's index."""
+    low, at = np.full(n_clusters, np.inf), np.full(n_clusters, -1, np.int64)
+    order = np.argsort(to, kind="stable")                           # entries by cluster (a radix sort)
+    to, red = to[order], red[order]
+    new = np.r_[True, to[1:] != to[:-1]]
+    seg = np.cumsum(new) - 1
+    hit = np.flatnonzero(red == np.minimum.reduceat(red, np.flatnonzero(new))[seg])
+    hit = hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]            # the first entry at each cluster's minimum
+    low[to[hit]], at[to[hit]] = red[hit], order[hit]
+    return low, at
+
+
 def _leave_costs(sims: np.ndarray, cols: np.ndarray, b: np.ndarray, slot: np.ndarray, movable: np.ndarray,
-                 members: np.ndarray, n_clusters: int) -> tuple[np.ndarray, np.ndarray]:
-    """For one cluster's member rows: per cluster k, the least score a movable member gives up by moving to k
-    under the offsets b (>= 0 while every row is at its best; inf where no such member has k as a candidate)
-    and that member."""
-    cost, who = np.full(n_clusters, np.inf), np.full(n_clusters, -1, np.int64)
+                 members: np.ndarray, n_clusters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """For one cluster's member rows, per cluster k: the least score any member gives up by moving to k under
+    the offsets b (what the offsets must keep; >= 0 while every row is at its best, up to float rounding; inf
+    where no member has k as a candidate), the same over the movable members only (the cost of a move) and
+    that member."""
+    keep, move, who = np.full(n_clusters, np.inf), np.full(n_clusters, np.inf), np.full(n_clusters, -1, np.int64)
     if not len(members):
-        return cost, who
+        return keep, move, who
     adj = sims[members] - b[cols[members]]
     i = np.arange(len(members))
     red = adj[i, slot[members]][:, None] - adj
     red[i, slot[members]] = np.inf
-    red[~movable[members]] = np.inf
-    order = np.argsort(cols[members].ravel(), kind="stable")        # entries by cluster (a radix sort)
-    to, red = cols[members].ravel()[order], red.ravel()[order]
-    new = np.r_[True, to[1:] != to[:-1]]
-    low = np.minimum.reduceat(red, np.flatnonzero(new))             # each cluster's cheapest entry
-    seg = np.cumsum(new) - 1
-    hit = np.flatnonzero(red == low[seg])
-    hit = hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]
-    cost[to[hit]], who[to[hit]] = red[hit], members[order[hit] // cols.shape[1]]
-    return np.maximum(cost, 0.0), who
+    to = cols[members].ravel()
+    keep, at = _cheapest(to, red.ravel(), n_clusters)
+    if not movable[members].all():                                 # identical rows: constraints, never movers
+        red[~movable[members]] = np.inf
+        move, at = _cheapest(to, red.ravel(), n_clusters)
+    else:
+        move = keep.copy()
+    found = at >= 0
+    who[found] = members[at[found] // cols.shape[1]]
+    return keep, move, who
 
 
 def _strict(cost: np.ndarray, margin: float) -> np.ndarray | None:
@@ -350,8 +364,10 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
     up by moving to k) to a cluster short of its cap, raising the offsets of the clusters nearer than that
     chain's cost by the difference (the transportation problem's successive shortest paths). Then spread the
     ties that leaves (Bellman-Ford) so every row beats its next candidate by a margin float32 rounding cannot
-    undo, and keep the result if `assign` confirms it is nearer equal. Identical rows, which no offset can
-    separate, stay where they are (other members leave their cluster instead)."""
+    undo, and keep the result if `assign` confirms it is nearer equal. Identical rows score alike under any
+    offsets, so no rule can split them: a group larger than a share stays where it is (its cluster's cap grows to
+    hold it, other members leave instead); a smaller group moves row by row, and where a chain moved one of its
+    rows the group's tie falls together, leaving its clusters a row or two off."""
     n_clusters = len(caps)
     sims, cols = _candidates(emb, centroids, b32, m)
     slot = np.argmax(sims - b32[cols], axis=1)                      # float32, as `assign` computes it
@@ -362,47 +378,53 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
     b = b32.astype(np.float64)
     rows = np.ascontiguousarray(emb).view(np.dtype((np.void, emb.dtype.itemsize * emb.shape[1]))).ravel()
     _, twin, count = np.unique(rows, return_inverse=True, return_counts=True)
-    movable = count[twin] == 1                                      # identical rows share every score: they move together or not at all
+    movable = count[twin] <= caps.min()         # identical rows share every score: a group larger than a share stays
     caps = _pinned_caps(caps, np.bincount(label[~movable], minlength=n_clusters))
-    cost, who = np.empty((n_clusters, n_clusters)), np.empty((n_clusters, n_clusters), np.int64)
+    keep, free, who = (np.empty((n_clusters, n_clusters)), np.empty((n_clusters, n_clusters)),
+                       np.empty((n_clusters, n_clusters), np.int64))
     groups = np.split(np.argsort(label, kind="stable"), np.cumsum(load)[:-1])   # members of each cluster
     for j in range(n_clusters):
-        cost[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
+        keep[j], free[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
     for _ in range(SETTLE_PATHS):
         over, short = np.flatnonzero(load > caps), np.flatnonzero(load < caps)
         if not len(over):
             break
-        dist, pred, _ = dijkstra(csgraph_from_dense(cost, null_value=np.inf), indices=over, min_only=True,
-                                 return_predecessors=True)
+        dist, pred, _ = dijkstra(csgraph_from_dense(np.maximum(free, 0.0), null_value=np.inf), indices=over,
+                                 min_only=True, return_predecessors=True)
         d = short[np.argmin(dist[short])]
         if not np.isfinite(dist[d]):
             break                                                   # no chain of candidates reaches a short cluster
         rise = np.maximum(dist[d] - dist, 0.0)                      # keeps every move's cost >= 0; the chain's are 0
         b += rise
-        cost = np.maximum(cost + rise[None, :] - rise[:, None], 0.0)
+        keep += rise[None, :] - rise[:, None]
+        free += rise[None, :] - rise[:, None]
         path = [d]
         while pred[path[-1]] >= 0:
             path.append(pred[path[-1]])
-        for k, j in zip(path[:-1], path[1:]):                       # the cheapest member of j moves to k
+        for k, j in zip(path[:-1], path[1:]):                       # the cheapest movable member of j moves to k
             r = who[j, k]
             slot[r] = np.flatnonzero(cols[r] == k)[0]
             groups[j], groups[k] = groups[j][groups[j] != r], np.append(groups[k], r)
         load[path[-1]] -= 1
         load[d] += 1
         for j in path:
-            cost[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
-    excess = lambda offsets: np.maximum(np.bincount(assign(emb, centroids, offsets), minlength=n_clusters) - caps, 0).sum()  # noqa: E731
+            keep[j], free[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
+
+    def excess(offsets: np.ndarray) -> float:                       # rows over the caps under the rule itself
+        return np.maximum(np.bincount(assign(emb, centroids, offsets), minlength=n_clusters) - caps, 0).sum()
+
     best, best_excess = b32, excess(b32)
-    for margin in SETTLE_MARGINS:                                   # the widest margin the ties allow
-        x = _strict(cost, margin)
-        if x is None:
-            continue
-        offsets = (b + x).astype(np.float32)
-        found = excess(offsets)
-        if found < best_excess:
-            best, best_excess = offsets, found
-        if found == 0:
-            break
+    for bounds in (keep, free):                                     # free: identical rows may move, as a whole
+        for margin in SETTLE_MARGINS:                               # the widest margin the ties allow
+            x = _strict(bounds, margin)
+            if x is None:
+                continue
+            offsets = (b + x).astype(np.float32)
+            found = excess(offsets)
+            if found < best_excess:
+                best, best_excess = offsets, found
+            if found == 0:
+                return best
     return best
 
 
@@ -413,7 +435,7 @@ def _caps(n: int, n_clusters: int) -> np.ndarray:
 
 
 def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | None = None,
-                temperature: float = TEMPERATURES[-1]) -> np.ndarray:
+                temperature: float = TEMPERATURES[-1], settle: bool = True) -> np.ndarray:
     """Offsets b (N,) under which the rule argmax_j(emb.c_j - b_j) gives every cluster an equal share of the
     rows of emb (n, k): to the row at the last temperature (_settle), up to the rows within about `temperature`
     of a tie at a coarser one (k-means steps).
@@ -427,7 +449,7 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
     start restricted to candidate clusters from the start diverged at N = 256 when the centroids had moved:
     k-means iterations); past that limit each row is then looked at for its CANDIDATES best clusters only
     (bounded memory for millions of rows). `offsets` warm-starts the fit (k-means iterations, the refit over
-    all sequences)."""
+    all sequences). `settle=False` stops at Newton (benchmarks/bench_clustering.py --part settle compares)."""
     n, n_clusters = len(emb), len(centroids)
     if n_clusters == 1:
         return np.zeros(1, np.float32)
@@ -441,7 +463,7 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
     if not dense:
         b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), CANDIDATES, schedule[WARM_FROM:] or schedule[-1:])
     b = (b - b.mean()).astype(np.float32)
-    if temperature > TEMPERATURES[-1]:
+    if temperature > TEMPERATURES[-1] or not settle:
         return b                                          # k-means steps: near-equal is enough
     return _settle(emb, centroids, b, _caps(n, n_clusters), n_clusters if n * n_clusters <= DENSE_ENTRIES else CANDIDATES)
 
