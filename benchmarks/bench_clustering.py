@@ -283,17 +283,23 @@ def methods(emb: np.ndarray, words: np.ndarray, sample: list[int], n: int, iters
     return labels, rules
 
 
+def routed_corpus(cfg):
+    """The built-in corpus's labelled train sequences, prepare's router sample of them (indices and texts), the
+    router's features fit on it (TF-IDF and SVD do not depend on N) and every sequence embedded."""
+    seqs, sources, names = labelled_sequences(cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed)
+    sample = prepare_sample(len(seqs), cfg.router.sample_chunks, cfg.seed)
+    texts = [router_text(seqs[i]) for i in sample]
+    features = fit_router(texts, 1, cfg.router, cfg.seed)[0]
+    return seqs, sources, names, sample, texts, features, embed_all(features, seqs)
+
+
 def quality(args, cfg) -> list[dict]:
     """Every method on the same sequences and features. For the first k-means seed the two rules use the
     router `soma prepare` fits (same sample, same seed), so their rows describe the campaigns' own shards;
     NMI is also given as the mean over args.seeds k-means seeds (its spread between seeds is ~0.01)."""
     from sklearn.metrics import normalized_mutual_info_score
     t = time.perf_counter()
-    seqs, sources, names = labelled_sequences(cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed)
-    sample = prepare_sample(len(seqs), cfg.router.sample_chunks, cfg.seed)
-    texts = [router_text(seqs[i]) for i in sample]
-    features = fit_router(texts, 1, cfg.router, cfg.seed)[0]                 # TF-IDF and SVD do not depend on N
-    emb = embed_all(features, seqs)
+    seqs, sources, names, sample, texts, features, emb = routed_corpus(cfg)
     recipe = cfg.router.model_copy(update={"tokens": "words"})
     words = emb if recipe == cfg.router else embed_all(fit_router(texts, 1, recipe, cfg.seed)[0], seqs)
     probe = np.random.default_rng(cfg.seed).choice(len(seqs), min(20_000, len(seqs)), replace=False)
@@ -460,10 +466,7 @@ def settle(args, cfg) -> None:
     """The offsets fit with and without its exact last step (router._settle), side by side on the same router
     and rows: prepare's fit sample (every cluster at once) and its refit over every sequence (candidate
     clusters past router.DENSE_ENTRIES). Alternating repeats, the fastest of each kept."""
-    seqs = labelled_sequences(cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed)[0]
-    sample = prepare_sample(len(seqs), cfg.router.sample_chunks, cfg.seed)
-    texts = [router_text(seqs[i]) for i in sample]
-    emb = embed_all(fit_router(texts, 1, cfg.router, cfg.seed)[0], seqs)
+    _, _, _, sample, texts, _, emb = routed_corpus(cfg)
     print("\n| N | rows | Newton only: s | sizes (excess over the shares) | with the settling step: s | sizes (excess) | rows moved |")
     print("|---|---|---|---|---|---|---|")
     for n in args.experts:

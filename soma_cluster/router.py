@@ -307,7 +307,7 @@ def _leave_costs(sims: np.ndarray, cols: np.ndarray, b: np.ndarray, slot: np.nda
         red[~movable[members]] = np.inf
         move, at = _cheapest(to, red.ravel(), n_clusters)
     else:
-        move = keep.copy()
+        move = keep                                                 # the caller copies both into its matrices
     found = at >= 0
     who[found] = members[at[found] // cols.shape[1]]
     return keep, move, who
@@ -359,8 +359,8 @@ def _pinned_caps(caps: np.ndarray, pinned: np.ndarray) -> np.ndarray:
 def _row_keys(emb: np.ndarray) -> np.ndarray:
     """(n,) uint64: a hash of each row's bytes (random odd multipliers, sums wrapping mod 2^64), in blocks, so
     identical rows are found without sorting or copying the rows themselves (1 M rows of 136 floats: 0.5 GB)."""
-    rows = np.ascontiguousarray(emb[:1])
-    mult = np.random.default_rng(0).integers(1, 2 ** 62, rows.view(np.uint32).shape[1], dtype=np.uint64) * 2 + 1
+    n_words = emb.shape[1] * emb.dtype.itemsize // 4                # 32-bit words of a row
+    mult = np.random.default_rng(0).integers(1, 2 ** 62, n_words, dtype=np.uint64) * 2 + 1
     keys = np.empty(len(emb), np.uint64)
     for a in range(0, len(emb), SCORE_BATCH):
         words = np.ascontiguousarray(emb[a:a + SCORE_BATCH]).view(np.uint32).astype(np.uint64)
@@ -391,6 +391,7 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
     _, twin, count = np.unique(_row_keys(emb), return_inverse=True, return_counts=True)
     movable = count[twin] <= caps.min()         # identical rows share every score: a group larger than a share stays
     caps = _pinned_caps(caps, np.bincount(label[~movable], minlength=n_clusters))
+    best, best_excess = b32, np.maximum(load - caps, 0).sum()       # label is the rule's own argmax under b32
     keep, free, who = (np.empty((n_clusters, n_clusters)), np.empty((n_clusters, n_clusters)),
                        np.empty((n_clusters, n_clusters), np.int64))
     groups = np.split(np.argsort(label, kind="stable"), np.cumsum(load)[:-1])   # members of each cluster
@@ -424,7 +425,6 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
     def excess(offsets: np.ndarray) -> float:                       # rows over the caps under the rule itself
         return np.maximum(np.bincount(assign(emb, centroids, offsets), minlength=n_clusters) - caps, 0).sum()
 
-    best, best_excess = b32, excess(b32)
     for bounds in (keep, free):                                     # free: identical rows may move, as a whole
         for margin in SETTLE_MARGINS:                               # the widest margin the ties allow
             x = _strict(bounds, margin)
@@ -476,7 +476,7 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
     b = (b - b.mean()).astype(np.float32)
     if temperature > TEMPERATURES[-1] or not settle:
         return b                                          # k-means steps: near-equal is enough
-    return _settle(emb, centroids, b, _caps(n, n_clusters), n_clusters if n * n_clusters <= DENSE_ENTRIES else CANDIDATES)
+    return _settle(emb, centroids, b, _caps(n, n_clusters), n_clusters if dense else CANDIDATES)
 
 
 # -- fitting ----------------------------------------------------------------------------------------------
