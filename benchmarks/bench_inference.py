@@ -60,6 +60,29 @@ Measured again 2026-12-04 05:26-05:32 on the same host, quiet (load average < 1.
   120-127 GFLOP/s, 0.65-0.68 of this host's 2-thread sgemm (187), where N=8's d=181 experts reach about 160-167
   (0.86-0.89): 26x the matmul work at ~0.76 of the relative efficiency bounds the ratio near 20x. The kernel's row tile (fused.EXPERT_ROWS 8 / 16 / 32 / 64:
   3.04 / 2.76 / 2.72 / 2.75 s) is not the limit.
+
+Measured 2026-12-05 02:30-02:45 on the same host, quiet (load average 0.9-1.3), after two changes to what N=256 ran:
+  - The whole-expert kernel no longer computes padding. A pass pads every unit to its largest (plan_passes); the
+    evaluator now passes each unit's real windows (packed_logprobs(..., sizes)) and the kernel skips the rest. At
+    1,024 windows the passes held 4,952 sequences for N=256's 4,096 real ones (21% padding) and 4,255 for N=8's
+    (4%).
+  - Weight vectors stay in registers in the kernel's register blocks (kernels.c, vload_reg): GCC had folded the
+    loads into every FMA for blocks of 2-4 rows, which made them load-bound. Copies of 2, 3, 4 and 8 rows (8 go
+    as two blocks of 4) ran at 0.61-0.70 of sgemm and now at 0.67-0.79 (benchmarks/bench_kernels.py --tables rows).
+  Before (main at 658f54b) and after, run one after the other:
+
+  | command | code | N=256, d=32: fastest s | N=8, d=181: fastest s | routing share N=256 | ratio per repeat | median |
+  |---|---|---|---|---|---|---|
+  | --windows 1024 --batch 512 | before | 2.8 | 51.8 | 1.35% | 18.96, 19.07, 18.76 | 18.96x |
+  | --windows 1024 --batch 512 | after | 2.3 | 49.1 | 1.70% | 21.07, 22.62, 20.98 | 21.07x |
+  | --windows 512 --batch 256 (the issue's 512 windows) | after | 1.2 | 25.6 | 1.64% | 21.36, 21.85, 20.43 | 21.36x |
+  | default (256 windows, batch 128) | after | 0.6 | 12.6 | 1.66% | 18.93, 19.66, 19.35 | 19.35x |
+
+  Earlier runs of the after code: 21.22x and 21.06x (1,024 windows), 20.65x (512), 19.78x (256). The goal, >= 20x
+  median with routing <= 7.5%, holds at 512 and 1,024 windows. At 256 windows it does not: 88 of the 256 experts
+  get no window and 34 get one; 145 of the 1,024 routed windows go to experts with at most 3. A one-row copy is a
+  matrix-vector product per step: every step reads the expert's 160 KiB of weights, from L2, for one row, and runs
+  at about 0.43 of sgemm (bench_kernels rows table).
 """
 from __future__ import annotations
 

@@ -78,13 +78,17 @@ def bmm_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> torch
 
 @torch.no_grad()
 def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor], heads: torch.Tensor | list[torch.Tensor],
-                    windows: np.ndarray, context: int, device: torch.device) -> np.ndarray:
+                    windows: np.ndarray, context: int, device: torch.device, sizes: list[int] | None = None) -> np.ndarray:
     """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e) (or lists of
-    G tensors), windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64."""
+    G tensors), windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64.
+    sizes, when given, are the real windows of each expert (G entries, each <= B); the rest are padding, and their
+    log p is 0. The whole-expert kernel does not compute them; the torch path computes and drops them."""
+    if sizes is not None and (len(sizes) != windows.shape[0] or any(not 0 <= n <= windows.shape[1] for n in sizes)):
+        raise ValueError(f"sizes {list(sizes)}: need 0 to {windows.shape[1]} real windows for each of {windows.shape[0]} experts")
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
     if device.type == "cpu" and fused.expert_usable(model, *bodies[:1], *heads[:1]):   # the whole expert in one kernel
-        return fused.expert_logprobs(Layout(model), bodies, heads, x, y, context).numpy().astype(np.float64)
+        return fused.expert_logprobs(Layout(model), bodies, heads, x, y, context, sizes).numpy().astype(np.float64)
     bodies, heads = (torch.stack(list(t)).to(device) if isinstance(t, list) else t.to(device) for t in (bodies, heads))
     g, b = x.shape[0], x.shape[1]
     parts = []
@@ -97,8 +101,10 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor
             continue
         tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1)                           # (G, Tb*B), time-major as h
         parts.append(bmm_logprobs(h.reshape(g, -1, h.shape[-1]), heads, tgt).view(g, t1 - t0, b))
-    lp = torch.cat(parts, dim=1)                                        # (G, T, B)
-    return lp[:, context:].transpose(1, 2).double().cpu().numpy()
+    lp = torch.cat(parts, dim=1)[:, context:].transpose(1, 2).double().cpu().numpy()   # (G, B, T - context)
+    for i, n in enumerate(sizes if sizes is not None else ()):
+        lp[i, n:] = 0.0
+    return lp
 
 
 def window_logprobs(model: ModelConfig, body: torch.Tensor, head: torch.Tensor, windows: np.ndarray, context: int,
@@ -174,7 +180,8 @@ def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int,
     """Cut every expert's routed windows into units (expert, first, size) of at most `batch` windows and
     pack them into passes of at most `batch` sequences. A pass pads every unit to its largest one, so units
     go in by decreasing size: each pass holds units of nearly equal size and padding stays small, whether
-    N = 256 experts get a dozen windows each or N = 8 get hundreds."""
+    N = 256 experts get a dozen windows each or N = 8 get hundreds. (Torch's batched path computes the padding;
+    the whole-expert CPU kernel is told each unit's size and skips it.)"""
     units = sorted(((e, a, min(batch, n - a)) for e, n in counts.items() for a in range(0, n, batch)), key=lambda u: (-u[2], u[0], u[1]))
     passes: list[list[tuple[int, int, int]]] = []
     for unit in units:
@@ -201,7 +208,8 @@ def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tup
         padded = np.zeros((len(units), units[0][2], win.data.shape[1]), dtype=np.uint8)
         for i, (e, a, n) in enumerate(units):
             padded[i, :n] = win.data[routed[e][0][a:a + n]]
-        lp = packed_logprobs(model, [experts[e][0] for e, _, _ in units], [experts[e][1] for e, _, _ in units], padded, context, device)
+        lp = packed_logprobs(model, [experts[e][0] for e, _, _ in units], [experts[e][1] for e, _, _ in units], padded, context, device,
+                             [n for _, _, n in units])
         for i, (e, a, n) in enumerate(units):
             rows, slots = routed[e][0][a:a + n], routed[e][1][a:a + n]
             np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :n]))

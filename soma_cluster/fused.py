@@ -99,7 +99,7 @@ def _library():
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
     signatures = {                                   # name: (result, arguments), as in kernels.c
-        "expert_forward": (None, [ptr] * 3 + [i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 2 + [i64] * 8),
+        "expert_forward": (None, [ptr] * 3 + [i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 3 + [i64] * 8),
         "lstm_block": (None, [ptr] * 5 + [i64] * 5),
         "target_logprobs": (None, [ptr] * 4 + [i64] * 5),
         "pack_recurrent": (None, [ptr] * 2 + [i64] * 2),
@@ -157,13 +157,16 @@ def _byte_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
 
 
 def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int,
-                    keep: bool) -> tuple[torch.Tensor, torch.Tensor | None]:
+                    keep: bool, sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     cfg = layout.cfg
     x, y = (t[None] if t.dim() == 2 else t for t in (x, y))
     heads = heads[None] if isinstance(heads, torch.Tensor) and heads.dim() == 2 else heads
     c, groups, b, t = len(bodies), *x.shape
     if c % groups or y.shape != x.shape or len(heads) not in (1, groups):
         raise ValueError(f"expert kernel: {c} copies, {len(heads)} heads, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit")
+    if sizes is not None and (len(sizes) != groups or any(not 0 <= int(n) <= b for n in sizes)):
+        raise ValueError(f"expert kernel: sizes {list(sizes)} must give 0 to {b} real rows for each of {groups} groups")
+    real = (ctypes.c_int64 * groups)(*map(int, sizes)) if sizes is not None else None
     body_ptrs, body_keep = _pointers(bodies, (layout.size,), "body")
     head_ptrs, head_keep = _pointers(heads, (256, cfg.embed_dim), "head")
     names = (["proj_in"] if layout.wide else [None]) + [f"b{k}.{n}" for k in range(cfg.depth) for n in BLOCK_TENSORS] \
@@ -172,7 +175,7 @@ def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y:
     x, y, ldx, ldg = _byte_rows(x, y)
     nll = torch.empty(c, b, dtype=torch.float64)
     logp = torch.empty(c, b, t - first) if keep else None
-    _library().expert_forward(body_ptrs, offsets, head_ptrs, len(heads), x.data_ptr(), y.data_ptr(), ldx, ldg, groups,
+    _library().expert_forward(body_ptrs, offsets, head_ptrs, len(heads), x.data_ptr(), y.data_ptr(), ldx, ldg, groups, real,
                               logp.data_ptr() if keep else None, nll.data_ptr(), c, b, t, first, cfg.d, cfg.embed_dim,
                               cfg.depth, EXPERT_ROWS)
     del body_keep, head_keep
@@ -189,10 +192,12 @@ def expert_nll(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torc
     return _expert_forward(layout, bodies, heads, x, y, 0, keep=False)[0]
 
 
-def expert_logprobs(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int = 0) -> torch.Tensor:
+def expert_logprobs(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int = 0,
+                    sizes: Sequence[int] | None = None) -> torch.Tensor:
     """log p(y) of the predictions t >= first: (C, B, T - first) float32; arguments as `expert_nll`. The decoder
-    is not run for t < first."""
-    return _expert_forward(layout, bodies, heads, x, y, first, keep=True)[1]
+    is not run for t < first. sizes, when given, are the real rows of each group of x (one entry per group): the
+    rows after them are padding, not computed, and their log p is 0."""
+    return _expert_forward(layout, bodies, heads, x, y, first, keep=True, sizes=sizes)[1]
 
 
 def pack_recurrent(w_hh_t: torch.Tensor) -> torch.Tensor:

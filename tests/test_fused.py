@@ -13,7 +13,7 @@ import torch
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.ensemble import packed_logprobs
-from soma_cluster.model import LSTMState, copy_losses, init_body, init_head, target_logprobs
+from soma_cluster.model import Layout, LSTMState, copy_losses, init_body, init_head, target_logprobs
 
 pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernels are off on this machine")
 CPU = torch.device("cpu")
@@ -146,6 +146,34 @@ def test_expert_kernel_equals_torch(torch_only, expert_calls, name):
     assert got[1].shape == ref[1].shape == (copies, b, t - t // 3)
     np.testing.assert_allclose(got[1], ref[1], rtol=0, atol=1e-4)
     torch.testing.assert_close(got[2], ref[2], rtol=0, atol=1e-5)
+
+
+def test_padding_rows_are_not_computed_and_score_zero(torch_only, expert_calls):
+    """packed_logprobs told each expert's real windows (evaluate_ensemble's passes pad units to the largest): the
+    kernel gives the real rows exactly what it gives them unpadded, 0 for the padding, and never reads an expert
+    with no real rows (its body is NaN here); the torch path agrees."""
+    cfg = ModelConfig(d=32, head="shared_frozen")
+    g = torch.Generator().manual_seed(5)
+    bodies = [init_body(cfg, g) for _ in range(3)]
+    heads = [init_head(cfg, g)] * 3
+    windows = np.random.default_rng(1).integers(0, 256, size=(3, 7, 20), dtype=np.uint8)
+    sizes = [7, 2, 0]
+    got = packed_logprobs(cfg, [*bodies[:2], torch.full_like(bodies[2], math.nan)], heads, windows, 5, CPU, sizes)
+    whole = packed_logprobs(cfg, bodies[:2], heads[:2], windows[:2], 5, CPU)
+    assert len(expert_calls) == 2 and got.shape == (3, 7, 14)
+    np.testing.assert_array_equal(got[0], whole[0])
+    np.testing.assert_array_equal(got[1, :2], whole[1, :2])
+    assert (got[1, 2:] == 0).all() and (got[2] == 0).all() and (whole[1, 2:] < 0).all()
+    with torch_only:
+        ref = packed_logprobs(cfg, bodies, heads, windows, 5, CPU, sizes)
+    np.testing.assert_allclose(got, ref, rtol=0, atol=1e-4)
+    assert (ref[1, 2:] == 0).all() and (ref[2] == 0).all()
+    for bad in ([7, 2], [8, 0, 0], [1, -1, 0]):
+        with pytest.raises(ValueError, match="sizes"):
+            packed_logprobs(cfg, bodies, heads, windows, 5, CPU, bad)
+        with pytest.raises(ValueError, match="sizes"):
+            fused.expert_logprobs(Layout(cfg), bodies, heads, torch.from_numpy(windows[..., :-1]),
+                                  torch.from_numpy(windows[..., 1:]), 5, bad)
 
 
 def test_wider_experts_keep_the_composed_path(expert_calls):

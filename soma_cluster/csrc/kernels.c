@@ -53,6 +53,20 @@ typedef int32_t vi __attribute__((vector_size(4 * VL)));
 INLINE vf vload(const float *p) { return *(const vfu *)p; }
 INLINE void vstore(float *p, vf v) { *(vfu *)p = v; }
 
+/* A load the compiler must keep in a register. In a register block of rb > 1 rows every weight vector feeds rb FMAs;
+ * left to itself GCC folds the load into each of them when rb is small (4 rows: 16 vector loads per 16 FMAs instead
+ * of 4), which made the block load-bound on this host (AMD EPYC, AVX-512): blocks of 2 to 4 rows per copy ran
+ * 10-16% slower (benchmarks/bench_kernels.py, rows table). With one row each load feeds one FMA either way, so
+ * it is left to the compiler there. */
+INLINE vf vload_reg(const float *p)
+{
+    vf v = vload(p);
+#if defined(__GNUC__) && (VL == 16 || VL == 8)
+    __asm__("" : "+v"(v));
+#endif
+    return v;
+}
+
 #if VL == 16
 INLINE vf vset(float s) { return (vf)_mm512_set1_ps(s); }
 INLINE vf vmax(vf a, vf b) { return (vf)_mm512_max_ps((__m512)a, (__m512)b); }
@@ -196,7 +210,7 @@ INLINE void mm_block(const int rb, const int nv, const int epi, const float *res
         vf wv[4];
 #pragma GCC unroll 4
         for (int v = 0; v < nv; ++v)
-            wv[v] = vload(w + k * ldw + v * VL);
+            wv[v] = rb > 1 ? vload_reg(w + k * ldw + v * VL) : vload(w + k * ldw + v * VL);
 #pragma GCC unroll 8
         for (int r = 0; r < rb; ++r) {
             const vf av = vset(a[r * lda + k]);
@@ -309,7 +323,7 @@ INLINE void lstm_block_rows(const int rb, const float *restrict a, int64_t lda, 
         vf wv[4];
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q)
-            wv[q] = vload(w + k * ldw + q * VL);
+            wv[q] = rb > 1 ? vload_reg(w + k * ldw + q * VL) : vload(w + k * ldw + q * VL);
 #pragma GCC unroll 8
         for (int r = 0; r < rb; ++r) {
             const vf av = vset(a[r * lda + k]);
@@ -548,12 +562,15 @@ static void expert_tile(const Shape *s, const float *restrict wts, const float *
  *   heads    H pointers to (256, e) byte embeddings / decoders
  *   x, y     bytes: row b of group g at g * ldg + b * ldx, T steps; copy i reads group i / (C / groups) and
  *            head (i / (C / groups)) % H
+ *   sizes    when not null, the real rows of each group (groups entries, each <= B): rows b >= sizes[g] are
+ *            padding, never computed, and their outputs are 0
  * Out: nll (C, B) the sums over t >= t_first of -log p(y), and when logp is not null, logp (C, B, T - t_first).
  * Tasks are (copy, tile of `rows` rows); a thread packs a copy's weights and a head's transpose when its task
- * needs another one than its last. */
+ * needs another one than its last, and a task with no real rows packs nothing. */
 void expert_forward(const float *const *bodies, const int64_t *off, const float *const *heads, int64_t n_heads,
-                    const uint8_t *x, const uint8_t *y, int64_t ldx, int64_t ldg, int64_t groups, float *logp, double *nll,
-                    int64_t C, int64_t B, int64_t T, int64_t t_first, int64_t d, int64_t e, int64_t depth, int64_t rows)
+                    const uint8_t *x, const uint8_t *y, int64_t ldx, int64_t ldg, int64_t groups, const int64_t *sizes,
+                    float *logp, double *nll, int64_t C, int64_t B, int64_t T, int64_t t_first, int64_t d, int64_t e,
+                    int64_t depth, int64_t rows)
 {
     const Shape s = shape_of(d, e, depth);
     const int64_t tiles = (B + rows - 1) / rows, per = C / groups, ldp = T - t_first;
@@ -566,8 +583,16 @@ void expert_forward(const float *const *bodies, const int64_t *off, const float 
         memset(head_t, 0, head_bytes);
 #pragma omp for schedule(dynamic, 1)
         for (int64_t task = 0; task < C * tiles; ++task) {
-            const int64_t i = task / tiles, r0 = (task % tiles) * rows, n = B - r0 < rows ? B - r0 : rows;
+            const int64_t i = task / tiles, r0 = (task % tiles) * rows, all = B - r0 < rows ? B - r0 : rows;
             const int64_t grp = i / per, hd = grp % n_heads, at = grp * ldg + r0 * ldx;
+            const int64_t real = sizes ? sizes[grp] - r0 : all, n = real < 0 ? 0 : real < all ? real : all;
+            for (int64_t r = n; r < all; ++r) {                       /* padding rows: outputs 0, nothing computed */
+                nll[i * B + r0 + r] = 0.0;
+                if (logp)
+                    memset(logp + (i * B + r0 + r) * ldp, 0, (size_t)ldp * sizeof(float));
+            }
+            if (n == 0)
+                continue;
             if (packed != i)
                 pack_body(&s, bodies[i], off, wts), packed = i;
             if (transposed != hd)
