@@ -47,7 +47,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from bench_spsa import sgemm_flops        # this folder is on sys.path when run as a script
+from bench_spsa import sgemm_flops, steady_malloc        # this folder is on sys.path when run as a script
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.ensemble import bmm_logprobs, packed_logprobs
@@ -158,6 +158,7 @@ def main() -> None:
     p.add_argument("--tables", default="expert,rows,recurrence,decoder")
     args = p.parse_args()
     torch.set_num_threads(args.threads)
+    print(steady_malloc())
     if not fused.available():
         raise SystemExit("the fused kernels are not available here (no C compiler, or SOMA_FUSED=0)")
     gen = torch.Generator().manual_seed(0)

@@ -48,6 +48,25 @@ command:
   105 GFLOP/s (0.56 of the 2-thread sgemm, 187), N=8 about 82, N=2 about 67, the monolith about 57 (0.30: torch's
   composed path at d = 512), so here N=256 beats its equal-efficiency bound (395x against 206x) and N=8 its own
   (11.8x against 8.0x). CPU figures, not the paper's GPU ones.
+
+Measured again 2026-12-05 03:02-03:07, quiet, the same command, after the whole-expert kernel kept its weight vectors
+in registers for blocks of 2-4 rows (B = 8 rows go as two blocks of 4: bench_kernels.py, rows table); first with
+glibc malloc's thresholds fixed (bench_spsa.steady_malloc, now the default), then with --default-malloc:
+
+  | configuration | parameters | byte-tokens/s, median (min-max) | vs monolith, median of paired | vs N=8 |
+  |---|---|---|---|---|
+  | N=256, d=32, shared head | 8,437,760 | 1,404,955 (1,394,518-1,446,494) | 337.85x | 24.90x |
+  | N=8, d=180 | 8,459,296 | 56,426 (48,036-63,228) | 13.57x | 1.00x |
+  | N=2, d=361 | 8,406,746 | 8,637 (8,482-9,816) | 2.08x | 0.16x |
+  | N=1, d=512 (monolith) | 8,432,128 | 4,158 (4,079-4,495) | 1.00x | 0.07x |
+  | --default-malloc: N=256 | | 1,432,552 (1,371,941-1,469,477) | 348.23x | 27.36x |
+  | --default-malloc: N=8 | | 52,357 (46,773-53,931) | 12.73x | 1.00x |
+  | --default-malloc: N=2 | | 8,619 (8,274-8,784) | 2.12x | 0.17x |
+  | --default-malloc: monolith | | 4,064 (4,058-4,114) | 1.00x | 0.08x |
+
+  Here malloc's thresholds moved the torch-path configurations (d = 361, 512) by 0-2%. N=8 (d = 180, all its
+  blocks of 4 rows) reads 46% above the 2026-12-04 run and N=256 9% (two days, not paired). At equal efficiency
+  the ratios to the monolith would be 206x, 8.0x and 2.0x.
 """
 from __future__ import annotations
 
@@ -59,6 +78,7 @@ import time
 import numpy as np
 import torch
 
+from bench_spsa import steady_malloc        # this folder is on sys.path when run as a script
 from soma_cluster.config import ModelConfig, SPSAConfig
 from soma_cluster.model import campaign_param_count, init_body, init_head
 from soma_cluster.shards import Shard
@@ -99,7 +119,9 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--n-pert", type=int, default=8)
     p.add_argument("--pack", type=int, default=16, help="narrow experts per actor (resources.experts_per_actor)")
+    p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds dynamic (bench_spsa.steady_malloc)")
     args = p.parse_args()
+    print("glibc malloc as it comes (--default-malloc)" if args.default_malloc else steady_malloc(), flush=True)
     spsa = SPSAConfig(n_pert=args.n_pert, batch=args.batch, seq_len=args.seq_len, pert_chunk=min(args.n_pert, 16))
     total = campaign_param_count(ModelConfig(d=32, head="shared_frozen"), 256)
     packs = {}
