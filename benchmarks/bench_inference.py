@@ -66,7 +66,7 @@ Measured 2026-12-05 02:30-02:45 on the same host, quiet (load average 0.9-1.3), 
     evaluator now passes each unit's real windows (packed_logprobs(..., sizes)) and the kernel skips the rest. At
     1,024 windows the passes held 4,952 sequences for N=256's 4,096 real ones (21% padding) and 4,255 for N=8's
     (4%).
-  - Weight vectors stay in registers in the kernel's register blocks (kernels.c, vload_reg): GCC had folded the
+  - Weight vectors stay in registers in the kernel's register blocks (kernels.c, vload_weight): GCC had folded the
     loads into every FMA for blocks of 2-4 rows, which made them load-bound. Copies of 2, 3, 4 and 8 rows (8 go
     as two blocks of 4) ran at 0.61-0.70 of sgemm and now at 0.67-0.79 (benchmarks/bench_kernels.py --tables rows).
   Before (main at 658f54b) and after, run one after the other:

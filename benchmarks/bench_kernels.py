@@ -18,7 +18,7 @@ MAX_RECURRENT_D = 1024 came from this script's expert and recurrence tables on t
 (per fused.py); those runs' tables were not kept.
 
 Rows table (--tables rows --repeats 3), 2026-12-05 on the quiet 2-core host (sgemm 191-194 GF/s), main at 658f54b
-("before") and with weight vectors kept in registers for blocks of 2+ rows (kernels.c, vload_reg; "after"), two runs
+("before") and with weight vectors kept in registers for blocks of 2+ rows (kernels.c, vload_weight; "after"), two runs
 of each, alternating between the trees:
 
   | rows per copy | copies | before: ms | before: of sgemm | after: ms | after: of sgemm |

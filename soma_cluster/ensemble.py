@@ -83,8 +83,8 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor
     G tensors), windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64.
     sizes, when given, are the real windows of each expert (G entries, each <= B); the rest are padding, and their
     log p is 0. The whole-expert kernel does not compute them; the torch path computes and drops them."""
-    if sizes is not None and (len(sizes) != windows.shape[0] or any(not 0 <= n <= windows.shape[1] for n in sizes)):
-        raise ValueError(f"sizes {list(sizes)}: need 0 to {windows.shape[1]} real windows for each of {windows.shape[0]} experts")
+    if sizes is not None:
+        fused.check_sizes(sizes, windows.shape[0], windows.shape[1])
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
     if device.type == "cpu" and fused.expert_usable(model, *bodies[:1], *heads[:1]):   # the whole expert in one kernel

@@ -156,6 +156,12 @@ def _byte_rows(x: torch.Tensor, y: torch.Tensor) -> tuple[torch.Tensor, torch.Te
     return x, y, x.stride(1), x.stride(0)
 
 
+def check_sizes(sizes: Sequence[int], groups: int, rows: int) -> None:
+    """Real rows per group of a padded batch (groups of `rows` rows): one count per group, each 0 to rows."""
+    if len(sizes) != groups or any(not 0 <= int(n) <= rows for n in sizes):
+        raise ValueError(f"sizes {list(sizes)}: need 0 to {rows} real rows for each of {groups} groups")
+
+
 def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int,
                     keep: bool, sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
     cfg = layout.cfg
@@ -164,8 +170,8 @@ def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y:
     c, groups, b, t = len(bodies), *x.shape
     if c % groups or y.shape != x.shape or len(heads) not in (1, groups):
         raise ValueError(f"expert kernel: {c} copies, {len(heads)} heads, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit")
-    if sizes is not None and (len(sizes) != groups or any(not 0 <= int(n) <= b for n in sizes)):
-        raise ValueError(f"expert kernel: sizes {list(sizes)} must give 0 to {b} real rows for each of {groups} groups")
+    if sizes is not None:
+        check_sizes(sizes, groups, b)
     real = (ctypes.c_int64 * groups)(*map(int, sizes)) if sizes is not None else None
     body_ptrs, body_keep = _pointers(bodies, (layout.size,), "body")
     head_ptrs, head_keep = _pointers(heads, (256, cfg.embed_dim), "head")

@@ -53,16 +53,19 @@ typedef int32_t vi __attribute__((vector_size(4 * VL)));
 INLINE vf vload(const float *p) { return *(const vfu *)p; }
 INLINE void vstore(float *p, vf v) { *(vfu *)p = v; }
 
-/* A load the compiler must keep in a register. In a register block of rb > 1 rows every weight vector feeds rb FMAs;
- * left to itself GCC folds the load into each of them when rb is small (4 rows: 16 vector loads per 16 FMAs instead
- * of 4), which made the block load-bound on this host (AMD EPYC, AVX-512): blocks of 2 to 4 rows per copy ran
- * 10-16% slower (benchmarks/bench_kernels.py, rows table). With one row each load feeds one FMA either way, so
- * it is left to the compiler there. */
-INLINE vf vload_reg(const float *p)
+/* A weight vector of a register block of rb rows, which feeds rb FMAs. For rb > 1 the load is kept in a register:
+ * left to itself GCC folds it into each FMA when rb is small (4 rows: 16 vector loads per 16 FMAs instead of 4),
+ * which made the block load-bound on this host (AMD EPYC, AVX-512): blocks of 2 to 4 rows per copy ran 10-16%
+ * slower (benchmarks/bench_kernels.py, rows table). With one row each load feeds one FMA either way, so it is left
+ * to the compiler there. */
+INLINE vf vload_weight(const float *p, const int rb)
 {
     vf v = vload(p);
 #if defined(__GNUC__) && (VL == 16 || VL == 8)
-    __asm__("" : "+v"(v));
+    if (rb > 1)
+        __asm__("" : "+v"(v));
+#else
+    (void)rb;
 #endif
     return v;
 }
@@ -210,7 +213,7 @@ INLINE void mm_block(const int rb, const int nv, const int epi, const float *res
         vf wv[4];
 #pragma GCC unroll 4
         for (int v = 0; v < nv; ++v)
-            wv[v] = rb > 1 ? vload_reg(w + k * ldw + v * VL) : vload(w + k * ldw + v * VL);
+            wv[v] = vload_weight(w + k * ldw + v * VL, rb);
 #pragma GCC unroll 8
         for (int r = 0; r < rb; ++r) {
             const vf av = vset(a[r * lda + k]);
@@ -323,7 +326,7 @@ INLINE void lstm_block_rows(const int rb, const float *restrict a, int64_t lda, 
         vf wv[4];
 #pragma GCC unroll 4
         for (int q = 0; q < 4; ++q)
-            wv[q] = rb > 1 ? vload_reg(w + k * ldw + q * VL) : vload(w + k * ldw + q * VL);
+            wv[q] = vload_weight(w + k * ldw + q * VL, rb);
 #pragma GCC unroll 8
         for (int r = 0; r < rb; ++r) {
             const vf av = vset(a[r * lda + k]);
