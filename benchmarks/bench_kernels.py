@@ -47,7 +47,7 @@ from contextlib import contextmanager
 import numpy as np
 import torch
 
-from bench_spsa import sgemm_flops, steady_malloc        # this folder is on sys.path when run as a script
+from bench_spsa import sgemm_flops, steady_malloc, useful_flops        # this folder is on sys.path when run as a script
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.ensemble import bmm_logprobs, packed_logprobs
@@ -115,13 +115,12 @@ def rows_table(repeats: int, gen: torch.Generator, sgemm: float) -> None:
     print("|---|---|---|---|---|")
     cfg, t = ModelConfig(d=32, head="shared_frozen"), 256
     head = init_head(cfg, gen)
-    flop_row = 2 * (32 * 32 * 32 + 256 * 32) * t
     for rows in (1, 2, 3, 4, 6, 8, 16, 32):
         c = 768 // rows
         bodies = torch.stack([init_body(cfg, gen) for _ in range(c)])
         x = torch.randint(0, 256, (c, rows, t), generator=gen, dtype=torch.uint8)
         s = fastest({"kernel": lambda: fused.expert_nll(Layout(cfg), bodies, head, x, x)}, repeats)["kernel"]
-        gf = c * rows * flop_row / s / 1e9
+        gf = useful_flops(cfg, c * rows * t) / s / 1e9
         print(f"| {rows} | {c} | {s * 1e3:.1f} | {gf:.1f} | {gf * 1e9 / sgemm:.2f} |", flush=True)
 
 

@@ -279,12 +279,14 @@ def torch_path(fn):
     return run
 
 
-def steady_malloc() -> str:
-    """Fix glibc malloc's thresholds for the whole run. By default glibc serves large blocks with fresh mmaps and raises
+def steady_malloc(leave: bool = False) -> str:
+    """Fix glibc malloc's thresholds for the whole run, unless `leave` (--default-malloc); says which. By default glibc serves large blocks with fresh mmaps and raises
     that threshold as blocks are freed, so whether the peer's activations (MBs per nn.LSTM call) come from reused heap
     or from freshly zeroed pages depends on the process's history: in one process of four the same peer update took
     17 s, in the others 25 s, a third of it in the kernel zeroing pages. With the thresholds fixed (what
     MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ do) every process gets the fast peer."""
+    if leave:
+        return "glibc malloc as it comes (--default-malloc)"
     try:
         libc = ctypes.CDLL("libc.so.6")
         ok = libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 1 << 30) == 1   # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
@@ -302,7 +304,7 @@ def main() -> None:
     ap.add_argument("--no-extras", action="store_true", help="skip the packed-vs-separate and peak-memory runs")
     ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds dynamic (see steady_malloc)")
     args = ap.parse_args()
-    print("glibc malloc as it comes (--default-malloc)" if args.default_malloc else steady_malloc(), flush=True)
+    print(steady_malloc(args.default_malloc), flush=True)
     sgemm = [sgemm_flops()]
     print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
           f"load average {os.getloadavg()[0]:.2f}", flush=True)

@@ -121,7 +121,7 @@ def main() -> None:
     p.add_argument("--pack", type=int, default=16, help="narrow experts per actor (resources.experts_per_actor)")
     p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds dynamic (bench_spsa.steady_malloc)")
     args = p.parse_args()
-    print("glibc malloc as it comes (--default-malloc)" if args.default_malloc else steady_malloc(), flush=True)
+    print(steady_malloc(args.default_malloc), flush=True)
     spsa = SPSAConfig(n_pert=args.n_pert, batch=args.batch, seq_len=args.seq_len, pert_chunk=min(args.n_pert, 16))
     total = campaign_param_count(ModelConfig(d=32, head="shared_frozen"), 256)
     packs = {}
