@@ -101,8 +101,7 @@ def expert_table(repeats: int, gen: torch.Generator) -> None:
                     packed_logprobs(cfg, bodies, heads, windows, 0, CPU)
             return go
         s = fastest({"torch": run(False, False), "composed": run(False), "kernel": run(True)}, repeats)
-        per_token = 32 * d * d + (4 * d * 32 if d != 32 else 0) + 2 * 256 * 32
-        flop = c * b * t * per_token / 1e9
+        flop = useful_flops(cfg, c * b * t) / 1e9
         print(f"| {c} x {b} x {t}, {d} | {s['torch'] * 1e3:.0f} | {s['composed'] * 1e3:.0f} | {s['kernel'] * 1e3:.0f} | "
               f"{flop / s['torch']:.1f} | {flop / s['composed']:.1f} | {flop / s['kernel']:.1f} | {s['composed'] / s['kernel']:.2f}x |",
               flush=True)
