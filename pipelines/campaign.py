@@ -20,13 +20,16 @@ from collections import deque
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
 
+from pipelines.campaign_lease import held, holding
 from pipelines.common import console, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.reopen import reopen_unverified
+from pipelines.stopping import STOP, Stopped
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError
+from soma_cluster.lease import LeaseLost
 from soma_cluster.events import history, require_seed
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
@@ -127,6 +130,8 @@ class Driver:
         self._reported = self._logged = -math.inf
         self._writer: SnapshotWriter | None = None
         self._samples: deque[tuple[float, int]] = deque()   # (monotonic time, updates of all jobs) for the ETA
+        self.lease = held(store.url)                     # the campaign's lease, whose generation fences the workers
+        self.stopped: str | None = None                  # why this driver stopped before its jobs ended (a signal, lease lost)
 
     @property
     def outcome(self) -> dict[str, str]:
@@ -176,7 +181,8 @@ class Driver:
         attempts = [c.attempt for c in unit.accounts.values()]
         return self.start_actor(self.store.url, self.store.storage_options, [j.expert for j in unit.jobs], attempts,
                                 r.num_gpus, r.num_cpus, name=actor_name(self.campaign_id, unit.name, attempts[0]),
-                                placement=r.placement, requested_at=time.time(), granted=unit.granted, previous=unit.previous)
+                                placement=r.placement, requested_at=time.time(), granted=unit.granted, previous=unit.previous,
+                                lease_generation=self.lease.generation if self.lease else None)
 
     def _collect(self, uid: int, ref, result=None) -> list[Action]:
         if result is None:
@@ -215,10 +221,11 @@ class Driver:
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
-            with self.store.batch(background=True):
+            # a SIGINT/SIGTERM only sets STOP.requested here: the loop ends between two results, with the state whole
+            with STOP.cooperative(), self.store.batch(background=True):
                 flushed = time.monotonic()
                 try:
-                    while not self.sched.finished:
+                    while not self.sched.finished and STOP.requested is None:
                         self._sweep()
                         if time.monotonic() - flushed >= FLUSH_S:
                             self.store.flush(wait=False)
@@ -226,10 +233,18 @@ class Driver:
                         if self.show:
                             self._show(bar, overall, tasks, targets)
                         self._report()
+                except LeaseLost:
+                    self.stopped = "lease lost"
+                    raise
                 finally:
                     for actor in self.actors.values():      # on an error in the loop, leave no actor behind
                         ray.kill(actor, no_restart=True)
-                    self._last_report()
+                    if STOP.requested is not None and self.stopped is None:
+                        self.stopped = Stopped(STOP.requested).name
+                    if self.stopped == "lease lost":        # a fenced driver writes nothing more
+                        self._writer.close()
+                    else:
+                        self._last_report()
         self._write_curves()
         if self.sched.book.expert_s is not None:
             self._say_overruns()
@@ -257,7 +272,15 @@ class Driver:
         order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
         return build(self.cfg, self.store.url, {n: rows[n] for n in order if n in rows}, self.sched.by_category,
                      self.sched.by_device, started_at=self.started_at, rate=self._rate(), final=final, source="driver",
-                     running={j.name for j in self.jobs})
+                     running={j.name for j in self.jobs}, driver=self._driver_info())
+
+    def _driver_info(self) -> dict:
+        """Who writes this snapshot, and whether it stopped before its jobs ended (then its in-flight jobs show as
+        `interrupted`, not `running`: nothing runs them until the next resume)."""
+        holder = self.lease.record.holder if self.lease and self.lease.record else None
+        return {"state": "stopped" if self.stopped else "running", "stopped_by": self.stopped,
+                "host": holder.host if holder else None, "pid": holder.pid if holder else None,
+                "lease_generation": self.lease.generation if self.lease else None}
 
     def _rate(self) -> float | None:
         """Updates per second of every job together over the last RATE_WINDOW_S (start-ups and queueing age out)."""
@@ -343,6 +366,7 @@ class Driver:
         bar.update(overall, completed=sum(steps.values()))
 
 
+@holding("soma launch")
 def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S) -> dict[str, str]:
     """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. Raises SomaError
     on bad input and JobsFailed when experts failed permanently."""

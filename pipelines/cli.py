@@ -8,9 +8,12 @@ from typing import Callable, Optional
 
 import typer
 
+from pipelines.campaign_lease import hold
 from pipelines.common import emit_json, load_config, open_store, out
+from pipelines.stopping import STOP, Stopped
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
 from soma_cluster.errors import JobsFailed, SomaError
+from soma_cluster.lease import LeaseLost
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
                   "Data (tables, results, --json) goes to stdout; logs and progress to stderr.")
@@ -71,19 +74,31 @@ QuietOpt = typer.Option(False, "--no-progress", help="no progress bars: one summ
                         "(also when stderr is not a terminal)")
 LogEveryOpt = typer.Option(30.0, "--log-every", callback=_check_positive, help="seconds between summary lines without a progress bar")
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in the README)")
+TakeOverOpt = typer.Option(False, "--take-over", help="if another driver holds the campaign, wait for its lease to lapse "
+                           "(SOMA_LEASE_TTL_S, 30 s by default) and take over; a driver that still renews it is never displaced")
 
 
 def _run(fn: Callable[[], None]) -> None:
     """Exit codes: 0 the command really succeeded; 2 bad input (one `error:` line naming the thing and the fix);
-    3 a campaign ran but jobs failed permanently (their retries spent); 1 a bug (a traceback)."""
+    3 a campaign ran but jobs failed permanently (their retries spent); 4 the driver stopped because another driver
+    took the campaign over (its lease lost); 130 / 143 stopped by SIGINT / SIGTERM (final status written, lease
+    released: soma resume continues); 1 a bug (a traceback)."""
+    STOP.install()
     try:
         fn()
+    except LeaseLost as exc:
+        print(f"error: {exc}", file=sys.stderr)
+        raise typer.Exit(LeaseLost.exit_code) from None
     except SomaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
     except JobsFailed as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(JobsFailed.exit_code) from None
+    except Stopped as exc:
+        print(f"stopped: {exc.name}; the campaign's state is written and its lease released; soma resume continues it",
+              file=sys.stderr)
+        raise typer.Exit(exc.exit_code) from None
 
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
@@ -101,47 +116,53 @@ def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpu
 
 @app.command()
 def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = ConfigOpt, set: Optional[list[str]] = SetOpt,
-            corpus: Optional[str] = CorpusOpt, experts: Optional[int] = ExpertsOpt, address: Optional[str] = AddressOpt) -> None:
+            corpus: Optional[str] = CorpusOpt, experts: Optional[int] = ExpertsOpt, address: Optional[str] = AddressOpt,
+            take_over: bool = TakeOverOpt) -> None:
     """Build the corpus, fit the router and write one Arrow shard per expert under CAMPAIGN (prepare.engine=ray, the
     default with --address: on the cluster's CPU workers with Ray Data)."""
     def go() -> None:
         from pipelines.prepare import prepare as run
-        run(open_store(campaign), _config(preset, config, set, corpus, experts), address)
+        store, cfg = open_store(campaign), _config(preset, config, set, corpus, experts)
+        with hold(store, "soma prepare", take_over):
+            run(store, cfg, address)
     _run(go)
 
 
 @app.command()
-def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
+def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
+         take_over: bool = TakeOverOpt) -> None:
     """Train the seed model (N = 1) on the whole corpus."""
     def go() -> None:
         from pipelines.raysession import ray_session
         from pipelines.seed import train_seed
         store = open_store(campaign)
         cfg = load_config(store)
-        with ray_session(cfg, address):
+        with hold(store, "soma seed", take_over), ray_session(cfg, address):
             train_seed(store, cfg, not no_progress, log_every)
     _run(go)
 
 
-def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float) -> None:
+def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float, command: str, take_over: bool) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
     store = open_store(campaign)
     cfg = load_config(store)
-    with ray_session(cfg, address):
+    with hold(store, command, take_over), ray_session(cfg, address):
         run(store, cfg, not no_progress, log_every)
 
 
 @app.command()
-def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
+def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
+           take_over: bool = TakeOverOpt) -> None:
     """Train one expert actor per shard; finished experts are never retrained."""
-    _run(lambda: _launch(campaign, address, no_progress, log_every))
+    _run(lambda: _launch(campaign, address, no_progress, log_every, "soma launch", take_over))
 
 
 @app.command()
-def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
+def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
+           take_over: bool = TakeOverOpt) -> None:
     """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash)."""
-    _run(lambda: _launch(campaign, address, no_progress, log_every))
+    _run(lambda: _launch(campaign, address, no_progress, log_every, "soma resume", take_over))
 
 
 @app.command("eval")
@@ -186,7 +207,7 @@ def status(campaign: str, as_json: bool = JsonOpt,
     """Every job's state, step/target, expert-val loss, GPU-hours, budget left, retries, node, device and last error,
     with counts by state, GPU-hours by category and an ETA (from the snapshot the driver writes)."""
     def go() -> None:
-        from pipelines.status import load_status, print_full, render
+        from pipelines.status import load_status, print_full, render, stopped
         store = open_store(campaign)
         cfg = load_config(store)
         shown = 0
@@ -199,7 +220,7 @@ def status(campaign: str, as_json: bool = JsonOpt,
                     out.clear()
                 print_full(out, render(snap))
             shown += 1
-            done = snap["final"] or snap["stale"] or snap["source"] != "driver"
+            done = snap["final"] or snap["stale"] or snap["source"] != "driver" or stopped(snap)
             if not watch or done or (count and shown >= count):
                 return
             time.sleep(interval)
@@ -248,7 +269,7 @@ def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", hel
 
 @app.command()
 def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, set: Optional[list[str]] = SetOpt,
-         address: Optional[str] = AddressOpt) -> None:
+         address: Optional[str] = AddressOpt, take_over: bool = TakeOverOpt) -> None:
     """prepare -> seed -> launch -> eval on a preset (tiny by default), then print where the report is."""
     def go() -> None:
         from pipelines.campaign import launch as run_launch
@@ -259,11 +280,12 @@ def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, s
         t0 = time.monotonic()
         store = open_store(campaign)
         cfg = _config(preset, None, set, None, None)
-        run_prepare(store, cfg, address)
-        with ray_session(cfg, address):
-            train_seed(store, cfg)
-            run_launch(store, cfg)
-        m = run_eval(store, cfg)
+        with hold(store, "soma demo", take_over):
+            run_prepare(store, cfg, address)
+            with ray_session(cfg, address):
+                train_seed(store, cfg)
+                run_launch(store, cfg)
+            m = run_eval(store, cfg)
         out.print(f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
                       f"vs seed {m['seed']['nats_per_byte']:.4f} vs uniform {m['uniform']['nats_per_byte']:.4f}")
         out.print(f"report: {store.url}/eval/report.md")

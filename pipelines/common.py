@@ -11,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 from soma_cluster.config import CONFIG_FILE as CONFIG
 from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
 from soma_cluster.errors import SomaError
+from soma_cluster.lease import LEASE_FILES
 from soma_cluster.storage import Store, storage_options_from_env
 
 console = Console(stderr=True, highlight=False)     # logs and progress: stderr
@@ -43,12 +44,18 @@ def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> boo
         if existing.digest() != cfg.digest():
             raise SomaError(f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); use a new campaign URL")
         return True
-    if store.listdir(""):
+    if contents(store):
         raise SomaError(f"{store.url} is not empty and holds no {CONFIG}; choose an empty or new directory")
     store.require_bucket()      # s3://: a missing bucket is found before any data is read, not at the first write
     if write:
         store.write_new(CONFIG, to_yaml_text(cfg).encode())
     return False
+
+
+def contents(store: Store) -> list[str]:
+    """The names at the campaign's root, less the driver lease's files (a lease taken on an empty directory does not
+    make it a campaign)."""
+    return [n for n in store.listdir("") if n not in LEASE_FILES]
 
 
 @contextmanager

@@ -9,6 +9,7 @@ with only training-side sections changed (train, spsa, eggroll, bptt, budget, re
 """
 from __future__ import annotations
 
+from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, load_config
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
@@ -33,6 +34,7 @@ def fork_config(parent: CampaignConfig, child: CampaignConfig) -> None:
                         f"change only {', '.join(k for k in a if k not in FIXED and k not in ('name', 'preset'))}")
 
 
+@holding("soma fork", "child")
 def fork(parent: Store, child: Store, cfg: CampaignConfig) -> dict:
     """Make `child` a campaign that starts where `parent`'s experts start. Idempotent for the same config."""
     pcfg = load_config(parent)

@@ -16,6 +16,7 @@ from typing import Protocol
 
 import numpy as np
 
+from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, progress
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Part, describe_counts, describe_skipped, no_text_error, plan_parts
@@ -145,6 +146,7 @@ def resolve_engine(cfg: CampaignConfig, address: str | None) -> str:
     return "ray" if address or os.environ.get("RAY_ADDRESS") else "local"
 
 
+@holding("soma prepare")
 def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> dict:
     """Run the stage; returns the shard summary. Idempotent for the same config, refuses another. The engine is
     cfg.prepare.engine (auto: ray when a Ray address is given)."""

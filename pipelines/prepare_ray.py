@@ -28,7 +28,7 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from pipelines.common import claim_campaign, console, open_store
+from pipelines.common import claim_campaign, console, contents, open_store
 from pipelines.prepare import prepare_with
 from pipelines.raysession import ray_session
 from soma_cluster.config import CampaignConfig
@@ -233,7 +233,7 @@ def prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> di
     except BaseException:
         store.remove_tree(STAGING)
         if not existed:
-            for name in store.listdir(""):
+            for name in contents(store):         # the lease stays: its holder releases it
                 store.remove_tree(name)
         raise
     store.remove_tree(STAGING)

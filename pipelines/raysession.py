@@ -1,14 +1,23 @@
 """Connect to a Ray cluster, or start a local one with logical GPUs on loopback only."""
 from __future__ import annotations
 
+import glob
+import json
 import os
+import re
+import shutil
 import socket
 import tempfile
+import time
 from contextlib import contextmanager
 from typing import Iterator
 
+import psutil
+
+from pipelines.stopping import STOP
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
+from soma_cluster.lease import process_alive
 
 # a local Ray (tests, the demo): every process on 127.0.0.1 (SPEC section 10), no token, no usage stats.
 # None of this applies to a remote cluster: its own auth mode (e.g. RAY_AUTH_MODE=token) must stand
@@ -17,6 +26,10 @@ LOCAL_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
+RAY_TMP = "/tmp"        # not $TMPDIR: Ray's socket paths must stay under the 107-byte limit of a Unix socket name
+PREFIX = "soma-ray-"
+OWNER = "soma-owner.json"   # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
+REAP_GRACE_S = 5.0      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
 PROBE_S = 10.0          # an address nothing answers at fails in this long (Ray itself retries for minutes)
 
 
@@ -62,13 +75,66 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
     if ray.is_initialized():
         yield
         return
-    if remote:
-        _connect(remote)
-    else:
-        tmp = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")
-        ray.init(num_gpus=cfg.resources.local_gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                 _temp_dir=tmp, log_to_driver=True, logging_level="WARNING")
+    tmp = None
     try:
+        if remote:
+            _connect(remote)
+        else:
+            clean_leftovers()
+            tmp = tempfile.mkdtemp(prefix=PREFIX, dir=RAY_TMP)
+            with open(os.path.join(tmp, OWNER), "w") as fh:
+                json.dump({"pid": os.getpid(), "started": psutil.Process().create_time()}, fh)
+            ray.init(num_gpus=cfg.resources.local_gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                     _temp_dir=tmp, log_to_driver=True, logging_level="WARNING")
+        STOP.install()              # ray.init installed its own SIGTERM handler (sys.exit, a stack dump)
         yield
     finally:
         ray.shutdown()
+        if tmp is not None:
+            reap(tmp)
+
+
+def _users_of(directory: str) -> list[psutil.Process]:
+    """Processes whose command line names `directory` (a local Ray's GCS, raylet, agents and workers all do)."""
+    found, named = [], re.compile(re.escape(directory) + r"(?![\w.-])")     # not a longer name it is the start of
+    for p in psutil.process_iter(["cmdline"]):
+        try:
+            if p.pid != os.getpid() and any(named.search(a) for a in p.info["cmdline"] or ()):
+                found.append(p)
+        except (psutil.NoSuchProcess, psutil.AccessDenied):
+            continue
+    return found
+
+
+def reap(directory: str, grace_s: float = REAP_GRACE_S) -> None:
+    """After ray.shutdown(): the local Ray's processes gone (SIGKILL after `grace_s`) and its temporary directory
+    removed, so nothing of this command outlives it."""
+    procs = _users_of(directory)
+    _, alive = psutil.wait_procs(procs, timeout=grace_s)
+    for p in alive:
+        try:
+            p.kill()
+        except psutil.NoSuchProcess:
+            pass
+    psutil.wait_procs(alive, timeout=grace_s)
+    shutil.rmtree(directory, ignore_errors=True)
+
+
+def clean_leftovers(root: str = RAY_TMP) -> list[str]:
+    """What an earlier command's local Ray left when that command was SIGKILLed (or the host lost power): its
+    directories whose owner is gone, with any process still using them. A directory without an owner file (an
+    older soma's) goes once nothing uses it and it is an hour old. Returns the directories removed."""
+    removed = []
+    for d in glob.glob(os.path.join(root, PREFIX + "*")):
+        try:
+            with open(os.path.join(d, OWNER)) as fh:
+                owner = json.load(fh)
+            gone = not process_alive(int(owner["pid"]), float(owner["started"]))
+        except FileNotFoundError:
+            gone = time.time() - os.path.getmtime(d) > 3600 and not _users_of(d)
+        except (OSError, ValueError, KeyError, TypeError):
+            continue
+        if gone:
+            reap(d, grace_s=1.0)
+            removed.append(d)
+    return removed

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 from pipelines.campaign import LOG_EVERY_S, Driver, raise_failures
+from pipelines.campaign_lease import holding
 from pipelines.common import console
 from pipelines.reopen import reopen_unverified
 from soma_cluster.config import CampaignConfig
@@ -11,6 +12,7 @@ from soma_cluster.schedule import SEED_JOB
 from soma_cluster.storage import Store
 
 
+@holding("soma seed")
 def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S) -> str:
     if not store.exists("shards/manifest.json"):
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")

@@ -31,9 +31,15 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
         snap = build(cfg, store.url, rows, totals.gpu_seconds, totals.devices, started_at=None, rate=None,
                      final=False, source="events")
         snap["eta_s"] = None
-    snap["stale"] = snap["source"] == "driver" and not snap["final"] and time.time() - snap["written_at"] > STALE_S
+    snap["stale"] = (snap["source"] == "driver" and not snap["final"] and not stopped(snap)
+                     and time.time() - snap["written_at"] > STALE_S)
     snap["plan_vs_actual"] = plan_vs_actual(store, snap) if store.exists(PLAN) else None
     return snap
+
+
+def stopped(snap: dict) -> bool:
+    """The driver wrote this snapshot as it stopped before its jobs ended (a signal, its lease lost): its last word."""
+    return (snap.get("driver") or {}).get("state") == "stopped"
 
 
 def plan_vs_actual(store: Store, snap: dict) -> dict | None:
@@ -81,7 +87,11 @@ def header(snap: dict) -> Text:
         lines.append("from the events log (no status.json: a campaign from before snapshots, or never launched)")
     else:
         age = time.time() - snap["written_at"]
-        lines.append(f"snapshot {age:.0f} s old" + (", the driver's last" if snap["final"] else "")
+        if stopped(snap):
+            d = snap["driver"]
+            lines.append(f"the driver (pid {d['pid']} on {d['host']}) STOPPED ({d['stopped_by']}) {fmt_duration(age)} ago with "
+                         f"jobs unfinished; soma resume {snap['campaign']} continues them")
+        lines.append(f"snapshot {age:.0f} s old" + (", the driver's last" if snap["final"] or stopped(snap) else "")
                      + (f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
                         if snap["stale"] else ""))
     lines.append("jobs: " + (", ".join(f"{n} {s}" for s, n in snap["counts"].items()) or "none"))
@@ -89,7 +99,7 @@ def header(snap: dict) -> Text:
     b = snap["budget"]
     caps = ", ".join(f"{k.replace('_gpu_hours', '')} cap {v}" for k, v in b.items() if v is not None)
     lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps})" if caps else ""))
-    if not snap["final"] and snap["source"] == "driver":
+    if not snap["final"] and not stopped(snap) and snap["source"] == "driver":
         lines.append(f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA " + ("-" if snap["eta_s"] is None else fmt_duration(snap["eta_s"])))
     return Text("\n".join(lines))
 

@@ -18,8 +18,10 @@ from soma_cluster.schedule import SEED_JOB, Job, JobView, Scheduler, expert_jobs
 SNAPSHOT = "status.json"
 SCHEMA = 1
 # pending: no driver has asked Ray for it yet; queued: asked of Ray, waiting for a GPU share; retrying: failed,
-# waiting out its backoff or queued again; preempted: its node was reclaimed, rescheduled without spending a retry
-STATES = ("pending", "queued", "running", "retrying", "preempted") + TERMINAL
+# waiting out its backoff or queued again; preempted: its node was reclaimed, rescheduled without spending a retry;
+# interrupted: in flight when its driver stopped (a signal), so nothing runs it until `soma resume`
+STATES = ("pending", "queued", "running", "retrying", "preempted", "interrupted") + TERMINAL
+IN_FLIGHT = ("queued", "running", "retrying", "preempted")
 
 
 def target(cfg: CampaignConfig, job: Job) -> int:
@@ -95,19 +97,22 @@ def eta_s(rows: list[dict], rate: float | None) -> float | None:
 
 
 def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: dict[str, float], devices: dict[str, float],
-          *, started_at: float | None, rate: float | None, final: bool, source: str, running: set[str] | None = None) -> dict:
+          *, started_at: float | None, rate: float | None, final: bool, source: str, running: set[str] | None = None,
+          driver: dict | None = None) -> dict:
     """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
-    `running` (the driver's own; all by default) at `rate` updates per second."""
+    `running` (the driver's own; all by default) at `rate` updates per second. `driver` says who wrote it and whether
+    it stopped before its jobs ended: then the jobs it had in flight are `interrupted`."""
     now = time.time()
-    listed = list(rows.values())
+    stopped = bool(driver and driver.get("state") == "stopped")
+    listed = [{**r, "state": "interrupted"} if stopped and r["state"] in IN_FLIGHT else r for r in rows.values()]
     elapsed = now - started_at if started_at is not None else 0.0
     hours = {c: by_category_s.get(c, 0.0) / 3600.0 for c in CATEGORIES}
     return {"schema": SCHEMA, "source": source, "campaign": url, "name": cfg.name, "preset": cfg.preset, "written_at": now,
             "driver_started_at": started_at, "elapsed_s": elapsed, "final": final,
             "unit": hours_unit(devices), "counts": counts(listed), "gpu_hours": hours, "gpu_hours_total": sum(hours.values()),
             "budget": {"expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours},
-            "eta_s": None if final else eta_s([r for r in listed if running is None or r["job"] in running], rate),
-            "jobs": listed}
+            "eta_s": None if final or stopped else eta_s([r for r in listed if running is None or r["job"] in running], rate),
+            "driver": driver, "jobs": listed}
 
 
 def summary_line(snap: dict) -> str:

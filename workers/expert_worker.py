@@ -28,6 +28,7 @@ import torch
 from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig, load_campaign_config
 from soma_cluster.errors import DeviceError
+from soma_cluster.lease import WorkerFence
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.model import init_body, init_head
 from soma_cluster.schedule import SEED_JOB, Job
@@ -135,13 +136,15 @@ class ExpertWorker:
 
     def __init__(self, campaign_url: str, storage_options: dict, experts: list[int | None], attempts: list[int],
                  num_gpus: float, requested_at: float | None = None, granted: bool = False,
-                 previous: tuple[Incarnation, ...] = ()):
+                 previous: tuple[Incarnation, ...] = (), lease_generation: int | None = None):
         now_wall, now = time.time(), time.monotonic()
         self.held_from = held_from(requested_at, granted, now_wall)
         self.t0 = self._tick_at = now - (now_wall - self.held_from)
         self.process = Incarnation(ray.get_runtime_context().get_node_id() if ray.is_initialized() else None, os.getpid(),
                                    psutil.Process().create_time())
         self.store = Store(campaign_url, storage_options)
+        if lease_generation is not None:        # a checkpoint of a driver that lost the campaign is never written
+            self.store.fence = WorkerFence(self.store, lease_generation)
         self.jobs, self.attempts, self.previous = [Job(e) for e in experts], list(attempts), tuple(previous)
         self.num_gpus = num_gpus
         self.held = dict.fromkeys(self.jobs, 0.0)       # wall seconds attributed to each job

@@ -1,0 +1,78 @@
+"""The driver lease (soma_cluster/lease.py) held for a command: acquired on entry, renewed by a thread,
+fencing every write of the campaign's Store, released on the way out however the command ends.
+
+Re-entrant within a process: `soma demo` runs prepare, seed and launch under one lease, and a pipeline
+function that takes the lease itself (for library callers such as `soma experiment`) reuses the one its CLI
+command already holds.
+"""
+from __future__ import annotations
+
+import errno
+import functools
+import inspect
+import os
+from contextlib import contextmanager
+from typing import Iterator
+
+from soma_cluster.errors import SomaError
+from soma_cluster.lease import LEASE, Lease, lease_ttl_s
+from soma_cluster.storage import Store
+
+_held: dict[str, tuple[Lease, int]] = {}        # campaign URL -> (its lease, how many holders in this process)
+
+
+@contextmanager
+def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]:
+    """Hold `store`'s campaign for `command` (LeaseHeld if another live driver holds it; with take_over, wait up
+    to its ttl for its lease to lapse)."""
+    lease, count = _held.get(store.url, (None, 0))
+    if lease is None:
+        store.require_bucket()
+        lease = Lease(store, command)
+        try:
+            lease.acquire(wait_s=lease.ttl_s + 5.0 if take_over else 0.0)
+        except OSError as exc:
+            raise SomaError(f"cannot take the driver lease {store.url}/{LEASE}: {_why(exc)}; a command that writes the "
+                            f"campaign needs a writable directory with free space") from None
+        lease.start_renewing()
+    _held[store.url] = (lease, count + 1)
+    before = store.fence
+    store.fence = lease.check
+    try:
+        yield lease
+    finally:
+        store.fence = before
+        lease, count = _held[store.url]
+        if count == 1:
+            del _held[store.url]
+            lease.release()
+        else:
+            _held[store.url] = (lease, count - 1)
+
+
+def held(url: str) -> Lease | None:
+    """This process's lease on the campaign at `url`, if it holds one."""
+    entry = _held.get(url.rstrip("/"))
+    return entry[0] if entry else None
+
+
+def _why(exc: OSError) -> str:
+    name = errno.errorcode.get(exc.errno or 0, "")
+    return f"{os.strerror(exc.errno)} ({name})" if exc.errno else str(exc)
+
+
+
+
+
+def holding(command: str, store_arg: str = "store"):
+    """A pipeline function that writes a campaign holds its lease while it runs (re-entrant, see `hold`): the
+    function's argument `store_arg` names the campaign."""
+    def wrap(fn):
+        params = inspect.signature(fn)
+
+        @functools.wraps(fn)
+        def held_call(*args, **kwargs):
+            with hold(params.bind(*args, **kwargs).arguments[store_arg], command):
+                return fn(*args, **kwargs)
+        return held_call
+    return wrap

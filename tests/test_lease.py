@@ -1,0 +1,188 @@
+"""The driver lease without Ray: who may take a campaign, compare-and-swap on a filesystem and on a real S3 server
+process (moto), expiry and take-over, the fence on every write, and a dead holder replaced at once."""
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+from dataclasses import replace
+
+import pytest
+
+from s3server import s3  # noqa: F401
+from soma_cluster.lease import (LEASE, Holder, Lease, LeaseHeld, LeaseLost, LeaseRecord, Verdict, WorkerFence, judge,
+                                lease_ttl_s, process_alive)
+from soma_cluster.errors import SomaError
+from soma_cluster.storage import Store, VersionConflict
+
+HERE = Holder("host-a", 100, 1000.0, "boot-1", "soma launch")
+
+
+class Clock:
+    def __init__(self, t: float = 1000.0):
+        self.t = t
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def record(holder=HERE, renewed_at=1000.0, ttl_s=30.0, released=False) -> LeaseRecord:
+    return LeaseRecord(1, "tok", holder, renewed_at, renewed_at, ttl_s, released)
+
+
+def test_judge_every_verdict():
+    def alive(pid, started):
+        return pid == 100
+    assert judge(None, 1000.0, HERE, alive) is Verdict.FREE
+    assert judge(record(released=True), 1000.0, HERE, alive) is Verdict.RELEASED
+    assert judge(record(), 1010.0, HERE, alive) is Verdict.HELD
+    assert judge(record(), 1031.0, HERE, alive) is Verdict.EXPIRED
+    dead = replace(HERE, pid=200)
+    assert judge(record(dead), 1001.0, HERE, alive) is Verdict.DEAD
+    # another host, or this host in an earlier boot: its pids say nothing here, only expiry frees it
+    assert judge(record(replace(dead, host="host-b")), 1001.0, HERE, alive) is Verdict.HELD
+    assert judge(record(replace(dead, boot_id="boot-0")), 1001.0, HERE, alive) is Verdict.HELD
+
+
+def test_process_alive_tells_a_reused_pid_from_the_holder():
+    me = Holder.here("x")
+    assert process_alive(me.pid, me.started)
+    assert not process_alive(me.pid, me.started - 100.0)
+    assert not process_alive(2 ** 22 + 7, 0.0)
+
+
+@pytest.mark.parametrize("raw", ["", "abc", "nan", "-1", "2", "1e9"])
+def test_lease_ttl_rejects_bad_values(raw):
+    if raw == "":
+        assert lease_ttl_s({"SOMA_LEASE_TTL_S": raw}) == 30.0
+        return
+    with pytest.raises(SomaError, match="SOMA_LEASE_TTL_S"):
+        lease_ttl_s({"SOMA_LEASE_TTL_S": raw})
+
+
+def test_write_if_is_compare_and_swap_on_a_filesystem(tmp_path):
+    store = Store(str(tmp_path / "c"))
+    v1 = store.write_if("x.json", b"1", None)
+    with pytest.raises(VersionConflict):
+        store.write_if("x.json", b"2", None)             # create-only: it exists
+    v2 = store.write_if("x.json", b"2", v1)
+    with pytest.raises(VersionConflict):
+        store.write_if("x.json", b"3", v1)               # stale version
+    assert store.read_versioned("x.json") == (b"2", v2)
+
+
+def test_write_if_has_one_winner_among_racing_threads(tmp_path):
+    store = Store(str(tmp_path / "c"))
+    v0 = store.write_if("x.json", b"0", None)
+    wins = []
+
+    def race(i: int) -> None:
+        try:
+            store.write_if("x.json", str(i).encode(), v0)
+            wins.append(i)
+        except VersionConflict:
+            pass
+    threads = [threading.Thread(target=race, args=(i,)) for i in range(1, 9)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(10)
+    assert len(wins) == 1 and store.read_versioned("x.json")[0] == str(wins[0]).encode()
+
+
+def test_second_driver_refused_then_takes_over_after_expiry_and_fences_the_first(tmp_path):
+    store_a, store_b = Store(str(tmp_path / "c")), Store(str(tmp_path / "c"))
+    mono_a, wall = Clock(0.0), Clock(1000.0)
+    a = Lease(store_a, "soma launch", ttl_s=30.0, clock=mono_a, wall=wall)
+    a.acquire()
+    store_a.fence = a.check
+    store_a.write_bytes("a.txt", b"1")
+    b = Lease(store_b, "soma resume", ttl_s=30.0, clock=Clock(0.0), wall=wall)
+    with pytest.raises(LeaseHeld, match=f"pid {os.getpid()} on .*--take-over"):
+        b.acquire()
+    wall.t += 25.0
+    mono_a.t += 25.0                      # a renews (past ttl - margin = 20 s, its fence renews first)
+    store_a.write_bytes("a.txt", b"2")
+    assert a.record.renewed_at == 1025.0
+    wall.t += 31.0                        # a is paused: no renewal for longer than the ttl
+    assert b.acquire().generation == 2
+    mono_a.t += 31.0                      # a wakes up: its fence renews, finds generation 2, and writes nothing
+    with pytest.raises(LeaseLost, match=r"lost .*\(generation 2\)"):
+        store_a.write_bytes("a.txt", b"3")
+    with pytest.raises(LeaseLost):
+        store_a.append("events.jsonl", {"event": "x"})
+    assert (tmp_path / "c" / "a.txt").read_bytes() == b"2" and not (tmp_path / "c" / "events.jsonl").exists()
+    a.release()                           # a lost lease is left to its new holder
+    assert LeaseRecord.from_bytes(store_b.read_versioned(LEASE)[0], "").generation == 2
+    b.release()
+    rec = LeaseRecord.from_bytes(store_b.read_versioned(LEASE)[0], "")
+    assert rec.released and rec.generation == 2
+    c = Lease(Store(str(tmp_path / "c")), "soma launch", ttl_s=30.0)
+    assert c.acquire().generation == 3    # a released lease is taken at once
+
+
+def test_worker_fence_stops_writes_of_an_older_generation(tmp_path):
+    store = Store(str(tmp_path / "c"))
+    first = Lease(store, "soma launch", ttl_s=30.0)
+    first.acquire()
+    worker = Store(str(tmp_path / "c"))
+    worker.fence = WorkerFence(worker, first.generation)
+    worker.write_bytes("ok.json", b"{}")
+    first.release()
+    Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=30.0).acquire()
+    worker.fence = WorkerFence(worker, first.generation)
+    with pytest.raises(LeaseLost, match=r"generation 1\).*now 2"):
+        worker.write_bytes("late.json", b"{}")
+    assert not (tmp_path / "c" / "late.json").exists()
+
+
+def test_a_killed_holder_on_this_host_is_replaced_at_once(tmp_path):
+    code = ("import sys, time; from soma_cluster.storage import Store; from soma_cluster.lease import Lease;"
+            "Lease(Store(sys.argv[1]), 'soma launch', ttl_s=3600.0).acquire(); print('held', flush=True); time.sleep(600)")
+    proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "held"
+        with pytest.raises(LeaseHeld, match=f"pid {proc.pid}"):
+            Lease(Store(str(tmp_path / "c")), "soma resume").acquire()
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        assert Lease(Store(str(tmp_path / "c")), "soma resume").acquire().generation == 2
+    finally:
+        proc.kill()
+        proc.wait(10)
+
+
+def test_corrupt_lease_is_one_clear_error(tmp_path):
+    (tmp_path / "c").mkdir()
+    (tmp_path / "c" / LEASE).write_bytes(b"{not json")
+    with pytest.raises(SomaError, match="not a soma driver lease .* delete it"):
+        Lease(Store(str(tmp_path / "c")), "soma launch").acquire()
+
+
+def test_lease_on_a_real_s3_server(s3):  # noqa: F811
+    url = s3.url("lease-campaign")
+    store_a, store_b = Store(url, s3.storage_options()), Store(url, s3.storage_options())
+    # conditional PUTs as the server enforces them
+    v1 = store_a.write_if("x.json", b"1", None)
+    with pytest.raises(VersionConflict):
+        store_b.write_if("x.json", b"2", None)
+    v2 = store_b.write_if("x.json", b"2", v1)
+    with pytest.raises(VersionConflict):
+        store_a.write_if("x.json", b"3", v1)
+    assert store_a.read_versioned("x.json") == (b"2", v2)
+    # the lease itself: refused while held, taken after expiry, the first driver fenced
+    mono_a, wall = Clock(0.0), Clock(1000.0)
+    a = Lease(store_a, "soma launch", ttl_s=30.0, clock=mono_a, wall=wall)
+    a.acquire()
+    store_a.fence = a.check
+    b = Lease(store_b, "soma launch", ttl_s=30.0, clock=Clock(0.0), wall=wall)
+    with pytest.raises(LeaseHeld):
+        b.acquire()
+    wall.t += 40.0
+    assert b.acquire().generation == 2
+    mono_a.t += 40.0
+    with pytest.raises(LeaseLost):
+        store_a.append("events.jsonl", {"event": "late"})
+    assert store_b.walk("events.jsonl.d") == []
