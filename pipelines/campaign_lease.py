@@ -14,8 +14,10 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+from pipelines.common import contents
+from soma_cluster.config import CONFIG_FILE
 from soma_cluster.errors import SomaError
-from soma_cluster.lease import LEASE, Lease, lease_ttl_s
+from soma_cluster.lease import LEASE, Lease
 from soma_cluster.storage import Store
 
 _held: dict[str, tuple[Lease, int]] = {}        # campaign URL -> (its lease, how many holders in this process)
@@ -26,8 +28,11 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
     """Hold `store`'s campaign for `command` (LeaseHeld if another live driver holds it; with take_over, wait up
     to its ttl for its lease to lapse)."""
     lease, count = _held.get(store.url, (None, 0))
+    new = False
     if lease is None:
         store.require_bucket()
+        _refuse_foreign(store)
+        new = store.local and not os.path.isdir(store.root)
         lease = Lease(store, command)
         try:
             lease.acquire(wait_s=lease.ttl_s + 5.0 if take_over else 0.0)
@@ -46,8 +51,16 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
         if count == 1:
             del _held[store.url]
             lease.release()
+            if new and not contents(store):     # refused or undone in a directory that was not there: leave none
+                lease.forget()
         else:
             _held[store.url] = (lease, count - 1)
+
+
+def _refuse_foreign(store: Store) -> None:
+    """A lease goes only into a campaign, or a directory that is empty or new: never among someone else's files."""
+    if not store.exists(CONFIG_FILE) and contents(store):
+        raise SomaError(f"{store.url} is not empty and holds no {CONFIG_FILE}; choose an empty or new directory")
 
 
 def held(url: str) -> Lease | None:
@@ -59,9 +72,6 @@ def held(url: str) -> Lease | None:
 def _why(exc: OSError) -> str:
     name = errno.errorcode.get(exc.errno or 0, "")
     return f"{os.strerror(exc.errno)} ({name})" if exc.errno else str(exc)
-
-
-
 
 
 def holding(command: str, store_arg: str = "store"):

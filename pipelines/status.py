@@ -12,6 +12,7 @@ from rich.text import Text
 
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import TERMINAL, history
+from soma_cluster.lease import LEASE, LeaseRecord
 from soma_cluster.ledger import Ledger
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
@@ -34,7 +35,19 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
     snap["stale"] = (snap["source"] == "driver" and not snap["final"] and not stopped(snap)
                      and time.time() - snap["written_at"] > STALE_S)
     snap["plan_vs_actual"] = plan_vs_actual(store, snap) if store.exists(PLAN) else None
+    snap["lease"] = lease_view(store)
     return snap
+
+
+def lease_view(store: Store) -> dict | None:
+    """Who holds the campaign now (the driver lease), for the header and --json; None if no driver ever took it."""
+    found = store.read_versioned(LEASE)
+    if found is None:
+        return None
+    rec = LeaseRecord.from_bytes(found[0], f"{store.url}/{LEASE}")
+    live = not rec.released and time.time() - rec.renewed_at <= rec.ttl_s
+    return {"held": live, "released": rec.released, "generation": rec.generation, "host": rec.holder.host,
+            "pid": rec.holder.pid, "command": rec.holder.command, "renewed_at": rec.renewed_at, "ttl_s": rec.ttl_s}
 
 
 def stopped(snap: dict) -> bool:
@@ -94,6 +107,10 @@ def header(snap: dict) -> Text:
         lines.append(f"snapshot {age:.0f} s old" + (", the driver's last" if snap["final"] or stopped(snap) else "")
                      + (f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
                         if snap["stale"] else ""))
+    lease = snap.get("lease")
+    if lease and lease["held"]:
+        lines.append(f"driver: {lease['command']!r}, pid {lease['pid']} on {lease['host']} holds the campaign "
+                     f"(lease renewed {max(0.0, time.time() - lease['renewed_at']):.0f} s ago)")
     lines.append("jobs: " + (", ".join(f"{n} {s}" for s, n in snap["counts"].items()) or "none"))
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0) or "nothing yet"
     b = snap["budget"]

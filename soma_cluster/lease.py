@@ -241,9 +241,18 @@ class Lease:
             if self._lost is not None or self.record is None:
                 return
             try:
-                self.store.write_if(LEASE, replace(self.record, released=True, renewed_at=self.wall()).to_bytes(), self._version)
+                self._version = self.store.write_if(LEASE, replace(self.record, released=True, renewed_at=self.wall()).to_bytes(),
+                                                    self._version)
             except VersionConflict:
-                pass
+                self._version = None
+
+
+    def forget(self) -> None:
+        """Delete the released lease (a command that leaves nothing behind in a directory it created), unless another
+        driver took it meanwhile."""
+        with self._lock:
+            if self._version is not None and self._lost is None:
+                self.store.remove_if(LEASE, self._version)
 
 
 class WorkerFence:

@@ -268,6 +268,25 @@ class Store:
         else:
             self._retry(f"write {rel}", lambda: self.fs.pipe_file(path, data))
 
+    def remove_if(self, rel: str, version: str) -> bool:
+        """On a filesystem: delete `rel` and its lock file if `rel` is still at `version`, then its directory if that
+        is left empty (a command that found no directory leaves none). Elsewhere nothing (S3 has no conditional
+        delete); returns whether it deleted."""
+        if not self.local:
+            return False
+        path = self.full(rel)
+        with _cas_locked(path) as lockpath:
+            found = self.read_versioned(rel)
+            if found is None or found[1] != version:
+                return False
+            os.unlink(path)
+            os.unlink(lockpath)            # lockers check that the file they locked is still this path's
+        try:
+            os.rmdir(os.path.dirname(path))
+        except OSError:
+            pass                           # not empty: someone else's now
+        return True
+
     # -- compare-and-swap (the driver lease) ---------------------------------------------------------------
     def read_versioned(self, rel: str) -> tuple[bytes, str] | None:
         """(bytes, version) of `rel`, None when absent. The version is what write_if compares: the content's
@@ -297,19 +316,11 @@ class Store:
         (If-None-Match: * / If-Match: ETag)."""
         path = self.full(rel)
         if self.local:
-            import fcntl
-            os.makedirs(os.path.dirname(path), exist_ok=True)
-            # lockf excludes other processes only (its locks are the process's, and closing any of its descriptors
-            # drops them): threads of this one take _CAS_LOCK first
-            with _CAS_LOCK, open(os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock"), "a+b") as lock:
-                fcntl.lockf(lock, fcntl.LOCK_EX)
-                try:
-                    found = self.read_versioned(rel)
-                    if (found[1] if found else None) != version:
-                        raise VersionConflict(rel)
-                    _replace_local(path, data)
-                finally:
-                    fcntl.lockf(lock, fcntl.LOCK_UN)
+            with _cas_locked(path):
+                found = self.read_versioned(rel)
+                if (found[1] if found else None) != version:
+                    raise VersionConflict(rel)
+                _replace_local(path, data)
             return sha256(data)
 
         def put() -> str:
@@ -607,6 +618,30 @@ def _replace_local(path: str, data: bytes) -> None:
         if os.path.exists(tmp):
             os.unlink(tmp)
         raise
+
+
+@contextmanager
+def _cas_locked(path: str) -> Iterator[str]:
+    """Hold `path`'s lock file (`.<name>.lock` beside it) exclusively. POSIX lockf excludes other processes only (its
+    locks are the process's, and closing any of its descriptors drops them), so threads of this one take _CAS_LOCK
+    first. A lock file unlinked by remove_if while this waited is not the lock any more: take the new one."""
+    import fcntl
+    lockpath = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
+    with _CAS_LOCK:
+        while True:
+            os.makedirs(os.path.dirname(path), exist_ok=True)
+            with open(lockpath, "a+b") as lock:
+                fcntl.lockf(lock, fcntl.LOCK_EX)
+                try:
+                    try:
+                        current = os.path.samestat(os.fstat(lock.fileno()), os.stat(lockpath))
+                    except FileNotFoundError:
+                        current = False
+                    if current:
+                        yield lockpath
+                        return
+                finally:
+                    fcntl.lockf(lock, fcntl.LOCK_UN)
 
 
 def _precondition_failed(exc: BaseException) -> bool:

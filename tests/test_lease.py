@@ -186,3 +186,26 @@ def test_lease_on_a_real_s3_server(s3):  # noqa: F811
     with pytest.raises(LeaseLost):
         store_a.append("events.jsonl", {"event": "late"})
     assert store_b.walk("events.jsonl.d") == []
+
+
+def test_a_refused_command_leaves_no_directory_behind(tmp_path):
+    from pipelines.campaign_lease import hold
+    store = Store(str(tmp_path / "new"))
+    with pytest.raises(SomaError):
+        with hold(store, "soma prepare"):
+            raise SomaError("refused")
+    assert not (tmp_path / "new").exists()
+    (tmp_path / "old").mkdir()
+    with hold(Store(str(tmp_path / "old")), "soma prepare"):
+        pass
+    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == [".driver-lease.json.lock", "driver-lease.json"]
+
+
+def test_a_lease_is_never_put_among_foreign_files(tmp_path):
+    from pipelines.campaign_lease import hold
+    (tmp_path / "docs").mkdir()
+    (tmp_path / "docs" / "thesis.txt").write_text("mine")
+    with pytest.raises(SomaError, match="not empty and holds no campaign.yaml"):
+        with hold(Store(str(tmp_path / "docs")), "soma prepare"):
+            pass
+    assert [p.name for p in (tmp_path / "docs").iterdir()] == ["thesis.txt"]
