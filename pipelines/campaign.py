@@ -272,13 +272,14 @@ class Driver:
         order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
         return build(self.cfg, self.store.url, {n: rows[n] for n in order if n in rows}, self.sched.by_category,
                      self.sched.by_device, started_at=self.started_at, rate=self._rate(), final=final, source="driver",
-                     running={j.name for j in self.jobs}, driver=self._driver_info())
+                     running={j.name for j in self.jobs}, driver=self._driver_info(final))
 
-    def _driver_info(self) -> dict:
-        """Who writes this snapshot, and whether it stopped before its jobs ended (then its in-flight jobs show as
-        `interrupted`, not `running`: nothing runs them until the next resume)."""
+    def _driver_info(self, final: bool) -> dict:
+        """Who writes this snapshot, and whether it is running, ended (its jobs all ended) or stopped before they did
+        (then its in-flight jobs show as `interrupted`, not `running`: nothing runs them until the next resume)."""
         holder = self.lease.record.holder if self.lease and self.lease.record else None
-        return {"state": "stopped" if self.stopped else "running", "stopped_by": self.stopped,
+        state = "stopped" if self.stopped else "ended" if final else "running"
+        return {"state": state, "stopped_by": self.stopped,
                 "host": holder.host if holder else None, "pid": holder.pid if holder else None,
                 "lease_generation": self.lease.generation if self.lease else None}
 

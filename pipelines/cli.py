@@ -9,7 +9,7 @@ from typing import Callable, Optional
 import typer
 
 from pipelines.campaign_lease import hold
-from pipelines.common import emit_json, load_config, open_store, out
+from pipelines.common import claim_campaign, emit_json, load_config, open_store, out
 from pipelines.stopping import STOP, Stopped
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
 from soma_cluster.errors import JobsFailed, SomaError
@@ -96,8 +96,8 @@ def _run(fn: Callable[[], None]) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(JobsFailed.exit_code) from None
     except Stopped as exc:
-        print(f"stopped: {exc.name}; the campaign's state is written and its lease released; soma resume continues it",
-              file=sys.stderr)
+        print(f"stopped: {exc.name}; what was done is kept and the campaign's lease released; run the same command again "
+              f"to continue (soma resume for a launch)", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
 
 
@@ -123,6 +123,7 @@ def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = Conf
     def go() -> None:
         from pipelines.prepare import prepare as run
         store, cfg = open_store(campaign), _config(preset, config, set, corpus, experts)
+        claim_campaign(store, cfg, write=False)       # another campaign's directory is refused before its lease is touched
         with hold(store, "soma prepare", take_over):
             run(store, cfg, address)
     _run(go)

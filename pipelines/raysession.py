@@ -78,20 +78,51 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
     tmp = None
     try:
         if remote:
-            _connect(remote)
+            with _ray_init_guard():
+                _connect(remote)
         else:
             clean_leftovers()
             tmp = tempfile.mkdtemp(prefix=PREFIX, dir=RAY_TMP)
             with open(os.path.join(tmp, OWNER), "w") as fh:
                 json.dump({"pid": os.getpid(), "started": psutil.Process().create_time()}, fh)
-            ray.init(num_gpus=cfg.resources.local_gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                     _temp_dir=tmp, log_to_driver=True, logging_level="WARNING")
-        STOP.install()              # ray.init installed its own SIGTERM handler (sys.exit, a stack dump)
+            with _ray_init_guard():
+                ray.init(num_gpus=cfg.resources.local_gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False,
+                         _temp_dir=tmp, log_to_driver=True, logging_level="WARNING")
         yield
     finally:
         ray.shutdown()
         if tmp is not None:
             reap(tmp)
+
+
+@contextmanager
+def _ray_init_guard() -> Iterator[None]:
+    """Around ray.init. It installs SIGTERM handlers of its own (sys.exit(15) for the driver, kill-and-exit(1) for the
+    node it starts): a job system's SIGTERM during a slow start-up would end the command with Ray's exit code and no
+    final word. Ray installs them through one helper, which is a no-op here; ours stay (and are installed again
+    after, in case a later Ray sets the signal some other way); ray.shutdown() in ray_session stops the node either
+    way. And the driver's command line goes to the GCS as valid UTF-8 (`_utf8`)."""
+    import ray._private.utils as ray_utils
+    original = getattr(ray_utils, "set_sigterm_handler", None)
+    entrypoint = getattr(ray_utils, "get_entrypoint_name", None)
+    if original is not None:
+        ray_utils.set_sigterm_handler = lambda handler: None
+    if entrypoint is not None:
+        ray_utils.get_entrypoint_name = lambda: _utf8(entrypoint())
+    try:
+        yield
+    finally:
+        if original is not None:
+            ray_utils.set_sigterm_handler = original
+        if entrypoint is not None:
+            ray_utils.get_entrypoint_name = entrypoint
+        STOP.install()
+
+
+def _utf8(text: str) -> str:
+    """Ray sends the driver's command line to the GCS as UTF-8 (the job's entrypoint, for the dashboard): a campaign
+    path that is not valid UTF-8 (kept by Python as surrogate escapes) made ray.init raise UnicodeEncodeError."""
+    return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
 def _users_of(directory: str) -> list[psutil.Process]:

@@ -97,7 +97,7 @@ class _Staged:
         self.schema = schema
         fd, self.path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
         os.close(fd)
-        self.sink = pa.OSFile(self.path, "wb")
+        self.sink = pa.OSFile(os.fsencode(self.path), "wb")      # bytes: pyarrow encodes str paths as strict UTF-8
         self.writer = ipc.new_file(self.sink, schema)
         self.cols: list[list] = [[] for _ in schema]
         self.rows = 0
@@ -175,7 +175,7 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
 def read_seqs(stage: Store, part: int, cache_dir: str) -> pa.FixedSizeBinaryArray:
     """A part's staged train sequences."""
     path = stage.local_copy(SEQS.format(part), cache_dir)
-    return ipc.open_file(pa.memory_map(path, "r")).read_all().column(COLUMN).combine_chunks()
+    return ipc.open_file(pa.memory_map(os.fsencode(path), "r")).read_all().column(COLUMN).combine_chunks()
 
 
 def _seqs_and_keys(seed: int, stage: Store, part: int, cache_dir: str) -> tuple[pa.FixedSizeBinaryArray, np.ndarray]:

@@ -46,7 +46,7 @@ def write_rows(store: Store, rel: str, rows: pa.FixedSizeBinaryArray, tmpdir: st
     seq_bytes = rows.type.byte_width
     fd, path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
     os.close(fd)
-    with pa.OSFile(path, "wb") as sink, ipc.new_file(sink, schema(seq_bytes)) as writer:
+    with pa.OSFile(os.fsencode(path), "wb") as sink, ipc.new_file(sink, schema(seq_bytes)) as writer:
         for a in range(0, len(rows), BATCH_ROWS):
             writer.write_batch(pa.record_batch([rows.slice(a, BATCH_ROWS)], schema=schema(seq_bytes)))
     entry = {"name": rel.rsplit("/", 1)[-1], "rows": len(rows), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
@@ -116,7 +116,7 @@ def _open_file(path: str, entry: dict, seq_bytes: int, where: str) -> np.ndarray
     if file_sha256(path) != entry["sha256"]:
         raise ChecksumError(f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
     try:
-        reader = ipc.open_file(pa.memory_map(path, "r"))
+        reader = ipc.open_file(pa.memory_map(os.fsencode(path), "r"))   # bytes: a path that is not UTF-8 too
         table = reader.read_all()
     except pa.ArrowInvalid:
         raise ChecksumError(f"shard file {where} is not a readable Arrow IPC file; re-run soma prepare") from None

@@ -100,6 +100,29 @@ def clone(seeded: Path, dest: Path) -> Path:
     return dest
 
 
+@pytest.fixture(scope="module")
+def reference(seeded, tmp_path_factory) -> Path:
+    """The same campaign launched without any fault."""
+    camp = clone(seeded, tmp_path_factory.mktemp("ref") / "c")
+    proc = soma("launch", str(camp), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return camp
+
+
+def assert_as_if_never_stopped(camp: Path, reference: Path) -> None:
+    """Bitwise the experts of the run that was never stopped, and the same training forwards in the ledger (what was
+    lost to the stop is `wasted`, never counted twice)."""
+    import torch
+    from soma_cluster.checkpoint import load_checkpoint
+    from soma_cluster.ledger import Ledger
+    from soma_cluster.storage import Store
+    mine, ref = Store(str(camp)), Store(str(reference))
+    for e in range(2):
+        a, b = (load_checkpoint(s, f"experts/expert-{e:04d}").tensors for s in (mine, ref))
+        assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), e
+    assert Ledger(mine).totals().forwards["expert_training"] == Ledger(ref).totals().forwards["expert_training"]
+
+
 def test_second_driver_refused_while_one_trains(seeded, tmp_path):
     camp = clone(seeded, tmp_path / "c")
     first = start("launch", str(camp), "--no-progress")
@@ -118,7 +141,7 @@ def test_second_driver_refused_while_one_trains(seeded, tmp_path):
     assert lease(camp)["released"] and lease(camp)["generation"] == 3      # prepare, seed, this launch
 
 
-def test_sigterm_stops_cleanly_and_resume_finishes(seeded, tmp_path):
+def test_sigterm_stops_cleanly_and_resume_finishes(seeded, reference, tmp_path):
     camp = clone(seeded, tmp_path / "c")
     driver = start("launch", str(camp), "--no-progress")
     try:
@@ -145,10 +168,11 @@ def test_sigterm_stops_cleanly_and_resume_finishes(seeded, tmp_path):
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished_once(camp, 2)
     snap = json.loads((camp / "status.json").read_text())
-    assert snap["final"] and snap["driver"]["state"] == "running" and snap["counts"] == {"finished": 3}
+    assert snap["final"] and snap["driver"]["state"] == "ended" and snap["counts"] == {"finished": 3}
+    assert_as_if_never_stopped(camp, reference)
 
 
-def test_sigkilled_driver_is_replaced_at_once_and_its_leftovers_cleaned(seeded, tmp_path):
+def test_sigkilled_driver_is_replaced_at_once_and_its_leftovers_cleaned(seeded, reference, tmp_path):
     camp = clone(seeded, tmp_path / "c")
     driver = start("launch", str(camp), "--no-progress")
     try:
@@ -165,10 +189,11 @@ def test_sigkilled_driver_is_replaced_at_once_and_its_leftovers_cleaned(seeded, 
     assert "took over" in proc.stderr and "was left by a process that is gone" in proc.stderr
     assert not os.path.exists(dirs[0])
     finished_once(camp, 2)
+    assert_as_if_never_stopped(camp, reference)
     print(f"\nresume after SIGKILL: {time.monotonic() - t0:.1f} s")
 
 
-def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seeded, tmp_path):
+def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seeded, reference, tmp_path):
     camp = clone(seeded, tmp_path / "c")
     ttl = {"SOMA_LEASE_TTL_S": "10"}
     old = start("launch", str(camp), "--no-progress", **ttl)
@@ -210,3 +235,14 @@ def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seede
     assert first_new >= last_renewal + 10, (first_new, last_renewal)       # taken over only once the lease had lapsed
     assert "lost" in err and "Traceback" not in err, err[-3000:]
     assert tree_digest(camp) == before, "the paused driver wrote after another driver took the campaign over"
+    assert_as_if_never_stopped(camp, reference)
+
+
+def test_campaign_whose_path_is_not_utf8(seeded, tmp_path):
+    """Ray sends the driver's command line as UTF-8 and pyarrow encodes str paths as UTF-8: a campaign directory whose
+    name is not (kept by Python as surrogate escapes) trains all the same."""
+    camp = clone(seeded, Path(os.fsdecode(bytes(tmp_path) + b"/camp-\xff\xfe")))
+    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "launch", os.fsencode(str(camp)), "--no-progress"],
+                          capture_output=True, text=True, timeout=300, env=env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finished_once(camp, 2)

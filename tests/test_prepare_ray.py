@@ -25,6 +25,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.parts import lowest, row_keys, threshold
 from soma_cluster.config import CorpusConfig
 from soma_cluster.shards import open_shard
+from pipelines.common import contents
 from soma_cluster.storage import Store
 
 SKIP = ("campaign.yaml",)      # the engine is in the config (the ledger, holding wall time, is left out too)
@@ -52,9 +53,9 @@ def write_mixed_corpus(root: Path, max_bytes: int = 2_400_000) -> Path:
 
 def campaign_digests(store: Store) -> dict[str, str]:
     """sha256 of every file of a campaign but those that hold the engine or wall time; the shard manifest
-    without its wall time."""
+    without its wall time. The driver lease (who ran it, when) is not the campaign's content."""
     out = {}
-    for rel in (rel for name in store.listdir("") for rel in store.walk(name)):
+    for rel in (rel for name in contents(store) for rel in store.walk(name)):
         if rel.rsplit("/", 1)[-1] in SKIP or rel.startswith("ledger"):
             continue
         data = store.read_bytes(rel)
