@@ -114,12 +114,13 @@ def test_a_slow_start_up_is_hard_stopped_within_the_printed_bound(seeded, tmp_pa
     cap_s = 1.5
     store, cfg = clone(seeded, tmp_path / "c", budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 1.0},
                        resources={"local_gpus": 1, "max_pending": max_pending})
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", SETUP_DELAY_ENV: "6"}
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200", SETUP_DELAY_ENV: "6"}
     env.pop("RAY_ADDRESS", None)
     proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"],
                           env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    printed = float(re.search(r"hard-stopped within ([\d.]+) GPU-s per expert", proc.stdout + proc.stderr).group(1))
+    said = " ".join((proc.stdout + proc.stderr).split())
+    printed = float(re.search(r"hard-stopped within ([\d.]+) GPU-s per expert", said).group(1))
     spent = Ledger(store).totals().per_expert_gpu_seconds
     hist = history(store)
     assert {h.state for h in hist.values() if h.job != "seed"} == {"budget_exhausted"}
