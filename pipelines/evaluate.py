@@ -85,10 +85,10 @@ class Ensemble:
         named = ", ".join(f"{expert_name(s.expert)} ({s.end})" for s in subs[:8]) + (", ..." if len(subs) > 8 else "")
         ends = {s.end for s in subs}
         fixes = [f"soma resume {url}"] if ends - {"budget_exhausted", "failed_permanently"} else []
-        fixes += [f"soma resume {url} --retry-failed (failed_permanently ones)"] if "failed_permanently" in ends else []
-        fixes += ["a larger budget.expert_gpu_hours in a new campaign (budget_exhausted ones)"] if "budget_exhausted" in ends else []
+        fixes += [f"failed_permanently ones: soma resume {url} --retry-failed"] if "failed_permanently" in ends else []
+        fixes += ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"] if "budget_exhausted" in ends else []
         raise SomaError(f"{len(subs)} of {self.cfg.n_experts} experts of {url} have no checkpoint and would be evaluated as the "
-                        f"seed model: {named}; --require-all refuses that: train them ({'; '.join(fixes)}) or leave out --require-all")
+                        f"seed model: {named}; --require-all refuses that: train them first ({'; '.join(fixes)}) or leave out --require-all")
 
     def substitutes(self, routed: dict[int, int]) -> list[dict]:
         """The substituted experts for metrics.json and --json: name, end state, step, reason, windows routed to it."""
