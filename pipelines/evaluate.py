@@ -88,7 +88,8 @@ class Ensemble:
         fixes += [f"failed_permanently ones: soma resume {url} --retry-failed"] if "failed_permanently" in ends else []
         fixes += ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"] if "budget_exhausted" in ends else []
         raise SomaError(f"{len(subs)} of {self.cfg.n_experts} experts of {url} have no checkpoint and would be evaluated as the "
-                        f"seed model: {named}; --require-all refuses that: train them first ({'; '.join(fixes)}) or leave out --require-all")
+                        f"seed model: {named}; --require-all refuses that: train them first ({'; '.join(fixes)}) "
+                        f"or leave out --require-all")
 
     def substitutes(self, routed: dict[int, int]) -> list[dict]:
         """The substituted experts for metrics.json and --json: name, end state, step, reason, windows routed to it."""
@@ -268,9 +269,10 @@ def _compare_lines(m: dict) -> str:
     subs = c.get("substituted") or []
     partial = (f" That campaign is partial: the seed model stands in for {', '.join(x['expert'] for x in subs)} "
                f"(no checkpoint).") if subs else ""
+    d = c["this_minus_other"]
     return (f"\nCompared on the same windows with `{c['campaign']}` (N = {c['n_experts']}): its ensemble "
             f"{_fmt((c['ensemble']['nats_per_byte'], *c['ensemble']['ci95']))}; this minus that, paired: "
-            f"{c['this_minus_other']['nats_per_byte']:+.4f} [{c['this_minus_other']['ci95'][0]:+.4f}, {c['this_minus_other']['ci95'][1]:+.4f}].{partial}\n")
+            f"{d['nats_per_byte']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}].{partial}\n")
 
 
 def report(cfg: CampaignConfig, m: dict) -> str:

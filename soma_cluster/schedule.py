@@ -235,7 +235,7 @@ class Scheduler:
         self.by_category = dict(totals.gpu_seconds)        # GPU-seconds per ledger category, likewise
         self.by_device = dict(totals.devices)              # GPU-seconds per device ("cuda", "cpu"), likewise
         self.totals_at_start = totals
-        self.start_cost = StartCost()                      # least start-up and update cost measured, for launch refusals
+        self.start_cost = StartCost(totals.least_startup)  # least start-up (and update) cost measured, for launch refusals
 
     @property
     def spent_total(self) -> float:

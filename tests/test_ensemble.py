@@ -113,7 +113,8 @@ def test_unit_routes_give_a_missing_experts_weight_to_one_seed_unit():
 def test_a_missing_expert_is_replaced_by_the_seed_under_the_same_routing(chunks, weighting, missing):
     cfg = ModelConfig(d=32)
     n = 6
-    router, _ = fit_router([router_text(c) for c in chunks], n, RouterConfig(max_features=2000, min_df=2, svd_dim=8, weighting=weighting), 0)
+    rcfg = RouterConfig(max_features=2000, min_df=2, svd_dim=8, weighting=weighting)
+    router, _ = fit_router([router_text(c) for c in chunks], n, rcfg, 0)
     ex = experts(cfg, n, False)
     gen = torch.Generator().manual_seed(99)
     seed = (init_body(cfg, gen), ex[0][1])

@@ -247,6 +247,8 @@ def test_an_expert_whose_budget_cannot_cover_a_start_up_and_a_chunk_is_never_sta
     assert "cannot cover a start-up plus one chunk: 3.00 GPU-s left, 3.20 needed" in ends[0]["note"]
     assert not [e for e in s.store.read_log("events.jsonl") if e["event"] == "queued" and e["job"] != "expert-0000"]
     assert set(Ledger(s.store).totals().per_expert_gpu_seconds) == {0}     # nothing billed to the refused ones
+    again = scheduler(tmp_path, n_experts=3, budget={"expert_gpu_hours": 1.5 / 3600})   # a new driver: the ledger remembers
+    assert again.start_cost.startup_s == pytest.approx(2.0)
 
 
 def test_seed_is_its_own_job(tmp_path):
