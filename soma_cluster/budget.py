@@ -68,6 +68,7 @@ class BudgetBook:
         worker that breaks that rule. Both come from the ledger (Totals) or the scheduler, which keeps them."""
         return {e: Overrun(s - cap, largest.get(e, 0.0)) for e, s in spent.items() if (cap := self.expert_cap(e)) is not None}
 
+
 @dataclass
 class StartCost:
     """What starting an expert costs, as measured in this campaign, in GPU-seconds: a start-up (a start-up

@@ -233,10 +233,6 @@ class Substitute:
     step: int                # the step its events last reported
     reason: str | None       # the end event's reason or note
 
-    def describe(self) -> str:
-        why = f": {self.reason}" if self.reason else ""
-        return f"{self.end} at step {self.step}{why}" if self.end != NEVER_LAUNCHED else f"{self.end}{why}"
-
 
 def substitute_for(expert: int, h: JobHistory | None) -> Substitute | None:
     """The seed model stands in for an expert with no checkpoint file at all, unless its events say it ended

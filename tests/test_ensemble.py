@@ -151,7 +151,6 @@ def test_which_experts_the_seed_stands_in_for():
     assert substitute_for(1, None).end == NEVER_LAUNCHED
     cut = substitute_for(1, job(q, {"event": "budget_exhausted", "step": 0, "reason": "budget_exhausted: hard stop past the grace"}))
     assert (cut.end, cut.step, cut.reason) == ("budget_exhausted", 0, "budget_exhausted: hard stop past the grace")
-    assert "budget_exhausted at step 0: budget_exhausted: hard stop" in cut.describe()
     never = substitute_for(1, job({"event": "budget_exhausted", "note": "budget cannot cover a launch"}))
     assert never.end == "budget_exhausted" and never.reason == "budget cannot cover a launch"
     failed = substitute_for(1, job(q, {"event": "failed_permanently", "step": 3, "reason": "exception: NonFiniteLoss"}))
