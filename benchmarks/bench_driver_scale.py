@@ -100,6 +100,9 @@ class StandInTrainer:
         self.experts = list(experts)
         self.num_gpus, self.target, self.sec_per_update, self.step = num_gpus, target, sec_per_update, 0
 
+    def holding(self) -> float:
+        return self.held_from
+
     def setup(self, experts=None, attempts=None) -> SetupReport:
         if experts is not None:          # reused (resources.reuse_actors): the new experts' clock starts at the last report
             self.experts, self.step = list(experts), 0

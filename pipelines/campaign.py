@@ -121,6 +121,8 @@ class Driver:
         self.sched = Scheduler(store, cfg, jobs, latest=lambda job: latest_meta(store, job.model_dir))
         self.actors: dict[int, object] = {}            # unit id -> its actor handle
         self.inflight: dict[int, object] = {}          # unit id -> the one call it is running (setup or a chunk)
+        self.placing: dict[int, object] = {}           # unit id -> its `holding` call, for actors asked of Ray's queue
+        self._placing_polled = -math.inf
         self.campaign_id = cfg.digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf     # cluster GPUs, and when they were last read
         self._queued_polled = -math.inf
@@ -163,6 +165,8 @@ class Driver:
             uid = a.unit.id
             if isinstance(a, Start):
                 self.actors[uid] = self._start(a)
+                if a.unit.held_since is None and self._budgeted:      # when Ray places it, its start-up clock runs
+                    self.placing[uid] = self.actors[uid].holding.remote()
                 self.inflight[uid] = self.actors[uid].setup.remote()
             elif isinstance(a, Reuse):
                 self.actors[uid] = self.actors.pop(a.actor_of)
@@ -172,6 +176,7 @@ class Driver:
                 self.inflight[uid] = self.actors[uid].run_chunk.remote(a.updates, a.caps)
             elif isinstance(a, Stop):
                 self.inflight.pop(uid, None)
+                self.placing.pop(uid, None)
                 actor = self.actors.pop(uid, None)
                 if actor is not None:
                     ray.kill(actor, no_restart=True)
@@ -183,6 +188,27 @@ class Driver:
                                 r.num_gpus, r.num_cpus, name=actor_name(self.campaign_id, unit.name, attempts[0]),
                                 placement=r.placement, requested_at=time.time(), granted=unit.granted, previous=unit.previous,
                                 lease_generation=self.lease.generation if self.lease else None)
+
+    @property
+    def _budgeted(self) -> bool:
+        return self.sched.book.expert_s is not None or self.sched.book.campaign_s is not None
+
+    def _placed(self) -> None:
+        """Actors that waited in Ray's queue and now hold their GPU share: the scheduler learns since when (the
+        worker's own clock start), so their start-up counts against their budget. Polled every QUEUED_POLL_S."""
+        now = time.monotonic()
+        if not self.placing or now - self._placing_polled < QUEUED_POLL_S:
+            return
+        self._placing_polled = now
+        refs = list(self.placing.values())
+        ready = set(ray.wait(refs, num_returns=len(refs), timeout=0)[0])
+        for uid, ref in [(u, r) for u, r in self.placing.items() if r in ready]:
+            del self.placing[uid]
+            try:
+                held_from = ray.get(ref, timeout=60)
+            except (RayActorError, RayTaskError, GetTimeoutError):
+                continue                            # its setup call reports the loss
+            self.sched.on_placed(uid, time.time() - held_from)
 
     def _collect(self, uid: int, ref, result=None) -> list[Action]:
         if result is None:
@@ -210,11 +236,10 @@ class Driver:
         if self.sched.outcome:
             console.print(f"{len(self.sched.outcome)} job(s) already ended in this campaign; not retraining them")
         per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, max(1, self._slots()))
-        if self.sched.book.expert_s is not None or self.sched.book.campaign_s is not None:
-            console.print(f"budget: a worker stops before a chunk it cannot afford (past its cap by at most its largest chunk "
-                          f"or start-up); one that does not is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for "
-                          f"the campaign (grace {self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, "
-                          f"{max(1, self._slots())} concurrent)")
+        if self._budgeted:
+            console.print(f"budget: a worker stops before a chunk it cannot afford; any expert past its cap, start-up included, "
+                          f"is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for the campaign (grace "
+                          f"{self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {max(1, self._slots())} concurrent)")
         targets = {j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates for j in self.sched.pending}
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
@@ -311,9 +336,9 @@ class Driver:
         over = {e: o for e, o in self.sched.book.overruns(self.sched.spent, self.sched.largest).items() if e in stopped}
         if over:
             e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
+            per, _ = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, 1)
             console.print(f"budget: {len(over)} expert(s) stopped by their cap; largest overrun {worst.gpu_s:+.2f} GPU-s "
-                          f"({expert_name(e)}; bound {worst.bound_s:.2f}, its largest single chunk or start-up); "
-                          f"{sum(not o.within for o in over.values())} past their bound")
+                          f"({expert_name(e)}; hard-stop bound {per:.2f}); {sum(o.gpu_s > per for o in over.values())} past it")
 
     def _sweep(self) -> None:
         self._apply(self.sched.requests(self._capacity(), self._slots()))
@@ -328,10 +353,12 @@ class Driver:
                 uid = owner[ref]
                 if self.inflight.get(uid) is ref:      # not stopped meanwhile
                     del self.inflight[uid]
+                    self.placing.pop(uid, None)
                     self._apply(self._collect(uid, ref, result))
         else:
             now = time.monotonic()
             time.sleep(min(POLL_S, max(0.0, min(self.sched.retry_at.values(), default=now) - now)))
+        self._placed()
         self._apply(self.sched.watchdog())
 
     def _ready(self) -> list:

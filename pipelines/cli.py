@@ -171,17 +171,22 @@ def evaluate(campaign: str,
              compare: Optional[str] = typer.Option(None, "--compare", help="another campaign: its ensemble on the same windows, paired"),
              text: Optional[str] = typer.Option(None, "--text", help="long-document mode on this text corpus (dir/.txt/.jsonl/.parquet, s3://)"),
              stride: int = typer.Option(768, "--stride", help="window stride in long-document mode"),
+             require_all: bool = typer.Option(False, "--require-all", help="refuse (exit 2) a partial campaign instead of "
+                                              "evaluating its experts without a checkpoint as the seed model"),
              as_json: bool = JsonOpt) -> None:
-    """Evaluate the routed ensemble (and the seed) on the held-out test windows, or on --text documents."""
+    """Evaluate the routed ensemble (and the seed) on the held-out test windows, or on --text documents. An expert
+    with no checkpoint (budget_exhausted at step 0, failed_permanently, never launched) is evaluated as the seed
+    model under the same routing, and listed."""
     def go() -> None:
         from pipelines.evaluate import evaluate as run
         from pipelines.evaluate import evaluate_text
         store = open_store(campaign)
         cfg = load_config(store)
         if text is not None:
-            t = evaluate_text(store, cfg, text, stride)
+            t = evaluate_text(store, cfg, text, stride, require_all)
             if as_json:
                 return emit_json({"schema": 1, "mode": "text", **t})
+            _say_substituted(t["substituted"])
             out.print(f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
                           f"{t['seed']['nats_per_byte']:.4f} on {t['scored_bytes']:,} bytes; report: {t['report']}")
             return
@@ -189,15 +194,24 @@ def evaluate(campaign: str,
         if compare is not None:
             other_store = open_store(compare)
             other = (other_store, load_config(other_store))
-        m = run(store, cfg, other)
+        m = run(store, cfg, other, require_all)
         if as_json:
             return emit_json({"schema": 1, "mode": "windows", "report": f"{store.url}/eval/report.md", **m})
+        _say_substituted(m["substituted"], m.get("compare", {}).get("substituted", []), compare)
         if other is not None:
             d = m["compare"]["this_minus_other"]
             out.print(f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
         out.print(f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
                       f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md")
     _run(go)
+
+
+def _say_substituted(mine: list[dict], theirs: list[dict] = (), compare: Optional[str] = None) -> None:
+    """A partial campaign's result says so beside the numbers (stdout: it qualifies them)."""
+    for subs, whose in ((mine, ""), (theirs, f" of {compare}")):
+        if subs:
+            out.print(f"seed model stands in for {len(subs)} expert(s){whose} with no checkpoint: "
+                      + ", ".join(f"{s['expert']} ({s['end']}, {s['routed_windows']} windows)" for s in subs), markup=False, soft_wrap=True)
 
 
 @app.command()

@@ -5,19 +5,20 @@ import io
 import json
 import math
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import numpy as np
 import torch
 
-from soma_cluster.checkpoint import Checkpoint, has_checkpoint, load_checkpoint
+from soma_cluster.checkpoint import Checkpoint, checkpoint_steps, has_checkpoint, load_checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
 from soma_cluster.curves import DIR as CURVES
 from soma_cluster.curves import read_curve
-from soma_cluster.ensemble import (UNIFORM_NATS, Windows, bootstrap_weights, ci, evaluate_ensemble, load_windows,
-                                   strided_windows, window_logprobs)
+from soma_cluster.ensemble import (UNIFORM_NATS, Substitute, Windows, bootstrap_weights, ci, evaluate_ensemble, load_windows,
+                                   strided_windows, substitute_for, window_logprobs)
 from soma_cluster.errors import SomaError
+from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
@@ -45,22 +46,56 @@ def _fmt(m: tuple[float, float, float]) -> str:
 
 @dataclass
 class Ensemble:
-    """A finished campaign's router, experts and seed model, loaded once."""
+    """A campaign's router, experts and seed model, loaded once; the seed stands in for `substituted` experts."""
     cfg: CampaignConfig
     router: Router
     checkpoints: dict[int, Checkpoint]
     seed: dict[str, torch.Tensor]
+    substituted: dict[int, Substitute] = field(default_factory=dict)
 
     @classmethod
     def load(cls, store: Store, cfg: CampaignConfig, step: int | None = None, router: Router | None = None) -> "Ensemble":
-        """The latest checkpoints, or those of one step (every expert must have one there)."""
+        """The latest checkpoints, or those of one step (every expert must have one there). Without `step`, an
+        expert that never wrote a checkpoint is substituted by the seed model (ensemble.substitute_for says when)."""
         name = None if step is None else f"step-{step:06d}"
-        cks = {e: _load(store, Job(e).model_dir, expert_name(e), name) for e in range(cfg.n_experts)}
-        return cls(cfg, router or load_router(store), cks, _load(store, SEED_JOB.model_dir, "the seed model").tensors)
+        seed = _load(store, SEED_JOB.model_dir, "the seed model").tensors
+        past = None                     # the events log, read only if an expert has no checkpoint (minutes on S3 at N = 256)
+        cks, subs = {}, {}
+        for e in range(cfg.n_experts):
+            d = Job(e).model_dir
+            sub = None
+            if step is None and not has_checkpoint(store, d) and not checkpoint_steps(store, d):
+                past = history(store) if past is None else past
+                sub = substitute_for(e, past.get(expert_name(e)))
+            if sub is None:
+                cks[e] = _load(store, d, expert_name(e), name)
+            else:
+                subs[e] = sub
+        return cls(cfg, router or load_router(store), cks, seed, subs)
 
     def run(self, win: Windows, context: int, device: torch.device):
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}
-        return evaluate_ensemble(self.router, self.cfg.model, experts, win, context, self.cfg.eval.batch, device)
+        return evaluate_ensemble(self.router, self.cfg.model, experts, win, context, self.cfg.eval.batch, device,
+                                 seed=(self.seed["body"], self.seed["head"]))
+
+    def require_all(self, url: str) -> None:
+        """`soma eval --require-all`: any substitution is an error, naming the experts and what trains them."""
+        if not self.substituted:
+            return
+        subs = list(self.substituted.values())
+        named = ", ".join(f"{expert_name(s.expert)} ({s.end})" for s in subs[:8]) + (", ..." if len(subs) > 8 else "")
+        ends = {s.end for s in subs}
+        fixes = [f"soma resume {url}"] if ends - {"budget_exhausted", "failed_permanently"} else []
+        fixes += [f"failed_permanently ones: soma resume {url} --retry-failed"] if "failed_permanently" in ends else []
+        fixes += ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"] if "budget_exhausted" in ends else []
+        raise SomaError(f"{len(subs)} of {self.cfg.n_experts} experts of {url} have no checkpoint and would be evaluated as the "
+                        f"seed model: {named}; --require-all refuses that: train them first ({'; '.join(fixes)}) "
+                        f"or leave out --require-all")
+
+    def substitutes(self, routed: dict[int, int]) -> list[dict]:
+        """The substituted experts for metrics.json and --json: name, end state, step, reason, windows routed to it."""
+        return [{"expert": expert_name(e), "end": s.end, "step": s.step, "reason": s.reason, "routed_windows": routed.get(e, 0)}
+                for e, s in self.substituted.items()]
 
     def seed_nats(self, win: Windows, context: int, device: torch.device) -> np.ndarray:
         return -window_logprobs(self.cfg.model, self.seed["body"], self.seed["head"], win.data, context, self.cfg.eval.batch, device)
@@ -77,12 +112,18 @@ def _paired(a: np.ndarray, b: np.ndarray, w: np.ndarray, scored: np.ndarray | No
     return {"nats_per_byte": m[0], "ci95": list(m[1:])}
 
 
-def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignConfig] | None = None) -> dict:
+def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignConfig] | None = None, require_all: bool = False) -> dict:
     """The routed ensemble, the seed and each expert on the campaign's test windows; with `compare`,
-    another campaign's ensemble on the same windows and the paired difference."""
+    another campaign's ensemble on the same windows and the paired difference. Experts without a checkpoint
+    are evaluated as the seed model and listed (`require_all`: refused instead, before any work)."""
     t0 = time.monotonic()
     device = pick_device()
     ens = Ensemble.load(store, cfg)
+    other_ens = Ensemble.load(compare[0], compare[1]) if compare is not None else None
+    if require_all:
+        ens.require_all(store.url)
+        if other_ens is not None:
+            other_ens.require_all(compare[0].url)
     win = load_windows(store, cfg.eval.max_windows)
     ctx = cfg.eval.context_bytes
     res = ens.run(win, ctx, device)
@@ -99,7 +140,8 @@ def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignCo
         "ensemble": _summary(res.nats, w), "seed": _summary(seed_nats, w),
         "uniform": {"nats_per_byte": UNIFORM_NATS, "bits_per_byte": 8.0},
         "ensemble_minus_seed": _paired(res.nats, seed_nats, w),
-        "per_expert": per_expert, "top_k": min(ens.router.cfg.top_k, cfg.n_experts), "weighting": ens.router.cfg.weighting,
+        "per_expert": per_expert, "substituted": ens.substitutes(res.per_expert_windows), "seed_substitute_windows": res.seed_windows,
+        "top_k": min(ens.router.cfg.top_k, cfg.n_experts), "weighting": ens.router.cfg.weighting,
         "rule": ens.router.cfg.rule,
         "routing_time_share": res.route_seconds / total_s, "ensemble_seconds": total_s, "seed_seconds": seed_seconds,
         "byte_tokens_per_second": len(win.data) * (win.data.shape[1] - 1) / total_s,
@@ -107,9 +149,10 @@ def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignCo
     }
     if compare is not None:
         other_store, other_cfg = compare
-        other = Ensemble.load(other_store, other_cfg).run(win, ctx, device)
+        other = other_ens.run(win, ctx, device)
         metrics["compare"] = {"campaign": other_store.url, "n_experts": other_cfg.n_experts, "ensemble": _summary(other.nats, w),
-                              "this_minus_other": _paired(res.nats, other.nats, w)}
+                              "this_minus_other": _paired(res.nats, other.nats, w),
+                              "substituted": other_ens.substitutes(other.per_expert_windows)}
     _charge(store, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
     metrics["curves_figure"] = plot_curves(store, cfg)
@@ -156,13 +199,15 @@ def _charge(store: Store, t0: float, device: torch.device) -> None:
     Ledger(store).record("evaluation", wall if device.type == "cuda" else 0.0, wall, seq=time.time_ns(), note=f"driver {device}")
 
 
-def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int) -> dict:
+def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, require_all: bool = False) -> dict:
     """Long-document mode on a user's text corpus (dir, .txt, .jsonl, .parquet; local or s3://): strided
     windows (stride 768 as the paper's WikiText-103 evaluation), every byte after a document's first scored
     once; ensemble and seed, paired. Written to eval/text-<sha of the source>.json and .md."""
     t0 = time.monotonic()
     device = pick_device()
     ens = Ensemble.load(store, cfg)
+    if require_all:
+        ens.require_all(store.url)
     corpus = CorpusConfig(source=source, max_bytes=cfg.corpus.max_bytes, text_field=cfg.corpus.text_field)
     if not 0 < stride <= cfg.eval.window_bytes - 1:
         raise SomaError(f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)")
@@ -175,6 +220,7 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int) -
          "skipped_short_documents": st.skipped, "scored_bytes": int(st.scored.sum()),
          "ensemble": _summary(res.nats, w, st.scored), "seed": _summary(seed_nats, w, st.scored),
          "ensemble_minus_seed": _paired(res.nats, seed_nats, w, st.scored),
+         "substituted": ens.substitutes(res.per_expert_windows), "seed_substitute_windows": res.seed_windows,
          "routing_time_share": res.route_seconds / total_s,
          "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s, "device": str(device)}
     _charge(store, t0, device)
@@ -190,7 +236,7 @@ def text_report(cfg: CampaignConfig, m: dict) -> str:
 
 Source `{m['source']}`: {m['windows']} windows of {cfg.eval.window_bytes} bytes at stride {m['stride']} from {m['documents']}
 documents ({m['skipped_short_documents']} shorter than a window skipped), {m['scored_bytes']:,} bytes scored once each.
-
+{substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
 | routed ensemble | {_fmt((m['ensemble']['nats_per_byte'], *m['ensemble']['ci95']))} | {m['ensemble']['bits_per_byte']:.4f} |
@@ -202,13 +248,32 @@ Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_
 """
 
 
+SUBSTITUTION_RULE = ("the router still sends each window to the same top-k experts with the same weights; a substituted "
+                     "expert's next-byte probabilities are the seed model's")
+
+
+def substitution_lines(m: dict) -> str:
+    """The report's account of the experts the seed model stood in for (nothing when none)."""
+    subs = m.get("substituted") or []
+    if not subs:
+        return ""
+    rows = "\n".join(f"| {s['expert']} | {s['end']} | {s['step']} | {s['reason'] or ''} | {s['routed_windows']} |" for s in subs)
+    return (f"\n**Partial campaign: {len(subs)} expert(s) have no checkpoint and are evaluated as the seed model** ({SUBSTITUTION_RULE}; "
+            f"the seed scored {m.get('seed_substitute_windows', 0)} windows in their place). `soma eval --require-all` refuses this.\n\n"
+            f"| expert | end (events.jsonl) | step | why | windows routed to it |\n|---|---|---|---|---|\n{rows}\n")
+
+
 def _compare_lines(m: dict) -> str:
     if "compare" not in m:
         return ""
     c = m["compare"]
+    subs = c.get("substituted") or []
+    partial = (f" That campaign is partial: the seed model stands in for {', '.join(x['expert'] for x in subs)} "
+               f"(no checkpoint).") if subs else ""
+    d = c["this_minus_other"]
     return (f"\nCompared on the same windows with `{c['campaign']}` (N = {c['n_experts']}): its ensemble "
             f"{_fmt((c['ensemble']['nats_per_byte'], *c['ensemble']['ci95']))}; this minus that, paired: "
-            f"{c['this_minus_other']['nats_per_byte']:+.4f} [{c['this_minus_other']['ci95'][0]:+.4f}, {c['this_minus_other']['ci95'][1]:+.4f}].\n")
+            f"{d['nats_per_byte']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}].{partial}\n")
 
 
 def report(cfg: CampaignConfig, m: dict) -> str:
@@ -218,7 +283,7 @@ def report(cfg: CampaignConfig, m: dict) -> str:
 
 N = {cfg.n_experts} experts, d = {cfg.model.d}, {m['parameters']:,} parameters; top-{m['top_k']} {m['weighting']} routing by the {m.get('rule', 'nearest')} rule;
 {m['windows']} test windows of {cfg.eval.window_bytes} bytes from {m['documents']} held-out documents, {m['scored_bytes']:,} scored bytes.
-
+{substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
 | routed ensemble | {_fmt((m['ensemble']['nats_per_byte'], *m['ensemble']['ci95']))} | {m['ensemble']['bits_per_byte']:.4f} |

@@ -53,7 +53,9 @@ class BudgetBook:
 
     def worst_overrun_s(self, num_gpus: float, poll_s: float, concurrent: int) -> tuple[float, float]:
         """Bound on overrun past a cap known before any chunk has run, per expert and for the campaign: the
-        driver hard-stops an actor once its GPU-seconds pass the cap by the grace, noticed within one poll."""
+        driver hard-stops an actor once its GPU-seconds pass the cap by the grace, noticed within one poll. Its
+        start-up counts too: the driver runs the clock from the moment the actor holds its GPU share (the
+        request, when the GPUs present had room; else when Ray placed it), not from its first report."""
         per_expert = self.cfg.grace_gpu_seconds + poll_s * num_gpus
         return per_expert, per_expert * concurrent
 
@@ -65,6 +67,31 @@ class BudgetBook:
         validations and checkpoints, none interruptible). The driver's hard stop (`worst_overrun_s`) covers a
         worker that breaks that rule. Both come from the ledger (Totals) or the scheduler, which keeps them."""
         return {e: Overrun(s - cap, largest.get(e, 0.0)) for e, s in spent.items() if (cap := self.expert_cap(e)) is not None}
+
+
+@dataclass
+class StartCost:
+    """What starting an expert costs, as measured in this campaign, in GPU-seconds: a start-up (a start-up
+    hard-stopped by the driver counts for what it had held, a lower bound) and one chunk of updates. The least
+    of each seen is kept, so refusing a launch on it is refusing one that no measured start would have survived."""
+    startup_s: float | None = None
+    update_s: float | None = None       # one update of one expert, validations and checkpoints included
+
+    def observe_startup(self, gpu_s: float) -> None:
+        self.startup_s = gpu_s if self.startup_s is None else min(self.startup_s, gpu_s)
+
+    def observe_updates(self, gpu_s: float, updates: int) -> None:
+        if updates > 0 and gpu_s > 0:
+            per = gpu_s / updates
+            self.update_s = per if self.update_s is None else min(self.update_s, per)
+
+    def need_s(self, chunk_updates: int) -> float | None:
+        """A start-up plus one chunk of `chunk_updates`; None until a start-up was seen (the chunk counts 0 until
+        an update was)."""
+        if self.startup_s is None:
+            return None
+        return self.startup_s + chunk_updates * (self.update_s or 0.0)
+
 
 @dataclass(frozen=True)
 class Overrun:

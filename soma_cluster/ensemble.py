@@ -6,6 +6,10 @@ after the 256-byte prefix the router saw. The ensemble averages the probabilitie
 min(4, N) experts under the router's rule, the one its shards were made with (uniform, or c-BTM
 softmax(-d^2/T) weights). Reductions are FP64; confidence
 intervals come from a paired document bootstrap.
+
+A partial campaign (some experts ended without a checkpoint) is evaluated with the seed model in their
+place: the router still picks the same top-k experts with the same weights, and a missing expert's
+probabilities are the seed model's (see `unit_routes`).
 """
 from __future__ import annotations
 
@@ -21,6 +25,7 @@ import torch
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.events import TERMINAL, JobHistory
 from soma_cluster.model import Layout, forward_blocks, target_logprobs
 from soma_cluster.router import Router, router_text
 from soma_cluster.shards import rows_to_numpy
@@ -171,9 +176,33 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
 @dataclass
 class EnsembleResult:
     nats: np.ndarray          # (n, S) ensemble -log p per scored byte
-    per_expert_windows: dict[int, int]
+    per_expert_windows: dict[int, int]     # windows routed to each expert (a missing one's went to the seed)
     route_seconds: float
     model_seconds: float
+    seed_windows: int = 0     # windows the seed model scored in place of missing experts (each once)
+
+
+SEED_UNIT = -1      # the evaluation unit of the seed model standing in for missing experts
+
+
+def unit_routes(top: np.ndarray, weights: np.ndarray, present: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
+    """Which windows each evaluation unit scores and each window's mixture weight for it: top, weights (n, m)
+    from the router -> unit -> (rows, w). A present expert scores the windows routed to it with its routing
+    weight. The seed (SEED_UNIT) scores once each window routed to any missing expert, with the summed weight
+    of the missing experts in that window's top-m, so a window's mixture is
+        p(x) = sum_{e in top, present} w_e p_e(x) + (sum_{e in top, missing} w_e) p_seed(x),
+    exactly the routed ensemble with every missing expert's probabilities replaced by the seed model's (no
+    re-routing to other experts, no renormalisation). Units with no window are left out."""
+    routes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
+    for e in sorted(present):
+        rows, slots = np.nonzero(top == e)              # an expert appears at most once in a window's top-m
+        if len(rows):
+            routes[e] = (rows, weights[rows, slots])
+    missing = ~np.isin(top, list(present))
+    rows = np.nonzero(missing.any(axis=1))[0]
+    if len(rows):
+        routes[SEED_UNIT] = (rows, np.where(missing, weights, 0.0)[rows].sum(axis=1))
+    return routes
 
 
 def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int, int]]]:
@@ -192,26 +221,63 @@ def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int,
     return passes
 
 
+NEVER_LAUNCHED = "never_launched"
+LEAVES_CHECKPOINT = ("finished", "converged")     # these ends always write a checkpoint first
+
+
+@dataclass(frozen=True)
+class Substitute:
+    """An expert the seed model stands in for: it has no checkpoint, and its events say why."""
+    expert: int
+    end: str                 # budget_exhausted, failed_permanently, never_launched, or the state of one not ended
+    step: int                # the step its events last reported
+    reason: str | None       # the end event's reason or note
+
+
+def substitute_for(expert: int, h: JobHistory | None) -> Substitute | None:
+    """The seed model stands in for an expert with no checkpoint file at all, unless its events say it ended
+    finished or converged (those wrote one, so it was lost: `soma resume` retrains it; None here, the caller
+    refuses). An expert that never started, ended budget_exhausted or failed_permanently before its first
+    checkpoint, or has not ended yet, is substituted."""
+    if h is not None and h.state in LEAVES_CHECKPOINT:
+        return None
+    if h is not None and h.state in TERMINAL:
+        end = next(ev for ev in reversed(h.events) if ev["event"] == h.state)
+        return Substitute(expert, h.state, h.step, end.get("reason") or end.get("note"))
+    if h is None or not h.attempts:
+        return Substitute(expert, NEVER_LAUNCHED, 0, "no attempt of it was ever started")
+    return Substitute(expert, h.state, h.step, "not ended and no checkpoint yet (is a driver still training it? soma status)")
+
+
 def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tuple[torch.Tensor, torch.Tensor]], win: Windows,
-                      context: int, batch: int, device: torch.device) -> EnsembleResult:
+                      context: int, batch: int, device: torch.device,
+                      seed: tuple[torch.Tensor, torch.Tensor] | None = None) -> EnsembleResult:
     """Route each window by its first prefix_bytes, run every expert once over all the windows routed to
     it, mix. The experts of a pass run together on the expert axis (see plan_passes): N = 256 narrow
-    experts cost a few wide passes instead of 256 thin ones."""
+    experts cost a few wide passes instead of 256 thin ones. Experts missing from `experts` are served by
+    `seed` (body, head) under `unit_routes`' rule, as one more unit in the same passes."""
     t0 = time.perf_counter()
     texts = [router_text(bytes(w[: router.cfg.prefix_bytes])) for w in win.data]
     top, weights = router.route(router.embed(texts))
     t1 = time.perf_counter()
+    routes = unit_routes(top, weights, set(experts))
+    models = dict(experts)
+    if SEED_UNIT in routes:
+        if seed is None:
+            absent = sorted({int(e) for e in np.unique(top)} - set(experts))
+            raise SomaError(f"windows are routed to experts {absent} that have no model, and no seed model stands in for them")
+        models[SEED_UNIT] = seed
     prob = np.zeros((len(win.data), win.data.shape[1] - 1 - context), dtype=np.float64)
-    routed = {e: np.nonzero(top == e) for e in experts}                  # (rows, slots) per expert
-    counts = {e: len(r[0]) for e, r in routed.items()}
-    for units in plan_passes({e: n for e, n in counts.items() if n}, batch):
+    for units in plan_passes({u: len(r[0]) for u, r in routes.items()}, batch):
         padded = np.zeros((len(units), units[0][2], win.data.shape[1]), dtype=np.uint8)
-        for i, (e, a, n) in enumerate(units):
-            padded[i, :n] = win.data[routed[e][0][a:a + n]]
-        lp = packed_logprobs(model, [experts[e][0] for e, _, _ in units], [experts[e][1] for e, _, _ in units], padded, context, device,
+        for i, (u, a, n) in enumerate(units):
+            padded[i, :n] = win.data[routes[u][0][a:a + n]]
+        lp = packed_logprobs(model, [models[u][0] for u, _, _ in units], [models[u][1] for u, _, _ in units], padded, context, device,
                              [n for _, _, n in units])
-        for i, (e, a, n) in enumerate(units):
-            rows, slots = routed[e][0][a:a + n], routed[e][1][a:a + n]
-            np.add.at(prob, rows, weights[rows, slots][:, None] * np.exp(lp[i, :n]))
+        for i, (u, a, n) in enumerate(units):
+            rows, w = routes[u][0][a:a + n], routes[u][1][a:a + n]
+            np.add.at(prob, rows, w[:, None] * np.exp(lp[i, :n]))
     t2 = time.perf_counter()
-    return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1)
+    counts = {e: n for e in range(router.n_experts) if (n := int((top == e).sum())) or e in experts}
+    seed_windows = len(routes[SEED_UNIT][0]) if SEED_UNIT in routes else 0
+    return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1, seed_windows)

@@ -8,6 +8,7 @@ seconds ran on: "cuda", or "cpu" where a GPU share was logical (a local Ray, or 
 """
 from __future__ import annotations
 
+import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -29,6 +30,7 @@ class Totals:
     per_expert_gpu_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     per_expert_largest: dict[int, float] = field(default_factory=lambda: defaultdict(float))   # its largest single record
     devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))   # device -> GPU-seconds on it
+    least_startup: float | None = None       # GPU-seconds of the cheapest expert start-up (records with seq 0)
 
     @property
     def gpu_hours(self) -> float:
@@ -95,4 +97,6 @@ class Ledger:
                 t.per_expert_largest[rec["expert"]] = max(t.per_expert_largest[rec["expert"]], rec["gpu_seconds"])
             if rec.get("device") and rec["gpu_seconds"]:
                 t.devices[rec["device"]] += rec["gpu_seconds"]
+            if rec["expert"] is not None and rec.get("seq") == 0 and rec["gpu_seconds"] > 0:
+                t.least_startup = min(t.least_startup or math.inf, rec["gpu_seconds"])
         return t

@@ -20,7 +20,7 @@ from collections import deque
 from dataclasses import asdict, dataclass, field, fields
 from typing import Callable
 
-from soma_cluster.budget import BudgetBook
+from soma_cluster.budget import BudgetBook, StartCost
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import JobHistory, emit
 from soma_cluster.ledger import EXPERT_SPEND, Ledger
@@ -96,6 +96,9 @@ class Unit:
     reused_from: int | None = None   # the unit whose idle actor takes these jobs (resources.reuse_actors)
     previous: tuple[Incarnation, ...] = ()   # killed processes of these jobs that a retry must outlive
     granted: bool = False            # the GPUs present had room for it when asked: Ray grants its share at once
+    # scheduler clock when its actor began holding its GPU share (where the worker's own clock starts): the
+    # request when granted or reused, else when Ray placed it (on_placed); None while that is unknown
+    held_since: float | None = None
     phase: str = "queued"            # queued: asked of Ray, not reported in; running: reporting
     last_beat: float = 0.0
     process: Incarnation | None = None
@@ -232,6 +235,7 @@ class Scheduler:
         self.by_category = dict(totals.gpu_seconds)        # GPU-seconds per ledger category, likewise
         self.by_device = dict(totals.devices)              # GPU-seconds per device ("cuda", "cpu"), likewise
         self.totals_at_start = totals
+        self.start_cost = StartCost(totals.least_startup)  # least start-up (and update) cost measured, for launch refusals
 
     @property
     def spent_total(self) -> float:
@@ -291,13 +295,14 @@ class Scheduler:
             unit = self._open(group)
             if unit is not None:
                 unit.granted = granted
+                unit.held_since = unit.requested if granted else None
                 out.append(Start(unit))
         return out
 
     def _open(self, jobs: list[Job], reused_from: int | None = None) -> Unit | None:
         """A unit for the jobs the budget can still cover (the others end budget_exhausted); None if none."""
-        for job in [j for j in jobs if (left := self.left(j)) is not None and left <= 0]:
-            self._finish(job, "budget_exhausted", note="budget cannot cover a launch")
+        for job, why in [(j, why) for j in jobs if (why := self._unaffordable(j))]:
+            self._finish(job, "budget_exhausted", note=why)
             jobs = [j for j in jobs if j != job]
         if not jobs:
             return None
@@ -308,6 +313,7 @@ class Scheduler:
             accounts[job] = Account(job, n, self.cause.get(job, "new"))
         previous = tuple(self.killed.pop(j) for j in jobs if j in self.killed)
         unit = Unit(next(self._ids), accounts, self.clock(), reused_from, previous)
+        unit.held_since = unit.requested if reused_from is not None else None    # an idle actor holds its share already
         self.units[unit.id] = unit
         for c in accounts.values():
             self.open[c.job] = unit
@@ -316,6 +322,24 @@ class Scheduler:
             self._event("queued", c.job, attempt=c.attempt, num_gpus=self.cfg.resources.num_gpus / len(jobs),
                         actor=unit.name, reused=reused_from is not None, cause=c.cause)
         return unit
+
+    def _unaffordable(self, job: Job) -> str | None:
+        """Why the budget cannot cover a launch of the job now, or None. Beyond a budget already spent: one that
+        cannot cover even a start-up plus one chunk (the least measured in this campaign) would only burn
+        GPU-seconds to stop at its first step, so it is not started. That test takes the job's own cap and the
+        campaign's whole remainder, not its share of it (the share grows back as other jobs end)."""
+        left = self.left(job)
+        if left is None:
+            return None
+        if left <= 0:
+            return "budget cannot cover a launch"
+        spent = self.spent.get(job.expert, 0.0) if job.expert is not None else 0.0
+        alone = self.book.left(job.expert, spent, self.spent_total)
+        need = self.start_cost.need_s(min(self.cfg.train.chunk_updates, self.cfg.train.updates))
+        if need is not None and alone is not None and alone < need:
+            return (f"budget cannot cover a start-up plus one chunk: {alone:.2f} GPU-s left, {need:.2f} needed "
+                    f"(the least start-up and update cost measured in this campaign)")
+        return None
 
     def _chunk(self, unit: Unit) -> Chunk:
         caps = {}
@@ -353,6 +377,7 @@ class Scheduler:
                         actor=unit.name, waited_s=report.waited_s)
             note = "start-up: process, imports, data and model" + ("" if c.cause == "new" else f" (after {c.cause})")
             self._record(CAUSES[c.cause] or c.job.category, start.usage, c, 0, note)
+            self.start_cost.observe_startup(start.usage.gpu_seconds)
             self._resettle(c.job, start.step, start.kept_by, start.kept)
         return [self._chunk(unit)] if unit.live() else self._close(unit)
 
@@ -371,6 +396,7 @@ class Scheduler:
         if hb.val is not None:
             view.val = hb.val
         self._record(c.job.category, hb.usage - c.reported, c, c.seq)
+        self.start_cost.observe_updates(hb.usage.gpu_seconds - c.reported.gpu_seconds, hb.updates)
         c.reported = hb.usage
         if hb.val is not None:
             c.improving = hb.best_val is not None and hb.val <= hb.best_val
@@ -487,13 +513,15 @@ class Scheduler:
     # -- hangs and budgets ----------------------------------------------------------------------------
     def watchdog(self) -> list[Action]:
         """A running actor silent past retry.heartbeat_timeout_s has hung; one past a job's cap plus the grace
-        is hard-stopped; a queued one whose jobs the budget can no longer cover is cancelled."""
+        is hard-stopped, in its start-up too; a queued one whose jobs the budget can no longer cover is cancelled."""
         now, out = self.clock(), []
         budgeted = self.book.campaign_s is not None or self.book.expert_s is not None
         for unit in list(self.units.values()):
             if unit.phase == "queued":
                 if budgeted and all((left := self.left(c.job)) is not None and left <= 0 for c in unit.live()):
                     out += self._cancel(unit)
+                elif budgeted and unit.held_since is not None:
+                    out += self._watch_startup(unit, now)
                 continue
             silent = now - unit.last_beat
             live = unit.live()
@@ -505,6 +533,31 @@ class Scheduler:
             elif over:
                 out += self.on_lost(unit.id, Lost("budget_exhausted: hard stop past the grace"), stop=over)
         return out
+
+    def on_placed(self, uid: int, held_for_s: float) -> None:
+        """Ray placed a unit that waited in its queue: its actor has held its GPU share for held_for_s seconds
+        (its own clock), so from now on its start-up counts against its budget."""
+        unit = self.units.get(uid)
+        if unit is not None and unit.phase == "queued" and unit.held_since is None:
+            unit.held_since = self.clock() - max(0.0, held_for_s)
+
+    def _watch_startup(self, unit: Unit, now: float) -> list[Action]:
+        """An actor still starting up holds its GPU share: once that held time passes what a job may still spend
+        plus the grace, the actor is hard-stopped as a running one would be, and the start-up it held so far is
+        billed as the attempt's start-up (the driver's clock: the worker never reported)."""
+        live = unit.live()
+        held = (now - unit.held_since) / max(1, len(live))
+        grace = self.cfg.budget.grace_gpu_seconds
+        over = tuple(c.job for c in live if (left := self.left(c.job)) is not None and held * self.cfg.resources.num_gpus > left + grace)
+        if not over:
+            return []
+        usage = Usage(held * self.cfg.resources.num_gpus, held)
+        for c in live:
+            c.started, c.setup, c.reported = True, usage, usage
+            self._record(CAUSES[c.cause] or c.job.category, usage, c, 0,
+                         "start-up, hard-stopped by the driver before it reported (the driver's clock)")
+            self.start_cost.observe_startup(usage.gpu_seconds)         # a start-up costs at least this
+        return self.on_lost(unit.id, Lost(f"budget_exhausted: hard stop past the grace during start-up ({held:.1f} s held)"), stop=over)
 
     def _cancel(self, unit: Unit) -> list[Action]:
         """A queued actor whose jobs the budget can no longer cover is withdrawn before it holds a GPU."""

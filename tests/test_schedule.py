@@ -191,6 +191,66 @@ def test_restore_settles_an_interrupted_attempt_once(tmp_path):
     assert totals.gpu_seconds["expert_training"] == pytest.approx(7.0)
 
 
+def test_a_start_up_is_hard_stopped_past_cap_plus_grace_within_one_poll(tmp_path):
+    """The start-up's running clock counts against the cap from when the actor holds its GPU share: the request
+    for a granted actor, Ray's placement (on_placed) for one that waited in Ray's queue; never before."""
+    from soma_cluster.schedule import POLL_S
+    clock = [0.0]
+    cap_s, grace = 1.5, 1.0
+    s = scheduler(tmp_path, clock, n_experts=2, budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": grace})
+    s.restore({})
+    granted, queued = s.requests(2, room=1)
+    assert granted.unit.held_since == 0.0 and queued.unit.held_since is None
+    stops = []
+    while not stops and clock[0] < 30:                            # the driver's loop: a watchdog at least every poll
+        clock[0] += POLL_S
+        stops = by(s.watchdog(), Stop)
+    assert [a.unit.id for a in stops] == [granted.unit.id] and s.outcome == {Job(0): "budget_exhausted"}
+    spent = Ledger(s.store).totals().per_expert_gpu_seconds
+    assert cap_s + grace < spent[0] <= cap_s + grace + POLL_S * s.cfg.resources.num_gpus   # the printed bound holds
+    assert history(s.store)["expert-0000"].events[-2]["reason"].startswith("budget_exhausted: hard stop past the grace during start-up")
+    assert 1 not in spent                                         # still in Ray's queue: it holds nothing, costs nothing
+    s.on_placed(queued.unit.id, 0.25)                             # Ray placed it 0.25 s ago (the worker's own clock)
+    placed_at = clock[0] - 0.25
+    while not by(s.watchdog(), Stop) and clock[0] < 60:
+        clock[0] += POLL_S
+    assert s.outcome[Job(1)] == "budget_exhausted"
+    spent = Ledger(s.store).totals().per_expert_gpu_seconds
+    assert spent[1] == pytest.approx(clock[0] - placed_at) and spent[1] <= cap_s + grace + POLL_S
+    assert s.finished
+
+
+def test_a_start_up_that_reports_in_time_is_not_stopped_and_is_billed_once(tmp_path):
+    clock = [0.0]
+    s = scheduler(tmp_path, clock, n_experts=1, budget={"expert_gpu_hours": 10 / 3600, "grace_gpu_seconds": 1.0})
+    s.restore({})
+    (start,) = s.requests(1, room=1)
+    clock[0] = 4.0
+    assert s.watchdog() == []
+    assert by(s.on_setup(start.unit.id, started([0], gpu_s=4.0)), Chunk)
+    assert Ledger(s.store).totals().per_expert_gpu_seconds == {0: pytest.approx(4.0)}
+
+
+def test_an_expert_whose_budget_cannot_cover_a_start_up_and_a_chunk_is_never_started(tmp_path):
+    clock = [0.0]
+    cap_s = 3.0
+    s = scheduler(tmp_path, clock, n_experts=3, budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 1.0})
+    s.restore({})
+    (first,) = s.requests(1, room=1)
+    clock[0] = 2.0
+    s.on_setup(first.unit.id, started([0], gpu_s=2.0))            # a start-up costs 2 GPU-s here
+    s.on_chunk(first.unit.id, ChunkReport({0: beat(3, 3.2, 3 * PER_UPDATE)}, 3.2))   # and an update 0.4
+    assert s.start_cost.need_s(s.cfg.train.chunk_updates) == pytest.approx(2.0 + 3 * 0.4)
+    acts = s.requests(3, room=3)                                  # 3 GPU-s left each: less than 3.2
+    assert acts == [] and s.outcome == {Job(1): "budget_exhausted", Job(2): "budget_exhausted"}
+    ends = [e for e in s.store.read_log("events.jsonl") if e["event"] == "budget_exhausted"]
+    assert "cannot cover a start-up plus one chunk: 3.00 GPU-s left, 3.20 needed" in ends[0]["note"]
+    assert not [e for e in s.store.read_log("events.jsonl") if e["event"] == "queued" and e["job"] != "expert-0000"]
+    assert set(Ledger(s.store).totals().per_expert_gpu_seconds) == {0}     # nothing billed to the refused ones
+    again = scheduler(tmp_path, n_experts=3, budget={"expert_gpu_hours": 1.5 / 3600})   # a new driver: the ledger remembers
+    assert again.start_cost.startup_s == pytest.approx(2.0)
+
+
 def test_seed_is_its_own_job(tmp_path):
     assert SEED_JOB.name == "seed" and SEED_JOB.model_dir == "seed" and SEED_JOB.category == "seed"
     assert Job(7).name == "expert-0007" and Job(7).model_dir == "experts/expert-0007" and Job(7).expert == 7

@@ -39,6 +39,8 @@ from soma_cluster.trainer import Method, NonFiniteLoss, Trainer, TrainState, pic
 
 log = logging.getLogger(__name__)
 SEED_STREAM = -1           # the seed model's RNG stream id (probes, data order), as it has always been
+# tests only: seconds every setup() sleeps first, a slow start-up (a loaded host, an image pull, a cold S3 read)
+SETUP_DELAY_ENV = "SOMA_TEST_SETUP_DELAY_S"
 
 
 def union_shard(store: Store, n_experts: int, cache: str) -> Shard:
@@ -155,6 +157,11 @@ class ExpertWorker:
     def pid(self) -> int:
         return os.getpid()
 
+    def holding(self) -> float:
+        """When this actor began holding its GPU share (wall clock): the driver asks an actor that waited in Ray's
+        queue, so that its start-up counts against its budget from then (Ray runs this before `setup`)."""
+        return self.held_from
+
     def _live(self) -> list[Member]:
         return [m for m in self.members.values() if m.reason is None]
 
@@ -175,6 +182,7 @@ class ExpertWorker:
         """Load the jobs (their checkpoints, or the seed). With `experts`, an actor whose jobs have all ended
         takes new ones (resources.reuse_actors): the time since its last heartbeat goes to them."""
         held_from = self.held_from
+        time.sleep(float(os.environ.get(SETUP_DELAY_ENV, "0") or 0))
         if experts is not None:
             if any(not m.told for m in self.members.values()):
                 raise RuntimeError("setup(experts=...) while jobs are still training in this actor")
