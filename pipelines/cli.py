@@ -10,7 +10,7 @@ import typer
 
 from pipelines.common import emit_json, load_config, open_store, out
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
-from soma_cluster.errors import JobsFailed, SomaError
+from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
                   "Data (tables, results, --json) goes to stdout; logs and progress to stderr.")
@@ -71,19 +71,23 @@ QuietOpt = typer.Option(False, "--no-progress", help="no progress bars: one summ
                         "(also when stderr is not a terminal)")
 LogEveryOpt = typer.Option(30.0, "--log-every", callback=_check_positive, help="seconds between summary lines without a progress bar")
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in the README)")
+RetryFailedOpt = typer.Option(False, "--retry-failed", help="first reopen the jobs that ended failed_permanently (all, or the "
+                              "EXPERTS named) from their newest valid checkpoint, with their retries given back")
 
 
 def _run(fn: Callable[[], None]) -> None:
     """Exit codes: 0 the command really succeeded; 2 bad input (one `error:` line naming the thing and the fix);
-    3 a campaign ran but jobs failed permanently (their retries spent); 1 a bug (a traceback)."""
+    3 a campaign ran but jobs failed permanently (their retries spent); 4 the campaign was stopped by its
+    environment (disk full, read-only, storage unreachable, nodes lost, out of memory: fix it, then soma resume);
+    1 a bug (a traceback)."""
     try:
         fn()
     except SomaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
-    except JobsFailed as exc:
+    except (JobsFailed, StoppedByEnvironment) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise typer.Exit(JobsFailed.exit_code) from None
+        raise typer.Exit(exc.exit_code) from None
 
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
@@ -111,7 +115,8 @@ def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = Conf
 
 
 @app.command()
-def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
+def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
+         retry_failed: bool = typer.Option(False, "--retry-failed", help="first reopen the seed if it ended failed_permanently")) -> None:
     """Train the seed model (N = 1) on the whole corpus."""
     def go() -> None:
         from pipelines.raysession import ray_session
@@ -119,17 +124,22 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
         store = open_store(campaign)
         cfg = load_config(store)
         with ray_session(cfg, address):
-            train_seed(store, cfg, not no_progress, log_every)
+            train_seed(store, cfg, not no_progress, log_every, retry_failed)
     _run(go)
 
 
-def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float) -> None:
+def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float, retry_failed: list[str] | None = None) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
     store = open_store(campaign)
     cfg = load_config(store)
+    if retry_failed:            # named experts are checked before Ray starts: one that did not fail is bad input
+        from soma_cluster.events import history
+        from soma_cluster.failures import select_failed
+        from soma_cluster.schedule import expert_jobs
+        select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
     with ray_session(cfg, address):
-        run(store, cfg, not no_progress, log_every)
+        run(store, cfg, not no_progress, log_every, retry_failed)
 
 
 @app.command()
@@ -139,9 +149,18 @@ def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool
 
 
 @app.command()
-def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt) -> None:
-    """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash)."""
-    _run(lambda: _launch(campaign, address, no_progress, log_every))
+def resume(campaign: str, experts: Optional[list[str]] = typer.Argument(None, help="with --retry-failed: the experts to reopen "
+                                                                          "(expert-0003 or 3; default: every one that failed permanently)"),
+           retry_failed: bool = RetryFailedOpt, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt,
+           log_every: float = LogEveryOpt) -> None:
+    """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash, or a stop for its environment:
+    exit 4). With --retry-failed, experts that failed permanently are reopened first (after their cause is fixed)."""
+    def go() -> None:
+        if experts and not retry_failed:
+            raise SomaError(f"experts named ({' '.join(experts)}) without --retry-failed; pass --retry-failed to reopen them, "
+                            f"or name none to resume the campaign")
+        _launch(campaign, address, no_progress, log_every, list(experts or []) if retry_failed else None)
+    _run(go)
 
 
 @app.command("eval")

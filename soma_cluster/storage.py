@@ -25,7 +25,7 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -131,7 +131,8 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
              max_tries: int | None = None, on_retry: Callable[[], None] = lambda: None) -> T:
     """fn(), with transient remote errors (an object store restarting, a dropped or refused connection)
     retried with backoff 0.2 s, 0.4 s, ... 5 s for at most `timeout_s` in all: an attempt starts only
-    while it can still time out (`attempt_s`, the connect timeout) within that bound. Then one SomaError."""
+    while it can still time out (`attempt_s`, the connect timeout) within that bound. Then one StorageUnreachable
+    (a SomaError: a command's one `error:` line; a campaign's worker waits for the store, soma_cluster/failures.py)."""
     t0 = time.monotonic()
     last_start = t0 + timeout_s - attempt_s
     delay, tries = 0.2, 0
@@ -145,7 +146,7 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
             now = time.monotonic()
             if now >= last_start or (max_tries is not None and tries >= max_tries):
                 n = f"{tries} tries" if tries > 1 else "1 try"
-                raise SomaError(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
+                raise StorageUnreachable(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
             wait = min(delay, last_start - now)
             # the type only: messages and storage options are never logged (they can name credentials)
             log.warning("%s failed (%s), retry %d in %.1f s", what, type(exc).__name__, tries, wait)
