@@ -233,7 +233,7 @@ class Driver:
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
-            with self.store.batch(background=True):
+            with self.store.batch(background=True, wait_s=self.cfg.retry.infra_wait_s):
                 flushed = time.monotonic()
                 try:
                     while not self.sched.finished:
@@ -400,8 +400,8 @@ def run_driver(driver: Driver) -> dict[str, str]:
         if not cause.infra:
             raise
         why = f"the driver's write to {driver.store.url} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
-        raise StoppedByEnvironment(stop_line(cause, why, "the driver", 0.0, driver.cfg.retry.infra_wait_s,
-                                             driver.store.url)) from None
+        bound = driver.cfg.retry.infra_wait_s          # its log writer waited that long (soma_cluster/storage.py)
+        raise StoppedByEnvironment(stop_line(cause, why, "the driver", bound, bound, driver.store.url)) from None
 
 
 def raise_failures(driver: Driver, what: str) -> None:

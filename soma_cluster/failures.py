@@ -55,12 +55,12 @@ _ERRNO = {errno.ENOSPC: Cause.DISK_FULL, errno.EDQUOT: Cause.DISK_FULL, errno.ER
 _TEXT = ((re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]"), Cause.DISK_FULL),
          (re.compile(r"Read-only file system|\[Errno 30\]"), Cause.READ_ONLY))
 
-# what the operator does about each condition, for the line the campaign stops with
+# what the operator does about each condition, for the line the campaign stops with ({url}: the campaign's)
 FIX = {
-    Cause.DISK_FULL: "free space (or raise the quota) on the filesystem that holds the campaign",
-    Cause.READ_ONLY: "make the campaign's filesystem writable again (remount it read-write)",
-    Cause.PERMISSION: "give the user the workers run as read and write access to the campaign store",
-    Cause.STORAGE_UNREACHABLE: "bring the campaign store back within reach of the workers (its endpoint, the network)",
+    Cause.DISK_FULL: "free space (or raise the quota) on the filesystem that holds {url}",
+    Cause.READ_ONLY: "make the filesystem that holds {url} writable again (remount it read-write)",
+    Cause.PERMISSION: "give the user the workers run as read and write access to {url}",
+    Cause.STORAGE_UNREACHABLE: "bring the store of {url} back within reach of the workers (its endpoint, the network)",
     Cause.NODE_LOST: "check the cluster's nodes (ray status) and that GPU nodes can join it",
     Cause.OUT_OF_MEMORY: "free memory on the nodes, or give each expert more (fewer actors per node)",
 }
@@ -104,10 +104,11 @@ def actor_death_cause(message: str) -> Cause:
     return Cause.NODE_LOST if _NODE_DIED.search(message) else Cause.CRASH
 
 
-def stop_line(cause: Cause, reason: str, job: str, waited_s: float, bound_s: float, url: str) -> str:
-    """The one line a campaign stopped by its environment ends with."""
-    return (f"the campaign stopped: {WORDS[cause]} ({reason}), {job}'s retries waited {waited_s:.0f} s for it "
-            f"(retry.infra_wait_s={bound_s:g}); {FIX[cause]}, then run soma resume {url}")
+def stop_line(cause: Cause, reason: str, who: str, waited_s: float, bound_s: float, url: str) -> str:
+    """The one line a campaign stopped by its environment ends with; `who` waited (e.g. "expert-0003's retries")."""
+    reason = reason.removeprefix(f"{cause}: ")
+    return (f"the campaign stopped: {WORDS[cause]} ({reason}), {who} waited {waited_s:.0f} s for it "
+            f"(retry.infra_wait_s={bound_s:g}); {FIX[cause].format(url=url)}, then run soma resume {url}")
 
 
 def expert_names(requested: list[str], names: list[str]) -> list[str]:

@@ -190,7 +190,7 @@ class InfraStop:
     waited_s: float
 
     def line(self, bound_s: float, url: str) -> str:
-        return stop_line(self.cause, self.reason, self.job, self.waited_s, bound_s, url)
+        return stop_line(self.cause, self.reason, f"{self.job}'s retries", self.waited_s, bound_s, url)
 
 
 def _clamp(u: Usage) -> Usage:

@@ -26,6 +26,7 @@ from urllib.parse import urlsplit
 import fsspec
 
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
+from soma_cluster.failures import exception_cause
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -380,17 +381,19 @@ class Store:
             self._write_lines(log, [line])
 
     @contextmanager
-    def batch(self, background: bool = False) -> Iterator[None]:
+    def batch(self, background: bool = False, wait_s: float = 0.0) -> Iterator[None]:
         """Hold appends back and write each log's records together: one fdatasync (local) or one object
         (remote) per log and flush instead of one per record. With `background`, `flush(wait=False)` hands
         the held records to one writer thread (in order), so the caller's loop does not wait on the disk or
         the store. A crash inside loses the records not yet written, as a crash just before them would; reads
-        inside see them (they are written first). The batch's end writes and waits for everything."""
+        inside see them (they are written first). The batch's end writes and waits for everything. A background
+        write that fails for the disk or the store (full, read-only, unreachable: soma_cluster/failures.py) is
+        retried, in order, for up to `wait_s` seconds before it counts as failed."""
         if self._batch is not None:          # nested: the outer batch writes
             yield
             return
         self._batch = {}
-        self._writer = _LogWriter(self._write_lines) if background else None
+        self._writer = _LogWriter(self._write_lines, wait_s) if background else None
         try:
             yield
         finally:
@@ -424,8 +427,7 @@ class Store:
                 self._tails_checked.add(log)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, data)
-                _datasync(fd)
+                _append_whole(fd, data)
             finally:
                 os.close(fd)
         else:
@@ -468,10 +470,12 @@ class Store:
 
 
 class _LogWriter:
-    """One thread that writes handed-over log records in order; its first error is kept and raised by drain()."""
+    """One thread that writes handed-over log records in order; its first error is kept and raised by drain().
+    A write that fails for the disk or the store (full, read-only, unreachable) is tried again with backoff
+    (0.1 s doubling to 5 s) for up to `wait_s`: the driver waits out its disk as its workers do."""
 
-    def __init__(self, write: Callable[[str, list[str]], None]):
-        self.write, self.error = write, None
+    def __init__(self, write: Callable[[str, list[str]], None], wait_s: float = 0.0):
+        self.write, self.error, self.wait_s = write, None, wait_s
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="soma-log-writer", daemon=True)
         self.thread.start()
@@ -484,11 +488,23 @@ class _LogWriter:
                     return
                 if self.error is None:
                     for log, lines in held.items():
-                        self.write(log, lines)
+                        self._write_waiting(log, lines)
             except BaseException as exc:     # kept for the caller: records are never dropped silently
                 self.error = exc
             finally:
                 self.queue.task_done()
+
+    def _write_waiting(self, name: str, lines: list[str]) -> None:
+        deadline, delay = time.monotonic() + self.wait_s, 0.1
+        while True:
+            try:
+                return self.write(name, lines)
+            except (OSError, SomaError) as exc:
+                if not exception_cause(exc).infra or time.monotonic() + delay > deadline:
+                    raise
+                log.warning("writing %s failed (%s: %s); retrying in %.1f s", name, type(exc).__name__, exc, delay)
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
 
     def submit(self, held: dict[str, list[str]]) -> None:
         self._raise()
@@ -531,6 +547,20 @@ def _cut_torn_tail(path: str, where: str) -> None:
             fh.flush()
             os.fsync(fh.fileno())
             log.warning("%s: cut off an unterminated last record (%d bytes) left by an interrupted write", where, size - end)
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Append all of `data` or nothing: write(2) may write part of it and stop (a disk that fills meanwhile);
+    the part is cut off again, so a log never holds half a record with the next one glued onto it."""
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+        _datasync(fd)
+    except OSError:
+        os.ftruncate(fd, start)
+        raise
 
 
 def _datasync(fd: int) -> None:
