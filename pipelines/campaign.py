@@ -47,6 +47,7 @@ LOG_EVERY_S = 30.0      # without a progress bar, one summary line this often (a
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
 # what a ray.get of an actor's call raises when the actor is gone (RayTaskError: its code raised)
 LOST_ERRORS = (RayActorError, RayTaskError, GetTimeoutError, OutOfMemoryError, NodeDiedError)
+NODE_CHECK_S = 1.0      # an actor died on a node Ray still calls alive: how long to watch whether the node follows it
 
 
 def also_ready(first: list, rest: list) -> list:
@@ -70,6 +71,21 @@ def lost_actor(exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
     if cause.infra:
         return Lost(f"{cause}: {type(exc).__name__}: {first}", LossKind.INFRA, cause=cause)
     return Lost(f"actor_died: {type(exc).__name__}: {first}", cause=cause)
+
+
+def node_died(node_id: str, wait_s: float = NODE_CHECK_S) -> bool:
+    """Whether Ray's GCS marks the node dead within `wait_s`. A node's death can reach the driver first as its
+    workers' deaths (the raylet stops them as it goes): an actor death that says nothing of its node is checked
+    here before it is taken for the expert's own crash. A node the GCS declares dead later than that (a cluster's
+    health checks can take longer) is counted as a crash, as it was before."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        if not state.get(node_id, True):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def lost_task(exc: RayTaskError) -> Lost:
@@ -201,7 +217,7 @@ class Driver:
             try:
                 result = ray.get(ref, timeout=60)
             except (RayActorError, OutOfMemoryError, NodeDiedError) as exc:
-                return self.sched.on_lost(uid, lost_actor(exc))
+                return self.sched.on_lost(uid, self._lost_actor(uid, exc))
             except RayTaskError as exc:
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
@@ -209,6 +225,13 @@ class Driver:
         if isinstance(result, SetupReport):
             return self.sched.on_setup(uid, result)
         return self.sched.on_chunk(uid, result)
+
+    def _lost_actor(self, uid: int, exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
+        """lost_actor, with a crash on a node that turns out to be dead taken for the node's loss."""
+        lost, process = lost_actor(exc), self.sched.units[uid].process
+        if lost.cause == Cause.CRASH and process is not None and process.node and node_died(process.node):
+            return Lost(f"{Cause.NODE_LOST}: its node {process.node[:12]} died: {lost.reason}", LossKind.INFRA, cause=Cause.NODE_LOST)
+        return lost
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, str]:
