@@ -112,15 +112,19 @@ def stop_line(cause: Cause, reason: str, who: str, waited_s: float, bound_s: flo
 
 
 def expert_names(requested: list[str], names: list[str]) -> list[str]:
-    """Job names for what a user typed (expert-0003, 3, seed), in the order given; SomaError for one not in `names`."""
+    """Job names for what a user typed (expert-0003, expert-3, 3), in the order given, once each; SomaError for one
+    not in `names`."""
     out = []
     for raw in requested:
         name = raw.strip()
-        if name.isdigit():
-            name = f"expert-{int(name):04d}"
+        number = re.fullmatch(r"(?:expert-)?(\d+)", name)
+        if number:
+            name = f"expert-{int(number.group(1)):04d}"
+        if name == "seed" and name not in names:
+            raise SomaError("the seed is not an expert: reopen it with soma seed CAMPAIGN --retry-failed")
         if name not in names:
-            raise SomaError(f"{raw!r} is not a job of this campaign; name experts as expert-0003 or 3 "
-                            f"(expert-0000 to {names[-1]})")
+            raise SomaError(f"{raw!r} names no {'expert' if names[-1] != 'seed' else 'job'} of this campaign "
+                            f"({names[0]} to {names[-1]}); name experts as expert-0003 or 3")
         if name not in out:
             out.append(name)
     return out

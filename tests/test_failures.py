@@ -93,14 +93,16 @@ def test_select_failed_all_or_named():
     states = {"expert-0000": "finished", "expert-0001": "failed_permanently", "expert-0002": "failed_permanently"}
     names = ["expert-0000", "expert-0001", "expert-0002", "expert-0003"]
     assert select_failed(states, names) == ["expert-0001", "expert-0002"]
-    assert select_failed(states, names, ["2", "expert-0001", "0002"]) == ["expert-0002", "expert-0001"]
+    assert select_failed(states, names, ["2", "expert-0001", "0002", "expert-1"]) == ["expert-0002", "expert-0001"]
     with pytest.raises(SomaError, match="expert-0000 is finished, not failed_permanently"):
         select_failed(states, names, ["0"])
     with pytest.raises(SomaError, match="expert-0003 is pending"):
         select_failed(states, names, ["expert-0003"])
-    for bad in ("7", "expert-7", "seed", "", "-1"):
-        with pytest.raises(SomaError, match="not a job of this campaign"):
+    for bad in ("7", "expert-7", "", "-1", "expert-0004", "1.0", "expert-", "e1"):
+        with pytest.raises(SomaError, match="names no expert of this campaign .expert-0000 to expert-0003."):
             select_failed(states, names, [bad])
+    with pytest.raises(SomaError, match="soma seed CAMPAIGN --retry-failed"):
+        select_failed(states, names, ["seed"])
 
 
 # -- the scheduler's decisions ----------------------------------------------------------------------------
