@@ -28,7 +28,7 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.events import history, require_seed
-from soma_cluster.failures import WORDS, Cause, actor_death_cause, exception_cause, stop_line
+from soma_cluster.failures import WORDS, Cause, actor_death_cause, exception_cause, stop_line, waiting
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
 from soma_cluster.schedule import POLL_S, SEED_JOB, Action, Chunk, Job, LossKind, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
@@ -149,7 +149,9 @@ class Driver:
         self.show = show_progress and console.is_terminal     # a bar only where a person watches; else summary lines
         self.log_every_s = log_every_s
         self.start_actor = actor_factory
-        self.sched = Scheduler(store, cfg, jobs, latest=lambda job: latest_meta(store, job.model_dir))
+        # an attempt lost to a store outage is settled against its checkpoint, read once the store answers again
+        self.sched = Scheduler(store, cfg, jobs, latest=lambda job: waiting(lambda: latest_meta(store, job.model_dir),
+                                                                            cfg.retry.infra_wait_s, f"reading {job.model_dir}"))
         self.actors: dict[int, object] = {}            # unit id -> its actor handle
         self.inflight: dict[int, object] = {}          # unit id -> the one call it is running (setup or a chunk)
         self.campaign_id = cfg.digest()[:8]
@@ -422,7 +424,7 @@ def run_driver(driver: Driver) -> dict[str, str]:
         cause = exception_cause(exc)
         if not cause.infra:
             raise
-        why = f"the driver's write to {driver.store.url} failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        why = f"the driver's own storage call failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
         bound = driver.cfg.retry.infra_wait_s          # its log writer waited that long (soma_cluster/storage.py)
         raise StoppedByEnvironment(stop_line(cause, why, "the driver", bound, bound, driver.store.url)) from None
 

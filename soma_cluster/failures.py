@@ -19,10 +19,16 @@ the commands use to refuse bad disks up front.
 from __future__ import annotations
 
 import errno
+import logging
 import re
+import time
 from enum import StrEnum
+from typing import Callable, TypeVar
 
 from soma_cluster.errors import SomaError, StorageUnreachable
+
+T = TypeVar("T")
+log = logging.getLogger(__name__)
 
 
 class Cause(StrEnum):
@@ -102,6 +108,21 @@ _NODE_DIED = re.compile(r"its node has died|node .* (is dead|has died|was remove
 def actor_death_cause(message: str) -> Cause:
     """An actor that died without raising (Ray's ActorDiedError): its node died, or only its process did."""
     return Cause.NODE_LOST if _NODE_DIED.search(message) else Cause.CRASH
+
+
+def waiting(fn: Callable[[], T], wait_s: float, what: str) -> T:
+    """fn(), tried again with backoff (0.1 s doubling to 5 s) while it fails for the infrastructure, for up to wait_s:
+    the driver's own reads and writes wait out the disk or the store as its workers do. Then the error is raised."""
+    deadline, delay = time.monotonic() + wait_s, 0.1
+    while True:
+        try:
+            return fn()
+        except (OSError, SomaError) as exc:
+            if not exception_cause(exc).infra or time.monotonic() + delay > deadline:
+                raise
+            log.warning("%s failed (%s: %s); trying again in %.1f s", what, type(exc).__name__, exc, delay)
+            time.sleep(delay)
+            delay = min(delay * 2, 5.0)
 
 
 def stop_line(cause: Cause, reason: str, who: str, waited_s: float, bound_s: float, url: str) -> str:

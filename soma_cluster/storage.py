@@ -26,7 +26,7 @@ from urllib.parse import urlsplit
 import fsspec
 
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
-from soma_cluster.failures import exception_cause
+from soma_cluster.failures import waiting
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -495,16 +495,7 @@ class _LogWriter:
                 self.queue.task_done()
 
     def _write_waiting(self, name: str, lines: list[str]) -> None:
-        deadline, delay = time.monotonic() + self.wait_s, 0.1
-        while True:
-            try:
-                return self.write(name, lines)
-            except (OSError, SomaError) as exc:
-                if not exception_cause(exc).infra or time.monotonic() + delay > deadline:
-                    raise
-                log.warning("writing %s failed (%s: %s); retrying in %.1f s", name, type(exc).__name__, exc, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+        waiting(lambda: self.write(name, lines), self.wait_s, f"writing {name}")
 
     def submit(self, held: dict[str, list[str]]) -> None:
         self._raise()

@@ -211,3 +211,25 @@ def test_reopened_for_retry_failed_gives_the_retries_back_and_keeps_the_end(tmp_
     again.restore(history(again.store))
     assert list(again.pending) == [Job(0)] and again.next_attempt[Job(0)] == 1 and again.cause[Job(0)] == "retry"
     assert not again.failures.get(Job(0))
+
+
+def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_path):
+    from pipelines.reopen import reopen_failed
+    from soma_cluster.schedule import SEED_JOB
+    from soma_cluster.storage import Store
+    store = Store(str(tmp_path / "c"))
+    for job, end in (("seed", "failed_permanently"), ("expert-0000", "finished"), ("expert-0001", "failed_permanently")):
+        emit(store, "queued", job, attempt=0)
+        emit(store, "failed", job, attempt=0, reason="exception: RuntimeError: boom")
+        emit(store, end, job, attempt=0)
+    jobs = [Job(0), Job(1)]
+    before = len(store.read_log("events.jsonl"))
+    with pytest.raises(SomaError, match="expert-0000 is finished"):
+        reopen_failed(store, jobs, ["1", "0"])
+    assert len(store.read_log("events.jsonl")) == before                       # refused before anything was written
+    assert reopen_failed(store, jobs, []) == ["expert-0001"]
+    assert reopen_failed(store, [SEED_JOB], []) == ["seed"]
+    h = history(store)
+    assert (h["seed"].state, h["seed"].failures) == ("reopened", 0) and h["expert-0000"].state == "finished"
+    assert (h["expert-0001"].state, h["expert-0001"].failures) == ("reopened", 0)
+    assert reopen_failed(store, jobs, []) == []                                 # nothing failed any more
