@@ -424,7 +424,8 @@ def run_driver(driver: Driver) -> dict[str, str]:
         cause = exception_cause(exc)
         if not cause.infra:
             raise
-        why = f"the driver's own storage call failed: {type(exc).__name__}: {str(exc).splitlines()[0][:200]}"
+        first = str(exc).splitlines()[0].split("; ")[0][:200]         # the fix follows in the line: not the error's own hint
+        why = f"the driver's own storage call failed: {type(exc).__name__}: {first}"
         bound = driver.cfg.retry.infra_wait_s          # its log writer waited that long (soma_cluster/storage.py)
         raise StoppedByEnvironment(stop_line(cause, why, "the driver", bound, bound, driver.store.url)) from None
 
