@@ -233,3 +233,28 @@ def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_pat
     assert (h["seed"].state, h["seed"].failures) == ("reopened", 0) and h["expert-0000"].state == "finished"
     assert (h["expert-0001"].state, h["expert-0001"].failures) == ("reopened", 0)
     assert reopen_failed(store, jobs, []) == []                                 # nothing failed any more
+
+
+def test_ray_errors_map_to_losses_without_a_running_ray():
+    """The driver's Ray shell: what each of Ray's errors becomes (built here as Ray builds them, no cluster needed)."""
+    from ray.exceptions import ActorDiedError, ActorUnavailableError, NodeDiedError, OutOfMemoryError, RayTaskError
+
+    from pipelines.campaign import lost_actor, lost_task
+
+    def task_error(cause):
+        return RayTaskError("ExpertWorker.run_chunk", "Traceback (most recent call last):\n  ...", cause)
+    for cause, kind, why in ((oserror(errno.ENOSPC), LossKind.INFRA, Cause.DISK_FULL),
+                             (StorageUnreachable("storage s3://b/c: write x failed after 3 tries"), LossKind.INFRA, Cause.STORAGE_UNREACHABLE),
+                             (ChecksumError("shard file x fails its checksum"), LossKind.BAD_INPUT, Cause.BAD_INPUT),
+                             (RuntimeError("boom"), LossKind.FAILURE, Cause.EXCEPTION),
+                             (NonFiniteLoss("loss is nan"), LossKind.FAILURE, Cause.NON_FINITE)):
+        lost = lost_task(task_error(cause))
+        assert (lost.kind, lost.cause) == (kind, why), cause
+        assert lost.reason.startswith(f"{why}: exception: " if kind == LossKind.INFRA else "exception: "), lost.reason
+    for exc, kind, why in ((OutOfMemoryError("Task was killed due to the node running low on memory."), LossKind.INFRA, Cause.OUT_OF_MEMORY),
+                           (NodeDiedError("node 3f2a died"), LossKind.INFRA, Cause.NODE_LOST),
+                           (ActorUnavailableError("connection lost", None), LossKind.INFRA, Cause.NODE_LOST),
+                           (ActorDiedError(), LossKind.FAILURE, Cause.CRASH)):
+        lost = lost_actor(exc)
+        assert (lost.kind, lost.cause) == (kind, why), exc
+    assert lost_actor(ActorDiedError()).reason.startswith("actor_died")    # the expert's crash reads as it always did
