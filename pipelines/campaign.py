@@ -437,14 +437,17 @@ def raise_failures(driver: Driver, what: str) -> None:
     stop = driver.sched.stopped
     if stop is not None:
         raise StoppedByEnvironment(stop.line(driver.cfg.retry.infra_wait_s, driver.store.url))
+    url = driver.store.url
+    again = f"soma seed {url} --retry-failed" if [j.name for j in driver.jobs] == ["seed"] else f"soma resume {url} --retry-failed"
     if driver.bad_input:
         job, why = next(iter(driver.bad_input.items()))
         more = f" (and {len(driver.bad_input) - 1} more jobs)" if len(driver.bad_input) > 1 else ""
-        raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')}")
+        raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')} (or fix it in place, "
+                        f"then {again})")
     failed = sorted(n for n, end in driver.outcome.items() if end == "failed_permanently")
     if failed:
         hist = history(driver.store)
         first = hist[failed[0]].last_error if failed[0] in hist else None
         raise JobsFailed(f"{len(failed)} {what} failed permanently after {driver.cfg.retry.max_retries} retries "
                          f"({', '.join(failed[:4])}{', ...' if len(failed) > 4 else ''}); {failed[0]}: {first}; "
-                         f"see soma status {driver.store.url} and its events.jsonl")
+                         f"see soma status {url} and its events.jsonl; once the cause is fixed, {again} reopens them")
