@@ -258,3 +258,20 @@ def test_ray_errors_map_to_losses_without_a_running_ray():
         lost = lost_actor(exc)
         assert (lost.kind, lost.cause) == (kind, why), exc
     assert lost_actor(ActorDiedError()).reason.startswith("actor_died")    # the expert's crash reads as it always did
+
+
+def test_a_packed_actor_lost_to_the_infrastructure_spends_no_retry_of_either_expert(tmp_path):
+    clock = [0.0]
+    s = scheduler(tmp_path, clock, n_experts=2, resources={"experts_per_actor": 2}, retry={"max_retries": 0, "infra_wait_s": 30.0})
+    s.restore({})
+    (start,) = s.requests(1)
+    s.on_setup(start.unit.id, started([0, 1]))
+    clock[0] = 1.0
+    s.on_lost(start.unit.id, Lost("node_lost: ActorDiedError: its node has died", LossKind.INFRA, cause=Cause.NODE_LOST))
+    assert sorted(j.expert for j in s.retry_at) == [0, 1] and not s.outcome and not s.failures
+    clock[0] = max(s.retry_at.values())
+    (again,) = s.requests(1)
+    assert sorted(j.expert for j in again.unit.jobs) == [0, 1]                  # retried together, as a pack again
+    failed = [e for e in s.store.read_log("events.jsonl") if e["event"] == "failed"]
+    assert [(e["job"], e["cause"], e["counted"]) for e in failed] == [("expert-0000", "node_lost", False),
+                                                                       ("expert-0001", "node_lost", False)]
