@@ -18,22 +18,23 @@ import time
 from collections import deque
 
 import ray
-from ray.exceptions import GetTimeoutError, RayActorError, RayTaskError
+from ray.exceptions import ActorUnavailableError, GetTimeoutError, NodeDiedError, OutOfMemoryError, RayActorError, RayTaskError
 
 from pipelines.campaign_lease import held, holding
 from pipelines.common import console, progress
 from pipelines.metrics import CampaignMetrics
-from pipelines.reopen import reopen_unverified
+from pipelines.reopen import reopen_failed, reopen_unverified
 from pipelines.stopping import STOP, Stopped
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
-from soma_cluster.errors import JobsFailed, SomaError
-from soma_cluster.lease import LeaseLost
+from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.events import history, require_seed
+from soma_cluster.failures import WORDS, Cause, actor_death_cause, exception_cause, stop_line, waiting
+from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
-from soma_cluster.schedule import POLL_S, SEED_JOB, Action, Chunk, Job, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
+from soma_cluster.schedule import POLL_S, SEED_JOB, Action, Chunk, Job, LossKind, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
 from soma_cluster.shards import expert_name
 from soma_cluster.snapshot import SNAPSHOT, build, history_rows, scheduler_rows, summary_line
 from soma_cluster.storage import Store
@@ -47,6 +48,9 @@ STATUS_S = 5.0          # status.json (and the metrics) are rewritten this often
 RATE_WINDOW_S = 60.0    # the ETA's rate is measured over this much of the recent past
 LOG_EVERY_S = 30.0      # without a progress bar, one summary line this often (a log collector's view)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
+# what a ray.get of an actor's call raises when the actor is gone (RayTaskError: its code raised)
+LOST_ERRORS = (RayActorError, RayTaskError, GetTimeoutError, OutOfMemoryError, NodeDiedError)
+NODE_CHECK_S = 1.0      # an actor died on a node Ray still calls alive: how long to watch whether the node follows it
 
 
 def also_ready(first: list, rest: list) -> list:
@@ -54,24 +58,54 @@ def also_ready(first: list, rest: list) -> list:
     return first + (ray.wait(rest, num_returns=len(rest), timeout=0)[0] if first and rest else [])
 
 
-def lost_actor(exc: RayActorError) -> Lost:
-    """An actor that died: a node the autoscaler drained for preemption is not a failure."""
+def lost_actor(exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
+    """An actor that died: a node the autoscaler drained for preemption is not a failure; a dead node, an unreachable
+    actor or Ray's memory monitor is the infrastructure's (soma_cluster/failures.py); a process that died on a live
+    node (SIGKILL, the kernel's OOM killer, a crash) is the expert's."""
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
     if getattr(exc, "preempted", False):
-        return Lost(f"preempted: node drained: {type(exc).__name__}: {first}", "preempted")
-    return Lost(f"actor_died: {type(exc).__name__}: {first}")
+        return Lost(f"preempted: node drained: {type(exc).__name__}: {first}", LossKind.PREEMPTED)
+    if isinstance(exc, OutOfMemoryError):
+        cause = Cause.OUT_OF_MEMORY
+    elif isinstance(exc, (NodeDiedError, ActorUnavailableError)):
+        cause = Cause.NODE_LOST
+    else:
+        cause = actor_death_cause(str(exc))
+    if cause.infra:
+        return Lost(f"{cause}: {type(exc).__name__}: {first}", LossKind.INFRA, cause=cause)
+    return Lost(f"actor_died: {type(exc).__name__}: {first}", cause=cause)
+
+
+def node_died(node_id: str, wait_s: float = NODE_CHECK_S) -> bool:
+    """Whether Ray's GCS marks the node dead within `wait_s`. A node's death can reach the driver first as its
+    workers' deaths (the raylet stops them as it goes): an actor death that says nothing of its node is checked
+    here before it is taken for the expert's own crash. A node the GCS declares dead later than that (a cluster's
+    health checks can take longer) is counted as a crash, as it was before."""
+    deadline = time.monotonic() + wait_s
+    while True:
+        state = {n["NodeID"]: n["Alive"] for n in ray.nodes()}
+        if not state.get(node_id, True):
+            return True
+        if time.monotonic() >= deadline:
+            return False
+        time.sleep(0.1)
 
 
 def lost_task(exc: RayTaskError) -> Lost:
-    """An exception in the worker: bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device)
-    ends the job, anything else is retried; the traceback goes to the `failed` event and the driver's log."""
+    """An exception in the worker: the infrastructure's (disk full, read-only, permission, storage unreachable) is
+    waited out; bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device) ends the job; anything else
+    is retried. The traceback goes to the `failed` event and, for the expert's own, to the driver's log."""
     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
     why = f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
-    if isinstance(cause, SomaError):
-        return Lost(why, "bad_input")
+    kind = exception_cause(cause)
+    if kind.infra:
+        print(f"warning: {WORDS[kind]} in a worker, waited out (retry.infra_wait_s): {why}", file=sys.stderr, flush=True)
+        return Lost(f"{kind}: {why}", LossKind.INFRA, ANSI.sub("", str(exc))[-TRACEBACK_CHARS:], kind)
+    if kind == Cause.BAD_INPUT:
+        return Lost(why, LossKind.BAD_INPUT, cause=kind)
     trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
     print(f"Traceback (most recent call last), in the worker: {why}\n{trace}", file=sys.stderr, flush=True)
-    return Lost(why, "failure", trace)
+    return Lost(why, LossKind.FAILURE, trace, kind)
 
 
 class SnapshotWriter:
@@ -118,7 +152,9 @@ class Driver:
         self.show = show_progress and console.is_terminal     # a bar only where a person watches; else summary lines
         self.log_every_s = log_every_s
         self.start_actor = actor_factory
-        self.sched = Scheduler(store, cfg, jobs, latest=lambda job: latest_meta(store, job.model_dir))
+        # an attempt lost to a store outage is settled against its checkpoint, read once the store answers again
+        self.sched = Scheduler(store, cfg, jobs, latest=lambda job: waiting(lambda: latest_meta(store, job.model_dir),
+                                                                            cfg.retry.infra_wait_s, f"reading {job.model_dir}"))
         self.actors: dict[int, object] = {}            # unit id -> its actor handle
         self.inflight: dict[int, object] = {}          # unit id -> the one call it is running (setup or a chunk)
         self.placing: dict[int, object] = {}           # unit id -> its `holding` call, for actors asked of Ray's queue
@@ -214,15 +250,22 @@ class Driver:
         if result is None:
             try:
                 result = ray.get(ref, timeout=60)
-            except RayActorError as exc:
-                return self.sched.on_lost(uid, lost_actor(exc))
+            except (RayActorError, OutOfMemoryError, NodeDiedError) as exc:
+                return self.sched.on_lost(uid, self._lost_actor(uid, exc))
             except RayTaskError as exc:
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
-                return self.sched.on_lost(uid, Lost("hang: result not retrievable"))
+                return self.sched.on_lost(uid, Lost("hang: result not retrievable", cause=Cause.HANG))
         if isinstance(result, SetupReport):
             return self.sched.on_setup(uid, result)
         return self.sched.on_chunk(uid, result)
+
+    def _lost_actor(self, uid: int, exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
+        """lost_actor, with a crash on a node that turns out to be dead taken for the node's loss."""
+        lost, process = lost_actor(exc), self.sched.units[uid].process
+        if lost.cause == Cause.CRASH and process is not None and process.node and node_died(process.node):
+            return Lost(f"{Cause.NODE_LOST}: its node {process.node[:12]} died: {lost.reason}", LossKind.INFRA, cause=Cause.NODE_LOST)
+        return lost
 
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, str]:
@@ -247,7 +290,7 @@ class Driver:
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
             # a SIGINT/SIGTERM only sets STOP.requested here: the loop ends between two results, with the state whole
-            with STOP.cooperative(), self.store.batch(background=True):
+            with STOP.cooperative(), self.store.batch(background=True, wait_s=self.cfg.retry.infra_wait_s):
                 flushed = time.monotonic()
                 try:
                     while not self.sched.finished and STOP.requested is None:
@@ -347,7 +390,7 @@ class Driver:
             ready = self._ready()
             try:                      # one call for every ready result; on any error, each on its own
                 results = ray.get(ready, timeout=60)
-            except (RayActorError, RayTaskError, GetTimeoutError):
+            except LOST_ERRORS:
                 results = [None] * len(ready)
             for ref, result in zip(ready, results):
                 uid = owner[ref]
@@ -395,10 +438,15 @@ class Driver:
 
 
 @holding("soma launch")
-def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S) -> dict[str, str]:
-    """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. Raises SomaError
-    on bad input and JobsFailed when experts failed permanently."""
+def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S,
+           retry_failed: list[str] | None = None) -> dict[str, str]:
+    """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. With `retry_failed`
+    (`soma resume --retry-failed`), the experts that failed permanently (all of them for [], else the named ones)
+    are reopened first. Raises SomaError on bad input, StoppedByEnvironment when the infrastructure stayed broken
+    past retry.infra_wait_s, and JobsFailed when experts failed permanently."""
     require_seed(store)
+    if retry_failed is not None:
+        reopen_failed(store, expert_jobs(cfg), retry_failed)
     reopen_unverified(store, expert_jobs(cfg))  # an expert is finished only while its last checkpoint verifies
     cap = cfg.budget.campaign_gpu_hours
     spent = Ledger(store).totals().gpu_hours
@@ -411,23 +459,47 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_ev
     console.print(f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
                   f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries")
     driver = Driver(store, cfg, expert_jobs(cfg), show_progress, log_every_s=log_every_s)
-    outcome = driver.run()
+    outcome = run_driver(driver)
     counts = {k: list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
     console.print(f"experts ended: {counts}")
     raise_failures(driver, "experts")
     return outcome
 
 
+def run_driver(driver: Driver) -> dict[str, str]:
+    """driver.run(); the driver's own writes to the campaign failing for its environment (disk full, read-only,
+    storage unreachable past its retries) stop the campaign as the workers' would (exit 4). The records it could not
+    write are lost as a crashed driver's are: `soma resume` settles those attempts against their checkpoints."""
+    try:
+        return driver.run()
+    except (OSError, StorageUnreachable) as exc:
+        cause = exception_cause(exc)
+        if not cause.infra:
+            raise
+        first = str(exc).splitlines()[0].split("; ")[0][:200]         # the fix follows in the line: not the error's own hint
+        why = f"the driver's own storage call failed: {type(exc).__name__}: {first}"
+        bound = driver.cfg.retry.infra_wait_s          # its log writer waited that long (soma_cluster/storage.py)
+        raise StoppedByEnvironment(stop_line(cause, why, "the driver", bound, bound, driver.store.url)) from None
+
+
 def raise_failures(driver: Driver, what: str) -> None:
-    """Bad input ends with SomaError (exit 2); jobs that spent their retries with JobsFailed (exit 3)."""
+    """A campaign stopped by its environment ends with StoppedByEnvironment (exit 4, whatever else happened: `soma
+    resume` after the fix goes on); bad input with SomaError (exit 2); jobs that spent their retries with JobsFailed
+    (exit 3)."""
+    stop = driver.sched.stopped
+    if stop is not None:
+        raise StoppedByEnvironment(stop.line(driver.cfg.retry.infra_wait_s, driver.store.url))
+    url = driver.store.url
+    again = f"soma seed {url} --retry-failed" if [j.name for j in driver.jobs] == ["seed"] else f"soma resume {url} --retry-failed"
     if driver.bad_input:
         job, why = next(iter(driver.bad_input.items()))
         more = f" (and {len(driver.bad_input) - 1} more jobs)" if len(driver.bad_input) > 1 else ""
-        raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')}")
+        raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')} (or fix it in place, "
+                        f"then {again})")
     failed = sorted(n for n, end in driver.outcome.items() if end == "failed_permanently")
     if failed:
         hist = history(driver.store)
         first = hist[failed[0]].last_error if failed[0] in hist else None
         raise JobsFailed(f"{len(failed)} {what} failed permanently after {driver.cfg.retry.max_retries} retries "
                          f"({', '.join(failed[:4])}{', ...' if len(failed) > 4 else ''}); {failed[0]}: {first}; "
-                         f"see soma status {driver.store.url} and its events.jsonl")
+                         f"see soma status {url} and its events.jsonl; once the cause is fixed, {again} reopens them")

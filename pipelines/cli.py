@@ -12,7 +12,7 @@ from pipelines.campaign_lease import hold
 from pipelines.common import claim_campaign, emit_json, load_config, open_store, out
 from pipelines.stopping import STOP, Stopped
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
-from soma_cluster.errors import JobsFailed, SomaError
+from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment
 from soma_cluster.lease import LeaseLost
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
@@ -76,13 +76,16 @@ LogEveryOpt = typer.Option(30.0, "--log-every", callback=_check_positive, help="
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in the README)")
 TakeOverOpt = typer.Option(False, "--take-over", help="if another driver holds the campaign, wait for its lease to lapse "
                            "(SOMA_LEASE_TTL_S, 30 s by default) and take over; a driver that still renews it is never displaced")
+RetryFailedOpt = typer.Option(False, "--retry-failed", help="first reopen the jobs that ended failed_permanently (all, or the "
+                              "EXPERTS named) from their newest valid checkpoint, with their retries given back")
 
 
 def _run(fn: Callable[[], None]) -> None:
     """Exit codes: 0 the command really succeeded; 2 bad input (one `error:` line naming the thing and the fix);
-    3 a campaign ran but jobs failed permanently (their retries spent); 4 the driver stopped because another driver
-    took the campaign over (its lease lost); 130 / 143 stopped by SIGINT / SIGTERM (final status written, lease
-    released: soma resume continues); 1 a bug (a traceback)."""
+    3 a campaign ran but jobs failed permanently (their retries spent); 4 the campaign was stopped by its
+    environment (disk full, read-only, storage unreachable, nodes lost, out of memory: fix it, then soma resume) or
+    this driver lost it to another driver (its lease lapsed); 130 / 143 stopped by SIGINT / SIGTERM (final status
+    written, lease released: soma resume continues); 1 a bug (a traceback)."""
     STOP.install()
     try:
         fn()
@@ -92,9 +95,9 @@ def _run(fn: Callable[[], None]) -> None:
     except SomaError as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(2) from None
-    except JobsFailed as exc:
+    except (JobsFailed, StoppedByEnvironment) as exc:
         print(f"error: {exc}", file=sys.stderr)
-        raise typer.Exit(JobsFailed.exit_code) from None
+        raise typer.Exit(exc.exit_code) from None
     except Stopped as exc:
         print(f"stopped: {exc.name}; what was done is kept and the campaign's lease released; run the same command again "
               f"to continue (soma resume for a launch)", file=sys.stderr)
@@ -131,7 +134,8 @@ def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = Conf
 
 @app.command()
 def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
-         take_over: bool = TakeOverOpt) -> None:
+         take_over: bool = TakeOverOpt,
+         retry_failed: bool = typer.Option(False, "--retry-failed", help="first reopen the seed if it ended failed_permanently")) -> None:
     """Train the seed model (N = 1) on the whole corpus."""
     def go() -> None:
         from pipelines.raysession import ray_session
@@ -139,17 +143,23 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
         store = open_store(campaign)
         cfg = load_config(store)
         with hold(store, "soma seed", take_over), ray_session(cfg, address):
-            train_seed(store, cfg, not no_progress, log_every)
+            train_seed(store, cfg, not no_progress, log_every, retry_failed)
     _run(go)
 
 
-def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float, command: str, take_over: bool) -> None:
+def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float, command: str, take_over: bool,
+            retry_failed: list[str] | None = None) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
     store = open_store(campaign)
     cfg = load_config(store)
+    if retry_failed:            # named experts are checked before Ray starts: one that did not fail is bad input
+        from soma_cluster.events import history
+        from soma_cluster.failures import select_failed
+        from soma_cluster.schedule import expert_jobs
+        select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
     with hold(store, command, take_over), ray_session(cfg, address):
-        run(store, cfg, not no_progress, log_every)
+        run(store, cfg, not no_progress, log_every, retry_failed)
 
 
 @app.command()
@@ -160,10 +170,19 @@ def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool
 
 
 @app.command()
-def resume(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
-           take_over: bool = TakeOverOpt) -> None:
-    """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash)."""
-    _run(lambda: _launch(campaign, address, no_progress, log_every, "soma resume", take_over))
+def resume(campaign: str, experts: Optional[list[str]] = typer.Argument(None, help="with --retry-failed: the experts to reopen "
+                                                                          "(expert-0003 or 3; default: every one that failed permanently)"),
+           retry_failed: bool = RetryFailedOpt, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt,
+           log_every: float = LogEveryOpt, take_over: bool = TakeOverOpt) -> None:
+    """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash, or a stop for its environment:
+    exit 4). With --retry-failed, experts that failed permanently are reopened first (after their cause is fixed)."""
+    def go() -> None:
+        if experts and not retry_failed:
+            raise SomaError(f"experts named ({' '.join(experts)}) without --retry-failed; pass --retry-failed to reopen them, "
+                            f"or name none to resume the campaign")
+        _launch(campaign, address, no_progress, log_every, "soma resume", take_over,
+                list(experts or []) if retry_failed else None)
+    _run(go)
 
 
 @app.command("eval")

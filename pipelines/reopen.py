@@ -5,14 +5,19 @@ newest checkpoint that still verifies is lost, whatever events.jsonl says: `late
 at that checkpoint (or removed, when none verifies) and a `reopened` event makes the job pending again,
 so the next `soma seed` / `soma launch` / `soma resume` retrains the lost updates. A resumed run is bitwise
 the run that never stopped (SPEC section 6), so the result is the one the lost checkpoint held.
+
+`--retry-failed` reopens jobs that ended failed_permanently, once their cause is fixed (c-BTM retrains chosen
+clusters; Ray Tune restarts errored trials): from their newest checkpoint that verifies, with their retries
+given back. Their failed attempts stay as they were settled (their lost work stays `wasted`).
 """
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
 
 from pipelines.common import console
-from soma_cluster.checkpoint import CheckpointCheck, fall_back
-from soma_cluster.events import emit, history
+from soma_cluster.checkpoint import CheckpointCheck, check_checkpoints, fall_back
+from soma_cluster.events import RETRY_FAILED, emit, history
+from soma_cluster.failures import select_failed
 from soma_cluster.schedule import Job
 from soma_cluster.storage import Store
 
@@ -42,3 +47,25 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
         start = f"from {c.valid} (step {c.step})" if c.valid else "from the start (no checkpoint of it verifies)"
         console.print(f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain")
     return reopened
+
+
+def reopen_failed(store: Store, jobs: list[Job], requested: list[str]) -> list[str]:
+    """Reopen the jobs that ended failed_permanently (all of `jobs`' for an empty `requested`, else the named ones,
+    each of which must have: SomaError otherwise, before anything is written). Each falls back to its newest
+    checkpoint that verifies (a `reopened` event of its own if that lost work) and gets a `reopened` event with
+    reason retry_failed: pending again, its failures no longer counted. Returns the reopened jobs' names."""
+    past = history(store)
+    chosen = select_failed({n: h.state for n, h in past.items()}, [j.name for j in jobs], requested)
+    if not chosen:
+        console.print("--retry-failed: no job here ended failed_permanently; nothing to reopen")
+        return []
+    by_name = {j.name: j for j in jobs}
+    reopen_unverified(store, [by_name[n] for n in chosen])
+    for name in chosen:
+        check = check_checkpoints(store, by_name[name].model_dir)
+        emit(store, "reopened", name, step=check.step or 0, was="failed_permanently", checkpoint=check.valid, bad=[],
+             reason=RETRY_FAILED, failures=past[name].failures)
+        start = f"from {check.valid} (step {check.step})" if check.valid else "from the start (it has no checkpoint)"
+        console.print(f"{name}: failed permanently ({past[name].last_error}); reopened {start} with "
+                      f"its retries given back")
+    return chosen

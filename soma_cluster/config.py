@@ -195,6 +195,11 @@ class RetryConfig(_Section):
     # a retry that lands on the node of an actor the driver killed (a hang) waits up to this long for that
     # process to be gone, so two processes never hold the same device's memory at once
     kill_wait_s: float = Field(30.0, ge=0.0)
+    # an infrastructure failure (disk full, read-only, storage unreachable, node lost, out of memory: see
+    # soma_cluster/failures.py) spends no retry: the expert is retried with backoff while the condition lasts, for
+    # at most this long (seconds, from its first such failure since its last checkpoint); then the campaign stops
+    # (exit 4) for the operator to fix it and `soma resume`. 0 stops at the first one
+    infra_wait_s: float = Field(600.0, ge=0.0)
 
 
 class EvalConfig(_Section):

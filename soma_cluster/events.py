@@ -5,6 +5,11 @@ An attempt is one actor's try at a job: `queued` (asked of Ray), `launched` (its
 share; the event's time is that moment), `started`, heartbeats and checkpoints, then one end:
 `failed`, `preempted`, or the job's end (`finished`, `converged`, `budget_exhausted`,
 `failed_permanently`).
+
+A `failed` event with `counted: false` was the infrastructure's failure (soma_cluster/failures.py): it is a lost
+attempt like any other, but not one of the job's retries. A `reopened` event makes an ended job pending again:
+after its checkpoint was lost (the attempt's end is void: it is settled again against the one kept), or, with
+reason `retry_failed` (`soma resume --retry-failed`), a job that failed permanently gets its retries back.
 """
 from __future__ import annotations
 
@@ -19,6 +24,7 @@ TERMINAL = ("finished", "converged", "budget_exhausted", "failed_permanently")
 # events that report progress or bookkeeping without changing where a job stands
 PROGRESS = ("heartbeat", "checkpointed", "budget_granted")
 ATTEMPT_ENDS = ("failed", "preempted") + TERMINAL
+RETRY_FAILED = "retry_failed"   # the reason of a `reopened` event written by --retry-failed
 
 
 def emit(store: Store, event: str, job: str, **fields) -> None:
@@ -30,7 +36,8 @@ class JobHistory:
     job: str
     state: str = "pending"          # last event that changed where the job stands
     attempts: int = 0               # attempts begun (queued or launched), i.e. the next attempt's number
-    failures: int = 0               # failed attempts (preemptions and driver losses are not failures)
+    failures: int = 0               # failed attempts counted against max_retries since the job was last given its
+                                    # retries back (preemptions, driver losses, the infrastructure's failures are not)
     step: int = 0
     val: float | None = None
     last_error: str | None = None
@@ -48,7 +55,7 @@ class JobHistory:
         later `reopened` voided its end (its last checkpoint was lost: as if interrupted at the one kept)."""
         end = None
         for ev in self.events:
-            if ev["event"] == "reopened":
+            if ev["event"] == "reopened" and ev.get("reason") != RETRY_FAILED:
                 end = None
             elif ev.get("attempt") == attempt and ev["event"] in ATTEMPT_ENDS:
                 end = ev["event"]
@@ -72,8 +79,10 @@ def history(store: Store) -> dict[str, JobHistory]:
         if ev.get("val") is not None:
             h.val = ev["val"]
         if ev["event"] == "failed":
-            h.failures += 1
+            h.failures += 1 if ev.get("counted", True) else 0
             h.last_error = ev.get("reason")
+        if ev["event"] == "reopened" and ev.get("reason") == RETRY_FAILED:
+            h.failures = 0
     return out
 
 

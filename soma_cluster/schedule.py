@@ -18,11 +18,13 @@ import random
 import time
 from collections import deque
 from dataclasses import asdict, dataclass, field, fields
+from enum import StrEnum
 from typing import Callable
 
 from soma_cluster.budget import BudgetBook, StartCost
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import JobHistory, emit
+from soma_cluster.failures import Cause, stop_line
 from soma_cluster.ledger import EXPERT_SPEND, Ledger
 from soma_cluster.messages import ChunkReport, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.shards import expert_name
@@ -165,12 +167,33 @@ class Settlement:
                           d.get("device"))
 
 
+class LossKind(StrEnum):
+    """What a lost attempt means for its job (soma_cluster/failures.py says whose failure it was)."""
+    FAILURE = "failure"              # the expert's own: retried with backoff, counted against retry.max_retries
+    BAD_INPUT = "bad_input"          # no retry can fix it: the job ends failed_permanently at once
+    PREEMPTED = "preempted"          # not a failure: rescheduled first, nothing counted
+    INFRA = "infra"                  # the infrastructure's: retried with backoff, uncounted, for retry.infra_wait_s
+
+
 @dataclass(frozen=True)
 class Lost:
     """Why an actor's attempt ended without a clean report."""
     reason: str
-    kind: str = "failure"            # failure (retried), bad_input (no retry can fix it), preempted (not a failure)
+    kind: LossKind = LossKind.FAILURE
     traceback: str | None = None
+    cause: Cause | None = None       # recorded in the `failed` event; an INFRA loss always has one
+
+
+@dataclass(frozen=True)
+class InfraStop:
+    """The campaign stopped because a job's infrastructure failures outlasted retry.infra_wait_s."""
+    cause: Cause
+    reason: str
+    job: str
+    waited_s: float
+
+    def line(self, bound_s: float, url: str) -> str:
+        return stop_line(self.cause, self.reason, f"{self.job}'s retries", self.waited_s, bound_s, url)
 
 
 def _clamp(u: Usage) -> Usage:
@@ -227,6 +250,9 @@ class Scheduler:
         self.settled: dict[Job, Settlement] = {}    # a job's lost attempt, until its next attempt reports what it resumed
         self.outcome: dict[Job, str] = {}
         self.bad_input: dict[Job, str] = {}
+        self.infra_since: dict[Job, float] = {}    # a job's first infrastructure failure since its last checkpoint
+        self.infra_tries: dict[Job, int] = {}      # and how many followed it (the backoff's exponent)
+        self.stopped: InfraStop | None = None      # set once: the campaign stops for its environment
         self.seen: dict[Job, JobView] = {j: JobView() for j in self.jobs}   # what `soma status` shows of each job
         self._ids = itertools.count()
         totals = self.ledger.totals()
@@ -285,7 +311,10 @@ class Scheduler:
     def requests(self, capacity: float, room: int = 0) -> list[Action]:
         """Actors to ask Ray for now: due retries first, then pending jobs (up to experts_per_actor per actor),
         while fewer than `capacity` actors are queued or running. The first `room` of those fit in the GPUs
-        present (Ray grants them at once); the others wait in Ray's queue, where an autoscaler sees them."""
+        present (Ray grants them at once); the others wait in Ray's queue, where an autoscaler sees them.
+        Once the campaign is `stopped`: none, and every actor still queued or running is stopped."""
+        if self.stopped is not None:
+            return self._halt()
         out: list[Action] = []
         while len(self.units) < capacity:
             group = self._due() or (self._take() if self.pending else [])
@@ -404,12 +433,13 @@ class Scheduler:
                     gpu_seconds=hb.usage.gpu_seconds, eps=hb.eps, lr=hb.lr)
         if hb.checkpoint:
             self._event("checkpointed", c.job, attempt=c.attempt, step=hb.checkpoint_step, checkpoint=hb.checkpoint)
+            self._recovered(c.job)
         if not hb.done:
             return
         self._end(c)
         if hb.reason == "preempted":
             unit.leaving = True
-            self._lose(c, Lost("preempted: the worker got SIGTERM and checkpointed", "preempted"))
+            self._lose(c, Lost("preempted: the worker got SIGTERM and checkpointed", LossKind.PREEMPTED))
         elif hb.failed:
             self._lose(c, Lost(hb.reason or "failed"))
         else:
@@ -427,8 +457,8 @@ class Scheduler:
         for c in live:
             self._end(c)
             why = lost.reason if len(live) == 1 else f"{lost.reason} (in pack {unit.name})"
-            self._lose(c, Lost(why, lost.kind, lost.traceback), unreported, "budget_exhausted" if c.job in stop else None)
-            if unit.process is not None and lost.kind != "preempted":
+            self._lose(c, Lost(why, lost.kind, lost.traceback, lost.cause), unreported, "budget_exhausted" if c.job in stop else None)
+            if unit.process is not None and lost.kind != LossKind.PREEMPTED:
                 self.killed[c.job] = unit.process
         return [Stop(unit)]
 
@@ -449,20 +479,25 @@ class Scheduler:
         settled = {}
         if c.started:
             s = Settlement(c.attempt, c.setup, c.reported - c.setup, self._kept(c), unreported,
-                           "preempted" if lost.kind == "preempted" else "wasted", c.device)
+                           "preempted" if lost.kind == LossKind.PREEMPTED else "wasted", c.device)
             self._settle(c, s, lost.reason)
             settled = {"settled": s.to_json()}
-        if lost.kind == "preempted":
+        if lost.kind == LossKind.PREEMPTED:
             self._event("preempted", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled)
             self.cause[c.job] = "preempted"
             self.pending.appendleft(c.job)              # not a failure: no retry spent, no backoff
             return
-        self.failures[c.job] = self.failures.get(c.job, 0) + 1
+        infra = lost.kind == LossKind.INFRA and end is None
+        if not infra:
+            self.failures[c.job] = self.failures.get(c.job, 0) + 1
         self.seen.setdefault(c.job, JobView()).last_error = lost.reason
         self._event("failed", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled,
+                    **({"cause": lost.cause} if lost.cause else {}), **({"counted": False} if infra else {}),
                     **({"traceback": lost.traceback} if lost.traceback else {}))
-        if end is not None or lost.kind == "bad_input":
-            if lost.kind == "bad_input":
+        if infra:
+            self._wait_out(c.job, lost)
+        elif end is not None or lost.kind == LossKind.BAD_INPUT:
+            if lost.kind == LossKind.BAD_INPUT:
                 self.bad_input[c.job] = lost.reason
             self._finish(c.job, end or "failed_permanently", attempt=c.attempt, step=c.step, reason=lost.reason)
         elif self.failures[c.job] > self.cfg.retry.max_retries:
@@ -473,6 +508,39 @@ class Scheduler:
             self.retry_at[c.job] = self.clock() + delay
             self.cause[c.job] = "retry"
             self._event("retry_scheduled", c.job, attempt=self.next_attempt[c.job], delay_s=delay)
+
+    def _wait_out(self, job: Job, lost: Lost) -> None:
+        """An infrastructure failure: retry the job after a backoff, spending none of its retries, until the condition
+        has lasted retry.infra_wait_s since the job's first such failure after its last checkpoint; a failure past that
+        stops the campaign. The last backoff is cut to the bound, so the stop comes within the bound plus one try."""
+        now, r = self.clock(), self.cfg.retry
+        since = self.infra_since.setdefault(job, now)
+        if now - since >= r.infra_wait_s:
+            if self.stopped is None:
+                self.stopped = InfraStop(lost.cause or Cause.NODE_LOST, lost.reason, job.name, now - since)
+            return
+        self.infra_tries[job] = self.infra_tries.get(job, 0) + 1
+        delay = min(backoff_s(r.backoff_s, r.backoff_max_s, self.infra_tries[job], self.rng), since + r.infra_wait_s - now)
+        self.retry_at[job] = now + delay
+        self.cause[job] = "retry"
+        self._event("retry_scheduled", job, attempt=self.next_attempt[job], delay_s=delay, cause=lost.cause, counted=False,
+                    waited_s=now - since)
+
+    def _recovered(self, job: Job) -> None:
+        """The job wrote a checkpoint: whatever infrastructure failed it before is working again."""
+        self.infra_since.pop(job, None)
+        self.infra_tries.pop(job, None)
+
+    def _halt(self) -> list[Action]:
+        """The campaign stops for its environment: every attempt still open ends as preempted (settled against its
+        checkpoint, first in line at `soma resume`, no retry spent), nothing more is started."""
+        out: list[Action] = []
+        why = f"stopped: the campaign stopped for its environment ({self.stopped.cause})"
+        for unit in list(self.units.values()):
+            out += self.on_lost(unit.id, Lost(why, LossKind.PREEMPTED))
+        self.pending.clear()
+        self.retry_at.clear()
+        return out
 
     def _settle(self, c: Account, s: Settlement, why: str) -> None:
         """Training is corrected to what the checkpoint keeps, the rest of what the attempt held is lost."""

@@ -25,7 +25,8 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
+from soma_cluster.failures import waiting
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -132,7 +133,8 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
              max_tries: int | None = None, on_retry: Callable[[], None] = lambda: None) -> T:
     """fn(), with transient remote errors (an object store restarting, a dropped or refused connection)
     retried with backoff 0.2 s, 0.4 s, ... 5 s for at most `timeout_s` in all: an attempt starts only
-    while it can still time out (`attempt_s`, the connect timeout) within that bound. Then one SomaError."""
+    while it can still time out (`attempt_s`, the connect timeout) within that bound. Then one StorageUnreachable
+    (a SomaError: a command's one `error:` line; a campaign's worker waits for the store, soma_cluster/failures.py)."""
     t0 = time.monotonic()
     last_start = t0 + timeout_s - attempt_s
     delay, tries = 0.2, 0
@@ -146,7 +148,7 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
             now = time.monotonic()
             if now >= last_start or (max_tries is not None and tries >= max_tries):
                 n = f"{tries} tries" if tries > 1 else "1 try"
-                raise SomaError(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
+                raise StorageUnreachable(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
             wait = min(delay, last_start - now)
             # the type only: messages and storage options are never logged (they can name credentials)
             log.warning("%s failed (%s), retry %d in %.1f s", what, type(exc).__name__, tries, wait)
@@ -449,17 +451,19 @@ class Store:
             self._write_lines(log, [line])
 
     @contextmanager
-    def batch(self, background: bool = False) -> Iterator[None]:
+    def batch(self, background: bool = False, wait_s: float = 0.0) -> Iterator[None]:
         """Hold appends back and write each log's records together: one fdatasync (local) or one object
         (remote) per log and flush instead of one per record. With `background`, `flush(wait=False)` hands
         the held records to one writer thread (in order), so the caller's loop does not wait on the disk or
         the store. A crash inside loses the records not yet written, as a crash just before them would; reads
-        inside see them (they are written first). The batch's end writes and waits for everything."""
+        inside see them (they are written first). The batch's end writes and waits for everything. A background
+        write that fails for the disk or the store (full, read-only, unreachable: soma_cluster/failures.py) is
+        retried, in order, for up to `wait_s` seconds before it counts as failed."""
         if self._batch is not None:          # nested: the outer batch writes
             yield
             return
         self._batch = {}
-        self._writer = _LogWriter(self._write_lines) if background else None
+        self._writer = _LogWriter(self._write_lines, wait_s) if background else None
         try:
             yield
         finally:
@@ -494,8 +498,7 @@ class Store:
                 self._tails_checked.add(log)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
-                os.write(fd, data)
-                _datasync(fd)
+                _append_whole(fd, data)
             finally:
                 os.close(fd)
         else:
@@ -538,10 +541,12 @@ class Store:
 
 
 class _LogWriter:
-    """One thread that writes handed-over log records in order; its first error is kept and raised by drain()."""
+    """One thread that writes handed-over log records in order; its first error is kept and raised by drain().
+    A write that fails for the disk or the store (full, read-only, unreachable) is tried again with backoff
+    (0.1 s doubling to 5 s) for up to `wait_s`: the driver waits out its disk as its workers do."""
 
-    def __init__(self, write: Callable[[str, list[str]], None]):
-        self.write, self.error = write, None
+    def __init__(self, write: Callable[[str, list[str]], None], wait_s: float = 0.0):
+        self.write, self.error, self.wait_s = write, None, wait_s
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="soma-log-writer", daemon=True)
         self.thread.start()
@@ -554,11 +559,14 @@ class _LogWriter:
                     return
                 if self.error is None:
                     for log, lines in held.items():
-                        self.write(log, lines)
+                        self._write_waiting(log, lines)
             except BaseException as exc:     # kept for the caller: records are never dropped silently
                 self.error = exc
             finally:
                 self.queue.task_done()
+
+    def _write_waiting(self, name: str, lines: list[str]) -> None:
+        waiting(lambda: self.write(name, lines), self.wait_s, f"writing {name}")
 
     def submit(self, held: dict[str, list[str]]) -> None:
         self._raise()
@@ -647,6 +655,20 @@ def _cas_locked(path: str) -> Iterator[str]:
 def _precondition_failed(exc: BaseException) -> bool:
     """s3fs turns a 412 into FileExistsError (If-None-Match) or an EINVAL OSError (If-Match)."""
     return isinstance(exc, FileExistsError) or "precondition" in str(exc).lower().replace("-", "")
+
+
+def _append_whole(fd: int, data: bytes) -> None:
+    """Append all of `data` or nothing: write(2) may write part of it and stop (a disk that fills meanwhile);
+    the part is cut off again, so a log never holds half a record with the next one glued onto it."""
+    start = os.fstat(fd).st_size
+    view = memoryview(data)
+    try:
+        while view:
+            view = view[os.write(fd, view):]
+        _datasync(fd)
+    except OSError:
+        os.ftruncate(fd, start)
+        raise
 
 
 def _datasync(fd: int) -> None:
