@@ -29,7 +29,7 @@ import numpy as np
 import pyarrow as pa
 
 from pipelines.common import claim_campaign, console, open_store
-from pipelines.prepare import prepare_with
+from pipelines.prepare import prepare_with, undone_on_failure
 from pipelines.raysession import ray_session
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import CorpusFile, Part
@@ -223,19 +223,13 @@ class _NoBarsNote(logging.Filter):
 
 def prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
     """prepare_with on the Ray engine, inside a Ray session (address, RAY_ADDRESS, else a local Ray). The
-    campaign is claimed first (staging lives under it); a failure removes the staging and, if the campaign was
-    new, everything this run wrote."""
-    existed = claim_campaign(store, cfg)
+    campaign is claimed first (staging lives under it); a failure removes the staging and whatever this run
+    added to the campaign (pipelines.prepare.undone_on_failure)."""
     try:
-        with ray_session(cfg, address):
-            _quiet_ray_data()
-            summary = prepare_with(RayEngine(store, cfg), store, cfg)
-    except BaseException:
+        with undone_on_failure(store):
+            claim_campaign(store, cfg)
+            with ray_session(cfg, address):
+                _quiet_ray_data()
+                return prepare_with(RayEngine(store, cfg), store, cfg)
+    finally:
         store.remove_tree(STAGING)
-        if not existed:
-            for name in store.listdir(""):
-                store.remove_tree(name)
-        raise
-    store.remove_tree(STAGING)
-    return summary
-
