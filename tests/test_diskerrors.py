@@ -135,3 +135,29 @@ def test_training_estimate_is_a_checkpoint_per_job():
     assert training_bytes(cfg, 4) - MARGIN_BYTES == 4 * one
     from soma_cluster.model import body_param_count, head_param_count
     assert one >= 12 * (body_param_count(cfg.model) + head_param_count(cfg.model))
+
+
+def test_a_full_temp_dir_never_fails_a_shard_read(tmp_path, s3):  # noqa: F811
+    """An s3:// shard is cached in the temp dir to be memory-mapped; with the cache's disk full it is read into
+    memory instead (the same rows), and a corrupt object is still refused."""
+    import numpy as np
+    import pyarrow as pa
+
+    from soma_cluster.errors import ChecksumError
+    from soma_cluster.shards import open_shard, write_rows
+    store = Store(s3.url("cache/camp"), s3.storage_options())
+    rows = pa.array([bytes([i]) * 8 for i in range(40)], pa.binary(8))
+    with store.scratch() as scratch:
+        entry = write_rows(store, "shards/expert-0000/train-00000-00.arrow", rows, scratch)
+    store.write_json("shards/expert-0000/manifest.json", {"expert": 0, "seq_bytes": 8, "train": [entry], "val": [],
+                                                           "train_rows": 40, "val_rows": 0})
+    with tmpfs(tmp_path / "cache", "1m") as cache:
+        fill(cache)
+        shard = open_shard(store, 0, str(cache / "soma-cache"))
+        assert shard.n_train == 40 and np.array_equal(shard.gather(np.array([3, 39])), np.array([[3] * 8, [39] * 8], np.uint8))
+        store.write_bytes("shards/expert-0000/train-00000-00.arrow", b"not arrow")
+        with pytest.raises(ChecksumError, match="fails its checksum"):
+            open_shard(store, 0, str(cache / "soma-cache"))
+
+
+from s3server import s3  # noqa: E402,F401  (fixture)

@@ -236,8 +236,10 @@ COMMANDS: dict[str, Invocation] = {
 }
 # refused cells rerun once their condition is lifted (cheap commands; prepare is the real end to end)
 FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("eval", "read_only"), ("fork", "read_only")}
-# a successful demo is a whole campaign (~30 s): it runs on the separate filesystem, elsewhere with SOMA_SLOW=1
-SLOW_CELLS = {("demo", "full_tmp")}
+# Successful runs that cost the most and add least to the file's 4-minute budget, run with SOMA_SLOW=1: a demo is
+# a whole campaign (~40 s loaded; its prepare is prepare's, run for real on the tmpfs); seed/resume start a Ray
+# (~15 s loaded) to find nothing to do, as launch (kept in both columns) does
+SLOW_CELLS = {("demo", "separate_fs"), ("demo", "full_tmp"), ("seed", "separate_fs"), ("seed", "full_tmp"), ("resume", "full_tmp")}
 
 
 def cli_commands() -> set[str]:
@@ -284,8 +286,8 @@ def test_cell(world, tmp_path, command, condition):
 # -- the S3 store: the temp dir is where its uploads start ----------------------------------------------------
 def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
     """prepare to s3:// stages its uploads in the temp dir: a full one is refused before any data is read and
-    the prefix stays empty; once TMPDIR has room it prepares. With the temp dir full, seed
-    still trains (the worker's shard cache falls back to memory) and status reads; a missing TMPDIR is named."""
+    the prefix stays empty; once TMPDIR has room it prepares, and status reads it with the temp dir full again.
+    A missing TMPDIR is named. (The shard cache's fallback: tests/test_diskerrors.py.)"""
     tmp = tmp_path / "tmp"
     tmp.mkdir()
     _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp))
@@ -303,12 +305,11 @@ def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
         roomy.mkdir()
         proc = s3run("prepare", camp, "--config", str(world.config), TMPDIR=str(roomy))     # fixed: TMPDIR with room
         assert proc.returncode == 0, proc.stderr[-3000:]
-        for args in (["seed", camp, "--no-progress"], ["status", camp]):
-            proc = s3run(*args)
-            assert proc.returncode == 0 and "Traceback" not in proc.stderr, (args, proc.stderr[-3000:])
-        assert "seed" in proc.stdout and "finished" in proc.stdout
+        proc = s3run("status", camp)
+        assert proc.returncode == 0 and "expert-0001" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-3000:]
         missing = s3run("prepare", s3.url("hostile/other"), "--config", str(world.config), TMPDIR=str(tmp_path / "absent"))
         assert_one_line_error(missing, str(tmp_path / "absent"), "TMPDIR")
+        assert not s3.objects("hostile/other")
     finally:
         _umount(tmp)
 
