@@ -2,7 +2,7 @@
 workers, driven by pipelines.prepare.prepare_with (the same driver as the local engine, hence the same campaign).
 
 - read: one task per part reads its files (local paths every node sees, or s3://), packs them and stages the
-  train sequences and test windows under the campaign's staging/ prefix; only counts and each part's lowest keys
+  train sequences and test windows under the campaign's hidden .soma-staging/ prefix; only counts and each part's lowest keys
   come back to the driver.
 - sample: tasks send back the router's fit sample (the sequences of lowest key).
 - embed, count, write: tasks on the same pool of worker processes, each of which loads the router once from the
@@ -39,7 +39,7 @@ from soma_cluster.router import Router, load_router, save_router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store
 
-STAGING = "staging/prepare"
+STAGING = ".soma-staging/prepare"     # hidden: listings leave it out, and all of .soma-staging/ goes at the end
 
 
 def _part(row_json: str) -> Part:
@@ -232,4 +232,4 @@ def prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> di
                 _quiet_ray_data()
                 return prepare_with(RayEngine(store, cfg), store, cfg)
     finally:
-        store.remove_tree(STAGING)
+        store.remove_tree(STAGING.split("/")[0])

@@ -235,11 +235,12 @@ COMMANDS: dict[str, Invocation] = {
     "presets": Invocation(lambda p, w: ["presets"], False),
 }
 # refused cells rerun once their condition is lifted (cheap commands; prepare is the real end to end)
-FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("eval", "read_only"), ("fork", "read_only")}
+FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("fork", "read_only")}
 # Successful runs that cost the most and add least to the file's 4-minute budget, run with SOMA_SLOW=1: a demo is
 # a whole campaign (~40 s loaded; its prepare is prepare's, run for real on the tmpfs); seed/resume start a Ray
 # (~15 s loaded) to find nothing to do, as launch (kept in both columns) does
-SLOW_CELLS = {("demo", "separate_fs"), ("demo", "full_tmp"), ("seed", "separate_fs"), ("seed", "full_tmp"), ("resume", "full_tmp")}
+SLOW_CELLS = {("demo", "separate_fs"), ("demo", "full_tmp"), ("seed", "separate_fs"), ("seed", "full_tmp"), ("resume", "separate_fs"),
+              ("resume", "full_tmp")}
 
 
 def cli_commands() -> set[str]:
