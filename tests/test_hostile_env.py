@@ -280,6 +280,8 @@ def test_cell(world, tmp_path, command, condition):
                 assert again.returncode == 0, again.stderr[-3000:]
         else:
             assert proc.returncode == 0, proc.stderr[-3000:]
+            staged = [str(p) for p in place.dir.rglob(".*") if p.name.startswith((".soma-", ".tmp-"))]
+            assert not staged, f"staging left behind: {staged}"
             if not inv.writes:
                 assert tree_hash(place.dir) == before, "a reading command wrote"
 
