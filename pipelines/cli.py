@@ -12,8 +12,10 @@ from pipelines.campaign_lease import hold
 from pipelines.common import claim_campaign, emit_json, load_config, open_store, out
 from pipelines.stopping import STOP, Stopped
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
+from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment
 from soma_cluster.lease import LeaseLost
+from soma_cluster.preflight import training_bytes
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
                   "Data (tables, results, --json) goes to stdout; logs and progress to stderr.")
@@ -102,6 +104,14 @@ def _run(fn: Callable[[], None]) -> None:
         print(f"stopped: {exc.name}; what was done is kept and the campaign's lease released; run the same command again "
               f"to continue (soma resume for a launch)", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
+    except OSError as exc:
+        # the last resort for an environment condition no check foresaw (a disk filling up mid-command, a
+        # directory removed under it): one line naming the path, never a traceback. Other OSErrors are bugs.
+        err = storage_error(exc)
+        if err is None:
+            raise
+        print(f"error: {err}", file=sys.stderr)
+        raise typer.Exit(2) from None
 
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
@@ -142,6 +152,7 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
         from pipelines.seed import train_seed
         store = open_store(campaign)
         cfg = load_config(store)
+        store.check_writable(training_bytes(cfg, 1))          # before Ray starts
         with hold(store, "soma seed", take_over), ray_session(cfg, address):
             train_seed(store, cfg, not no_progress, log_every, retry_failed)
     _run(go)
@@ -158,6 +169,7 @@ def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every:
         from soma_cluster.failures import select_failed
         from soma_cluster.schedule import expert_jobs
         select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
+    store.check_writable(training_bytes(cfg, cfg.n_experts))      # before Ray starts or any expert is queued
     with hold(store, command, take_over), ray_session(cfg, address):
         run(store, cfg, not no_progress, log_every, retry_failed)
 
@@ -201,6 +213,7 @@ def evaluate(campaign: str,
         from pipelines.evaluate import evaluate_text
         store = open_store(campaign)
         cfg = load_config(store)
+        store.check_writable()                 # the report is written at the end: fail before evaluating
         if text is not None:
             t = evaluate_text(store, cfg, text, stride, require_all)
             if as_json:
@@ -281,6 +294,7 @@ def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", hel
             raise SomaError(f"--gpus {gpus:g}: plan for a positive number of GPUs, e.g. --gpus 8")
         store = open_store(campaign)
         cfg = load_config(store)
+        store.check_writable(training_bytes(cfg, 1))   # plan/ is written; the calibration writes a checkpoint
         if gpus is not None and gpus < cfg.resources.num_gpus:
             raise SomaError(f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that")
         remote = address or os.environ.get("RAY_ADDRESS")
@@ -333,8 +347,10 @@ def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
         from pipelines.fork import fork as run
         from soma_cluster.config import merge_trees, validated
         parent_store = open_store(parent)
+        child = open_store(campaign)
+        child.check_writable()
         tree = merge_trees(load_config(parent_store).model_dump(mode="json"), parse_overrides(set or []))
-        run(parent_store, open_store(campaign), validated(tree, "fork overrides"))
+        run(parent_store, child, validated(tree, "fork overrides"))
     _run(go)
 
 
@@ -346,6 +362,7 @@ def experiment(name: str = typer.Argument(..., help="variance, summed, zo-compar
     """Run one of the paper's comparisons: every arm a campaign (prepare or fork, seed, launch, eval), then a report."""
     def go() -> None:
         from pipelines.experiment import run_experiment
+        open_store(directory).check_writable()        # before any arm is prepared or Ray starts
         res = run_experiment(name, directory, scale, set or [], address, not no_progress)
         out.print(f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md")
     _run(go)
@@ -357,9 +374,14 @@ def report(directories: list[str] = typer.Argument(..., help="experiment directo
     """Re-render each experiment's report.md and figures from its results.json; optionally the README's results."""
     def go() -> None:
         from pipelines.report import readme_section, update_readme, write_report
+        from soma_cluster.preflight import require_writable_dir
+        stores = [open_store(d) for d in directories]
+        for store in stores:
+            store.check_writable()
+        if readme:
+            require_writable_dir(os.path.dirname(os.path.abspath(readme)), what="the README's directory")
         done = []
-        for d in directories:
-            store = open_store(d)
+        for store in stores:
             res = store.read_json("results.json")
             out.print(f"report: {write_report(store, res)}")
             done.append((store.url, res))

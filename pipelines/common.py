@@ -1,6 +1,7 @@
 """Shared driver plumbing: open a campaign directory, the console, progress bars."""
 from __future__ import annotations
 
+import os
 import sys
 from contextlib import contextmanager
 from typing import Iterator
@@ -10,6 +11,7 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from soma_cluster.config import CONFIG_FILE as CONFIG
 from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
+from soma_cluster.diskerrors import DiskCondition, StorageError
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE_FILES
 from soma_cluster.storage import Store, storage_options_from_env
@@ -28,7 +30,10 @@ def emit_json(obj) -> None:
 def open_store(url: str, storage_options: dict | None = None) -> Store:
     """The campaign at `url`; without explicit options, an s3:// endpoint comes from the environment
     (SOMA_S3_ENDPOINT / AWS_ENDPOINT_URL) and credentials from botocore's usual chain."""
-    return Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
+    store = Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
+    if store.local and os.path.lexists(store.root) and not os.path.isdir(store.root):
+        raise StorageError(store.root, DiskCondition.NOT_A_DIRECTORY, "a campaign is a directory")
+    return store
 
 
 def load_config(store: Store) -> CampaignConfig:

@@ -18,7 +18,6 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
-import tempfile
 import time
 
 import torch
@@ -78,7 +77,7 @@ def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float 
         torch.set_num_threads(cfg.train.threads)      # as the worker runs
     try:
         g = min(cfg.resources.experts_per_actor, cfg.n_experts)
-        with tempfile.TemporaryDirectory(prefix="soma-plan-") as scratch:
+        with store.scratch() as scratch:           # on the campaign's own disk (the checkpoint timed is written there)
             cache = os.path.join(scratch, "cache")
             t = time.perf_counter()
             trainers = [_trainer(store, cfg, Job(e), device, cache) for e in range(g)]

@@ -9,10 +9,10 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, replace
-from typing import Protocol
+from typing import Iterator, Protocol
 
 import numpy as np
 
@@ -25,6 +25,7 @@ from soma_cluster.ledger import Ledger
 from soma_cluster.parts import WINDOWS, PartStats, count_part, embed_part, lowest, read_part, sample_part, select, threshold, write_part
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import expert_name, val_every, write_manifests
+from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.storage import Store, sha256
 
 
@@ -41,7 +42,8 @@ class Engine(Protocol):
 
 
 class LocalEngine:
-    """The per-part work in this process, staged in a local temporary directory."""
+    """The per-part work in this process, staged in `tmpdir`: the campaign's own scratch directory (a local
+    campaign: its filesystem, whatever disk that is) or the checked temp dir (a remote campaign)."""
 
     def __init__(self, cfg: CampaignConfig, tmpdir: str):
         self.cfg = cfg
@@ -149,17 +151,45 @@ def resolve_engine(cfg: CampaignConfig, address: str | None) -> str:
 @holding("soma prepare")
 def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> dict:
     """Run the stage; returns the shard summary. Idempotent for the same config, refuses another. The engine is
-    cfg.prepare.engine (auto: ray when a Ray address is given)."""
+    cfg.prepare.engine (auto: ray when a Ray address is given). Checks the campaign can be written before it
+    reads any data or starts Ray; a failure leaves the campaign as it found it (undone_on_failure)."""
     if store.exists("campaign.yaml") and store.exists("shards/manifest.json"):
         claim_campaign(store, cfg)
         console.print(f"{store.url} is already prepared for this config; skipping prepare")
         return store.read_json("shards/manifest.json")
     claim_campaign(store, cfg, write=False)           # refuse a foreign directory before reading any data
+    store.check_writable()
     if resolve_engine(cfg, address) == "ray":
         from pipelines.prepare_ray import prepare_on_ray
         return prepare_on_ray(store, cfg, address)
-    with tempfile.TemporaryDirectory(prefix="soma-prepare-") as tmp:
+    with undone_on_failure(store), store.scratch() as tmp:
         return prepare_with(LocalEngine(cfg, tmp), store, cfg)
+
+
+@contextmanager
+def undone_on_failure(store: Store) -> Iterator[None]:
+    """However prepare fails (bad data, a full disk, Ctrl-C), remove what it added at the campaign's top level:
+    a directory it found empty (or absent) is left empty (or absent) again, so the same command can simply be
+    rerun; what was there before is never touched."""
+    before = set(store.listdir(""))
+    absent = store.local and not os.path.exists(store.root)
+    try:
+        yield
+    except BaseException:
+        try:
+            for name in set(store.listdir("")) - before:
+                store.remove_tree(name)
+            if absent and os.path.isdir(store.root) and not os.listdir(store.root):
+                os.rmdir(store.root)
+        except Exception as exc:      # the first error is the one to report; say what is left behind
+            console.print(f"could not undo the failed prepare in {store.url} ({type(exc).__name__}: {exc}); remove what it wrote there")
+        raise
+
+
+def shard_bytes(cfg: CampaignConfig, n_seqs: int, n_windows: int) -> int:
+    """What publishing a prepared campaign writes: every train sequence once (the shards), the test windows,
+    the manifests, router and logs (MARGIN_BYTES). The free space prepare asks for before it publishes."""
+    return n_seqs * cfg.shards.seq_bytes + n_windows * cfg.eval.window_bytes + MARGIN_BYTES
 
 
 def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
@@ -207,6 +237,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     sizes = per_part.sum(axis=0)
     lap("count")
     _check_sizes(cfg, sizes)
+    store.check_writable(shard_bytes(cfg, n_seqs, corpus_info["test_windows"]))   # the room to publish, before publishing
     claim_campaign(store, cfg)                      # nothing is written before the data is known to fit
     save_router(store, router)
     before = np.cumsum(per_part, axis=0) - per_part     # an expert's sequences in the parts before each

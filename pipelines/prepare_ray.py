@@ -2,7 +2,7 @@
 workers, driven by pipelines.prepare.prepare_with (the same driver as the local engine, hence the same campaign).
 
 - read: one task per part reads its files (local paths every node sees, or s3://), packs them and stages the
-  train sequences and test windows under the campaign's staging/ prefix; only counts and each part's lowest keys
+  train sequences and test windows under the campaign's hidden .soma-staging/ prefix; only counts and each part's lowest keys
   come back to the driver.
 - sample: tasks send back the router's fit sample (the sequences of lowest key).
 - embed, count, write: tasks on the same pool of worker processes, each of which loads the router once from the
@@ -28,8 +28,8 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from pipelines.common import claim_campaign, console, contents, open_store
-from pipelines.prepare import prepare_with
+from pipelines.common import claim_campaign, console, open_store
+from pipelines.prepare import prepare_with, undone_on_failure
 from pipelines.raysession import ray_session
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import CorpusFile, Part
@@ -39,7 +39,7 @@ from soma_cluster.router import Router, load_router, save_router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store
 
-STAGING = "staging/prepare"
+STAGING = ".soma-staging/prepare"     # hidden: listings leave it out, and all of .soma-staging/ goes at the end
 
 
 def _part(row_json: str) -> Part:
@@ -223,19 +223,13 @@ class _NoBarsNote(logging.Filter):
 
 def prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
     """prepare_with on the Ray engine, inside a Ray session (address, RAY_ADDRESS, else a local Ray). The
-    campaign is claimed first (staging lives under it); a failure removes the staging and, if the campaign was
-    new, everything this run wrote."""
-    existed = claim_campaign(store, cfg)
+    campaign is claimed first (staging lives under it); a failure removes the staging and whatever this run
+    added to the campaign (pipelines.prepare.undone_on_failure)."""
     try:
-        with ray_session(cfg, address):
-            _quiet_ray_data()
-            summary = prepare_with(RayEngine(store, cfg), store, cfg)
-    except BaseException:
-        store.remove_tree(STAGING)
-        if not existed:
-            for name in contents(store):         # the lease stays: its holder releases it
-                store.remove_tree(name)
-        raise
-    store.remove_tree(STAGING)
-    return summary
-
+        with undone_on_failure(store):
+            claim_campaign(store, cfg)
+            with ray_session(cfg, address):
+                _quiet_ray_data()
+                return prepare_with(RayEngine(store, cfg), store, cfg)
+    finally:
+        store.remove_tree(STAGING.split("/")[0])

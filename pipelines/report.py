@@ -7,7 +7,10 @@ from __future__ import annotations
 
 import io
 import math
+import os
 import re
+import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -263,4 +266,14 @@ def update_readme(path: str, section: str) -> None:
         text = text.replace("\n## Layout", "\n" + section + "\n\n## Layout", 1)
     else:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
-    Path(path).write_text(text)
+    # beside it, then renamed: a disk that fills up mid-write leaves the old README whole, never a truncated one
+    directory = os.path.dirname(os.path.abspath(path))
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-readme-")
+    try:
+        with os.fdopen(fd, "w") as fh:
+            fh.write(text)
+        shutil.copymode(path, tmp)
+        os.replace(tmp, path)
+    except BaseException:
+        os.unlink(tmp)
+        raise

@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import io
 import os
-import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -31,7 +31,7 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Packer, Part, is_test_doc, part_documents
 from soma_cluster.router import Router, router_text
 from soma_cluster.shards import COLUMN, rows_to_numpy, schema, write_part_shards
-from soma_cluster.storage import Store, file_sha256, put_file
+from soma_cluster.storage import Store, file_sha256
 
 SEQS = "seqs/part-{:05d}.arrow"       # staged train sequences of a part (their keys are row_keys of their places)
 EMBEDDINGS = "emb/part-{:05d}.npy"    # their router embeddings, float32
@@ -91,12 +91,12 @@ class PartStats:
 
 
 class _Staged:
-    """An Arrow IPC file written in batches to a local temp file, then put into a store."""
+    """An Arrow IPC file written in batches to a staged local file (storage.StagedFile), then put into a store."""
 
-    def __init__(self, schema: pa.Schema, tmpdir: str):
-        self.schema = schema
-        fd, self.path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
-        os.close(fd)
+    def __init__(self, schema: pa.Schema, store: Store, rel: str, scratch: str | None):
+        self.schema, self.rel = schema, rel
+        self.file = store.stage_file(rel, ".arrow", scratch)
+        self.path = self.file.path
         self.sink = pa.OSFile(os.fsencode(self.path), "wb")      # bytes: pyarrow encodes str paths as strict UTF-8
         self.writer = ipc.new_file(self.sink, schema)
         self.cols: list[list] = [[] for _ in schema]
@@ -119,12 +119,20 @@ class _Staged:
         self.writer.close()
         self.sink.close()
 
-    def publish(self, store: Store, rel: str) -> str:
+    def publish(self) -> str:
         """Close, put into the store, return the file's sha256."""
         self.close()
         digest = file_sha256(self.path)
-        put_file(store, self.path, rel)
+        self.file.publish()
         return digest
+
+    def __enter__(self) -> "_Staged":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        if not self.sink.closed:
+            self.sink.close()
+        self.file.__exit__(kind, exc, tb)       # an unpublished file is removed; a disk error names its directory
 
 
 def window_schema(window_bytes: int) -> pa.Schema:
@@ -136,9 +144,9 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
     the rest train sequences, each packed on its own within the part. Stages both; a part without windows
     stages no window file."""
     stats = PartStats(part.index)
-    with tempfile.TemporaryDirectory(prefix="soma-part-") as tmp:
-        seqs = _Staged(schema(cfg.shards.seq_bytes), tmp)
-        windows = _Staged(window_schema(cfg.eval.window_bytes), tmp)
+    with stage.scratch() if not stage.local else nullcontext() as tmp, \
+            _Staged(schema(cfg.shards.seq_bytes), stage, SEQS.format(part.index), tmp) as seqs, \
+            _Staged(window_schema(cfg.eval.window_bytes), stage, WINDOWS.format(part.index), tmp) as windows:
         train = Packer(cfg.shards.seq_bytes)
         test = Packer(cfg.eval.window_bytes, owner_at=cfg.eval.context_bytes + 1)
         batch: list[bytes] = []
@@ -164,11 +172,9 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
                 if len(batch) >= WRITE_ROWS:
                     flush_seqs()
         flush_seqs()
-        seqs.publish(stage, SEQS.format(part.index))
+        seqs.publish()
         if stats.windows:
-            stats.windows_sha256 = windows.publish(stage, WINDOWS.format(part.index))
-        else:
-            windows.close()
+            stats.windows_sha256 = windows.publish()
     return stats
 
 

@@ -6,16 +6,21 @@ parallel); readers memory-map the files and verify each file's checksum against 
 """
 from __future__ import annotations
 
+import logging
 import os
 import tempfile
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import numpy as np
 import pyarrow as pa
 import pyarrow.ipc as ipc
 
+from soma_cluster.diskerrors import condition_of
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.storage import Store, file_sha256, put_file
+from soma_cluster.storage import Store, file_sha256, sha256
+
+log = logging.getLogger(__name__)
 
 COLUMN = "seq"
 BATCH_ROWS = 1024
@@ -41,16 +46,16 @@ def rows_to_numpy(arr: pa.FixedSizeBinaryArray, seq_bytes: int) -> np.ndarray:
     return flat[arr.offset * seq_bytes:(arr.offset + len(arr)) * seq_bytes].reshape(len(arr), seq_bytes)
 
 
-def write_rows(store: Store, rel: str, rows: pa.FixedSizeBinaryArray, tmpdir: str) -> dict:
-    """One shard file of `rows` (record batches of BATCH_ROWS) at rel; returns its manifest entry."""
+def write_rows(store: Store, rel: str, rows: pa.FixedSizeBinaryArray, scratch: str | None = None) -> dict:
+    """One shard file of `rows` (record batches of BATCH_ROWS) at rel; returns its manifest entry. Staged beside
+    its target on a local store (an atomic rename wherever the campaign lives), in `scratch` for a remote one."""
     seq_bytes = rows.type.byte_width
-    fd, path = tempfile.mkstemp(dir=tmpdir, suffix=".arrow")
-    os.close(fd)
-    with pa.OSFile(os.fsencode(path), "wb") as sink, ipc.new_file(sink, schema(seq_bytes)) as writer:
-        for a in range(0, len(rows), BATCH_ROWS):
-            writer.write_batch(pa.record_batch([rows.slice(a, BATCH_ROWS)], schema=schema(seq_bytes)))
-    entry = {"name": rel.rsplit("/", 1)[-1], "rows": len(rows), "bytes": os.path.getsize(path), "sha256": file_sha256(path)}
-    put_file(store, path, rel)
+    with store.stage_file(rel, ".arrow", scratch) as staged:
+        with pa.OSFile(os.fsencode(staged.path), "wb") as sink, ipc.new_file(sink, schema(seq_bytes)) as writer:
+            for a in range(0, len(rows), BATCH_ROWS):
+                writer.write_batch(pa.record_batch([rows.slice(a, BATCH_ROWS)], schema=schema(seq_bytes)))
+        entry = {"name": rel.rsplit("/", 1)[-1], "rows": len(rows), "bytes": os.path.getsize(staged.path), "sha256": file_sha256(staged.path)}
+        staged.publish()
     return entry
 
 
@@ -64,7 +69,7 @@ def write_part_shards(store: Store, part: int, seqs: pa.FixedSizeBinaryArray, la
     order = np.argsort(labels, kind="stable")                    # by expert, corpus order within each
     bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=len(before)))])
     out: dict[int, dict[str, list[dict]]] = {}
-    with tempfile.TemporaryDirectory(prefix="soma-shards-") as tmp:
+    with store.scratch() if not store.local else nullcontext() as tmp:
         for e in np.flatnonzero(np.diff(bounds)).tolist():
             idx = order[bounds[e]:bounds[e + 1]]
             val = (before[e] + np.arange(len(idx))) % every == every - 1
@@ -115,9 +120,12 @@ def _open_file(path: str, entry: dict, seq_bytes: int, where: str) -> np.ndarray
         raise SomaError(f"shard file {where} is missing; re-run soma prepare on a new campaign URL")
     if file_sha256(path) != entry["sha256"]:
         raise ChecksumError(f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
+    return _rows(pa.memory_map(os.fsencode(path), "r"), entry, seq_bytes, where)
+
+
+def _rows(source, entry: dict, seq_bytes: int, where: str) -> np.ndarray:
     try:
-        reader = ipc.open_file(pa.memory_map(os.fsencode(path), "r"))   # bytes: a path that is not UTF-8 too
-        table = reader.read_all()
+        table = ipc.open_file(source).read_all()
     except pa.ArrowInvalid:
         raise ChecksumError(f"shard file {where} is not a readable Arrow IPC file; re-run soma prepare") from None
     col = table.column(COLUMN).combine_chunks()
@@ -126,13 +134,28 @@ def _open_file(path: str, entry: dict, seq_bytes: int, where: str) -> np.ndarray
     return rows_to_numpy(col, seq_bytes)
 
 
+def _open_cached(store: Store, rel: str, entry: dict, seq_bytes: int, cache: str) -> np.ndarray:
+    """A shard file through the local read cache (memory-mapped); where the cache cannot be written (the temp dir
+    full, missing or read-only) the file is read into memory instead: a cache never fails a command."""
+    where = f"{store.url}/{rel}"
+    try:
+        path = store.local_copy(rel, cache, entry["sha256"])
+    except OSError as exc:
+        if store.local or condition_of(exc) is None:
+            raise
+        log.warning("read cache %s unusable (%s): reading %s into memory", cache, condition_of(exc), where)
+        data = store.read_bytes(rel)
+        if sha256(data) != entry["sha256"]:
+            raise ChecksumError(f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL") from None
+        return _rows(pa.BufferReader(data), entry, seq_bytes, where)
+    return _open_file(path, entry, seq_bytes, where)
+
+
 def open_shard(store: Store, expert: int, cache_dir: str | None = None) -> Shard:
     base = f"shards/{expert_name(expert)}"
     manifest = store.read_json(f"{base}/manifest.json")
     cache = cache_dir or os.path.join(tempfile.gettempdir(), "soma-cache")
     seq_bytes = manifest["seq_bytes"]
-    splits = {}
-    for split in ("train", "val"):
-        splits[split] = [_open_file(store.local_copy(f"{base}/{e['name']}", cache, e["sha256"]), e, seq_bytes, f"{store.url}/{base}/{e['name']}")
-                         for e in manifest[split]]
+    splits = {split: [_open_cached(store, f"{base}/{e['name']}", e, seq_bytes, cache) for e in manifest[split]]
+              for split in ("train", "val")}
     return Shard(expert, seq_bytes, splits["train"], splits["val"])

@@ -6,6 +6,7 @@ of small ordered objects that readers list and merge.
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import logging
@@ -25,17 +26,25 @@ from urllib.parse import urlsplit
 
 import fsspec
 
+from soma_cluster.diskerrors import DiskCondition, condition_of, with_path
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 from soma_cluster.failures import waiting
+from soma_cluster.preflight import MARGIN_BYTES, require_temp_dir, require_writable_dir
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
+# Names the store itself makes beside artifacts: in-flight writes (".tmp-*") and private scratch and probes
+# (".soma-*"). Listings leave them out, so a campaign that holds only them is still an empty one.
+_PRIVATE = (".tmp-", ".soma-")
 
 # Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, SomaError)
 _TRANSIENT: tuple[type[BaseException], ...] | None = None
 _CAS_LOCK = threading.Lock()      # Store.write_if on a filesystem, between this process's threads
+# OSErrors (a local disk's, e.g. a download into a full temp dir) that a retry within seconds cannot fix
+_DISK_PERMANENT = (DiskCondition.FULL, DiskCondition.READ_ONLY, DiskCondition.NOT_A_DIRECTORY, DiskCondition.IS_A_DIRECTORY,
+                   DiskCondition.CROSS_DEVICE)
 
 # Where an s3:// endpoint may come from (first set wins); credentials are never read from here.
 ENDPOINT_ENV = ("SOMA_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
@@ -145,6 +154,8 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
         except _PERMANENT:
             raise
         except transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
+            if condition_of(exc) in _DISK_PERMANENT:        # a local disk condition: no retry fixes it in seconds
+                raise
             now = time.monotonic()
             if now >= last_start or (max_tries is not None and tries >= max_tries):
                 n = f"{tries} tries" if tries > 1 else "1 try"
@@ -205,6 +216,9 @@ class Store:
         self._writer: _LogWriter | None = None              # the background writer of a `batch(background=True)`
         self._tails_checked: set[str] = set()              # local logs whose unterminated last record was cut off
         self.fence: Callable[[], None] | None = None
+        # a local campaign directory seen to exist is never silently re-created: one that vanishes while a
+        # command runs is an error (ENOENT naming it), not a fresh half-campaign
+        self._root_seen = self.local and os.path.isdir(self.root)
 
     def __repr__(self) -> str:          # never the storage options: they may hold credentials
         return f"Store({self.url!r})"
@@ -213,6 +227,60 @@ class Store:
     def full(self, rel: str, root_ok: bool = False) -> str:
         """Absolute path of `rel` under the root ('' names the root itself only where root_ok)."""
         return self.root if (rel == "" and root_ok) else f"{self.root}/{safe_relpath(rel)}"
+
+    def ensure_dir(self, directory: str) -> str:
+        """Make `directory` (an absolute local path under the root) and its parents, but never the root again
+        once it was seen: a campaign removed while the command runs raises FileNotFoundError naming it."""
+        if not os.path.isdir(self.root):
+            if self._root_seen:
+                raise FileNotFoundError(errno.ENOENT, "campaign directory removed while the command ran", self.root)
+        try:
+            os.makedirs(directory, exist_ok=True)
+        except OSError as exc:
+            raise with_path(exc, directory) from exc
+        self._root_seen = True
+        return directory
+
+    def check_writable(self, need_bytes: int = MARGIN_BYTES) -> None:
+        """Before a command writes: a local campaign is (or can be made) a writable directory with need_bytes
+        free (a probe write, statvfs); a remote one's bucket exists and takes a small object (PUT, DELETE)."""
+        if self.local:
+            require_writable_dir(self.root, need_bytes, "the campaign directory")
+            return
+        self.require_bucket()
+        probe = f".soma-probe-{uuid.uuid4().hex[:12]}"
+        try:
+            self.write_bytes(probe, b"probe")
+        except PermissionError:
+            raise SomaError(f"{self.url}: access denied writing there with these credentials; use credentials that may "
+                            f"write it (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE), or a writable campaign URL") from None
+        self.remove(probe)
+
+    @contextmanager
+    def scratch(self, need_bytes: int = MARGIN_BYTES) -> Iterator[str]:
+        """A private local directory for intermediate files, removed however the block ends. A local campaign's
+        is hidden inside it (".soma-scratch-*", left out of listings): on the campaign's own filesystem, so a
+        file moves into place with an atomic rename, and never in a temp dir the campaign does not need. A
+        remote campaign's is in the temp dir (uploads start from a local file), checked for need_bytes first."""
+        if self.local:
+            base = self.ensure_dir(self.root)
+        else:
+            base = require_temp_dir(need_bytes)
+        path = tempfile.mkdtemp(prefix=".soma-scratch-" if self.local else "soma-scratch-", dir=base)
+        try:
+            yield path
+        except OSError as exc:
+            # a disk condition met in the scratch is the campaign's (or the temp dir's): name that, not a
+            # hidden directory that is gone by the time the operator reads the message
+            if condition_of(exc) is not None and str(exc.filename or "").startswith(path):
+                raise OSError(exc.errno, exc.strerror, base) from exc
+            raise
+        finally:
+            shutil.rmtree(path, ignore_errors=True)
+
+    def stage_file(self, rel: str, suffix: str = "", scratch: str | None = None) -> "StagedFile":
+        """A local file to write `rel`'s bytes into, then publish() (see StagedFile)."""
+        return StagedFile(self, rel, suffix, scratch)
 
     def _retry(self, what: str, fn: Callable[[], T]) -> T:
         """fn() through `retrying` (the only retry layer: botocore is told to make one attempt)."""
@@ -266,7 +334,11 @@ class Store:
         self._fenced()
         path = self.full(rel)
         if self.local:
-            _replace_local(path, data)
+            directory = self.ensure_dir(os.path.dirname(path))
+            try:
+                _replace_local(path, data)
+            except OSError as exc:
+                raise with_path(exc, directory) from exc
         else:
             self._retry(f"write {rel}", lambda: self.fs.pipe_file(path, data))
 
@@ -277,7 +349,7 @@ class Store:
         if not self.local:
             return False
         path = self.full(rel)
-        with _cas_locked(path) as lockpath:
+        with _cas_locked(path, self.ensure_dir) as lockpath:
             found = self.read_versioned(rel)
             if found is None or found[1] != version:
                 return False
@@ -318,7 +390,7 @@ class Store:
         (If-None-Match: * / If-Match: ETag)."""
         path = self.full(rel)
         if self.local:
-            with _cas_locked(path):
+            with _cas_locked(path, self.ensure_dir):
                 found = self.read_versioned(rel)
                 if (found[1] if found else None) != version:
                     raise VersionConflict(rel)
@@ -402,14 +474,15 @@ class Store:
 
         def ls() -> list[str]:
             try:
-                return sorted(PurePosixPath(p).name for p in self.fs.ls(path, detail=False, refresh=True) if p.rstrip("/") != path)
+                names = (PurePosixPath(p).name for p in self.fs.ls(path, detail=False, refresh=True) if p.rstrip("/") != path)
+                return sorted(n for n in names if not n.startswith(_PRIVATE))
             except FileNotFoundError:
                 return []
         return self._retry(f"list {rel}", ls)
 
     def walk(self, rel: str) -> list[str]:
         """Paths (relative to the root) of every file under rel, sorted; empty when rel does not exist.
-        Temporary names of writes in flight (".tmp-*") are left out."""
+        The store's private names (writes in flight ".tmp-*", scratch ".soma-*") are left out."""
         base = self.full(rel)
 
         def find() -> list[str]:
@@ -418,7 +491,7 @@ class Store:
             except FileNotFoundError:
                 return []
         paths = [p[len(self.root) + 1:] for p in self._retry(f"list {rel}", find)]
-        return [p for p in paths if not PurePosixPath(p).name.startswith(".tmp-")]
+        return [p for p in paths if not any(part.startswith(_PRIVATE) for part in PurePosixPath(p).parts)]
 
     def local_copy(self, rel: str, cache_dir: str, sha: str | None = None) -> str:
         """A local filesystem path to the artifact (itself when local; a cached download otherwise).
@@ -492,13 +565,15 @@ class Store:
         if self.local:
             self._fenced()
             path = self.full(log)
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            self.ensure_dir(os.path.dirname(path))
             if log not in self._tails_checked:
                 _cut_torn_tail(path, f"{self.url}/{log}")
                 self._tails_checked.add(log)
             fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
             try:
                 _append_whole(fd, data)
+            except OSError as exc:
+                raise with_path(exc, path) from exc
             finally:
                 os.close(fd)
         else:
@@ -612,9 +687,9 @@ def _cut_torn_tail(path: str, where: str) -> None:
 
 
 def _replace_local(path: str, data: bytes) -> None:
-    """Write `path` whole: a temporary name beside it, fsync, rename (readers see the old file or the new one)."""
+    """Write `path` whole: a temporary name beside it, fsync, rename (readers see the old file or the new one). Its
+    directory exists already (Store.ensure_dir)."""
     directory = os.path.dirname(path)
-    os.makedirs(directory, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
         with os.fdopen(fd, "wb") as fh:
@@ -629,7 +704,7 @@ def _replace_local(path: str, data: bytes) -> None:
 
 
 @contextmanager
-def _cas_locked(path: str) -> Iterator[str]:
+def _cas_locked(path: str, ensure_dir: Callable[[str], str]) -> Iterator[str]:
     """Hold `path`'s lock file (`.<name>.lock` beside it) exclusively. POSIX lockf excludes other processes only (its
     locks are the process's, and closing any of its descriptors drops them), so threads of this one take _CAS_LOCK
     first. A lock file unlinked by remove_if while this waited is not the lock any more: take the new one."""
@@ -637,7 +712,7 @@ def _cas_locked(path: str) -> Iterator[str]:
     lockpath = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
     with _CAS_LOCK:
         while True:
-            os.makedirs(os.path.dirname(path), exist_ok=True)
+            ensure_dir(os.path.dirname(path))      # never re-creates a campaign directory removed under the command
             with open(lockpath, "a+b") as lock:
                 fcntl.lockf(lock, fcntl.LOCK_EX)
                 try:
@@ -703,13 +778,60 @@ def file_sha256(path: str, block: int = 1 << 20) -> str:
     return h.hexdigest()
 
 
+class StagedFile:
+    """A local file being written for the artifact `rel`. publish() puts it there atomically: a local store's file
+    is made in rel's own directory under a hidden ".tmp-*" name and renamed (same filesystem, so the rename is
+    atomic wherever the campaign lives); a remote store's is made in `scratch` (else the checked temp dir) and
+    uploaded in one PUT. Used as a context manager, a file not published is removed, and a disk condition met
+    while writing (pyarrow's errors name no file) is raised naming the directory it was written in."""
+
+    def __init__(self, store: Store, rel: str, suffix: str = "", scratch: str | None = None):
+        self.store, self.rel, self.target = store, rel, store.full(rel)
+        directory = store.ensure_dir(os.path.dirname(self.target)) if store.local else (scratch or require_temp_dir())
+        try:
+            fd, self.path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+        except OSError as exc:
+            raise with_path(exc, directory) from exc
+        os.close(fd)
+        self.published = False
+
+    def publish(self) -> None:
+        self.store._fenced()
+        if self.store.local:
+            os.replace(self.path, self.target)
+        else:
+            self.store._retry(f"upload {self.rel}", lambda: self.store.fs.put_file(self.path, self.target))
+            os.unlink(self.path)
+        self.published = True
+
+    def discard(self) -> None:
+        if not self.published and os.path.exists(self.path):
+            os.unlink(self.path)
+
+    def __enter__(self) -> "StagedFile":
+        return self
+
+    def __exit__(self, kind, exc, tb) -> None:
+        self.discard()
+        if isinstance(exc, OSError) and not exc.filename:
+            raise with_path(exc, os.path.dirname(self.path)) from exc
+
+
 def put_file(store: Store, local_path: str, rel: str) -> None:
-    """Move a finished local file into the campaign (rename locally; one multipart upload remotely)."""
+    """Move a finished local file into the campaign (rename locally; one upload remotely). A local file on
+    another filesystem than the campaign is copied beside the target first, so the last step is still an
+    atomic rename (StagedFile avoids the copy by writing there in the first place)."""
     store._fenced()
-    target = store.full(rel)
-    if store.local:
-        os.makedirs(os.path.dirname(target), exist_ok=True)
-        os.replace(local_path, target)
-    else:
-        store._retry(f"upload {rel}", lambda: store.fs.put_file(local_path, target))
+    if not store.local:
+        store._retry(f"upload {rel}", lambda: store.fs.put_file(local_path, store.full(rel)))
         os.unlink(local_path)
+        return
+    with store.stage_file(rel) as staged:
+        try:
+            os.replace(local_path, staged.path)
+        except OSError as exc:
+            if exc.errno != errno.EXDEV:
+                raise
+            shutil.copyfile(local_path, staged.path)
+            os.unlink(local_path)
+        staged.publish()

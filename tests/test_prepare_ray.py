@@ -112,7 +112,7 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
     info = summaries["ray"]["corpus"]
     assert info["parts"] >= 5 and set(info["sources"]) == {"jsonl", "parquet", "txt", "txt.gz"}
     assert summaries["ray"]["train_rows"] == summaries["local"]["train_rows"]
-    assert not stores["ray"].walk("staging")                                      # staging removed
+    assert not stores["ray"].exists(".soma-staging")                              # staging removed, directory and all
     print(f"identical: {len(a)} files ({sum(r.startswith('shards/') for r in a)} shard files and manifests, "
           f"{sum(r.startswith('test/') for r in a)} test, {sum(r.startswith('router/') for r in a)} router); {info['parts']} parts, "
           f"{info['documents']} documents, {info['train_sequences']} train sequences, {info['test_windows']} test windows; "

@@ -1,0 +1,98 @@
+"""What an OSError from a disk or a store means to the operator: errno -> one DiskCondition -> one line.
+
+The driver (the CLI's last resort and the commands' pre-flight checks) and the workers (which tell the
+infrastructure's failures from an expert's own) classify the same errnos the same way, from here. No Ray.
+"""
+from __future__ import annotations
+
+import errno
+import os
+from enum import StrEnum
+
+from soma_cluster.errors import SomaError
+
+
+class DiskCondition(StrEnum):
+    """An environment condition the operator fixes (never an expert's fault); the values go into records as is."""
+    FULL = "full"                        # ENOSPC, EDQUOT: no space (or quota) left
+    READ_ONLY = "read_only"              # EROFS: a read-only mount
+    DENIED = "denied"                    # EACCES, EPERM: this user may not write (or read) there
+    MISSING = "missing"                  # ENOENT, ESTALE: absent, or removed while the command ran
+    NOT_A_DIRECTORY = "not_a_directory"  # ENOTDIR: a file where a directory must be
+    IS_A_DIRECTORY = "is_a_directory"    # EISDIR: a directory where a file must be
+    CROSS_DEVICE = "cross_device"        # EXDEV: a rename across filesystems (staging on the wrong disk)
+    IO_ERROR = "io_error"                # EIO: the device failed
+
+
+_BY_ERRNO = {
+    errno.ENOSPC: DiskCondition.FULL, errno.EDQUOT: DiskCondition.FULL,
+    errno.EROFS: DiskCondition.READ_ONLY,
+    errno.EACCES: DiskCondition.DENIED, errno.EPERM: DiskCondition.DENIED,
+    errno.ENOENT: DiskCondition.MISSING, errno.ESTALE: DiskCondition.MISSING,
+    errno.ENOTDIR: DiskCondition.NOT_A_DIRECTORY,
+    errno.EISDIR: DiskCondition.IS_A_DIRECTORY,
+    errno.EXDEV: DiskCondition.CROSS_DEVICE,
+    errno.EIO: DiskCondition.IO_ERROR,
+}
+
+# (what happened, what is needed), for the one `error:` line
+_WORDS = {
+    DiskCondition.FULL: ("no space left on its filesystem", "free space there (or a larger quota), or use a campaign on a larger disk"),
+    DiskCondition.READ_ONLY: ("it is on a read-only filesystem", "a writable mount (remount it read-write, or copy the campaign "
+                                                                 "to a writable directory)"),
+    DiskCondition.DENIED: ("permission denied", "a directory this user may write (fix its owner/mode or choose another)"),
+    DiskCondition.MISSING: ("it does not exist (or was removed while the command ran)", "the directory back, or another path"),
+    DiskCondition.NOT_A_DIRECTORY: ("a file is where a directory must be", "a directory path (move the file away or choose another path)"),
+    DiskCondition.IS_A_DIRECTORY: ("a directory is where a file must be", "a file path (move the directory away or choose another path)"),
+    DiskCondition.CROSS_DEVICE: ("a rename crossed filesystems", "staging on the campaign's own filesystem (report this as a bug)"),
+    DiskCondition.IO_ERROR: ("an I/O error from the device", "a healthy disk (check the device and the kernel log, then rerun)"),
+}
+
+
+def condition_of(exc: BaseException) -> DiskCondition | None:
+    """The condition an OSError stands for (its errno), or None (not a disk condition: a bug, a network error...).
+    Only OSError counts: a worker's wrapped error (Ray's RayTaskError(OSError)) is an OSError subclass too."""
+    if not isinstance(exc, OSError) or exc.errno is None:
+        return None
+    return _BY_ERRNO.get(exc.errno)
+
+
+class StorageError(SomaError):
+    """A path the command needs is in a disk condition the operator must fix: exit 2 with one line naming the
+    path, what happened and what is needed. `detail` adds numbers (bytes free and needed) or the variable that
+    named the path (TMPDIR)."""
+
+    def __init__(self, path: str, condition: DiskCondition, detail: str = ""):
+        self.path, self.condition, self.detail = str(path), DiskCondition(condition), detail
+        happened, needed = _WORDS[self.condition]
+        super().__init__(f"{self.path}: {happened}{f' ({detail})' if detail else ''}; needs {needed}")
+
+    def __reduce__(self):           # pickles (Ray ships it from a worker) with its own arguments, not the message
+        return (StorageError, (self.path, self.condition, self.detail))
+
+
+def storage_error(exc: BaseException, path: str | None = None, detail: str = "") -> StorageError | None:
+    """The StorageError for an OSError with a disk condition, naming `path` or else the file the error names;
+    None where it is not a disk condition or no path is known."""
+    cond = condition_of(exc)
+    where = path or getattr(exc, "filename", None)
+    if cond is None or not where:
+        return None
+    return StorageError(str(where), cond, detail)
+
+
+def with_path(exc: OSError, path: str) -> OSError:
+    """`exc` as it is if it names a file; else the same errno (hence the same OSError subclass) naming `path`:
+    os.write and pyarrow report ENOSPC without a file name, and the operator needs to know where."""
+    if exc.filename or exc.errno is None:
+        return exc
+    return OSError(exc.errno, exc.strerror or os.strerror(exc.errno), str(path))
+
+
+def human_bytes(n: float) -> str:
+    """1536 -> '1.5 KiB' (binary units, as df -h reports them)."""
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

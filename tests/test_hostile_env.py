@@ -1,0 +1,320 @@
+"""The hostile-environment matrix: every command of the CLI (read from the CLI itself) x every disk condition.
+
+Each cell copies one micro campaign (prepared, seeded, launched once per module) into a place that has the
+condition, runs the command there and asserts: the exit code; for a refused cell exactly one `error:` line that
+names the condition, no traceback and no file of the place changed (a tree hash before/after); for a sample of
+refused cells, the same command succeeding once the condition is lifted. Conditions live in CONDITIONS (add a
+"second driver" there); commands in COMMANDS, which must name every command the CLI has.
+
+Needs root for the mounts (tmpfs, read-only bind); skipped with the reason where mounting is refused.
+"""
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import sys
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import pytest
+import typer.main
+import yaml
+
+from conftest import MICRO, assert_one_line_error
+
+ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+
+
+def run(*args: str, env: dict | None = None, timeout: int = 300, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+    """The CLI in a subprocess; `drop`: prefixes of variables left out of this process's environment."""
+    base = {k: v for k, v in os.environ.items() if not k.startswith(drop)} if drop else dict(os.environ)
+    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout,
+                          env={**base, **ENV, **(env or {})})
+
+
+def micro_sets() -> list[str]:
+    """MICRO as --set overrides (demo and experiment take no --config)."""
+    out = []
+    for key, value in MICRO.items():
+        if key == "name":
+            continue
+        items = value.items() if isinstance(value, dict) else [(None, value)]
+        for sub, v in items:
+            out += ["--set", f"{key}.{sub}={v}" if sub else f"{key}={v}"]
+    return out
+
+
+# -- mounts ---------------------------------------------------------------------------------------------------
+def _mount(*args: str) -> None:
+    proc = subprocess.run(["mount", *args], capture_output=True, text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mount {' '.join(args)} refused ({proc.stderr.strip()[:120]}): the disk columns need root")
+
+
+def _umount(path: Path) -> None:
+    subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
+
+
+def _fill(directory: Path) -> None:
+    with open(directory / "filler", "wb") as fh:
+        for _ in range(8192):                      # bounded: 512 MiB at most, the mounts are far smaller
+            try:
+                fh.write(b"\0" * (64 << 10))
+                fh.flush()
+            except OSError:
+                return
+    raise AssertionError(f"{directory} never filled up")
+
+
+def tree_hash(root: Path) -> str:
+    """Every path and file content under root (the filler included)."""
+    h = hashlib.sha256()
+    for dirpath, dirnames, filenames in sorted(os.walk(root)):
+        dirnames.sort()
+        h.update(os.path.relpath(dirpath, root).encode() + b"\0")
+        for name in sorted(filenames):
+            path = Path(dirpath) / name
+            h.update(name.encode() + b"\0" + hashlib.sha256(path.read_bytes()).digest())
+    return h.hexdigest()
+
+
+# -- the world every cell copies from -------------------------------------------------------------------------
+@dataclass
+class World:
+    root: Path
+    config: Path            # MICRO as YAML
+    camp: Path              # prepared, seeded, launched
+    experiment: Path        # an experiment directory with results.json (for report)
+
+
+@pytest.fixture(scope="module")
+def world(tmp_path_factory) -> World:
+    root = tmp_path_factory.mktemp("hostile")
+    config = root / "micro.yaml"
+    config.write_text(yaml.safe_dump(MICRO))
+    camp = root / "camp"
+    for args in (["prepare", str(camp), "--config", str(config)], ["seed", str(camp), "--no-progress"],
+                 ["launch", str(camp), "--no-progress"]):
+        proc = run(*args)
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+    return World(root, config, camp, _experiment_dir(root / "exp"))
+
+
+def _experiment_dir(path: Path) -> Path:
+    """A variance experiment's results.json, measured here on the fixed separable objective (a second or so):
+    what `soma report` re-renders."""
+    from pipelines.report import write_report
+    from soma_cluster.experiments import load_spec
+    from soma_cluster.storage import Store
+    from soma_cluster.variance import separable_ratio
+    spec = load_spec("variance")
+    fixed = [separable_ratio(256, n, 200, probe, 0).as_dict() for probe in ("rademacher", "ternary") for n in (2, 4)]
+    res = {"experiment": spec.name, "title": spec.title, "question": spec.question, "kind": spec.kind, "scale": "small",
+           "overrides": [], "reference": spec.reference, "seeds": {"0": {"fixed": fixed, "fixed_seconds": 0.0}},
+           "expect": [e.model_dump() for e in spec.expect], "wall_seconds": 0.0}
+    store = Store(str(path))
+    store.write_json("results.json", res)
+    write_report(store, res)
+    return path
+
+
+# -- places: where a cell's campaign lives, under one condition -----------------------------------------------
+@dataclass
+class Place:
+    dir: Path                                   # holds camp/ and exp/ (copies); new campaigns go to dir/new
+    env: dict = field(default_factory=dict)
+    fix: Callable[[], None] = lambda: None      # lifts the condition
+    refuses_writes: bool = False                # writing commands must be refused (one line, exit 2)
+    needle: str = ""                            # what the refusal says
+
+    @property
+    def camp(self) -> str:
+        return str(self.dir / "camp")
+
+    @property
+    def new(self) -> str:
+        return str(self.dir / "new")
+
+    @property
+    def exp(self) -> str:
+        return str(self.dir / "exp")
+
+
+def _populate(world: World, target: Path) -> None:
+    shutil.copytree(world.camp, target / "camp", symlinks=True)
+    shutil.copytree(world.experiment, target / "exp", symlinks=True)
+
+
+@contextmanager
+def separate_fs(world: World, cell: Path) -> Iterator[Place]:
+    """The campaign on a tmpfs of its own: another filesystem than the temp dir's (issue 27's EXDEV)."""
+    mnt = cell / "mnt"
+    mnt.mkdir(parents=True)
+    _mount("-t", "tmpfs", "-o", "size=96m", "tmpfs", str(mnt))
+    try:
+        _populate(world, mnt)
+        yield Place(mnt)
+    finally:
+        _umount(mnt)
+
+
+@contextmanager
+def full_disk(world: World, cell: Path) -> Iterator[Place]:
+    """The campaign's filesystem full (a tmpfs just larger than the copies, then filled up)."""
+    mnt = cell / "mnt"
+    mnt.mkdir(parents=True)
+    _mount("-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt))
+    try:
+        _populate(world, mnt)
+        _fill(mnt)
+        yield Place(mnt, fix=lambda: os.unlink(mnt / "filler"), refuses_writes=True, needle="no space left")
+    finally:
+        _umount(mnt)
+
+
+@contextmanager
+def read_only(world: World, cell: Path) -> Iterator[Place]:
+    """The campaign on a read-only bind mount (a campaign shared read-only, a snapshot)."""
+    src, mnt = cell / "src", cell / "mnt"
+    src.mkdir(parents=True)
+    mnt.mkdir()
+    _populate(world, src)
+    _mount("--bind", str(src), str(mnt))
+    try:
+        _mount("-o", "remount,bind,ro", str(mnt))
+        yield Place(mnt, fix=lambda: _mount("-o", "remount,bind,rw", str(mnt)), refuses_writes=True, needle="read-only")
+    finally:
+        _umount(mnt)
+
+
+@contextmanager
+def full_tmp(world: World, cell: Path) -> Iterator[Place]:
+    """TMPDIR on a full tmpfs: a local campaign needs no temp space (it stages in itself), so everything works."""
+    tmp, home = cell / "tmp", cell / "home"
+    tmp.mkdir(parents=True)
+    home.mkdir()
+    _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp))
+    try:
+        _fill(tmp)
+        _populate(world, home)
+        yield Place(home, env={"TMPDIR": str(tmp)})
+    finally:
+        _umount(tmp)
+
+
+# The disk columns. The lease engineer adds "second_driver" here (a place whose campaign a live driver holds).
+CONDITIONS: dict[str, Callable[[World, Path], contextmanager]] = {
+    "separate_fs": separate_fs, "full_disk": full_disk, "read_only": read_only, "full_tmp": full_tmp,
+}
+
+
+# -- the commands ---------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Invocation:
+    args: Callable[[Place, World], list[str]]
+    writes: bool                        # a command that writes is refused where writes are (reading ones run)
+    slow: bool = False                  # a successful run takes minutes here: only with SOMA_SLOW=1
+
+
+COMMANDS: dict[str, Invocation] = {
+    "prepare": Invocation(lambda p, w: ["prepare", p.new, "--config", str(w.config)], True),
+    "seed": Invocation(lambda p, w: ["seed", p.camp, "--no-progress"], True),
+    "launch": Invocation(lambda p, w: ["launch", p.camp, "--no-progress"], True),
+    "resume": Invocation(lambda p, w: ["resume", p.camp, "--no-progress"], True),
+    "eval": Invocation(lambda p, w: ["eval", p.camp], True),
+    "status": Invocation(lambda p, w: ["status", p.camp], False),
+    "plan": Invocation(lambda p, w: ["plan", p.camp, "--gpus", "2"], True),
+    "demo": Invocation(lambda p, w: ["demo", p.new, *micro_sets()], True),
+    "fork": Invocation(lambda p, w: ["fork", p.camp, p.new, "--set", "train.method=bptt", "--set", "train.updates=6"], True),
+    "experiment": Invocation(lambda p, w: ["experiment", "variance", p.new, "--no-progress", *micro_sets()], True, slow=True),
+    "report": Invocation(lambda p, w: ["report", p.exp], True),
+    "presets": Invocation(lambda p, w: ["presets"], False),
+}
+# refused cells rerun once their condition is lifted (cheap commands; prepare is the real end to end)
+FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("fork", "read_only")}
+# Successful runs that cost the most and add least to the file's 4-minute budget, run with SOMA_SLOW=1: a demo is
+# a whole campaign (~40 s loaded; its prepare is prepare's, run for real on the tmpfs); seed/resume start a Ray
+# (~15 s loaded) to find nothing to do, as launch (kept in both columns) does
+SLOW_CELLS = {("demo", "separate_fs"), ("demo", "full_tmp"), ("seed", "separate_fs"), ("seed", "full_tmp"), ("resume", "separate_fs"),
+              ("resume", "full_tmp")}
+
+
+def cli_commands() -> set[str]:
+    import pipelines.cli
+    return set(typer.main.get_command(pipelines.cli.app).commands)
+
+
+def test_every_cli_command_has_an_entry():
+    assert cli_commands() == set(COMMANDS), "add the new command to COMMANDS (how to invoke it, whether it writes)"
+
+
+def _cells():
+    for command in sorted(cli_commands()):
+        for condition in CONDITIONS:
+            marks = []
+            inv = COMMANDS.get(command)
+            if inv is not None and ((inv.slow and condition in ("separate_fs", "full_tmp")) or (command, condition) in SLOW_CELLS):
+                marks.append(pytest.mark.slow)
+            yield pytest.param(command, condition, marks=marks, id=f"{command}-{condition}")
+
+
+@pytest.mark.parametrize("command,condition", list(_cells()))
+def test_cell(world, tmp_path, command, condition):
+    inv = COMMANDS[command]
+    with CONDITIONS[condition](world, tmp_path) as place:
+        args = inv.args(place, world)
+        before = tree_hash(place.dir)
+        proc = run(*args, env=place.env, timeout=600)
+        assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        if inv.writes and place.refuses_writes:
+            assert_one_line_error(proc, place.needle, str(place.dir))
+            assert tree_hash(place.dir) == before, "a refused command changed the campaign"
+            assert not os.path.exists(place.new), "a refused command left a half-made campaign"
+            if (command, condition) in FIX_SAMPLE:
+                place.fix()
+                again = run(*args, env=place.env, timeout=600)
+                assert again.returncode == 0, again.stderr[-3000:]
+        else:
+            assert proc.returncode == 0, proc.stderr[-3000:]
+            staged = [str(p) for p in place.dir.rglob(".*") if p.name.startswith((".soma-", ".tmp-"))]
+            assert not staged, f"staging left behind: {staged}"
+            if not inv.writes:
+                assert tree_hash(place.dir) == before, "a reading command wrote"
+
+
+# -- the S3 store: the temp dir is where its uploads start ----------------------------------------------------
+def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
+    """prepare to s3:// stages its uploads in the temp dir: a full one is refused before any data is read and
+    the prefix stays empty; once TMPDIR has room it prepares, and status reads it with the temp dir full again.
+    A missing TMPDIR is named. (The shard cache's fallback: tests/test_diskerrors.py.)"""
+    tmp = tmp_path / "tmp"
+    tmp.mkdir()
+    _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp))
+    env = {**s3.env(), "TMPDIR": str(tmp)}
+    camp = s3.url("hostile/camp")
+
+    def s3run(*args, **kw):
+        return run(*args, env={**env, **kw}, drop=("AWS_", "SOMA_S3_"))
+    try:
+        _fill(tmp)
+        refused = s3run("prepare", camp, "--config", str(world.config))
+        assert_one_line_error(refused, str(tmp), "no space left", "TMPDIR")
+        assert "Traceback" not in refused.stderr and not s3.objects("hostile/camp")
+        roomy = tmp_path / "roomy"
+        roomy.mkdir()
+        proc = s3run("prepare", camp, "--config", str(world.config), TMPDIR=str(roomy))     # fixed: TMPDIR with room
+        assert proc.returncode == 0, proc.stderr[-3000:]
+        proc = s3run("status", camp)
+        assert proc.returncode == 0 and "expert-0001" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-3000:]
+        missing = s3run("prepare", s3.url("hostile/other"), "--config", str(world.config), TMPDIR=str(tmp_path / "absent"))
+        assert_one_line_error(missing, str(tmp_path / "absent"), "TMPDIR")
+        assert not s3.objects("hostile/other")
+    finally:
+        _umount(tmp)
+
+
+from s3server import s3  # noqa: E402,F401  (fixture)
