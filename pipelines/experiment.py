@@ -13,7 +13,7 @@ import time
 import torch
 
 from pipelines.campaign import launch
-from pipelines.common import console, open_store
+from pipelines.common import console, contents, open_store
 from pipelines.curve import curve
 from pipelines.evaluate import evaluate
 from soma_cluster.events import history
@@ -45,7 +45,7 @@ def _claim(root: Store, spec: ExperimentSpec, scale: str, sets: list[str]) -> No
             raise SomaError(f"{root.url} holds experiment {have.get('experiment')} (scale {have.get('scale')}, overrides "
                             f"{have.get('overrides')}); use a new directory for {spec.name} at scale {scale}")
         return
-    if root.listdir(""):
+    if contents(root):
         raise SomaError(f"{root.url} is not empty and holds no {MARKER}; choose an empty or new directory")
     root.write_json(MARKER, want)
 

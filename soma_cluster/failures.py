@@ -13,18 +13,17 @@ operator's kill look the same from here, and the first two can be the expert's o
 Ray's memory monitor (`ray.exceptions.OutOfMemoryError`) kills a worker for the node's memory pressure, not for
 that worker's use alone: infrastructure. A MemoryError raised in the expert's own code is the expert's.
 
-The errno mapping here is the campaign-side one; soma_cluster/diskerrors.py (when present) holds the mapping
-the commands use to refuse bad disks up front.
+The errno mapping is soma_cluster/diskerrors.py's, the one the commands use to refuse bad disks up front.
 """
 from __future__ import annotations
 
-import errno
 import logging
 import re
 import time
 from enum import StrEnum
 from typing import Callable, TypeVar
 
+from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of
 from soma_cluster.errors import SomaError, StorageUnreachable
 
 T = TypeVar("T")
@@ -55,8 +54,9 @@ class Cause(StrEnum):
 INFRA = frozenset({Cause.DISK_FULL, Cause.READ_ONLY, Cause.PERMISSION, Cause.STORAGE_UNREACHABLE, Cause.NODE_LOST,
                    Cause.OUT_OF_MEMORY})
 
-_ERRNO = {errno.ENOSPC: Cause.DISK_FULL, errno.EDQUOT: Cause.DISK_FULL, errno.EROFS: Cause.READ_ONLY,
-          errno.EACCES: Cause.PERMISSION, errno.EPERM: Cause.PERMISSION}
+# the disk conditions (soma_cluster/diskerrors.py: errno -> condition, shared with the commands' checks) that are
+# the infrastructure's; the others (a missing file, a file in a directory's place) are bad input or a bug
+_DISK = {DiskCondition.FULL: Cause.DISK_FULL, DiskCondition.READ_ONLY: Cause.READ_ONLY, DiskCondition.DENIED: Cause.PERMISSION}
 # the same conditions as they read in a message, for errors that carry no errno (pyarrow's, a C library's)
 _TEXT = ((re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]"), Cause.DISK_FULL),
          (re.compile(r"Read-only file system|\[Errno 30\]"), Cause.READ_ONLY))
@@ -88,8 +88,9 @@ def exception_cause(exc: BaseException) -> Cause:
     for e in _chain(exc):
         if isinstance(e, StorageUnreachable):
             return Cause.STORAGE_UNREACHABLE
-        if isinstance(e, OSError) and e.errno in _ERRNO:
-            return _ERRNO[e.errno]
+        cond = e.condition if isinstance(e, StorageError) else condition_of(e)
+        if cond in _DISK:
+            return _DISK[cond]
     for e in _chain(exc):
         for pattern, cause in _TEXT:
             if pattern.search(str(e)):

@@ -275,3 +275,14 @@ def test_a_packed_actor_lost_to_the_infrastructure_spends_no_retry_of_either_exp
     failed = [e for e in s.store.read_log("events.jsonl") if e["event"] == "failed"]
     assert [(e["job"], e["cause"], e["counted"]) for e in failed] == [("expert-0000", "node_lost", False),
                                                                        ("expert-0001", "node_lost", False)]
+
+
+def test_a_storage_error_from_a_check_is_classified_by_its_condition():
+    """diskerrors.StorageError (a SomaError, so bad input by type) names a disk condition: full, read-only and denied
+    are the infrastructure's, a file where a directory must be is not."""
+    from soma_cluster.diskerrors import DiskCondition, StorageError
+    from soma_cluster.failures import Cause, exception_cause
+    assert exception_cause(StorageError("/c", DiskCondition.FULL)) is Cause.DISK_FULL
+    assert exception_cause(StorageError("/c", DiskCondition.READ_ONLY)) is Cause.READ_ONLY
+    assert exception_cause(StorageError("/c", DiskCondition.DENIED)) is Cause.PERMISSION
+    assert exception_cause(StorageError("/c", DiskCondition.NOT_A_DIRECTORY)) is Cause.BAD_INPUT

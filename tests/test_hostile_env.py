@@ -129,6 +129,7 @@ class Place:
     env: dict = field(default_factory=dict)
     fix: Callable[[], None] = lambda: None      # lifts the condition
     refuses_writes: bool = False                # writing commands must be refused (one line, exit 2)
+    refuses_drivers: bool = False               # commands that take the campaign's driver lease must be refused
     needle: str = ""                            # what the refusal says
 
     @property
@@ -206,9 +207,49 @@ def full_tmp(world: World, cell: Path) -> Iterator[Place]:
         _umount(tmp)
 
 
-# The disk columns. The lease engineer adds "second_driver" here (a place whose campaign a live driver holds).
+HOLDER = """
+import sys, time
+from soma_cluster.lease import Lease
+from soma_cluster.storage import Store, storage_options_from_env
+for url in sys.argv[1:]:
+    Lease(Store(url, storage_options_from_env(url)), "soma launch (another operator)", ttl_s=3600.0).acquire()
+print("held", flush=True)
+time.sleep(900)
+"""
+
+
+def hold_elsewhere(*urls: str) -> subprocess.Popen:
+    """Another live driver (its own process) holding the leases of `urls`; a long ttl, so it renews none while a cell
+    runs and the tree hash holds."""
+    proc = subprocess.Popen([sys.executable, "-c", HOLDER, *urls], stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+    if proc.stdout.readline().strip() != "held":
+        proc.kill()
+        raise AssertionError("the holder process did not take the leases")
+    return proc
+
+
+@contextmanager
+def second_driver(world: World, cell: Path) -> Iterator[Place]:
+    """Another driver holds the campaign (and the new campaign's directory): a second shell, a job system retrying.
+    Lifted by killing it (a holder gone from this host is taken over at once)."""
+    home = cell / "home"
+    home.mkdir(parents=True)
+    _populate(world, home)
+    holder = hold_elsewhere(str(home / "camp"), str(home / "new"))
+
+    def fix() -> None:
+        holder.kill()
+        holder.wait(30)
+    try:
+        yield Place(home, fix=fix, refuses_drivers=True, needle="another driver")
+    finally:
+        holder.kill()
+        holder.wait(30)
+
+
 CONDITIONS: dict[str, Callable[[World, Path], contextmanager]] = {
     "separate_fs": separate_fs, "full_disk": full_disk, "read_only": read_only, "full_tmp": full_tmp,
+    "second_driver": second_driver,
 }
 
 
@@ -218,29 +259,31 @@ class Invocation:
     args: Callable[[Place, World], list[str]]
     writes: bool                        # a command that writes is refused where writes are (reading ones run)
     slow: bool = False                  # a successful run takes minutes here: only with SOMA_SLOW=1
+    drives: bool = False                # takes the campaign's driver lease: refused while another driver holds it
 
 
 COMMANDS: dict[str, Invocation] = {
-    "prepare": Invocation(lambda p, w: ["prepare", p.new, "--config", str(w.config)], True),
-    "seed": Invocation(lambda p, w: ["seed", p.camp, "--no-progress"], True),
-    "launch": Invocation(lambda p, w: ["launch", p.camp, "--no-progress"], True),
-    "resume": Invocation(lambda p, w: ["resume", p.camp, "--no-progress"], True),
+    "prepare": Invocation(lambda p, w: ["prepare", p.new, "--config", str(w.config)], True, drives=True),
+    "seed": Invocation(lambda p, w: ["seed", p.camp, "--no-progress"], True, drives=True),
+    "launch": Invocation(lambda p, w: ["launch", p.camp, "--no-progress"], True, drives=True),
+    "resume": Invocation(lambda p, w: ["resume", p.camp, "--no-progress"], True, drives=True),
     "eval": Invocation(lambda p, w: ["eval", p.camp], True),
     "status": Invocation(lambda p, w: ["status", p.camp], False),
     "plan": Invocation(lambda p, w: ["plan", p.camp, "--gpus", "2"], True),
-    "demo": Invocation(lambda p, w: ["demo", p.new, *micro_sets()], True),
-    "fork": Invocation(lambda p, w: ["fork", p.camp, p.new, "--set", "train.method=bptt", "--set", "train.updates=6"], True),
+    "demo": Invocation(lambda p, w: ["demo", p.new, *micro_sets()], True, drives=True),
+    "fork": Invocation(lambda p, w: ["fork", p.camp, p.new, "--set", "train.method=bptt", "--set", "train.updates=6"], True,
+                       drives=True),
     "experiment": Invocation(lambda p, w: ["experiment", "variance", p.new, "--no-progress", *micro_sets()], True, slow=True),
     "report": Invocation(lambda p, w: ["report", p.exp], True),
     "presets": Invocation(lambda p, w: ["presets"], False),
 }
 # refused cells rerun once their condition is lifted (cheap commands; prepare is the real end to end)
-FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("fork", "read_only")}
+FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("fork", "read_only"), ("fork", "second_driver")}
 # Successful runs that cost the most and add least to the file's 4-minute budget, run with SOMA_SLOW=1: a demo is
 # a whole campaign (~40 s loaded; its prepare is prepare's, run for real on the tmpfs); seed/resume start a Ray
 # (~15 s loaded) to find nothing to do, as launch (kept in both columns) does
 SLOW_CELLS = {("demo", "separate_fs"), ("demo", "full_tmp"), ("seed", "separate_fs"), ("seed", "full_tmp"), ("resume", "separate_fs"),
-              ("resume", "full_tmp")}
+              ("resume", "full_tmp"), ("eval", "second_driver"), ("plan", "second_driver")}
 
 
 def cli_commands() -> set[str]:
@@ -257,7 +300,8 @@ def _cells():
         for condition in CONDITIONS:
             marks = []
             inv = COMMANDS.get(command)
-            if inv is not None and ((inv.slow and condition in ("separate_fs", "full_tmp")) or (command, condition) in SLOW_CELLS):
+            if inv is not None and ((inv.slow and condition in ("separate_fs", "full_tmp", "second_driver"))
+                                    or (command, condition) in SLOW_CELLS):
                 marks.append(pytest.mark.slow)
             yield pytest.param(command, condition, marks=marks, id=f"{command}-{condition}")
 
@@ -270,10 +314,10 @@ def test_cell(world, tmp_path, command, condition):
         before = tree_hash(place.dir)
         proc = run(*args, env=place.env, timeout=600)
         assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        if inv.writes and place.refuses_writes:
+        if (inv.writes and place.refuses_writes) or (inv.drives and place.refuses_drivers):
             assert_one_line_error(proc, place.needle, str(place.dir))
             assert tree_hash(place.dir) == before, "a refused command changed the campaign"
-            assert not os.path.exists(place.new), "a refused command left a half-made campaign"
+            assert place.refuses_drivers or not os.path.exists(place.new), "a refused command left a half-made campaign"
             if (command, condition) in FIX_SAMPLE:
                 place.fix()
                 again = run(*args, env=place.env, timeout=600)
@@ -315,6 +359,27 @@ def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
         assert not s3.objects("hostile/other")
     finally:
         _umount(tmp)
+
+
+def test_s3_campaign_held_by_another_driver(world, s3):  # noqa: F811
+    """On S3 the lease is a conditional PUT: a second driver of an s3:// campaign is refused before Ray starts or
+    anything is written, and takes over once the holder is gone."""
+    camp = s3.url("hostile/held")
+    s3.fs().pipe_file(f"{s3.bucket}/hostile/held/campaign.yaml", (world.camp / "campaign.yaml").read_bytes())
+    env = s3.env()
+    holder = subprocess.Popen([sys.executable, "-c", HOLDER, camp], stdout=subprocess.PIPE, text=True,
+                              env={**os.environ, **ENV, **env})
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        before = s3.objects("hostile/held")
+        for command in ("launch", "seed", "resume"):
+            proc = run(command, camp, "--no-progress", env=env, drop=("AWS_", "SOMA_S3_"))
+            assert_one_line_error(proc, "another driver", f"pid {holder.pid}")
+            assert "Traceback" not in proc.stderr
+        assert s3.objects("hostile/held") == before
+    finally:
+        holder.kill()
+        holder.wait(30)
 
 
 from s3server import s3  # noqa: E402,F401  (fixture)
