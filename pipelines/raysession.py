@@ -16,6 +16,7 @@ import psutil
 
 from pipelines.stopping import STOP
 from soma_cluster.config import CampaignConfig
+from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import process_alive
 
@@ -29,6 +30,7 @@ LOCAL_ENV = {
 RAY_TMP = "/tmp"        # not $TMPDIR: Ray's socket paths must stay under the 107-byte limit of a Unix socket name
 PREFIX = "soma-ray-"
 OWNER = "soma-owner.json"   # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
+RAY_PROGRAMS = ("gcs_server", "raylet")     # besides Python processes (its agents, workers): what reap may kill
 REAP_GRACE_S = 5.0      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
 PROBE_S = 10.0          # an address nothing answers at fails in this long (Ray itself retries for minutes)
 
@@ -82,9 +84,7 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
                 _connect(remote)
         else:
             clean_leftovers()
-            tmp = tempfile.mkdtemp(prefix=PREFIX, dir=RAY_TMP)
-            with open(os.path.join(tmp, OWNER), "w") as fh:
-                json.dump({"pid": os.getpid(), "started": psutil.Process().create_time()}, fh)
+            tmp = _own_temp_dir()
             with _ray_init_guard():
                 ray.init(num_gpus=cfg.resources.local_gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False,
                          _temp_dir=tmp, log_to_driver=True, logging_level="WARNING")
@@ -93,6 +93,24 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
         ray.shutdown()
         if tmp is not None:
             reap(tmp)
+
+
+def _own_temp_dir() -> str:
+    """A local Ray's directory under RAY_TMP, with the owner file clean_leftovers reads; a full or read-only /tmp is
+    one line naming it (Ray cannot start without room for its sockets and logs there)."""
+    tmp = None
+    try:
+        tmp = tempfile.mkdtemp(prefix=PREFIX, dir=RAY_TMP)
+        with open(os.path.join(tmp, OWNER), "w") as fh:
+            json.dump({"pid": os.getpid(), "started": psutil.Process().create_time()}, fh)
+        return tmp
+    except OSError as exc:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+        err = storage_error(exc, RAY_TMP, "a local Ray keeps its sockets and logs there")
+        if err is None:
+            raise
+        raise err from None
 
 
 @contextmanager
@@ -126,11 +144,13 @@ def _utf8(text: str) -> str:
 
 
 def _users_of(directory: str) -> list[psutil.Process]:
-    """Processes whose command line names `directory` (a local Ray's GCS, raylet, agents and workers all do)."""
+    """Ray's processes whose command line names `directory` (a local Ray's GCS, raylet, agents and workers all do);
+    a person's `tail -f` of its logs is not one of them."""
     found, named = [], re.compile(re.escape(directory) + r"(?![\w.-])")     # not a longer name it is the start of
-    for p in psutil.process_iter(["cmdline"]):
+    for p in psutil.process_iter(["cmdline", "name"]):
         try:
-            if p.pid != os.getpid() and any(named.search(a) for a in p.info["cmdline"] or ()):
+            ray_process = p.info["name"] in RAY_PROGRAMS or "python" in p.info["name"] or p.info["name"].startswith("ray::")
+            if p.pid != os.getpid() and ray_process and any(named.search(a) for a in p.info["cmdline"] or ()):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             continue

@@ -1,0 +1,92 @@
+"""A local Ray's leftovers and signals, without starting Ray: the owner file names who may clean a directory, a
+full /tmp is one line, a signal inside the driver's loop only asks it to stop, elsewhere it stops at once."""
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+import pipelines.raysession as rs
+from pipelines.stopping import StopSignals, Stopped
+from soma_cluster.diskerrors import StorageError
+
+
+def owned(root, name: str, pid: int, started: float):
+    d = root / f"{rs.PREFIX}{name}"
+    d.mkdir()
+    (d / rs.OWNER).write_text(json.dumps({"pid": pid, "started": started}))
+    return d
+
+
+def test_leftovers_of_a_dead_owner_go_the_living_and_the_young_stay(tmp_path):
+    import psutil
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    me = psutil.Process()
+    gone = owned(tmp_path, "gone", dead.pid, time.time() - 5)
+    mine = owned(tmp_path, "mine", me.pid, me.create_time())
+    reused = owned(tmp_path, "reused", me.pid, me.create_time() - 100)          # my pid, another process's start
+    young = tmp_path / f"{rs.PREFIX}young"                                        # no owner file (an older soma's)
+    young.mkdir()
+    old = tmp_path / f"{rs.PREFIX}old"
+    old.mkdir()
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    removed = rs.clean_leftovers(str(tmp_path))
+    assert sorted(removed) == sorted([str(gone), str(reused), str(old)])
+    assert mine.exists() and young.exists() and not gone.exists() and not old.exists()
+
+
+def test_a_full_tmp_is_one_line_naming_it(tmp_path, monkeypatch):
+    mnt = tmp_path / "tmp"
+    mnt.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
+        pytest.skip("mounting a tmpfs needs root")
+    try:
+        with open(mnt / "filler", "wb") as fh:
+            try:
+                for _ in range(64):
+                    fh.write(b"\0" * (16 << 10))
+                    fh.flush()
+            except OSError:
+                pass
+        monkeypatch.setattr(rs, "RAY_TMP", str(mnt))
+        with pytest.raises(StorageError, match=f"{mnt}: no space left.*sockets and logs"):
+            rs._own_temp_dir()
+        assert [p.name for p in mnt.iterdir()] == ["filler"]
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], capture_output=True)
+
+
+def test_entrypoint_that_is_not_utf8_is_sent_as_utf8():
+    name = "soma launch " + os.fsdecode(b"/data/camp-\xff")
+    assert rs._utf8(name).encode("utf-8") == b"soma launch /data/camp-\\xff"
+    assert rs._utf8("plain") == "plain"
+
+
+def test_a_signal_inside_the_loop_asks_outside_it_stops(monkeypatch):
+    stop = StopSignals()
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    try:
+        stop.install()
+        with pytest.raises(Stopped) as got:
+            with stop.cooperative():
+                os.kill(os.getpid(), signal.SIGTERM)
+                time.sleep(0.05)                          # the handler runs here and only sets `requested`
+                assert stop.requested == signal.SIGTERM
+        assert got.value.exit_code == 143 and got.value.name == "SIGTERM"
+        fresh = StopSignals()
+        fresh.install()
+        with pytest.raises(Stopped) as got:
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)
+        assert got.value.exit_code == 130
+        os.kill(os.getpid(), signal.SIGINT)                 # a second signal while stopping is noted, not raised
+        time.sleep(0.05)
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
