@@ -14,6 +14,8 @@ import os
 from contextlib import contextmanager
 from typing import Iterator
 
+import psutil
+
 from pipelines.common import contents
 from soma_cluster.config import CONFIG_FILE
 from soma_cluster.errors import SomaError
@@ -40,6 +42,7 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
             raise SomaError(f"cannot take the driver lease {store.url}/{LEASE}: {_why(exc)}; a command that writes the "
                             f"campaign needs a writable directory with free space") from None
         lease.start_renewing()
+        store.sweep_scratch(psutil.pid_exists)      # this driver is the campaign's only writer now
     _held[store.url] = (lease, count + 1)
     before = store.fence
     store.fence = lease.check

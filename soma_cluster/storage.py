@@ -13,6 +13,7 @@ import logging
 import math
 import os
 import shutil
+import socket
 import queue
 import re
 import tempfile
@@ -41,6 +42,7 @@ _PRIVATE = (".tmp-", ".soma-")
 # Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, SomaError)
 _TRANSIENT: tuple[type[BaseException], ...] | None = None
+SCRATCH = "soma-scratch-"        # Store.scratch's directories: <.>soma-scratch-<host>-<pid>-<random>
 _CAS_LOCK = threading.Lock()      # Store.write_if on a filesystem, between this process's threads
 # OSErrors (a local disk's, e.g. a download into a full temp dir) that a retry within seconds cannot fix
 _DISK_PERMANENT = (DiskCondition.FULL, DiskCondition.READ_ONLY, DiskCondition.NOT_A_DIRECTORY, DiskCondition.IS_A_DIRECTORY,
@@ -266,7 +268,8 @@ class Store:
             base = self.ensure_dir(self.root)
         else:
             base = require_temp_dir(need_bytes)
-        path = tempfile.mkdtemp(prefix=".soma-scratch-" if self.local else "soma-scratch-", dir=base)
+        # the host and pid in its name tell a later command whether its maker is gone (sweep_scratch)
+        path = tempfile.mkdtemp(prefix=f"{'.' if self.local else ''}{SCRATCH}{socket.gethostname()}-{os.getpid()}-", dir=base)
         try:
             yield path
         except OSError as exc:
@@ -277,6 +280,20 @@ class Store:
             raise
         finally:
             shutil.rmtree(path, ignore_errors=True)
+
+    def sweep_scratch(self, alive: Callable[[int], bool]) -> list[str]:
+        """Remove the local campaign's scratch directories whose maker, a process of this host, is gone (`alive(pid)`
+        says): what a SIGKILLed prepare or plan left. Another host's are left alone (its pids mean nothing here)."""
+        if not self.local or not os.path.isdir(self.root):
+            return []
+        pattern = re.compile(rf"^\.{SCRATCH}(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
+        removed = []
+        for name in os.listdir(self.root):
+            m = pattern.match(name)
+            if m and m["host"] == socket.gethostname() and not alive(int(m["pid"])):
+                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
+                removed.append(name)
+        return removed
 
     def stage_file(self, rel: str, suffix: str = "", scratch: str | None = None) -> "StagedFile":
         """A local file to write `rel`'s bytes into, then publish() (see StagedFile)."""

@@ -209,3 +209,26 @@ def test_a_lease_is_never_put_among_foreign_files(tmp_path):
         with hold(Store(str(tmp_path / "docs")), "soma prepare"):
             pass
     assert [p.name for p in (tmp_path / "docs").iterdir()] == ["thesis.txt"]
+
+
+def test_a_new_driver_sweeps_scratch_left_by_a_killed_command_of_this_host(tmp_path):
+    import socket
+    from pipelines.campaign_lease import hold
+    camp = tmp_path / "c"
+    camp.mkdir()
+    (camp / "campaign.yaml").write_text("x")
+    host = socket.gethostname()
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait(30)
+    stale = camp / f".soma-scratch-{host}-{dead.pid}-abc123"
+    live = camp / f".soma-scratch-{host}-{os.getpid()}-def456"
+    other_host = camp / f".soma-scratch-elsewhere-{dead.pid}-ghi789"
+    for d in (stale, live, other_host):
+        d.mkdir()
+        (d / "part.arrow").write_bytes(b"x")
+    with hold(Store(str(camp)), "soma prepare"):
+        pass
+    assert not stale.exists() and live.exists() and other_host.exists()
+    store = Store(str(camp))
+    with store.scratch() as scratch:
+        assert os.path.basename(scratch).startswith(f".soma-scratch-{host}-{os.getpid()}-")
