@@ -18,6 +18,7 @@ import psutil
 
 from pipelines.common import contents
 from soma_cluster.config import CONFIG_FILE
+from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE, Lease
 from soma_cluster.storage import Store
@@ -30,15 +31,20 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
     """Hold `store`'s campaign for `command` (LeaseHeld if another live driver holds it; with take_over, wait up
     to its ttl for its lease to lapse)."""
     lease, count = _held.get(store.url, (None, 0))
-    new = False
+    empty, created = False, False
     if lease is None:
-        store.require_bucket()
+        store.check_writable()          # a full, read-only or missing place is named before anything is made there
         _refuse_foreign(store)
-        new = store.local and not os.path.isdir(store.root)
+        created = store.local and not os.path.isdir(store.root)
+        empty = created or not contents(store)
         lease = Lease(store, command)
         try:
             lease.acquire(wait_s=lease.ttl_s + 5.0 if take_over else 0.0)
         except OSError as exc:
+            # worded as the commands' own disk checks word it (soma_cluster/diskerrors.py), naming the campaign
+            err = storage_error(exc, store.root if store.local else store.url, f"taking its driver lease, {LEASE}")
+            if err is not None:
+                raise err from None
             raise SomaError(f"cannot take the driver lease {store.url}/{LEASE}: {_why(exc)}; a command that writes the "
                             f"campaign needs a writable directory with free space") from None
         lease.start_renewing()
@@ -54,8 +60,8 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
         if count == 1:
             del _held[store.url]
             lease.release()
-            if new and not contents(store):     # refused or undone in a directory that was not there: leave none
-                lease.forget()
+            if empty and not contents(store):   # refused or undone where there was no campaign: leave no lease
+                lease.forget(remove_dir=created)
         else:
             _held[store.url] = (lease, count - 1)
 

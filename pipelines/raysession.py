@@ -7,6 +7,7 @@ import os
 import re
 import shutil
 import socket
+import sys
 import tempfile
 import time
 from contextlib import contextmanager
@@ -31,7 +32,8 @@ RAY_TMP = "/tmp"        # not $TMPDIR: Ray's socket paths must stay under the 10
 PREFIX = "soma-ray-"
 OWNER = "soma-owner.json"   # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
 RAY_PROGRAMS = ("gcs_server", "raylet")     # besides Python processes (its agents, workers): what reap may kill
-REAP_GRACE_S = 5.0      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
+REAP_GRACE_S = 5.0
+KEEP_ENV = "SOMA_KEEP_RAY_LOGS"   # =1: a local Ray's directory (its logs) stays after the command, for debugging      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
 PROBE_S = 10.0          # an address nothing answers at fails in this long (Ray itself retries for minutes)
 
 
@@ -92,7 +94,7 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
     finally:
         ray.shutdown()
         if tmp is not None:
-            reap(tmp)
+            reap(tmp, keep=os.environ.get(KEEP_ENV) == "1")
 
 
 def _own_temp_dir() -> str:
@@ -157,9 +159,10 @@ def _users_of(directory: str) -> list[psutil.Process]:
     return found
 
 
-def reap(directory: str, grace_s: float = REAP_GRACE_S) -> None:
+def reap(directory: str, grace_s: float = REAP_GRACE_S, keep: bool = False) -> None:
     """After ray.shutdown(): the local Ray's processes gone (SIGKILL after `grace_s`) and its temporary directory
-    removed, so nothing of this command outlives it."""
+    removed, so nothing of this command outlives it; with `keep` (SOMA_KEEP_RAY_LOGS=1, to read Ray's own logs
+    after a failure) the directory stays, marked kept so that no later command removes it."""
     procs = _users_of(directory)
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
@@ -168,6 +171,11 @@ def reap(directory: str, grace_s: float = REAP_GRACE_S) -> None:
         except psutil.NoSuchProcess:
             pass
     psutil.wait_procs(alive, timeout=grace_s)
+    if keep:
+        with open(os.path.join(directory, OWNER), "w") as fh:
+            json.dump({"kept": True}, fh)
+        print(f"soma: the local Ray's files are kept in {directory} ({KEEP_ENV}=1); remove it when done", file=sys.stderr)
+        return
     shutil.rmtree(directory, ignore_errors=True)
 
 
@@ -180,7 +188,7 @@ def clean_leftovers(root: str = RAY_TMP) -> list[str]:
         try:
             with open(os.path.join(d, OWNER)) as fh:
                 owner = json.load(fh)
-            gone = not process_alive(int(owner["pid"]), float(owner["started"]))
+            gone = not owner.get("kept") and not process_alive(int(owner["pid"]), float(owner["started"]))
         except FileNotFoundError:
             gone = time.time() - os.path.getmtime(d) > 3600 and not _users_of(d)
         except (OSError, ValueError, KeyError, TypeError):

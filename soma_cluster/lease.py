@@ -247,12 +247,12 @@ class Lease:
                 self._version = None
 
 
-    def forget(self) -> None:
-        """Delete the released lease (a command that leaves nothing behind in a directory it created), unless another
-        driver took it meanwhile."""
+    def forget(self, remove_dir: bool = False) -> None:
+        """Delete the released lease (a command that leaves nothing behind where there was no campaign), unless another
+        driver took it meanwhile; with remove_dir, the local directory too if nothing else is in it."""
         with self._lock:
             if self._version is not None and self._lost is None:
-                self.store.remove_if(LEASE, self._version)
+                self.store.remove_if(LEASE, self._version, rmdir=remove_dir)
 
 
 class WorkerFence:

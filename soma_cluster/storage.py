@@ -359,23 +359,30 @@ class Store:
         else:
             self._retry(f"write {rel}", lambda: self.fs.pipe_file(path, data))
 
-    def remove_if(self, rel: str, version: str) -> bool:
-        """On a filesystem: delete `rel` and its lock file if `rel` is still at `version`, then its directory if that
-        is left empty (a command that found no directory leaves none). Elsewhere nothing (S3 has no conditional
-        delete); returns whether it deleted."""
-        if not self.local:
-            return False
+    def remove_if(self, rel: str, version: str, rmdir: bool = False) -> bool:
+        """Delete `rel` if it is still at `version`; returns whether it did. On a filesystem its lock file goes too,
+        and with `rmdir` its directory if that is left empty (a command that found no directory leaves none). S3 has no
+        conditional delete for general buckets: the ETag is compared, then the object deleted; a writer that
+        changed it in between finds it gone at its next compare-and-swap (for the lease: it stops, fenced)."""
         path = self.full(rel)
+        if not self.local:
+            found = self.read_versioned(rel)
+            if found is None or found[1] != version:
+                return False
+            self._retry(f"remove {rel}", lambda: self.fs.rm_file(path))
+            self.fs.invalidate_cache(path)
+            return True
         with _cas_locked(path, self.ensure_dir) as lockpath:
             found = self.read_versioned(rel)
             if found is None or found[1] != version:
                 return False
             os.unlink(path)
             os.unlink(lockpath)            # lockers check that the file they locked is still this path's
-        try:
-            os.rmdir(os.path.dirname(path))
-        except OSError:
-            pass                           # not empty: someone else's now
+        if rmdir:
+            try:
+                os.rmdir(os.path.dirname(path))
+            except OSError:
+                pass                       # not empty: someone else's now
         return True
 
     # -- compare-and-swap (the driver lease) ---------------------------------------------------------------

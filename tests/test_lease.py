@@ -198,7 +198,7 @@ def test_a_refused_command_leaves_no_directory_behind(tmp_path):
     (tmp_path / "old").mkdir()
     with hold(Store(str(tmp_path / "old")), "soma prepare"):
         pass
-    assert sorted(p.name for p in (tmp_path / "old").iterdir()) == [".driver-lease.json.lock", "driver-lease.json"]
+    assert not list((tmp_path / "old").iterdir())        # it was empty and nothing was made in it
 
 
 def test_a_lease_is_never_put_among_foreign_files(tmp_path):
@@ -232,3 +232,16 @@ def test_a_new_driver_sweeps_scratch_left_by_a_killed_command_of_this_host(tmp_p
     store = Store(str(camp))
     with store.scratch() as scratch:
         assert os.path.basename(scratch).startswith(f".soma-scratch-{host}-{os.getpid()}-")
+
+
+def test_a_refused_command_leaves_an_empty_directory_empty_and_an_s3_prefix_bare(tmp_path, s3):  # noqa: F811
+    from pipelines.campaign_lease import hold
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SomaError):
+        with hold(Store(str(tmp_path / "empty")), "soma prepare"):
+            raise SomaError("refused")
+    assert (tmp_path / "empty").is_dir() and not list((tmp_path / "empty").iterdir())
+    with pytest.raises(SomaError):
+        with hold(Store(s3.url("bare"), s3.storage_options()), "soma prepare"):
+            raise SomaError("refused")
+    assert not s3.objects("bare")

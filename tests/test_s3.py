@@ -3,6 +3,7 @@ import glob
 import json
 import os
 import re
+import shutil
 import subprocess
 import sys
 
@@ -91,7 +92,8 @@ def test_cli_campaign_on_s3_and_no_credentials_anywhere(s3, tmp_path, text_corpu
     out = []
     for args in (["prepare", camp, "--config", str(cfg), "--corpus", corpus], ["seed", camp, "--no-progress"],
                  ["launch", camp, "--no-progress"], ["eval", camp], ["status", camp]):
-        proc = soma_s3(s3, *args)
+        # the local Ray's files are kept (SOMA_KEEP_RAY_LOGS) so that they can be searched for the secret below
+        proc = soma_s3(s3, *args, env={"SOMA_KEEP_RAY_LOGS": "1"})
         out.append(proc.stdout + proc.stderr)
         assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
     assert "expert-0001" in out[-1] and "finished" in out[-1]
@@ -116,6 +118,8 @@ def test_cli_campaign_on_s3_and_no_credentials_anywhere(s3, tmp_path, text_corpu
                  for p in glob.glob(f"{d}/**/*", recursive=True) if os.path.isfile(p) and not os.path.islink(p)]
     assert ray_files                                   # the local Ray sessions of `seed` and `launch`
     assert not [p for p in ray_files if _holds(p, secret)]
+    for d in set(glob.glob("/tmp/soma-ray-*")) - ray_dirs_before:
+        shutil.rmtree(d, ignore_errors=True)
     # resume on a finished S3 campaign retrains nothing and adds no event
     n_events = sum(p.startswith(f"{root}/events.jsonl.d/") for p in objects)
     assert soma_s3(s3, "resume", camp, "--no-progress").returncode == 0
