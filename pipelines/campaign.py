@@ -253,6 +253,11 @@ class Driver:
             except (RayActorError, OutOfMemoryError, NodeDiedError) as exc:
                 return self.sched.on_lost(uid, self._lost_actor(uid, exc))
             except RayTaskError as exc:
+                if isinstance(getattr(exc, "cause", None), LeaseLost) and self.lease is not None:
+                    # the worker found the lease changed: the driver's own compare-and-swap decides (LeaseLost here
+                    # too); if the driver still holds it, the worker is retried like any loss, never as bad input
+                    self.lease.check(now=True)
+                    return self.sched.on_lost(uid, Lost(f"exception: {exc.cause}", LossKind.FAILURE, cause=Cause.EXCEPTION))
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
                 return self.sched.on_lost(uid, Lost("hang: result not retrievable", cause=Cause.HANG))
@@ -278,11 +283,13 @@ class Driver:
         self._writer = SnapshotWriter(self.store)
         if self.sched.outcome:
             console.print(f"{len(self.sched.outcome)} job(s) already ended in this campaign; not retraining them")
-        per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, max(1, self._slots()))
+        # at most as many at once as the GPUs hold and as there are jobs left to run
+        concurrent = max(1, min(self._slots(), len(self.sched.pending)))
+        per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, concurrent)
         if self._budgeted:
             console.print(f"budget: a worker stops before a chunk it cannot afford; any expert past its cap, start-up included, "
                           f"is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for the campaign (grace "
-                          f"{self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {max(1, self._slots())} concurrent)")
+                          f"{self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {concurrent} concurrent)")
         targets = {j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates for j in self.sched.pending}
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
@@ -380,6 +387,10 @@ class Driver:
         if over:
             e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
             per, _ = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, 1)
+            if worst.gpu_s <= 0:
+                console.print(f"budget: {len(over)} expert(s) stopped by their cap, none past it (closest "
+                              f"{worst.gpu_s:+.2f} GPU-s, {expert_name(e)})")
+                return
             console.print(f"budget: {len(over)} expert(s) stopped by their cap; largest overrun {worst.gpu_s:+.2f} GPU-s "
                           f"({expert_name(e)}; hard-stop bound {per:.2f}); {sum(o.gpu_s > per for o in over.values())} past it")
 

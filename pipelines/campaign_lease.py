@@ -17,6 +17,7 @@ from typing import Iterator
 import psutil
 
 from pipelines.common import contents
+from pipelines.stopping import STOP
 from soma_cluster.config import CONFIG_FILE
 from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError
@@ -39,7 +40,7 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
         empty = created or not contents(store)
         lease = Lease(store, command)
         try:
-            lease.acquire(wait_s=lease.ttl_s + 5.0 if take_over else 0.0)
+            lease.acquire(take_over)
         except OSError as exc:
             # worded as the commands' own disk checks word it (soma_cluster/diskerrors.py), naming the campaign
             err = storage_error(exc, store.root if store.local else store.url, f"taking its driver lease, {LEASE}")
@@ -55,15 +56,16 @@ def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]
     try:
         yield lease
     finally:
-        store.fence = before
-        lease, count = _held[store.url]
-        if count == 1:
-            del _held[store.url]
-            lease.release()
-            if empty and not contents(store):   # refused or undone where there was no campaign: leave no lease
-                lease.forget(remove_dir=created)
-        else:
-            _held[store.url] = (lease, count - 1)
+        with STOP.deferred():           # a signal now waits: the lease is released whole, however the command ends
+            store.fence = before
+            lease, count = _held[store.url]
+            if count == 1:
+                del _held[store.url]
+                lease.release()
+                if empty and not contents(store):   # refused or undone where there was no campaign: leave no lease
+                    lease.forget(remove_dir=created)
+            else:
+                _held[store.url] = (lease, count - 1)
 
 
 def _refuse_foreign(store: Store) -> None:

@@ -6,16 +6,23 @@ import sys
 import time
 from typing import Callable, Optional
 
-import typer
-
-from pipelines.campaign_lease import hold
-from pipelines.common import claim_campaign, emit_json, load_config, open_store, out
 from pipelines.stopping import STOP, Stopped
-from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions
-from soma_cluster.diskerrors import storage_error
-from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment
-from soma_cluster.lease import LeaseLost
-from soma_cluster.preflight import training_bytes
+
+# this process is the `soma` command (not a test or a notebook importing it): it owns SIGINT and SIGTERM from here on,
+# and a signal while it still imports (seconds on a loaded host) ends it with one line, exit 128 + n
+CLI_PROCESS = __name__ == "__main__" or os.path.basename(sys.argv[0]) == "soma"
+if CLI_PROCESS:
+    STOP.install(early=True)
+
+import typer  # noqa: E402
+
+from pipelines.campaign_lease import hold  # noqa: E402
+from pipelines.common import claim_campaign, emit_json, load_config, open_store, out  # noqa: E402
+from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions  # noqa: E402
+from soma_cluster.diskerrors import storage_error  # noqa: E402
+from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
+from soma_cluster.lease import LeaseLost  # noqa: E402
+from soma_cluster.preflight import training_bytes  # noqa: E402
 
 app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
                   "Data (tables, results, --json) goes to stdout; logs and progress to stderr.")
@@ -91,6 +98,9 @@ def _run(fn: Callable[[], None]) -> None:
     STOP.install()
     try:
         fn()
+        if STOP.requested is not None:      # it came while the finished command was cleaning up: the work is done
+            print(f"soma: {Stopped(STOP.requested).name} arrived as the command was finishing; its work is complete",
+                  file=sys.stderr)
     except LeaseLost as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(LeaseLost.exit_code) from None
@@ -112,6 +122,8 @@ def _run(fn: Callable[[], None]) -> None:
             raise
         print(f"error: {err}", file=sys.stderr)
         raise typer.Exit(2) from None
+    finally:
+        STOP.finish(exiting=CLI_PROCESS)
 
 
 def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:

@@ -21,6 +21,7 @@ from soma_cluster.failures import select_failed
 from soma_cluster.schedule import Job
 from soma_cluster.storage import Store
 
+ENDED_WITH_CHECKPOINT = ("finished", "converged")    # a job that ended so wrote its final checkpoint
 PARALLEL_CHECKS = 8     # checkpoints verified at once (each is a few reads: latest.json, metadata, tensors)
 
 
@@ -35,14 +36,14 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
     reopened = {}
     for name, c in checks.items():
         h = past[name]
-        if c.ok:
-            continue
+        if c.ok and not (c.valid is None and h.state in ENDED_WITH_CHECKPOINT and h.step > 0):
+            continue                    # (a finished expert whose checkpoints are all gone is retrained too)
         lost = max(0, h.step - (c.step or 0))
         if h.terminal and c.valid is not None and not lost:       # only the pointer was gone: nothing to retrain
             console.print(f"{name}: latest.json pointed again at {c.valid}, its last checkpoint (which verifies)")
             continue
         reopened[name] = c
-        what = "; ".join(f"{n}: {why}" for n, why in c.bad)
+        what = "; ".join(f"{n}: {why}" for n, why in c.bad) or f"no checkpoint of it is left under {store.url}/{c.directory}"
         emit(store, "reopened", name, step=c.step or 0, was=h.state, checkpoint=c.valid, bad=[n for n, _ in c.bad], reason=what)
         start = f"from {c.valid} (step {c.step})" if c.valid else "from the start (no checkpoint of it verifies)"
         console.print(f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain")

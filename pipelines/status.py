@@ -11,8 +11,9 @@ from rich.table import Table
 from rich.text import Text
 
 from soma_cluster.config import CampaignConfig
+from soma_cluster.errors import SomaError
 from soma_cluster.events import TERMINAL, history
-from soma_cluster.lease import LEASE, LeaseRecord
+from soma_cluster.lease import LEASE, Holder, LeaseRecord, Verdict, judge, process_alive
 from soma_cluster.ledger import Ledger
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
@@ -26,6 +27,7 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
     if store.exists(SNAPSHOT):
         snap = store.read_json(SNAPSHOT)
         snap.pop("checksum", None)
+        snap["campaign"] = store.url         # where it is read from now (a campaign moved or copied keeps its old URL)
     else:
         totals = Ledger(store).totals()
         rows = history_rows(cfg, history(store), totals)
@@ -44,9 +46,13 @@ def lease_view(store: Store) -> dict | None:
     found = store.read_versioned(LEASE)
     if found is None:
         return None
-    rec = LeaseRecord.from_bytes(found[0], f"{store.url}/{LEASE}")
-    live = not rec.released and time.time() - rec.renewed_at <= rec.ttl_s
-    return {"held": live, "released": rec.released, "generation": rec.generation, "host": rec.holder.host,
+    try:
+        rec = LeaseRecord.from_bytes(found[0], f"{store.url}/{LEASE}")
+    except SomaError as exc:                 # a damaged lease is for the next driver to refuse; status still shows
+        return {"held": False, "released": False, "damaged": str(exc)}
+    here = Holder.here("soma status")
+    gone = judge(rec, time.time(), here, process_alive) is not Verdict.HELD
+    return {"held": not gone, "released": rec.released, "generation": rec.generation, "host": rec.holder.host,
             "pid": rec.holder.pid, "command": rec.holder.command, "renewed_at": rec.renewed_at, "ttl_s": rec.ttl_s}
 
 
@@ -102,12 +108,15 @@ def header(snap: dict) -> Text:
         age = time.time() - snap["written_at"]
         if stopped(snap):
             d = snap["driver"]
+            then = "soma seed" if any(r["job"] == "seed" and r["state"] == "interrupted" for r in snap["jobs"]) else "soma resume"
             lines.append(f"the driver (pid {d['pid']} on {d['host']}) STOPPED ({d['stopped_by']}) {fmt_duration(age)} ago with "
-                         f"jobs unfinished; soma resume {snap['campaign']} continues them")
+                         f"jobs unfinished; {then} {snap['campaign']} continues them")
         lines.append(f"snapshot {age:.0f} s old" + (", the driver's last" if snap["final"] or stopped(snap) else "")
                      + (f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
                         if snap["stale"] else ""))
     lease = snap.get("lease")
+    if lease and lease.get("damaged"):
+        lines.append(f"driver lease: {lease['damaged']}")
     if lease and lease["held"]:
         lines.append(f"driver: {lease['command']!r}, pid {lease['pid']} on {lease['host']} holds the campaign "
                      f"(lease renewed {max(0.0, time.time() - lease['renewed_at']):.0f} s ago)")

@@ -35,7 +35,8 @@ LEASE_FILES = (LEASE, f".{LEASE}.lock")     # the lease and its lock file (Store
 TTL_ENV = "SOMA_LEASE_TTL_S"
 DEFAULT_TTL_S = 30.0
 RENEWALS_PER_TTL = 6            # a renewal every ttl_s / 6 (5 s by default): five may fail before the lease lapses
-WORKER_CHECK_S = 1.0            # a worker re-reads the lease at most this often (once per checkpoint in practice)
+WORKER_CHECK_S = 1.0
+TAKE_OVER_SLACK_S = 5.0         # --take-over waits the holder's ttl and this long for its lease to lapse            # a worker re-reads the lease at most this often (once per checkpoint in practice)
 
 
 class LeaseHeld(SomaError):
@@ -130,11 +131,11 @@ class Lease:
     store makes; a thread renews it every ttl_s / RENEWALS_PER_TTL; `release()` at the end."""
 
     def __init__(self, store: Store, command: str, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time):
+                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
         self.store, self.command = store, command
         self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
         self.margin_s = self.ttl_s / 3
-        self.clock, self.wall = clock, wall
+        self.clock, self.wall, self.sleep = clock, wall, sleep
         self.record: LeaseRecord | None = None
         self._version: str | None = None
         self._renewed = -float("inf")          # monotonic start of the last successful renewal
@@ -154,11 +155,11 @@ class Lease:
         raw, version = found
         return LeaseRecord.from_bytes(raw, f"{self.store.url}/{LEASE}"), version
 
-    def acquire(self, wait_s: float = 0.0) -> LeaseRecord:
-        """Take the campaign, or raise LeaseHeld. With wait_s, wait that long for a live holder's lease to lapse
-        (it is never broken while its holder renews it)."""
+    def acquire(self, take_over: bool = False) -> LeaseRecord:
+        """Take the campaign, or raise LeaseHeld. With take_over, wait for a live holder's lease to lapse, at most its
+        own ttl (and a few seconds): it is never broken while its holder renews it."""
         here = Holder.here(self.command)
-        deadline = self.clock() + wait_s
+        deadline = None
         while True:
             rec, version = self._read()
             verdict = judge(rec, self.wall(), here, process_alive)
@@ -176,14 +177,25 @@ class Lease:
                           f"{'had expired' if verdict is Verdict.EXPIRED else 'was left by a process that is gone'} "
                           f"(generation {rec.generation} -> {mine.generation})", file=sys.stderr, flush=True)
                 return mine
+            if not take_over:
+                raise LeaseHeld(self._held_message(rec))
+            if deadline is None:
+                waited_s = rec.ttl_s + TAKE_OVER_SLACK_S
+                deadline = self.clock() + waited_s
+                print(f"soma: {self.store.url} is held by {rec.holder.describe()}; waiting up to {waited_s:.0f} s for its "
+                      f"lease to lapse (it lapses {rec.ttl_s:.0f} s after its last renewal)", file=sys.stderr, flush=True)
             left = deadline - self.clock()
             if left <= 0:
-                raise LeaseHeld(self._held_message(rec))
-            time.sleep(min(1.0, left, self.ttl_s / RENEWALS_PER_TTL))
+                raise LeaseHeld(self._held_message(rec, waited_s=waited_s))
+            self.sleep(min(1.0, left))
 
-    def _held_message(self, rec: LeaseRecord) -> str:
+    def _held_message(self, rec: LeaseRecord, waited_s: float = 0.0) -> str:
         age = max(0.0, self.wall() - rec.renewed_at)
         lapse = max(0.0, rec.ttl_s - age)
+        if waited_s > 0:
+            return (f"{self.store.url} is being run by another driver: {rec.holder.describe()} renewed its lease within "
+                    f"the {waited_s:.0f} s this command waited, so it is alive; wait for it to end, or stop it first "
+                    f"(kill {rec.holder.pid} on {rec.holder.host})")
         return (f"{self.store.url} is being run by another driver: {rec.holder.describe()}, lease renewed {age:.0f} s ago; "
                 f"wait for it to end, or stop it (kill {rec.holder.pid} on {rec.holder.host}); if that driver is stuck or its "
                 f"host is gone, run this command again with --take-over (it waits for the lease to lapse, {lapse:.0f} s "
@@ -204,18 +216,23 @@ class Lease:
             self.record, self._renewed = new, start
 
     def _lose(self) -> None:
-        rec, _ = self._read()
-        who = rec.holder.describe() if rec is not None else "nobody (the lease was deleted)"
+        try:
+            rec, _ = self._read()
+            who = rec.holder.describe() if rec is not None else "nobody (its lease file was deleted)"
+        except SomaError:
+            rec, who = None, "nobody (its lease file was overwritten with something else)"
         gen = f" (generation {rec.generation})" if rec is not None else ""
-        self._lost = (f"this driver lost {self.store.url} to {who}{gen} while it was paused or cut off from the store; "
-                      f"it stopped without writing anything more; follow that driver with soma status {self.store.url}")
+        after = (f"follow that driver with soma status {self.store.url}" if rec is not None and not rec.released else
+                 f"once no other driver runs on it, soma resume {self.store.url} continues (delete a damaged {LEASE} first)")
+        self._lost = (f"this driver lost {self.store.url} to {who}{gen}: it stopped without writing anything more; {after}")
 
-    def check(self) -> None:
+    def check(self, now: bool = False) -> None:
         """The fence, called before every write the store makes: past ttl_s - margin_s since the last renewal (a
-        paused process, a store that stopped answering), renew first, which fails if the campaign was taken."""
+        paused process, a store that stopped answering), renew first, which fails if the campaign was taken. With
+        `now`, renew at once (a worker found the lease changed: the driver's own compare-and-swap decides)."""
         if self._lost is not None:
             raise LeaseLost(self._lost)
-        if self.clock() - self._renewed > self.ttl_s - self.margin_s:
+        if now or self.clock() - self._renewed > self.ttl_s - self.margin_s:
             self.renew()
 
     def start_renewing(self) -> None:
@@ -267,7 +284,10 @@ class WorkerFence:
         if self.clock() - self._checked < WORKER_CHECK_S:
             return
         found = self.store.read_versioned(LEASE)
-        rec = LeaseRecord.from_bytes(found[0], f"{self.store.url}/{LEASE}") if found else None
+        try:
+            rec = LeaseRecord.from_bytes(found[0], f"{self.store.url}/{LEASE}") if found else None
+        except SomaError:
+            rec = None                  # overwritten with something else: no driver can show it holds the campaign
         if rec is None or rec.generation != self.generation:
             now = rec.generation if rec else "none"
             raise LeaseLost(f"{self.store.url}: the driver that started this worker (lease generation {self.generation}) "

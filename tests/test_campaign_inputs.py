@@ -97,3 +97,10 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, text_corpus, micro
     assert (ck / f"{final}.safetensors").read_bytes() == good
     shutil.rmtree(camp / "eval")
     assert soma("eval", str(camp)).returncode == 0
+
+    # a finished expert's whole directory removed (a cleanup script, a lost volume): resume retrains it too
+    shutil.rmtree(ck)
+    proc = soma("resume", str(camp), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "no checkpoint of it is left" in " ".join((proc.stdout + proc.stderr).split())
+    assert (ck / f"{final}.safetensors").read_bytes() == good

@@ -253,3 +253,25 @@ def test_campaign_whose_path_is_not_utf8(seeded, tmp_path):
                           capture_output=True, text=True, timeout=300, env=env())
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished_once(camp, 2)
+
+
+def test_a_lease_overwritten_mid_run_stops_the_driver_and_loses_nothing(seeded, reference, tmp_path):
+    """Someone overwrites (or deletes) driver-lease.json while a launch trains: no driver can show it holds the campaign,
+    so the driver stops (exit 4) without failing any expert; once the damaged file is deleted, resume finishes."""
+    camp = clone(seeded, tmp_path / "c")
+    driver = start("launch", str(camp), "--no-progress")
+    try:
+        wait_for(lambda: training(camp), "training", proc=driver)
+        (camp / "driver-lease.json").write_bytes(b'{"garbage')
+        rc, _, err = finish(driver, 120)
+    finally:
+        driver.kill()
+    assert rc == 4 and "overwritten with something else" in err and "Traceback" not in err, err[-3000:]
+    assert not [e for e in events(camp) if e["event"] == "failed_permanently"]
+    refused = soma("resume", str(camp), "--no-progress")
+    assert_one_line_error(refused, "not a soma driver lease", "delete it")
+    (camp / "driver-lease.json").unlink()
+    proc = soma("resume", str(camp), "--no-progress")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    finished_once(camp, 2)
+    assert_as_if_never_stopped(camp, reference)

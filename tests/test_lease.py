@@ -245,3 +245,25 @@ def test_a_refused_command_leaves_an_empty_directory_empty_and_an_s3_prefix_bare
         with hold(Store(s3.url("bare"), s3.storage_options()), "soma prepare"):
             raise SomaError("refused")
     assert not s3.objects("bare")
+
+
+def test_take_over_waits_for_a_silent_holder_and_never_displaces_a_renewing_one(tmp_path, capsys):
+    mono, wall = Clock(0.0), Clock(1000.0)
+    holder = Lease(Store(str(tmp_path / "c")), "soma launch", ttl_s=30.0, clock=mono, wall=wall)
+    holder.acquire()
+
+    def passes(renew: bool):
+        def sleep(s: float) -> None:
+            mono.t += s
+            wall.t += s
+            if renew:
+                holder.renew()
+        return sleep
+    alive = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=5.0, clock=mono, wall=wall, sleep=passes(True))
+    with pytest.raises(LeaseHeld, match="renewed its lease within the 35 s this command waited"):
+        alive.acquire(take_over=True)
+    assert "waiting up to 35 s" in capsys.readouterr().err
+    t0 = wall.t
+    silent = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=5.0, clock=mono, wall=wall, sleep=passes(False))
+    assert silent.acquire(take_over=True).generation == 2           # the holder's own ttl (30 s), not the taker's
+    assert 30.0 < wall.t - t0 <= 31.0

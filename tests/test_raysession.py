@@ -90,3 +90,31 @@ def test_a_signal_inside_the_loop_asks_outside_it_stops(monkeypatch):
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+def _sigterm_disposition() -> str:
+    with open("/proc/self/status") as fh:
+        bits = {line[:6]: int(line.split()[1], 16) for line in fh if line.startswith(("SigCgt", "SigIgn"))}
+    return "caught" if bits["SigCgt"] & (1 << 14) else "ignored" if bits["SigIgn"] & (1 << 14) else "default"
+
+
+def test_sigterm_stays_caught_while_a_local_ray_starts_and_stops():
+    """Ray sets SIGTERM to handlers of its own in ray.init and back to the default action while ray.shutdown stops its
+    core worker (then stops its processes for a second more): a job system's SIGTERM in that second killed the command
+    before it released its lease. Watched every 2 ms from a thread, the default action now lasts milliseconds at most
+    (between Ray's reset and the start of its processes' stop, where ours are installed again; was ~1 s)."""
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
+            "import threading, time\nfrom tests.test_raysession import _sigterm_disposition as d\n"
+            "from pipelines.stopping import STOP\nSTOP.install()\nfrom pipelines.raysession import ray_session\n"
+            "from soma_cluster.config import resolve\nlog, done = [], False\n"
+            "def watch():\n    while not done:\n        log.append((time.monotonic(), d())); time.sleep(0.002)\n"
+            "threading.Thread(target=watch, daemon=True).start()\n"
+            "with ray_session(resolve('tiny')):\n    pass\ndone = True\ntime.sleep(0.01)\n"
+            "print(sum(b[0] - a[0] for a, b in zip(log, log[1:]) if a[1] == 'default'), sorted({s for _, s in log}))\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    proc = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=180,
+                          env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"})
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    default_s, states = proc.stdout.strip().splitlines()[-1].split(" ", 1)
+    print(f"\nSIGTERM at its default action for {float(default_s) * 1000:.1f} ms of the session; states seen {states}")
+    assert float(default_s) < 0.05 and "ignored" not in states
