@@ -80,6 +80,19 @@ def assert_packed_equals_separate(alone, packed, updates=2):
         assert a.state.scalars() == b.state.scalars()
 
 
+def fill_up(directory) -> None:
+    """Write zeros into `directory`/filler until its filesystem refuses (bounded: 512 MiB at most; the tests' tmpfs
+    mounts are far smaller): a full disk."""
+    with open(os.path.join(directory, "filler"), "wb") as fh:
+        for _ in range(8192):
+            try:
+                fh.write(b"\0" * (64 << 10))
+                fh.flush()
+            except OSError:
+                return
+    raise AssertionError(f"{directory} never filled up")
+
+
 def assert_one_line_error(proc, *needles):
     assert proc.returncode == 2, (proc.stdout, proc.stderr)
     lines = [line for line in proc.stderr.strip().splitlines() if line.startswith("error:")]

@@ -8,6 +8,7 @@ from contextlib import contextmanager
 
 import pytest
 
+from conftest import fill_up
 from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of, storage_error, with_path
 from soma_cluster.preflight import MARGIN_BYTES, require_temp_dir, require_writable_dir, training_bytes
 from soma_cluster.storage import Store, put_file
@@ -27,18 +28,6 @@ def tmpfs(path, size: str = "4m"):
         yield path
     finally:
         subprocess.run(["umount", "-l", str(path)], check=False)
-
-
-def fill(directory) -> None:
-    """Write zeros until the filesystem refuses (bounded: a tmpfs of a few MiB)."""
-    with open(os.path.join(directory, "filler"), "wb") as fh:
-        for _ in range(4096):
-            try:
-                fh.write(b"\0" * (64 << 10))
-                fh.flush()
-            except OSError:
-                return
-    raise AssertionError(f"{directory} never filled up")
 
 
 @pytest.mark.parametrize("code,cond", [(errno.ENOSPC, DiskCondition.FULL), (errno.EDQUOT, DiskCondition.FULL),
@@ -69,7 +58,7 @@ def test_what_is_not_a_disk_condition_stays_itself():
 
 def test_probe_finds_full_read_only_file_in_the_way_and_missing_tmpdir(tmp_path, monkeypatch):
     with tmpfs(tmp_path / "full", "1m") as full:
-        fill(full)
+        fill_up(full)
         with pytest.raises(StorageError) as info:
             require_writable_dir(str(full / "camp"))                      # not there yet: its parent is probed
         assert info.value.condition is DiskCondition.FULL and info.value.path == str(full) and "needs at least" in str(info.value)
@@ -152,7 +141,7 @@ def test_a_full_temp_dir_never_fails_a_shard_read(tmp_path, s3):  # noqa: F811
     store.write_json("shards/expert-0000/manifest.json", {"expert": 0, "seq_bytes": 8, "train": [entry], "val": [],
                                                            "train_rows": 40, "val_rows": 0})
     with tmpfs(tmp_path / "cache", "1m") as cache:
-        fill(cache)
+        fill_up(cache)
         shard = open_shard(store, 0, str(cache / "soma-cache"))
         assert shard.n_train == 40 and np.array_equal(shard.gather(np.array([3, 39])), np.array([[3] * 8, [39] * 8], np.uint8))
         store.write_bytes("shards/expert-0000/train-00000-00.arrow", b"not arrow")

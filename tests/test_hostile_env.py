@@ -24,7 +24,7 @@ import pytest
 import typer.main
 import yaml
 
-from conftest import MICRO, assert_one_line_error
+from conftest import MICRO, assert_one_line_error, fill_up
 
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
 
@@ -57,17 +57,6 @@ def _mount(*args: str) -> None:
 
 def _umount(path: Path) -> None:
     subprocess.run(["umount", "-l", str(path)], check=False, capture_output=True)
-
-
-def _fill(directory: Path) -> None:
-    with open(directory / "filler", "wb") as fh:
-        for _ in range(8192):                      # bounded: 512 MiB at most, the mounts are far smaller
-            try:
-                fh.write(b"\0" * (64 << 10))
-                fh.flush()
-            except OSError:
-                return
-    raise AssertionError(f"{directory} never filled up")
 
 
 def tree_hash(root: Path) -> str:
@@ -171,7 +160,7 @@ def full_disk(world: World, cell: Path) -> Iterator[Place]:
     _mount("-t", "tmpfs", "-o", "size=24m", "tmpfs", str(mnt))
     try:
         _populate(world, mnt)
-        _fill(mnt)
+        fill_up(mnt)
         yield Place(mnt, fix=lambda: os.unlink(mnt / "filler"), refuses_writes=True, needle="no space left")
     finally:
         _umount(mnt)
@@ -200,7 +189,7 @@ def full_tmp(world: World, cell: Path) -> Iterator[Place]:
     home.mkdir()
     _mount("-t", "tmpfs", "-o", "size=1m", "tmpfs", str(tmp))
     try:
-        _fill(tmp)
+        fill_up(tmp)
         _populate(world, home)
         yield Place(home, env={"TMPDIR": str(tmp)})
     finally:
@@ -344,7 +333,7 @@ def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
     def s3run(*args, **kw):
         return run(*args, env={**env, **kw}, drop=("AWS_", "SOMA_S3_"))
     try:
-        _fill(tmp)
+        fill_up(tmp)
         refused = s3run("prepare", camp, "--config", str(world.config))
         assert_one_line_error(refused, str(tmp), "no space left", "TMPDIR")
         assert "Traceback" not in refused.stderr and not s3.objects("hostile/camp")

@@ -11,6 +11,7 @@ import time
 
 import pytest
 
+from conftest import fill_up
 import pipelines.raysession as rs
 from pipelines.stopping import StopSignals, Stopped
 from soma_cluster.diskerrors import StorageError
@@ -47,13 +48,7 @@ def test_a_full_tmp_is_one_line_naming_it(tmp_path, monkeypatch):
     if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64k", "tmpfs", str(mnt)], capture_output=True).returncode:
         pytest.skip("mounting a tmpfs needs root")
     try:
-        with open(mnt / "filler", "wb") as fh:
-            try:
-                for _ in range(64):
-                    fh.write(b"\0" * (16 << 10))
-                    fh.flush()
-            except OSError:
-                pass
+        fill_up(mnt)
         monkeypatch.setattr(rs, "RAY_TMP", str(mnt))
         with pytest.raises(StorageError, match=f"{mnt}: no space left.*sockets and logs"):
             rs._own_temp_dir()
@@ -103,8 +98,9 @@ def test_sigterm_stays_caught_while_a_local_ray_starts_and_stops():
     core worker (then stops its processes for a second more): a job system's SIGTERM in that second killed the command
     before it released its lease. Watched every 2 ms from a thread, the default action now lasts milliseconds at most
     (between Ray's reset and the start of its processes' stop, where ours are installed again; was ~1 s)."""
-    code = ("import sys; sys.path.insert(0, sys.argv[1])\n"
-            "import threading, time\nfrom tests.test_raysession import _sigterm_disposition as d\n"
+    import inspect
+    code = ("import sys; sys.path.insert(0, sys.argv[1])\nimport threading, time\n"
+            + inspect.getsource(_sigterm_disposition) + "d = _sigterm_disposition\n"
             "from pipelines.stopping import STOP\nSTOP.install()\nfrom pipelines.raysession import ray_session\n"
             "from soma_cluster.config import resolve\nlog, done = [], False\n"
             "def watch():\n    while not done:\n        log.append((time.monotonic(), d())); time.sleep(0.002)\n"
