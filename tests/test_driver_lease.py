@@ -77,7 +77,7 @@ def ray_dirs_of(pid: int) -> list[str]:
     found = []
     for d in glob.glob("/tmp/soma-ray-*"):
         try:
-            if json.loads(Path(d, "soma-owner.json").read_text())["pid"] == pid:
+            if json.loads(Path(d, "soma-owner.json").read_text()).get("pid") == pid:     # (a kept one names none)
                 found.append(d)
         except (OSError, ValueError):
             continue
