@@ -22,19 +22,21 @@ from soma_cluster.config import CONFIG_FILE
 from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE, Lease
+from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.storage import Store
 
 _held: dict[str, tuple[Lease, int]] = {}        # campaign URL -> (its lease, how many holders in this process)
 
 
 @contextmanager
-def hold(store: Store, command: str, take_over: bool = False) -> Iterator[Lease]:
+def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = MARGIN_BYTES) -> Iterator[Lease]:
     """Hold `store`'s campaign for `command` (LeaseHeld if another live driver holds it; with take_over, wait up
-    to its ttl for its lease to lapse)."""
+    to its ttl for its lease to lapse). The first holder checks first that the place takes writes and has
+    `need_bytes` free (Store.check_writable), so a command need not check again."""
     lease, count = _held.get(store.url, (None, 0))
     empty, created = False, False
     if lease is None:
-        store.check_writable()          # a full, read-only or missing place is named before anything is made there
+        store.check_writable(need_bytes)    # a full, read-only or missing place is named before anything is made there
         _refuse_foreign(store)
         created = store.local and not os.path.isdir(store.root)
         empty = created or not contents(store)

@@ -164,8 +164,7 @@ def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool =
         from pipelines.seed import train_seed
         store = open_store(campaign)
         cfg = load_config(store)
-        store.check_writable(training_bytes(cfg, 1))          # before Ray starts
-        with hold(store, "soma seed", take_over), ray_session(cfg, address):
+        with hold(store, "soma seed", take_over, training_bytes(cfg, 1)), ray_session(cfg, address):   # checked before Ray
             train_seed(store, cfg, not no_progress, log_every, retry_failed)
     _run(go)
 
@@ -181,8 +180,8 @@ def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every:
         from soma_cluster.failures import select_failed
         from soma_cluster.schedule import expert_jobs
         select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
-    store.check_writable(training_bytes(cfg, cfg.n_experts))      # before Ray starts or any expert is queued
-    with hold(store, command, take_over), ray_session(cfg, address):
+    # the place and its room are checked (hold) before Ray starts or any expert is queued
+    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)), ray_session(cfg, address):
         run(store, cfg, not no_progress, log_every, retry_failed)
 
 

@@ -158,7 +158,6 @@ def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> di
         console.print(f"{store.url} is already prepared for this config; skipping prepare")
         return store.read_json("shards/manifest.json")
     claim_campaign(store, cfg, write=False)           # refuse a foreign directory before reading any data
-    store.check_writable()
     if resolve_engine(cfg, address) == "ray":
         from pipelines.prepare_ray import prepare_on_ray
         return prepare_on_ray(store, cfg, address)

@@ -845,8 +845,8 @@ def put_file(store: Store, local_path: str, rel: str) -> None:
     """Move a finished local file into the campaign (rename locally; one upload remotely). A local file on
     another filesystem than the campaign is copied beside the target first, so the last step is still an
     atomic rename (StagedFile avoids the copy by writing there in the first place)."""
-    store._fenced()
     if not store.local:
+        store._fenced()                 # (locally, StagedFile.publish fences the rename)
         store._retry(f"upload {rel}", lambda: store.fs.put_file(local_path, store.full(rel)))
         os.unlink(local_path)
         return
