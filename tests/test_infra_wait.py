@@ -70,14 +70,22 @@ def unmount(where: Path) -> None:
 
 
 def fill(where: Path, leave: int) -> Path:
-    """Fill the filesystem of `where` until `leave` bytes are free (less than a checkpoint, more than a few log records)."""
-    st = os.statvfs(where)
+    """Fill the filesystem of `where` until about `leave` bytes are free (less than a checkpoint, more than a few
+    log records). The running launch writes beside us, so the disk may fill first: then give `leave` back."""
     filler = where / "filler"
-    with open(filler, "wb") as fh:
-        todo = st.f_bavail * st.f_frsize - leave
+    with open(filler, "wb", buffering=0) as fh:
+        todo = os.statvfs(where).f_bavail * os.statvfs(where).f_frsize - leave
         block = b"\0" * (1 << 20)
-        while todo > 0:
-            todo -= fh.write(block[: min(len(block), todo)])
+        try:
+            while todo > 0:
+                todo -= fh.write(block[: min(len(block), todo)])
+        except OSError as exc:
+            if exc.errno != errno.ENOSPC:
+                raise
+        st = os.statvfs(where)
+        short = leave - st.f_bavail * st.f_frsize
+        if short > 0:
+            fh.truncate(max(0, fh.tell() - short))
     return filler
 
 
