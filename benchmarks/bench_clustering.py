@@ -170,6 +170,7 @@ Measured 2026-12-05 on the 2-core host, quiet: the settling step (router._settle
   sample); the rest are ties of identical sequences, which fall together. The step costs 0.03-0.5 s on the fit
   sample and about 20% of the refit over every sequence at N = 256 (1.9 s of 9.4).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -188,12 +189,23 @@ import numpy as np
 from soma_cluster.config import resolve
 from soma_cluster.corpus import Packer, builtin_documents, is_test_doc
 from soma_cluster.parts import row_keys
-from soma_cluster.router import TIE_DIMS, _l2, assign, balanced_kmeans, cluster_spread, fit_offsets, fit_router, router_text
+from soma_cluster.router import (
+    TIE_DIMS,
+    _l2,
+    assign,
+    balanced_kmeans,
+    cluster_spread,
+    fit_offsets,
+    fit_router,
+    router_text,
+)
 from soma_cluster.storage import Store
 
 
 # -- quality ----------------------------------------------------------------------------------------------
-def labelled_sequences(max_bytes: int, seq_bytes: int, test_fraction: float, seed: int) -> tuple[list[bytes], np.ndarray, list[str]]:
+def labelled_sequences(
+    max_bytes: int, seq_bytes: int, test_fraction: float, seed: int
+) -> tuple[list[bytes], np.ndarray, list[str]]:
     """prepare's train sequences of the built-in corpus and the source of each (its first byte's document)."""
     pack, seqs, labels, doc_source, names = Packer(seq_bytes), [], [], [], {}
     for doc in builtin_documents(max_bytes):
@@ -212,7 +224,7 @@ def balanced_assign_greedy(sims: np.ndarray) -> np.ndarray:
     n, n_clusters = sims.shape
     labels = np.full(n, -1, dtype=np.int64)
     room = np.full(n_clusters, n // n_clusters, dtype=np.int64)
-    for _ in range(2):                         # second pass places the n mod N leftovers, one per cluster
+    for _ in range(2):  # second pass places the n mod N leftovers, one per cluster
         while (labels < 0).any() and room.sum() > 0:
             todo = np.flatnonzero(labels < 0)
             s = sims[todo].copy()
@@ -230,6 +242,7 @@ def balanced_assign_greedy(sims: np.ndarray) -> np.ndarray:
 
 def greedy_kmeans(x: np.ndarray, n_clusters: int, iters: int, seed: int) -> np.ndarray:
     from sklearn.cluster import kmeans_plusplus
+
     centroids = kmeans_plusplus(x.astype(np.float64), n_clusters, random_state=seed)[0].astype(np.float32)
     for _ in range(iters):
         labels = balanced_assign_greedy(x @ centroids.T)
@@ -240,16 +253,27 @@ def greedy_kmeans(x: np.ndarray, n_clusters: int, iters: int, seed: int) -> np.n
 
 
 def embed_all(router, chunks: list[bytes], batch: int = 4096) -> np.ndarray:
-    return np.concatenate([router.embed([router_text(c) for c in chunks[a:a + batch]]) for a in range(0, len(chunks), batch)])
+    return np.concatenate(
+        [router.embed([router_text(c) for c in chunks[a : a + batch]]) for a in range(0, len(chunks), batch)]
+    )
 
 
 def scores_of(name: str, labels: np.ndarray, sources: np.ndarray, n_clusters: int, seconds: float) -> dict:
     from scipy.stats import entropy
     from sklearn.metrics import mutual_info_score, normalized_mutual_info_score
+
     sizes = np.bincount(labels, minlength=n_clusters)
-    return {"method": name, "N": n_clusters, "spread": cluster_spread(labels, n_clusters), "min": int(sizes.min()), "max": int(sizes.max()),
-            "nmi": float(normalized_mutual_info_score(sources, labels)), "mi": float(mutual_info_score(sources, labels)),
-            "h_c": float(entropy(np.bincount(labels))), "seconds": seconds}
+    return {
+        "method": name,
+        "N": n_clusters,
+        "spread": cluster_spread(labels, n_clusters),
+        "min": int(sizes.min()),
+        "max": int(sizes.max()),
+        "nmi": float(normalized_mutual_info_score(sources, labels)),
+        "mi": float(mutual_info_score(sources, labels)),
+        "h_c": float(entropy(np.bincount(labels))),
+        "seconds": seconds,
+    }
 
 
 def prepare_sample(n_seqs: int, size: int, seed: int) -> list[int]:
@@ -258,24 +282,30 @@ def prepare_sample(n_seqs: int, size: int, seed: int) -> list[int]:
     return np.argsort(row_keys(seed, 0, 0, n_seqs), kind="stable")[:size].tolist()
 
 
-def methods(emb: np.ndarray, words: np.ndarray, sample: list[int], n: int, iters: int, seed: int, router=None) -> tuple[dict[str, np.ndarray], dict]:
+def methods(
+    emb: np.ndarray, words: np.ndarray, sample: list[int], n: int, iters: int, seed: int, router=None
+) -> tuple[dict[str, np.ndarray], dict]:
     """Labels of every sequence under each method, k-means seeded with `seed`, and the two rules' (centroids,
     offsets); `router` (prepare's own, for the first seed) gives the balanced k-means centroids and sample
     offsets instead of fitting them here. `emb` are the router's features, `words` the c-BTM recipe's
     (router.tokens words), on which the baselines run."""
     from sklearn.cluster import KMeans
+
     if router is None:
         centroids, offsets, _ = balanced_kmeans(emb[sample], n, iters, seed)
     else:
         centroids, offsets = router.centroids, router.offsets
-    rules = {"balanced": (centroids, fit_offsets(emb, centroids, offsets)),         # prepare's refit over all
-             "nearest": (centroids, np.zeros(n, np.float32))}
+    rules = {
+        "balanced": (centroids, fit_offsets(emb, centroids, offsets)),  # prepare's refit over all
+        "nearest": (centroids, np.zeros(n, np.float32)),
+    }
     labels = {name: assign(emb, c, b) for name, (c, b) in rules.items()}
 
-    def kmeans(x: np.ndarray) -> np.ndarray:         # plain k-means fit on the sample, every sequence to its nearest
+    def kmeans(x: np.ndarray) -> np.ndarray:  # plain k-means fit on the sample, every sequence to its nearest
         return KMeans(n, n_init=1, random_state=seed).fit(x[sample]).predict(x)
-    labels["k-means, router features"] = kmeans(_l2(emb[:, :-TIE_DIMS]))   # the router's own features (SVD part)
-    plain = _l2(words[:, :-TIE_DIMS])               # the baselines' own recipes: word TF-IDF, the SVD part
+
+    labels["k-means, router features"] = kmeans(_l2(emb[:, :-TIE_DIMS]))  # the router's own features (SVD part)
+    plain = _l2(words[:, :-TIE_DIMS])  # the baselines' own recipes: word TF-IDF, the SVD part
     old = greedy_kmeans(plain[sample], n, iters, seed)
     labels["c-BTM k-means"] = kmeans(plain)
     labels["greedy-balanced k-means"] = balanced_assign_greedy(plain @ old.T)
@@ -286,7 +316,9 @@ def methods(emb: np.ndarray, words: np.ndarray, sample: list[int], n: int, iters
 def routed_corpus(cfg):
     """The built-in corpus's labelled train sequences, prepare's router sample of them (indices and texts), the
     router's features fit on it (TF-IDF and SVD do not depend on N) and every sequence embedded."""
-    seqs, sources, names = labelled_sequences(cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed)
+    seqs, sources, names = labelled_sequences(
+        cfg.corpus.max_bytes, cfg.shards.seq_bytes, cfg.corpus.test_fraction, cfg.seed
+    )
     sample = prepare_sample(len(seqs), cfg.router.sample_chunks, cfg.seed)
     texts = [router_text(seqs[i]) for i in sample]
     features = fit_router(texts, 1, cfg.router, cfg.seed)[0]
@@ -298,22 +330,28 @@ def quality(args, cfg) -> list[dict]:
     router `soma prepare` fits (same sample, same seed), so their rows describe the campaigns' own shards;
     NMI is also given as the mean over args.seeds k-means seeds (its spread between seeds is ~0.01)."""
     from sklearn.metrics import normalized_mutual_info_score
+
     t = time.perf_counter()
     seqs, sources, names, sample, texts, features, emb = routed_corpus(cfg)
     recipe = cfg.router.model_copy(update={"tokens": "words"})
     words = emb if recipe == cfg.router else embed_all(fit_router(texts, 1, recipe, cfg.seed)[0], seqs)
     probe = np.random.default_rng(cfg.seed).choice(len(seqs), min(20_000, len(seqs)), replace=False)
-    prefix = embed_all(features, [seqs[i][:cfg.router.prefix_bytes] for i in probe])
+    prefix = embed_all(features, [seqs[i][: cfg.router.prefix_bytes] for i in probe])
     freq = np.bincount(sources) / len(sources)
-    print(f"{len(seqs):,} sequences from {len(names)} sources ({', '.join(names)}), H(S) = {float(-(freq * np.log(freq)).sum()):.3f} "
-          f"nats; features fit on {len(sample):,} and every sequence embedded in {time.perf_counter() - t:.0f} s", flush=True)
+    print(
+        f"{len(seqs):,} sequences from {len(names)} sources ({', '.join(names)}), H(S) = {float(-(freq * np.log(freq)).sum()):.3f} "
+        f"nats; features fit on {len(sample):,} and every sequence embedded in {time.perf_counter() - t:.0f} s",
+        flush=True,
+    )
     rows = []
     for n in args.experts:
         t = time.perf_counter()
         router, _ = fit_router(texts, n, cfg.router, cfg.seed)
         labels, rules = methods(emb, words, sample, n, cfg.router.kmeans_iters, cfg.seed, router)
         seconds = time.perf_counter() - t
-        half = fit_offsets(emb[::2], router.centroids, router.offsets)      # out of sample: fit on one half, count the other
+        half = fit_offsets(
+            emb[::2], router.centroids, router.offsets
+        )  # out of sample: fit on one half, count the other
         held_out = cluster_spread(assign(emb[1::2], router.centroids, half), n)
         extra = [methods(emb, words, sample, n, cfg.router.kmeans_iters, cfg.seed + s)[0] for s in range(1, args.seeds)]
         for name, lab in labels.items():
@@ -321,13 +359,19 @@ def quality(args, cfg) -> list[dict]:
             row["nmi_seeds"] = [row["nmi"]] + [float(normalized_mutual_info_score(sources, e[name])) for e in extra]
             if name in rules:
                 centroids, b = rules[name]
-                top = np.argsort(-(prefix @ centroids.T - b), axis=1)[:, :min(4, n)]          # routed by 256 bytes
-                own = lab[probe]                                                            # its shard
-                row["prefix_top1"], row["prefix_top4"] = float(np.mean(top[:, 0] == own)), float(np.mean((top == own[:, None]).any(1)))
+                top = np.argsort(-(prefix @ centroids.T - b), axis=1)[:, : min(4, n)]  # routed by 256 bytes
+                own = lab[probe]  # its shard
+                row["prefix_top1"], row["prefix_top4"] = (
+                    float(np.mean(top[:, 0] == own)),
+                    float(np.mean((top == own[:, None]).any(1))),
+                )
                 row["held_out"] = held_out if name == "balanced" else row["spread"]
             rows.append(row)
-            print(f"  N={n} {name:24s} spread {row['spread']:.3f} ({row['min']}-{row['max']}) NMI {row['nmi']:.4f} "
-                  f"(mean over seeds {np.mean(row['nmi_seeds']):.4f}) I {row['mi']:.3f} H(C) {row['h_c']:.3f}", flush=True)
+            print(
+                f"  N={n} {name:24s} spread {row['spread']:.3f} ({row['min']}-{row['max']}) NMI {row['nmi']:.4f} "
+                f"(mean over seeds {np.mean(row['nmi_seeds']):.4f}) I {row['mi']:.3f} H(C) {row['h_c']:.3f}",
+                flush=True,
+            )
     return rows
 
 
@@ -341,8 +385,16 @@ def run_stage(args: list[str]) -> tuple[float, subprocess.CompletedProcess]:
 
 # the tiny preset made smaller still: 256 experts x 40 updates in two actors on 2 busy cores in minutes; eps = lr
 # = 2.5e-3 (the paper's value for its seed and wide controls) so a few updates move the experts off the seed
-CAMPAIGN_SETS = ["spsa.n_pert=4", "spsa.batch=4", "spsa.seq_len=128", "spsa.pert_chunk=4", "spsa.eps=0.0025", "spsa.lr=0.0025",
-                 "train.chunk_updates=5", "retry.heartbeat_timeout_s=1800"]
+CAMPAIGN_SETS = [
+    "spsa.n_pert=4",
+    "spsa.batch=4",
+    "spsa.seq_len=128",
+    "spsa.pert_chunk=4",
+    "spsa.eps=0.0025",
+    "spsa.lr=0.0025",
+    "train.chunk_updates=5",
+    "retry.heartbeat_timeout_s=1800",
+]
 
 
 def share_seed(parent: str, child: str) -> None:
@@ -350,6 +402,7 @@ def share_seed(parent: str, child: str) -> None:
     does): the seed is trained on all train sequences either way, and one seed for both rules leaves the
     rule as the only difference between the two ensembles."""
     from soma_cluster.events import LOG
+
     src, dst = Store(parent), Store(child)
     for rel in src.walk("seed"):
         dst.write_bytes(rel, src.read_bytes(rel))
@@ -359,9 +412,17 @@ def share_seed(parent: str, child: str) -> None:
 
 
 def arm(root: str, rule: str, n: int, args, parent: str | None) -> dict:
-    sets = [f"corpus.max_bytes={int(args.mb * 1e6)}", f"router.rule={rule}", f"router.tokens={args.tokens}", f"resources.experts_per_actor={max(1, n // 2)}",
-            *CAMPAIGN_SETS, f"seed_stage.updates={2 * args.updates}", f"train.updates={args.updates}",
-            f"train.checkpoint_every={args.updates}", f"train.val_every={args.updates}"]
+    sets = [
+        f"corpus.max_bytes={int(args.mb * 1e6)}",
+        f"router.rule={rule}",
+        f"router.tokens={args.tokens}",
+        f"resources.experts_per_actor={max(1, n // 2)}",
+        *CAMPAIGN_SETS,
+        f"seed_stage.updates={2 * args.updates}",
+        f"train.updates={args.updates}",
+        f"train.checkpoint_every={args.updates}",
+        f"train.val_every={args.updates}",
+    ]
     camp, row = os.path.join(root, f"{rule}-{n}"), {"rule": rule, "N": n, "relaxed": False}
     secs, proc = run_stage(["prepare", camp, "-n", str(n), *sum((["--set", s] for s in sets), [])])
     if proc.returncode != 0:
@@ -383,12 +444,20 @@ def arm(root: str, rule: str, n: int, args, parent: str | None) -> dict:
         row[f"{stage[0]}_s"] = secs
     m = json.load(open(os.path.join(camp, "eval", "metrics.json")))
     manifest = json.load(open(os.path.join(camp, "shards", "manifest.json")))
-    row.update(test=m["ensemble"]["nats_per_byte"], ci=m["ensemble"]["ci95"], seed_loss=m["seed"]["nats_per_byte"],
-               minus_seed=m["ensemble_minus_seed"]["nats_per_byte"], spread=manifest["assigned_size_spread"],
-               rows=[min(manifest["train_rows"]), max(manifest["train_rows"])],
-               minus_balanced=m.get("compare", {}).get("this_minus_other"))
-    print(f"  {rule} N={n}: test {row['test']:.4f} (seed {row['seed_loss']:.4f}), shards {row['rows']} train rows; prepare "
-          f"{row['prepare_s']:.0f} s, seed {row['seed_s']:.0f} s, launch {row['launch_s']:.0f} s, eval {row['eval_s']:.0f} s", flush=True)
+    row.update(
+        test=m["ensemble"]["nats_per_byte"],
+        ci=m["ensemble"]["ci95"],
+        seed_loss=m["seed"]["nats_per_byte"],
+        minus_seed=m["ensemble_minus_seed"]["nats_per_byte"],
+        spread=manifest["assigned_size_spread"],
+        rows=[min(manifest["train_rows"]), max(manifest["train_rows"])],
+        minus_balanced=m.get("compare", {}).get("this_minus_other"),
+    )
+    print(
+        f"  {rule} N={n}: test {row['test']:.4f} (seed {row['seed_loss']:.4f}), shards {row['rows']} train rows; prepare "
+        f"{row['prepare_s']:.0f} s, seed {row['seed_s']:.0f} s, launch {row['launch_s']:.0f} s, eval {row['eval_s']:.0f} s",
+        flush=True,
+    )
     return row
 
 
@@ -410,8 +479,10 @@ def paired(c: dict) -> str:
 
 def print_tables(quality_rows: list[dict], campaign_rows: list[dict]) -> None:
     loss = {(r["rule"], r["N"]): r for r in campaign_rows}
-    print("\n| N | method | spread (min-max) | spread, new half | NMI | NMI, seeds: mean (min-max) | I(C;S) nats | H(C) | "
-          "prefix: own shard 1st / in top 4 | test nats/byte [95% CI] |")
+    print(
+        "\n| N | method | spread (min-max) | spread, new half | NMI | NMI, seeds: mean (min-max) | I(C;S) nats | H(C) | "
+        "prefix: own shard 1st / in top 4 | test nats/byte [95% CI] |"
+    )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in quality_rows:
         c = loss.get((r["method"], r["N"]))
@@ -419,18 +490,24 @@ def print_tables(quality_rows: list[dict], campaign_rows: list[dict]) -> None:
         pre = f"{r['prefix_top1']:.1%} / {r['prefix_top4']:.1%}" if "prefix_top1" in r else "-"
         held = f"{r['held_out']:.3f}" if "held_out" in r else "-"
         seeds = f"{np.mean(r['nmi_seeds']):.4f} ({min(r['nmi_seeds']):.4f}-{max(r['nmi_seeds']):.4f})"
-        print(f"| {r['N']} | {r['method']} | {r['spread']:.3f} ({r['min']}-{r['max']}) | {held} | {r['nmi']:.4f} | {seeds} | "
-              f"{r['mi']:.3f} | {r['h_c']:.3f} | {pre} | {test} |")
+        print(
+            f"| {r['N']} | {r['method']} | {r['spread']:.3f} ({r['min']}-{r['max']}) | {held} | {r['nmi']:.4f} | {seeds} | "
+            f"{r['mi']:.3f} | {r['h_c']:.3f} | {pre} | {test} |"
+        )
     if campaign_rows:
-        print("\n| rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s | test nats/byte | seed model | "
-              "ensemble - seed | nearest - balanced, paired [95% CI] |")
+        print(
+            "\n| rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s | test nats/byte | seed model | "
+            "ensemble - seed | nearest - balanced, paired [95% CI] |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for c in campaign_rows:
             total = c["prepare_s"] + c["seed_s"] + c["launch_s"] + c["eval_s"]
             seed = f"{c['seed_s']:.0f}" if c["seed_s"] else "shared"
-            print(f"| {c['rule']}{' *' if c['relaxed'] else ''} | {c['N']} | {c['rows'][0]}-{c['rows'][1]} | {c['prepare_s']:.0f} | "
-                  f"{seed} | {c['launch_s']:.0f} | {c['eval_s']:.0f} | {total:.0f} | {c['test']:.4f} | {c['seed_loss']:.4f} | "
-                  f"{c['minus_seed']:+.4f} | {paired(c)} |")
+            print(
+                f"| {c['rule']}{' *' if c['relaxed'] else ''} | {c['N']} | {c['rows'][0]}-{c['rows'][1]} | {c['prepare_s']:.0f} | "
+                f"{seed} | {c['launch_s']:.0f} | {c['eval_s']:.0f} | {total:.0f} | {c['test']:.4f} | {c['seed_loss']:.4f} | "
+                f"{c['minus_seed']:+.4f} | {paired(c)} |"
+            )
         for c in campaign_rows:
             if c.get("refused"):
                 print(f"* {c['rule']} N={c['N']} at the preset's shard settings: {c['refused']}")
@@ -443,7 +520,9 @@ def peak_rss_mib() -> float:
 
 def generate(root: str, total_bytes: int, seed: int) -> int:
     """JSONL files of documents built from random lines of the built-in real text; returns bytes of text."""
-    lines = [ln for doc in builtin_documents(8_000_000) for ln in router_text(doc.data).splitlines() if len(ln.strip()) > 20]
+    lines = [
+        ln for doc in builtin_documents(8_000_000) for ln in router_text(doc.data).splitlines() if len(ln.strip()) > 20
+    ]
     rng = random.Random(seed)
     written, f = 0, 0
     while written < total_bytes:
@@ -467,7 +546,9 @@ def settle(args, cfg) -> None:
     and rows: prepare's fit sample (every cluster at once) and its refit over every sequence (candidate
     clusters past router.DENSE_ENTRIES). Alternating repeats, the fastest of each kept."""
     _, _, _, sample, texts, _, emb = routed_corpus(cfg)
-    print("\n| N | rows | Newton only: s | sizes (excess over the shares) | with the settling step: s | sizes (excess) | rows moved |")
+    print(
+        "\n| N | rows | Newton only: s | sizes (excess over the shares) | with the settling step: s | sizes (excess) | rows moved |"
+    )
     print("|---|---|---|---|---|---|---|")
     for n in args.experts:
         router, _ = fit_router(texts, n, cfg.router, cfg.seed)
@@ -484,7 +565,10 @@ def settle(args, cfg) -> None:
                 sizes = np.bincount(labels[-1], minlength=n)
                 excess = int(np.maximum(sizes - -(-len(x) // n), 0).sum())
                 cells.append(f"{seconds:.2f} | {sizes.min()}-{sizes.max()} ({excess})")
-            print(f"| {n} | {what}, {len(x):,} | {cells[0]} | {cells[1]} | {int(np.sum(labels[0] != labels[1]))} |", flush=True)
+            print(
+                f"| {n} | {what}, {len(x):,} | {cells[0]} | {cells[1]} | {int(np.sum(labels[0] != labels[1]))} |",
+                flush=True,
+            )
 
 
 def scale(args, tmp: str) -> None:
@@ -493,39 +577,70 @@ def scale(args, tmp: str) -> None:
     t = time.perf_counter()
     text_bytes = generate(corpus, int(args.gb * 1e9), seed=0)
     rss_before = peak_rss_mib()
-    print(f"generated {text_bytes / 1e9:.2f} GB of text in {time.perf_counter() - t:.0f} s; peak RSS so far {rss_before:.0f} MiB", flush=True)
+    print(
+        f"generated {text_bytes / 1e9:.2f} GB of text in {time.perf_counter() - t:.0f} s; peak RSS so far {rss_before:.0f} MiB",
+        flush=True,
+    )
     for n, rule in [(n, rule) for n in args.experts for rule in args.rule]:
-        cfg = resolve("tiny", {"name": "bench-cluster", "n_experts": n,
-                               "corpus": {"source": corpus, "max_bytes": text_bytes + 1, "test_fraction": 0.001},
-                               "router": {"sample_chunks": args.sample, "max_features": 50_000, "min_df": 5, "svd_dim": 128, "rule": rule}})
+        cfg = resolve(
+            "tiny",
+            {
+                "name": "bench-cluster",
+                "n_experts": n,
+                "corpus": {"source": corpus, "max_bytes": text_bytes + 1, "test_fraction": 0.001},
+                "router": {
+                    "sample_chunks": args.sample,
+                    "max_features": 50_000,
+                    "min_df": 5,
+                    "svd_dim": 128,
+                    "rule": rule,
+                },
+            },
+        )
         from pipelines.prepare import prepare
+
         store = Store(os.path.join(tmp, f"campaign-{rule}-{n}"))
         t = time.perf_counter()
         summary = prepare(store, cfg)
         wall = time.perf_counter() - t
         rows = summary["train_rows"]
-        print("\n| corpus | experts | rule | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max | spread |")
+        print(
+            "\n| corpus | experts | rule | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max | spread |"
+        )
         print("|---|---|---|---|---|---|---|---|---|")
-        print(f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {n} | {rule} | "
-              f"{args.sample:,} chunks | {wall:.0f} | {summary['corpus']['bytes'] / 1e6 / wall:.1f} | {peak_rss_mib():.0f} | "
-              f"{min(rows):,}/{max(rows):,} | {summary['assigned_size_spread']:.3f} |")
+        print(
+            f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {n} | {rule} | "
+            f"{args.sample:,} chunks | {wall:.0f} | {summary['corpus']['bytes'] / 1e6 / wall:.1f} | {peak_rss_mib():.0f} | "
+            f"{min(rows):,}/{max(rows):,} | {summary['assigned_size_spread']:.3f} |"
+        )
         print(f"(peak RSS before prepare, from generating the corpus: {rss_before:.0f} MiB)")
         shutil.rmtree(store.url, ignore_errors=True)
 
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--part", nargs="+", default=["quality", "campaign"], choices=["quality", "campaign", "scale", "settle"])
+    p.add_argument(
+        "--part", nargs="+", default=["quality", "campaign"], choices=["quality", "campaign", "scale", "settle"]
+    )
     p.add_argument("--experts", type=int, nargs="+", default=[16, 64, 256])
     p.add_argument("--mb", type=float, default=64.0, help="built-in corpus MB for quality and campaign")
     p.add_argument("--seeds", type=int, default=3, help="quality: k-means seeds the NMI is averaged over")
-    p.add_argument("--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)")
+    p.add_argument(
+        "--updates", type=int, default=40, help="updates per expert in the tiny campaigns (the seed: twice that)"
+    )
     p.add_argument("--gb", type=float, default=1.0, help="scale: generated corpus size")
     p.add_argument("--sample", type=int, default=40_000, help="scale: router.sample_chunks (the paper: 400k)")
     p.add_argument("--balanced-only", action="store_true", help="campaign: skip the nearest arm")
-    p.add_argument("--tokens", default="layout", choices=["words", "layout"], help="quality and campaign: router.tokens (the quality baselines use words)")
+    p.add_argument(
+        "--tokens",
+        default="layout",
+        choices=["words", "layout"],
+        help="quality and campaign: router.tokens (the quality baselines use words)",
+    )
     p.add_argument("--repeats", type=int, default=2, help="settle: alternating repeats of each fit")
-    p.add_argument("--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)")
+    p.add_argument(
+        "--rule", nargs="+", default=["balanced"], choices=["balanced", "nearest"], help="scale: router.rule(s)"
+    )
     args = p.parse_args()
     tmp = tempfile.mkdtemp(prefix="soma-bench-cluster-", dir="/tmp")
     try:

@@ -65,6 +65,7 @@ it by G (0.34-0.49 ms per expert heartbeat at G = 4), as before the rebuild (old
 no-reuse rows are the noisiest (each actor start competes with the other sessions' processes). Ray Tune on the same
 trials: 1.86x the Driver's wall at N = 256 and 1.46x at N = 1,024 (G=1, no reuse; 7.7x the Driver with reuse).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -74,15 +75,19 @@ import shutil
 import tempfile
 import time
 
-for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+for _k, _v in {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}.items():
     os.environ.setdefault(_k, _v)
 
 import ray  # noqa: E402
 
 from pipelines.campaign import Driver, also_ready, expert_jobs  # noqa: E402
-from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage  # noqa: E402
-from soma_cluster.events import history  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
+from soma_cluster.events import history  # noqa: E402
+from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 from workers import SCHEDULING  # noqa: E402
 
@@ -93,8 +98,16 @@ class StandInTrainer:
     A pack of G experts (resources.experts_per_actor) sleeps as long per chunk as one expert: it stands for
     G small experts that each underfill a GPU and share its passes (what packing is for)."""
 
-    def __init__(self, campaign_url: str, storage_options: dict, experts, attempts, num_gpus: float,
-                 target: int, sec_per_update: float):
+    def __init__(
+        self,
+        campaign_url: str,
+        storage_options: dict,
+        experts,
+        attempts,
+        num_gpus: float,
+        target: int,
+        sec_per_update: float,
+    ):
         self.t0 = self.t_end = time.monotonic()
         self.held_from = time.time()
         self.experts = list(experts)
@@ -104,13 +117,19 @@ class StandInTrainer:
         return self.held_from
 
     def setup(self, experts=None, attempts=None) -> SetupReport:
-        if experts is not None:          # reused (resources.reuse_actors): the new experts' clock starts at the last report
+        if experts is not None:  # reused (resources.reuse_actors): the new experts' clock starts at the last report
             self.experts, self.step = list(experts), 0
             self.t0, self.held_from = self.t_end, time.time() - (time.monotonic() - self.t_end)
         held = (time.monotonic() - self.t0) / len(self.experts)
         start = ExpertStart(0, self.target, False, 0, 0, Usage(held * self.num_gpus, held))
-        return SetupReport("stand-in", None, Incarnation(ray.get_runtime_context().get_node_id(), os.getpid(), self.held_from),
-                           self.held_from, 0.0, dict.fromkeys(self.experts, start))
+        return SetupReport(
+            "stand-in",
+            None,
+            Incarnation(ray.get_runtime_context().get_node_id(), os.getpid(), self.held_from),
+            self.held_from,
+            0.0,
+            dict.fromkeys(self.experts, start),
+        )
 
     def run_chunk(self, max_updates: int, caps=None) -> ChunkReport:
         if self.step >= self.target:
@@ -121,9 +140,21 @@ class StandInTrainer:
         self.t_end = time.monotonic()
         held = (self.t_end - self.t0) / len(self.experts)
         done = self.step >= self.target
-        beat = Heartbeat(self.step, self.target, todo, 5.0, None, None, 1e-3, 1e-3, None, self.step,
-                         Usage(held * self.num_gpus, held, self.step * 129, self.step * 64 * 1024), self.sec_per_update,
-                         "finished" if done else None)
+        beat = Heartbeat(
+            self.step,
+            self.target,
+            todo,
+            5.0,
+            None,
+            None,
+            1e-3,
+            1e-3,
+            None,
+            self.step,
+            Usage(held * self.num_gpus, held, self.step * 129, self.step * 64 * 1024),
+            self.sec_per_update,
+            "finished" if done else None,
+        )
         return ChunkReport(dict.fromkeys(self.experts, beat), time.monotonic() - self.t0)
 
 
@@ -132,10 +163,16 @@ RemoteStandIn = ray.remote(StandInTrainer)
 
 def stand_in_factory(target: int, sec_per_update: float):
     """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
+
     def start(url, storage_options, experts, attempts, num_gpus, num_cpus, name=None, placement="pack", **_):
-        return RemoteStandIn.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
-                                     scheduling_strategy=SCHEDULING[placement]).remote(
-            url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
+        return RemoteStandIn.options(
+            num_gpus=num_gpus,
+            num_cpus=num_cpus,
+            max_restarts=0,
+            max_task_retries=0,
+            scheduling_strategy=SCHEDULING[placement],
+        ).remote(url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
+
     return start
 
 
@@ -153,10 +190,11 @@ class TimedDriver(Driver):
             write(log, lines)
             self.append_s += time.perf_counter() - t
 
-        def timed_flush(wait=True):          # the loop's side of group commit: handing records over
+        def timed_flush(wait=True):  # the loop's side of group commit: handing records over
             t = time.perf_counter()
             flush(wait)
             self.collect_s += time.perf_counter() - t
+
         self.store._write_lines, self.store.flush = timed_write, timed_flush
 
     def _collect(self, uid, ref, result=None):
@@ -193,7 +231,7 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     """The same loop with no Driver in it: `slots` stand-ins, each result fetched and the next chunk submitted
     at once. Returns the loop's own ms per result (blocking for the first ready result excluded): what Ray
     itself costs per heartbeat on this host, the floor under the Driver's number."""
-    start = stand_in_factory(10 ** 9, chunk_s / 10)
+    start = stand_in_factory(10**9, chunk_s / 10)
     actors = [start("", {}, [i], [0], share, 0.0) for i in range(slots)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     owner = {a.run_chunk.remote(10): a for a in actors}
@@ -213,14 +251,30 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
 
 
 def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False, pending: int | None = None) -> dict:
-    cfg = resolve("tiny", {"name": f"bench-{n}-{pack}-{reuse}-{pending}", "n_experts": n,
-                           "train": {"updates": args.chunks * args.chunk_updates, "chunk_updates": args.chunk_updates},
-                           "resources": {"num_gpus": args.share, "num_cpus": 0.0, "experts_per_actor": pack, "reuse_actors": reuse,
-                                         "max_pending": pending},
-                           "retry": {"heartbeat_timeout_s": 600.0}})
+    cfg = resolve(
+        "tiny",
+        {
+            "name": f"bench-{n}-{pack}-{reuse}-{pending}",
+            "n_experts": n,
+            "train": {"updates": args.chunks * args.chunk_updates, "chunk_updates": args.chunk_updates},
+            "resources": {
+                "num_gpus": args.share,
+                "num_cpus": 0.0,
+                "experts_per_actor": pack,
+                "reuse_actors": reuse,
+                "max_pending": pending,
+            },
+            "retry": {"heartbeat_timeout_s": 600.0},
+        },
+    )
     store = Store(tempfile.mkdtemp(prefix=f"driver-{n}-{pack}-{reuse}-{pending}-", dir=args.campaign_dir or root))
-    driver = TimedDriver(store, cfg, expert_jobs(cfg), show_progress=False,
-                         actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates))
+    driver = TimedDriver(
+        store,
+        cfg,
+        expert_jobs(cfg),
+        show_progress=False,
+        actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates),
+    )
     cpu, t = time.process_time(), time.monotonic()
     outcome = driver.run()
     wall, cpu = time.monotonic() - t, time.process_time() - cpu
@@ -228,10 +282,16 @@ def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False, pend
     hist = history(store).values()
     beats = sum(1 for h in hist for e in h.events if e["event"] == "heartbeat")
     at = {(h.job, e["event"]): e["t"] for h in hist for e in h.events}
-    start_s = sum(at[(h.job, "started")] - at[(h.job, "launched")] for h in hist) / n   # actor start + setup()
+    start_s = sum(at[(h.job, "started")] - at[(h.job, "launched")] for h in hist) / n  # actor start + setup()
     per = 1e3 / driver.results
-    return {"wall": wall, "beats": beats, "start_s": start_s, "collect_ms": driver.collect_s * per,
-            "append_ms": driver.append_s * per, "cpu_ms": cpu * per}
+    return {
+        "wall": wall,
+        "beats": beats,
+        "start_s": start_s,
+        "collect_ms": driver.collect_s * per,
+        "append_ms": driver.append_s * per,
+        "cpu_ms": cpu * per,
+    }
 
 
 def run_tune(n: int, args, root: str) -> dict:
@@ -239,21 +299,31 @@ def run_tune(n: int, args, root: str) -> dict:
 
     chunks, chunk_s = args.chunks, args.chunk_s
 
-    def trial(config):                          # the same stand-in work: one report per chunk
+    def trial(config):  # the same stand-in work: one report per chunk
         t0 = time.monotonic()
         for i in range(chunks):
             time.sleep(chunk_s)
-            tune.report({"step": (i + 1) * args.chunk_updates, "loss": 5.0, "gpu_seconds": (time.monotonic() - t0) * args.share})
+            tune.report(
+                {"step": (i + 1) * args.chunk_updates, "loss": 5.0, "gpu_seconds": (time.monotonic() - t0) * args.share}
+            )
 
-    tuner = tune.Tuner(tune.with_resources(trial, {"cpu": 0, "gpu": args.share}),
-                       tune_config=tune.TuneConfig(num_samples=n),
-                       run_config=tune.RunConfig(name=f"tune-{n}", storage_path=os.path.join(root, "tune"), verbose=0))
+    tuner = tune.Tuner(
+        tune.with_resources(trial, {"cpu": 0, "gpu": args.share}),
+        tune_config=tune.TuneConfig(num_samples=n),
+        run_config=tune.RunConfig(name=f"tune-{n}", storage_path=os.path.join(root, "tune"), verbose=0),
+    )
     t = time.monotonic()
     results = tuner.fit()
     wall = time.monotonic() - t
     assert len(results) == n and not results.errors, results.errors
-    return {"wall": wall, "beats": n * chunks, "start_s": float("nan"), "collect_ms": float("nan"), "append_ms": float("nan"),
-            "cpu_ms": float("nan")}
+    return {
+        "wall": wall,
+        "beats": n * chunks,
+        "start_s": float("nan"),
+        "collect_ms": float("nan"),
+        "append_ms": float("nan"),
+        "cpu_ms": float("nan"),
+    }
 
 
 def main() -> None:
@@ -265,48 +335,78 @@ def main() -> None:
     p.add_argument("--chunks", type=int, default=6, help="heartbeats per expert")
     p.add_argument("--chunk-updates", type=int, default=10)
     p.add_argument("--chunk-s", type=float, default=2.0, help="stand-in seconds of work per chunk")
-    p.add_argument("--pack", type=int, nargs="+", default=[1, 4], help="experts per actor (resources.experts_per_actor)")
+    p.add_argument(
+        "--pack", type=int, nargs="+", default=[1, 4], help="experts per actor (resources.experts_per_actor)"
+    )
     p.add_argument("--reuse", action="store_true", help="also run each G with resources.reuse_actors")
-    p.add_argument("--max-pending", nargs="+", default=["default"],
-                   help="resources.max_pending values to run each G with ('default': every remaining job queued at once, 0 with reuse)")
+    p.add_argument(
+        "--max-pending",
+        nargs="+",
+        default=["default"],
+        help="resources.max_pending values to run each G with ('default': every remaining job queued at once, 0 with reuse)",
+    )
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
     slots = int(args.gpus / args.share + 1e-9)
     root = tempfile.mkdtemp(prefix="soma-bench-", dir="/tmp")
-    ray.init(num_gpus=args.gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False, _temp_dir=os.path.join(root, "ray"),
-             log_to_driver=False, logging_level="WARNING")
+    ray.init(
+        num_gpus=args.gpus,
+        num_cpus=os.cpu_count() or 1,
+        include_dashboard=False,
+        _temp_dir=os.path.join(root, "ray"),
+        log_to_driver=False,
+        logging_level="WARNING",
+    )
     try:
         rate = spawn_rate(args.share, min(slots, 32))
-        print(f"host starts {rate:.2f} actors/s; {slots} slots ({args.gpus} logical GPUs / {args.share}), "
-              f"{args.chunks} chunks x {args.chunk_s} s per expert", flush=True)
+        print(
+            f"host starts {rate:.2f} actors/s; {slots} slots ({args.gpus} logical GPUs / {args.share}), "
+            f"{args.chunks} chunks x {args.chunk_s} s per expert",
+            flush=True,
+        )
         floor = ray_floor_ms(slots, args.share, 40 * slots, args.chunk_s)
         print(f"bare Ray loop (wait + get + submit, no Driver): {floor:.3f} ms per result", flush=True)
         rows = []
         for n in args.experts:
-            systems = [(f"soma Driver, G={g}{', reuse' if reuse else ''}{'' if mp == 'default' else f', max_pending={mp}'}", g,
-                        lambda n, a, r, g=g, reuse=reuse, mp=mp: run_driver(n, a, r, g, reuse, None if mp == "default" else int(mp)))
-                       for g in args.pack for reuse in ((False, True) if args.reuse else (False,)) for mp in args.max_pending]
+            systems = [
+                (
+                    f"soma Driver, G={g}{', reuse' if reuse else ''}{'' if mp == 'default' else f', max_pending={mp}'}",
+                    g,
+                    lambda n, a, r, g=g, reuse=reuse, mp=mp: run_driver(
+                        n, a, r, g, reuse, None if mp == "default" else int(mp)
+                    ),
+                )
+                for g in args.pack
+                for reuse in ((False, True) if args.reuse else (False,))
+                for mp in args.max_pending
+            ]
             if not args.no_tune:
                 systems.append(("Ray Tune", 1, run_tune))
             for name, g, fn in systems:
-                actors = math.ceil(n / g)           # actor *jobs*: with reuse, fewer processes start
-                ideal = actors * args.chunks * args.chunk_s / slots        # the actors' work / slots
+                actors = math.ceil(n / g)  # actor *jobs*: with reuse, fewer processes start
+                ideal = actors * args.chunks * args.chunk_s / slots  # the actors' work / slots
                 r = fn(n, args, root)
                 rows.append((name, n, g, actors, ideal, max(ideal, actors / rate), r))
                 print(f"  done: {name} N={n} in {r['wall']:.1f} s", flush=True)
-        print("\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
-              "| wall/(ideal+start) | driver loop ms/heartbeat | log writer thread ms/heartbeat | driver process CPU ms/heartbeat |")
+        print(
+            "\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
+            "| wall/(ideal+start) | driver loop ms/heartbeat | log writer thread ms/heartbeat | driver process CPU ms/heartbeat |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         for name, n, g, actors, ideal, bound, r in rows:
-            with_start = ideal + actors * r["start_s"] / slots      # slots are held while an actor starts, too
-            print(f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
-                  f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
-                  f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |")
+            with_start = ideal + actors * r["start_s"] / slots  # slots are held while an actor starts, too
+            print(
+                f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
+                f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
+                f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |"
+            )
         for name, n, g, *_, r in rows:
             if name.startswith("soma"):
-                print(f"{name} N={n}: driver loop / bare Ray loop per heartbeat = {r['collect_ms'] / floor:.2f} "
-                      f"(per actor call: {r['collect_ms'] * g / floor:.2f})")
+                print(
+                    f"{name} N={n}: driver loop / bare Ray loop per heartbeat = {r['collect_ms'] / floor:.2f} "
+                    f"(per actor call: {r['collect_ms'] * g / floor:.2f})"
+                )
         drivers = {n: r for name, n, g, *_, r in rows if name.startswith("soma Driver, G=1") and "reuse" not in name}
         for name, n, *_, r in rows:
             if name == "Ray Tune" and n in drivers:

@@ -84,6 +84,7 @@ Measured 2026-12-05 02:30-02:45 on the same host, quiet (load average 0.9-1.3), 
   matrix-vector product per step: every step reads the expert's 160 KiB of weights, from L2, for one row, and runs
   at about 0.43 of sgemm (bench_kernels rows table).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -104,7 +105,7 @@ def corpus_chunks(n_fit: int, n_windows: int) -> tuple[list[str], np.ndarray]:
     """Fit texts (1,024-byte chunks) and, from other documents, test windows of 1,025 bytes."""
     fit, wins = [], []
     for i, doc in enumerate(builtin_documents(int((n_fit + n_windows) * 1100 * 1.3))):
-        pieces = [doc.data[a:a + 1025] for a in range(0, len(doc.data) - 1024, 1025)]
+        pieces = [doc.data[a : a + 1025] for a in range(0, len(doc.data) - 1024, 1025)]
         if i % 5 == 0 and len(wins) < n_windows:
             wins += pieces[: n_windows - len(wins)]
         else:
@@ -138,8 +139,8 @@ def main() -> None:
         params = n * Layout(cfg).size + (256 * 32 if head != "own" else n * 256 * 32)
         setups.append((n, d, cfg, router, ensemble(cfg, n, seed=1), params, time.perf_counter() - t))
     best: dict[int, tuple[float, float]] = {}
-    paired = []                               # N=8 seconds / N=256 seconds of each repeat
-    for rep in range(args.repeats):           # alternate the two, keep each one's fastest (least disturbed) run
+    paired = []  # N=8 seconds / N=256 seconds of each repeat
+    for rep in range(args.repeats):  # alternate the two, keep each one's fastest (least disturbed) run
         seconds = {}
         for n, d, cfg, router, ex, _, _ in setups:
             res = evaluate_ensemble(router, cfg, ex, win, 256, args.batch, torch.device("cpu"))
@@ -153,8 +154,10 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for n, d, params, total, route, tps, _ in rows:
         print(f"| N={n}, d={d}, top-4 | {params:,} | {total:.1f} | {tps:,.0f} | {100 * route / total:.2f}% |")
-    print(f"\nN=256 / N=8 throughput: {rows[0][5] / rows[1][5]:.2f}x from each one's fastest run (paper, one GPU: 9.2x); "
-          f"per repeat {', '.join(f'{r:.2f}x' for r in paired)}, median {float(np.median(paired)):.2f}x")
+    print(
+        f"\nN=256 / N=8 throughput: {rows[0][5] / rows[1][5]:.2f}x from each one's fastest run (paper, one GPU: 9.2x); "
+        f"per repeat {', '.join(f'{r:.2f}x' for r in paired)}, median {float(np.median(paired)):.2f}x"
+    )
 
 
 if __name__ == "__main__":

@@ -37,6 +37,7 @@ of each, alternating between the trees:
   matrix-vector product per step, bound by reading the expert's weights from L2 (the register load is not used
   there: each weight vector feeds one FMA either way).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -46,22 +47,36 @@ from contextlib import contextmanager
 
 import numpy as np
 import torch
+from bench_spsa import sgemm_flops, steady_malloc, useful_flops  # this folder is on sys.path when run as a script
 
-from bench_spsa import sgemm_flops, steady_malloc, useful_flops        # this folder is on sys.path when run as a script
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.ensemble import bmm_logprobs, packed_logprobs
 from soma_cluster.model import Layout, init_body, init_head, step_by_step
 
-EXPERT = [(32, 8, 256, 32), (4, 64, 256, 64), (2, 64, 256, 128), (2, 64, 128, 181), (2, 64, 64, 256), (2, 64, 32, 361)]   # C, B, T, d
-RECURRENCE = [(32, 32, 16, 32), (8, 32, 64, 64), (2, 32, 256, 128), (1, 32, 512, 181), (1, 32, 256, 361), (1, 32, 128, 512)]   # P, T, B, d
-DECODER = [(32, 512, 32), (1, 16384, 32)]                                                                 # C, R, e
+EXPERT = [
+    (32, 8, 256, 32),
+    (4, 64, 256, 64),
+    (2, 64, 256, 128),
+    (2, 64, 128, 181),
+    (2, 64, 64, 256),
+    (2, 64, 32, 361),
+]  # C, B, T, d
+RECURRENCE = [
+    (32, 32, 16, 32),
+    (8, 32, 64, 64),
+    (2, 32, 256, 128),
+    (1, 32, 512, 181),
+    (1, 32, 256, 361),
+    (1, 32, 128, 512),
+]  # P, T, B, d
+DECODER = [(32, 512, 32), (1, 16384, 32)]  # C, R, e
 CPU = torch.device("cpu")
 
 
 def fastest(fns: dict, repeats: int) -> dict[str, float]:
     best = {k: float("inf") for k in fns}
-    for _ in range(repeats):                 # alternate, keep each one's least disturbed run
+    for _ in range(repeats):  # alternate, keep each one's least disturbed run
         for k, fn in fns.items():
             t = time.perf_counter()
             fn()
@@ -86,8 +101,10 @@ def kernels(expert: bool, any_: bool = True):
 
 
 def expert_table(repeats: int, gen: torch.Generator) -> None:
-    print("| whole expert C x B x T, d | torch only ms | composed ms | kernel ms | torch GF/s | composed GF/s | kernel GF/s "
-          "| kernel vs composed |")
+    print(
+        "| whole expert C x B x T, d | torch only ms | composed ms | kernel ms | torch GF/s | composed GF/s | kernel GF/s "
+        "| kernel vs composed |"
+    )
     print("|---|---|---|---|---|---|---|---|")
     for c, b, t, d in EXPERT:
         cfg = ModelConfig(d=d, head="own")
@@ -99,12 +116,16 @@ def expert_table(repeats: int, gen: torch.Generator) -> None:
             def go():
                 with kernels(expert, any_):
                     packed_logprobs(cfg, bodies, heads, windows, 0, CPU)
+
             return go
+
         s = fastest({"torch": run(False, False), "composed": run(False), "kernel": run(True)}, repeats)
         flop = useful_flops(cfg, c * b * t) / 1e9
-        print(f"| {c} x {b} x {t}, {d} | {s['torch'] * 1e3:.0f} | {s['composed'] * 1e3:.0f} | {s['kernel'] * 1e3:.0f} | "
-              f"{flop / s['torch']:.1f} | {flop / s['composed']:.1f} | {flop / s['kernel']:.1f} | {s['composed'] / s['kernel']:.2f}x |",
-              flush=True)
+        print(
+            f"| {c} x {b} x {t}, {d} | {s['torch'] * 1e3:.0f} | {s['composed'] * 1e3:.0f} | {s['kernel'] * 1e3:.0f} | "
+            f"{flop / s['torch']:.1f} | {flop / s['composed']:.1f} | {flop / s['kernel']:.1f} | {s['composed'] / s['kernel']:.2f}x |",
+            flush=True,
+        )
 
 
 def rows_table(repeats: int, gen: torch.Generator, sgemm: float) -> None:
@@ -127,14 +148,22 @@ def recurrence_table(repeats: int, gen: torch.Generator) -> None:
     print("\n| recurrence P x T x B, d | torch ms | kernel ms | torch GF/s | kernel GF/s | kernel speed-up |")
     print("|---|---|---|---|---|---|")
     for pp, t, b, d in RECURRENCE:
-        gi, w = torch.randn(pp, t, b, 4 * d, generator=gen), torch.randn(pp, d, 4 * d, generator=gen) / d ** 0.5
+        gi, w = torch.randn(pp, t, b, 4 * d, generator=gen), torch.randn(pp, d, 4 * d, generator=gen) / d**0.5
         packed = fused.pack_recurrent(w)
         h, c = torch.zeros(pp, b, d), torch.zeros(pp, b, d)
-        s = fastest({"torch": lambda: step_by_step(gi, w, h.clone(), c.clone()),
-                     "kernel": lambda: fused.lstm_block(gi, packed, h.clone(), c.clone())}, repeats)
+        s = fastest(
+            {
+                "torch": lambda: step_by_step(gi, w, h.clone(), c.clone()),
+                "kernel": lambda: fused.lstm_block(gi, packed, h.clone(), c.clone()),
+            },
+            repeats,
+        )
         flop = 2 * pp * t * b * d * 4 * d / 1e9
-        print(f"| {pp} x {t} x {b}, {d} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
-              f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |", flush=True)
+        print(
+            f"| {pp} x {t} x {b}, {d} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
+            f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |",
+            flush=True,
+        )
 
 
 def decoder_table(repeats: int, gen: torch.Generator) -> None:
@@ -143,10 +172,15 @@ def decoder_table(repeats: int, gen: torch.Generator) -> None:
     for cc, r, e in DECODER:
         h, heads = torch.randn(cc, r, e, generator=gen), torch.randn(cc, 256, e, generator=gen) * 0.3
         y = torch.randint(0, 256, (cc, r), generator=gen, dtype=torch.uint8)
-        s = fastest({"torch": lambda: bmm_logprobs(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, repeats)
+        s = fastest(
+            {"torch": lambda: bmm_logprobs(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, repeats
+        )
         flop = 2 * cc * r * e * 256 / 1e9
-        print(f"| {cc} x {r}, {e} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
-              f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |", flush=True)
+        print(
+            f"| {cc} x {r}, {e} | {s['torch'] * 1e3:.1f} | {s['kernel'] * 1e3:.1f} | {flop / s['torch']:.1f} | "
+            f"{flop / s['kernel']:.1f} | {s['torch'] / s['kernel']:.2f}x |",
+            flush=True,
+        )
 
 
 def main() -> None:
@@ -161,9 +195,15 @@ def main() -> None:
         raise SystemExit("the fused kernels are not available here (no C compiler, or SOMA_FUSED=0)")
     gen = torch.Generator().manual_seed(0)
     sgemm = sgemm_flops()
-    print(f"{args.threads} threads, sgemm {sgemm / 1e9:.0f} GF/s (best of 5, n=4096), load average {os.getloadavg()[0]:.2f}\n")
-    tables = {"expert": expert_table, "rows": lambda r, g: rows_table(r, g, sgemm), "recurrence": recurrence_table,
-              "decoder": decoder_table}
+    print(
+        f"{args.threads} threads, sgemm {sgemm / 1e9:.0f} GF/s (best of 5, n=4096), load average {os.getloadavg()[0]:.2f}\n"
+    )
+    tables = {
+        "expert": expert_table,
+        "rows": lambda r, g: rows_table(r, g, sgemm),
+        "recurrence": recurrence_table,
+        "decoder": decoder_table,
+    }
     with torch.no_grad():
         for name in args.tables.split(","):
             tables[name](args.repeats, gen)

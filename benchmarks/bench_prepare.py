@@ -42,6 +42,7 @@ tasks on reused worker processes (each loads the router once), 12 minutes in all
   stage was 22 s with a shuffle by expert (Ray Data groupby + map_groups, the first design) before each part wrote
   its own shard files.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -83,10 +84,16 @@ def one(args) -> None:
     from soma_cluster.config import resolve
     from soma_cluster.storage import Store
 
-    cfg = resolve("tiny", {"name": "bench-prepare", "n_experts": args.experts,
-                           "corpus": {"source": args.corpus, "max_bytes": 10**13, "test_fraction": 0.001},
-                           "router": {"sample_chunks": args.sample, "max_features": 50_000, "min_df": 5, "svd_dim": 128},
-                           "prepare": {"engine": args.engine, "workers": args.workers, "part_bytes": args.part_mb * 10**6}})
+    cfg = resolve(
+        "tiny",
+        {
+            "name": "bench-prepare",
+            "n_experts": args.experts,
+            "corpus": {"source": args.corpus, "max_bytes": 10**13, "test_fraction": 0.001},
+            "router": {"sample_chunks": args.sample, "max_features": 50_000, "min_df": 5, "svd_dim": 128},
+            "prepare": {"engine": args.engine, "workers": args.workers, "part_bytes": args.part_mb * 10**6},
+        },
+    )
     stop, peak = threading.Event(), [0.0]
     watcher = threading.Thread(target=_worker_rss, args=(stop, peak), daemon=True)
     watcher.start()
@@ -95,9 +102,19 @@ def one(args) -> None:
     wall = time.perf_counter() - t
     stop.set()
     watcher.join()
-    print(json.dumps({"wall": wall, "bytes": summary["corpus"]["bytes"], "parts": summary["corpus"]["parts"],
-                      "stages": summary["stage_seconds"], "driver_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
-                      "worker_rss_mib": peak[0], "rows": [min(summary["train_rows"]), max(summary["train_rows"])]}))
+    print(
+        json.dumps(
+            {
+                "wall": wall,
+                "bytes": summary["corpus"]["bytes"],
+                "parts": summary["corpus"]["parts"],
+                "stages": summary["stage_seconds"],
+                "driver_rss_mib": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                "worker_rss_mib": peak[0],
+                "rows": [min(summary["train_rows"]), max(summary["train_rows"])],
+            }
+        )
+    )
 
 
 def digests(root: str) -> dict[str, str]:
@@ -136,7 +153,11 @@ def main() -> None:
         os.makedirs(corpus)
         t = time.perf_counter()
         text = generate(corpus, int(args.gb * 1e9), seed=0)
-        print(f"generated {text / 1e9:.2f} GB of JSONL text in {time.perf_counter() - t:.0f} s", file=sys.stderr, flush=True)
+        print(
+            f"generated {text / 1e9:.2f} GB of JSONL text in {time.perf_counter() - t:.0f} s",
+            file=sys.stderr,
+            flush=True,
+        )
         arms = [("local", 0), ("ray", 1), ("ray", 2)]
         results: dict[tuple[str, int], list[dict]] = {a: [] for a in arms}
         files = {}
@@ -144,19 +165,46 @@ def main() -> None:
             for engine, workers in arms:
                 camp = os.path.join(tmp, f"camp-{engine}-{workers}")
                 shutil.rmtree(camp, ignore_errors=True)
-                cmd = [sys.executable, os.path.abspath(__file__), "--one", "--engine", engine, "--workers", str(workers), "--corpus", corpus,
-                       "--campaign", camp, "--experts", str(args.experts), "--sample", str(args.sample), "--part-mb", str(args.part_mb)]
-                res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)})
+                cmd = [
+                    sys.executable,
+                    os.path.abspath(__file__),
+                    "--one",
+                    "--engine",
+                    engine,
+                    "--workers",
+                    str(workers),
+                    "--corpus",
+                    corpus,
+                    "--campaign",
+                    camp,
+                    "--experts",
+                    str(args.experts),
+                    "--sample",
+                    str(args.sample),
+                    "--part-mb",
+                    str(args.part_mb),
+                ]
+                res = subprocess.run(
+                    cmd, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.path.dirname(HERE)}
+                )
                 if res.returncode:
                     sys.exit(f"{engine}/{workers} failed:\n{res.stderr[-3000:]}")
                 results[(engine, workers)].append(json.loads(res.stdout.strip().splitlines()[-1]))
                 files[(engine, workers)] = digests(camp)
-                print(f"round {r}: {engine} {workers or ''} {results[(engine, workers)][-1]['wall']:.0f} s", file=sys.stderr, flush=True)
+                print(
+                    f"round {r}: {engine} {workers or ''} {results[(engine, workers)][-1]['wall']:.0f} s",
+                    file=sys.stderr,
+                    flush=True,
+                )
         same = all(f == files[arms[0]] for f in files.values())
-        print(f"\n{text / 1e9:.2f} GB JSONL, N = {args.experts}, router sample {args.sample:,}, parts of {args.part_mb} MB; "
-              f"campaigns identical across engines: {same} ({len(files[arms[0]])} files)\n")
-        print("| engine | workers | wall s (median) | MB/s | vs local | vs 1 worker | read | sample | fit | embed | refit | count | write | "
-              "driver peak RSS MiB | worker peak private RSS MiB |")
+        print(
+            f"\n{text / 1e9:.2f} GB JSONL, N = {args.experts}, router sample {args.sample:,}, parts of {args.part_mb} MB; "
+            f"campaigns identical across engines: {same} ({len(files[arms[0]])} files)\n"
+        )
+        print(
+            "| engine | workers | wall s (median) | MB/s | vs local | vs 1 worker | read | sample | fit | embed | refit | count | write | "
+            "driver peak RSS MiB | worker peak private RSS MiB |"
+        )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         import statistics
 
@@ -165,14 +213,27 @@ def main() -> None:
             x = results[a][-1]
             st = x["stages"]
             per_worker = f"{wall[('ray', 1)] / wall[a]:.2f}x" if a[0] == "ray" else "-"
-            print(f"| {a[0]} | {a[1] or '-'} | {wall[a]:.1f} | {x['bytes'] / 1e6 / wall[a]:.1f} | {wall[arms[0]] / wall[a]:.2f}x | "
-                  f"{per_worker} | "
-                  + " | ".join(f"{st.get(k, 0):.1f}" for k in ("read", "sample", "fit", "embed", "refit", "count", "write"))
-                  + f" | {max(r['driver_rss_mib'] for r in results[a]):.0f} | {max(r['worker_rss_mib'] for r in results[a]):.0f} |")
-        pairs = [(results[arms[0]][r]["wall"] / results[arms[1]][r]["wall"], results[arms[1]][r]["wall"] / results[arms[2]][r]["wall"])
-                 for r in range(args.repeats)]
-        print("\n(stage seconds: the last round.) Paired within each round: local / ray 1 worker "
-              + ", ".join(f"{p[0]:.2f}" for p in pairs) + "; ray 1 / ray 2 workers " + ", ".join(f"{p[1]:.2f}" for p in pairs))
+            print(
+                f"| {a[0]} | {a[1] or '-'} | {wall[a]:.1f} | {x['bytes'] / 1e6 / wall[a]:.1f} | {wall[arms[0]] / wall[a]:.2f}x | "
+                f"{per_worker} | "
+                + " | ".join(
+                    f"{st.get(k, 0):.1f}" for k in ("read", "sample", "fit", "embed", "refit", "count", "write")
+                )
+                + f" | {max(r['driver_rss_mib'] for r in results[a]):.0f} | {max(r['worker_rss_mib'] for r in results[a]):.0f} |"
+            )
+        pairs = [
+            (
+                results[arms[0]][r]["wall"] / results[arms[1]][r]["wall"],
+                results[arms[1]][r]["wall"] / results[arms[2]][r]["wall"],
+            )
+            for r in range(args.repeats)
+        ]
+        print(
+            "\n(stage seconds: the last round.) Paired within each round: local / ray 1 worker "
+            + ", ".join(f"{p[0]:.2f}" for p in pairs)
+            + "; ray 1 / ray 2 workers "
+            + ", ".join(f"{p[1]:.2f}" for p in pairs)
+        )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

@@ -93,6 +93,7 @@ where it had taken 5.6-6.6 s. Paired medians, paper-small:
   4x would need ours at 0.84-1.04 of sgemm with the nonlinearities (gates, GELU, LayerNorm, softmax: about a
   quarter of the kernel's time at d = 32, not counted as useful FLOPs) included.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -122,7 +123,7 @@ def sgemm_flops(n: int = 4096, reps: int = 5) -> float:
         t = time.perf_counter()
         torch.mm(a, b)
         best = min(best, time.perf_counter() - t)
-    return 2 * n ** 3 / best
+    return 2 * n**3 / best
 
 
 def useful_flops(cfg: ModelConfig, tokens: int) -> float:
@@ -175,7 +176,7 @@ class Peer:
         self.z = torch.randint(-1, 2, (n_pert, self.theta.numel())).float()
         self.x, self.y, self.head = x, y, head
         with torch.no_grad():
-            self.model.loss(head, x, y)                                     # warm-up: one whole forward
+            self.model.loss(head, x, y)  # warm-up: one whole forward
 
     @torch.no_grad()
     def update(self) -> None:
@@ -193,7 +194,7 @@ class Ours:
         self.z = probes(n_pert, Layout(cfg).gain_mask(), 0)
         self.loss = lambda bodies: copy_losses(cfg, bodies, head, x, y)  # noqa: E731
         self.chunk = chunk
-        with torch.no_grad():                                             # warm-up: one batched pass (and the kernel build)
+        with torch.no_grad():  # warm-up: one batched pass (and the kernel build)
             spsa_estimate(self.theta, self.z[:chunk], 1e-3, self.loss, chunk)
 
     @torch.no_grad()
@@ -211,7 +212,7 @@ def paired(fns: dict, repeats: int) -> dict[str, list[float]]:
     """Seconds of each fn per repeat, run in turn, the order reversed every other repeat (drift cancels)."""
     out = {k: [] for k in fns}
     for rep in range(repeats):
-        for k in (list(fns) if rep % 2 == 0 else list(fns)[::-1]):
+        for k in list(fns) if rep % 2 == 0 else list(fns)[::-1]:
             out[k].append(timed(fns[k]))
     return out
 
@@ -244,6 +245,7 @@ def peak_memory_mb(d, b, t, n_pert, chunk) -> tuple[float, float]:
 def packed_vs_separate(g_experts=16, b=8, t=256, n_pert=8):
     from soma_cluster.config import SPSAConfig
     from soma_cluster.trainer import Trainer, TrainState, update_experts
+
     cfg = ModelConfig()
     spsa = SPSAConfig(n_pert=n_pert, batch=b, seq_len=t, pert_chunk=n_pert)
     rows = torch.randint(0, 256, (64, t + 1), dtype=torch.uint8).numpy()
@@ -255,8 +257,9 @@ def packed_vs_separate(g_experts=16, b=8, t=256, n_pert=8):
             st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), False, 1e-3, 1e-3)
             out.append(Trainer(cfg, spsa, Shard(e, t + 1, [rows], [rows[:4]]), st, 0, e, torch.device("cpu"), 4))
         return out
+
     sep, pk = trainers(), trainers()
-    sep[0].update(), update_experts(pk[:2])                 # warm-up
+    sep[0].update(), update_experts(pk[:2])  # warm-up
     t0 = time.perf_counter()
     for tr in sep:
         tr.update()
@@ -268,6 +271,7 @@ def packed_vs_separate(g_experts=16, b=8, t=256, n_pert=8):
 
 def torch_path(fn):
     """fn run with the fused kernels off (SOMA_FUSED=0): the model's plain torch path."""
+
     def run():
         os.environ["SOMA_FUSED"] = "0"
         fused._library.cache_clear()
@@ -276,6 +280,7 @@ def torch_path(fn):
         finally:
             del os.environ["SOMA_FUSED"]
             fused._library.cache_clear()
+
     return run
 
 
@@ -289,10 +294,14 @@ def steady_malloc(leave: bool = False) -> str:
         return "glibc malloc as it comes (--default-malloc)"
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 1 << 30) == 1   # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
+        ok = libc.mallopt(-3, 32 << 20) == 1 and libc.mallopt(-1, 1 << 30) == 1  # M_MMAP_THRESHOLD, M_TRIM_THRESHOLD
     except (OSError, AttributeError):
         ok = False
-    return "glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB" if ok else "malloc thresholds left as they are (no glibc)"
+    return (
+        "glibc malloc: mmap threshold 32 MiB, trim threshold 1 GiB"
+        if ok
+        else "malloc thresholds left as they are (no glibc)"
+    )
 
 
 def main() -> None:
@@ -302,12 +311,17 @@ def main() -> None:
     ap.add_argument("--torch-path", action="store_true", help="also time ours with the fused kernels off")
     ap.add_argument("--shapes", default="paper-small,tiny", help=f"of {', '.join(s[0] for s in SHAPES)}")
     ap.add_argument("--no-extras", action="store_true", help="skip the packed-vs-separate and peak-memory runs")
-    ap.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds dynamic (see steady_malloc)")
+    ap.add_argument(
+        "--default-malloc", action="store_true", help="leave glibc's malloc thresholds dynamic (see steady_malloc)"
+    )
     args = ap.parse_args()
     print(steady_malloc(args.default_malloc), flush=True)
     sgemm = [sgemm_flops()]
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
-          f"load average {os.getloadavg()[0]:.2f}", flush=True)
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
+        f"load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     results = []
     for name, d, b, t, n_pert in SHAPES:
         if name not in args.shapes.split(","):
@@ -327,25 +341,39 @@ def main() -> None:
         results.append((name, useful_flops(cfg, 2 * n_pert * b * t), secs))
     sgemm.append(sgemm_flops())
     peak = max(sgemm)
-    print(f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): using {peak / 1e9:.1f}; "
-          f"load average {os.getloadavg()[0]:.2f}\n")
-    print("| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |")
+    print(
+        f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): using {peak / 1e9:.1f}; "
+        f"load average {os.getloadavg()[0]:.2f}\n"
+    )
+    print(
+        "| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |"
+    )
     print("|---|---|---|---|---|")
     for name, flops, secs in results:
         peer = secs["peer nn.LSTM loop"]
         for k, v in secs.items():
             ratios = [p / s for p, s in zip(peer, v)]
-            print(f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(ratios):.2f}x "
-                  f"({', '.join(f'{r:.2f}' for r in ratios)}) | {flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |")
+            print(
+                f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(ratios):.2f}x "
+                f"({', '.join(f'{r:.2f}' for r in ratios)}) | {flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |"
+            )
     if args.no_extras:
         return
     t_sep, t_pk = packed_vs_separate()
-    print(f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x")
+    print(
+        f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x"
+    )
     base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 16)
-    print(f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)")
+    print(
+        f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)"
+    )
 
 
-SHAPES = [("paper-small", 32, 64, 1023, 64), ("paper-small-T256", 32, 64, 255, 64), ("tiny", 32, 8, 255, 8)]   # name, d, B, T, n_pert
+SHAPES = [
+    ("paper-small", 32, 64, 1023, 64),
+    ("paper-small-T256", 32, 64, 255, 64),
+    ("tiny", 32, 8, 255, 8),
+]  # name, d, B, T, n_pert
 
 
 if __name__ == "__main__":

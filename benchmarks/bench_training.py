@@ -68,6 +68,7 @@ glibc malloc's thresholds fixed (bench_spsa.steady_malloc, now the default), the
   blocks of 4 rows) reads 46% above the 2026-12-04 run and N=256 9% (two days, not paired). At equal efficiency
   the ratios to the monolith would be 206x, 8.0x and 2.0x.
 """
+
 from __future__ import annotations
 
 import argparse
@@ -77,14 +78,14 @@ import time
 
 import numpy as np
 import torch
+from bench_spsa import steady_malloc  # this folder is on sys.path when run as a script
 
-from bench_spsa import steady_malloc        # this folder is on sys.path when run as a script
 from soma_cluster.config import ModelConfig, SPSAConfig
 from soma_cluster.model import campaign_param_count, init_body, init_head
 from soma_cluster.shards import Shard
 from soma_cluster.trainer import Trainer, TrainState, update_experts
 
-SETUPS = [   # label, N experts, d, head, experts packed per actor
+SETUPS = [  # label, N experts, d, head, experts packed per actor
     ("N=256, d=32, shared head", 256, 32, "shared_frozen", None),
     ("N=8, d=180", 8, 180, "own", 1),
     ("N=2, d=361", 2, 361, "own", 1),
@@ -119,7 +120,11 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=128)
     p.add_argument("--n-pert", type=int, default=8)
     p.add_argument("--pack", type=int, default=16, help="narrow experts per actor (resources.experts_per_actor)")
-    p.add_argument("--default-malloc", action="store_true", help="leave glibc's malloc thresholds dynamic (bench_spsa.steady_malloc)")
+    p.add_argument(
+        "--default-malloc",
+        action="store_true",
+        help="leave glibc's malloc thresholds dynamic (bench_spsa.steady_malloc)",
+    )
     args = p.parse_args()
     print(steady_malloc(args.default_malloc), flush=True)
     spsa = SPSAConfig(n_pert=args.n_pert, batch=args.batch, seq_len=args.seq_len, pert_chunk=min(args.n_pert, 16))
@@ -129,13 +134,16 @@ def main() -> None:
         params = campaign_param_count(ModelConfig(d=d, head=head), n)
         assert abs(params / total - 1) <= 0.01, f"{label}: {params:,} parameters, not within 1% of {total:,}"
         packs[label] = (params, pack(label, n, d, head, g or args.pack, spsa))
-        one_update(packs[label][1])                                         # warm-up (and the kernel build)
-    print(f"{torch.get_num_threads()} threads; n_pert {spsa.n_pert}, B {spsa.batch}, T {spsa.seq_len}, "
-          f"{args.pack} narrow experts per actor; load average {os.getloadavg()[0]:.2f}", flush=True)
+        one_update(packs[label][1])  # warm-up (and the kernel build)
+    print(
+        f"{torch.get_num_threads()} threads; n_pert {spsa.n_pert}, B {spsa.batch}, T {spsa.seq_len}, "
+        f"{args.pack} narrow experts per actor; load average {os.getloadavg()[0]:.2f}",
+        flush=True,
+    )
     rates: dict[str, list[float]] = {k: [] for k in packs}
     order = list(packs)
     for rep in range(args.repeats):
-        for label in order[rep % len(order):] + order[:rep % len(order)]:
+        for label in order[rep % len(order) :] + order[: rep % len(order)]:
             rates[label].append(one_update(packs[label][1]))
         print(f"  rep {rep}: " + ", ".join(f"{k}: {v[-1]:,.0f}/s" for k, v in rates.items()), flush=True)
     mono, n8 = rates[SETUPS[-1][0]], rates[SETUPS[1][0]]
@@ -146,7 +154,9 @@ def main() -> None:
         r = rates[label]
         vs_mono = statistics.median(a / b for a, b in zip(r, mono))
         vs_n8 = statistics.median(a / b for a, b in zip(r, n8))
-        print(f"| {label} | {params:,} | {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f}) | {vs_mono:.2f}x | {vs_n8:.2f}x |")
+        print(
+            f"| {label} | {params:,} | {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f}) | {vs_mono:.2f}x | {vs_n8:.2f}x |"
+        )
 
 
 if __name__ == "__main__":

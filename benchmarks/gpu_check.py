@@ -24,6 +24,7 @@ and the TF32 flags have no effect.
 
 Not yet run on a GPU: no device has been lent to this project's sessions so far (issue 17).
 """
+
 from __future__ import annotations
 
 import argparse
@@ -36,29 +37,52 @@ from contextlib import contextmanager, nullcontext
 import numpy as np
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))       # bench_inference beside this file
-from bench_inference import corpus_chunks, ensemble                    # noqa: E402
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # bench_inference beside this file
+from bench_inference import corpus_chunks, ensemble  # noqa: E402
 
-import soma_cluster.trainer as trainer_mod                             # noqa: E402
-from soma_cluster import fused                                         # noqa: E402
+import soma_cluster.trainer as trainer_mod  # noqa: E402
+from soma_cluster import fused  # noqa: E402
 from soma_cluster.config import ModelConfig, RouterConfig, SPSAConfig  # noqa: E402
-from soma_cluster.ensemble import Windows, evaluate_ensemble           # noqa: E402
-from soma_cluster.model import Layout, copy_losses, init_body, init_head   # noqa: E402
-from soma_cluster.router import fit_router                            # noqa: E402
-from soma_cluster.shards import Shard                                  # noqa: E402
-from soma_cluster.spsa import probes, spsa_estimate                    # noqa: E402
-from soma_cluster.trainer import Trainer, TrainState, update_experts   # noqa: E402
+from soma_cluster.ensemble import Windows, evaluate_ensemble  # noqa: E402
+from soma_cluster.model import Layout, copy_losses, init_body, init_head  # noqa: E402
+from soma_cluster.router import fit_router  # noqa: E402
+from soma_cluster.shards import Shard  # noqa: E402
+from soma_cluster.spsa import probes, spsa_estimate  # noqa: E402
+from soma_cluster.trainer import Trainer, TrainState, update_experts  # noqa: E402
 
 CPU = torch.device("cpu")
 # (B, T, n_pert) of each step, and the experts packed per actor, eval windows and router fit chunks
 SIZES = {
-    "full": dict(equal=(8, 256, 8), small=(64, 1024, 64), n256=(64, 1024, 64), pack=8, timed=3, windows=1024,
-                 eval_batch=512, fit=8000, tf32=(16, 512, 64), wide_d=181, balance=0.05,
-                 ensembles=((256, 32), (8, 181)), eval_runs=2),
-    "smoke": dict(equal=(2, 32, 4), small=(2, 32, 4), n256=(2, 32, 4), pack=4, timed=1, windows=4,
-                  eval_batch=8, fit=300, tf32=(2, 32, 8), wide_d=48,
-                  balance=10.0,     # 300 chunks cannot balance 256 clusters; the smoke run does not need them to
-                  ensembles=((256, 32), (8, 64)), eval_runs=1),
+    "full": dict(
+        equal=(8, 256, 8),
+        small=(64, 1024, 64),
+        n256=(64, 1024, 64),
+        pack=8,
+        timed=3,
+        windows=1024,
+        eval_batch=512,
+        fit=8000,
+        tf32=(16, 512, 64),
+        wide_d=181,
+        balance=0.05,
+        ensembles=((256, 32), (8, 181)),
+        eval_runs=2,
+    ),
+    "smoke": dict(
+        equal=(2, 32, 4),
+        small=(2, 32, 4),
+        n256=(2, 32, 4),
+        pack=4,
+        timed=1,
+        windows=4,
+        eval_batch=8,
+        fit=300,
+        tf32=(2, 32, 8),
+        wide_d=48,
+        balance=10.0,  # 300 chunks cannot balance 256 clusters; the smoke run does not need them to
+        ensembles=((256, 32), (8, 64)),
+        eval_runs=1,
+    ),
 }
 # |loss diff| in nats/byte; rel. L2 of Adam's m; cosine of the moves. A probe's d_j = (L+ - L-) / 2eps carries the
 # losses' float32 rounding (~5.5 * 6e-8) over 2e-3, ~2e-4 in absolute terms, so two correct float32 paths that
@@ -66,12 +90,21 @@ SIZES = {
 # torch path, 1.1e-3), and Adam's first step, ~lr * sign(g), flips only coordinates whose g is near zero.
 TOL = dict(loss=1e-4, moment=2e-2, move_cos=0.99)
 START = time.perf_counter()
-ROWS: list[tuple] = []                                # check, setting, result, s, byte-tokens/s, peak MiB, verdict
+ROWS: list[tuple] = []  # check, setting, result, s, byte-tokens/s, peak MiB, verdict
 
 
 def row(check, setting, result, seconds=None, rate=None, peak=None, verdict=""):
-    ROWS.append((check, setting, result, "-" if seconds is None else f"{seconds:.3f}",
-                 "-" if rate is None else f"{rate:,.0f}", "-" if peak is None else f"{peak:,.0f}", verdict))
+    ROWS.append(
+        (
+            check,
+            setting,
+            result,
+            "-" if seconds is None else f"{seconds:.3f}",
+            "-" if rate is None else f"{rate:,.0f}",
+            "-" if peak is None else f"{peak:,.0f}",
+            verdict,
+        )
+    )
     print(f"  [{time.perf_counter() - START:.0f} s] {check} | {setting} | {result} | {verdict}", flush=True)
 
 
@@ -109,7 +142,7 @@ def reset_peak(device):
 
 
 def peak_mib(device):
-    return torch.cuda.max_memory_allocated() / 2 ** 20 if device.type == "cuda" else None
+    return torch.cuda.max_memory_allocated() / 2**20 if device.type == "cuda" else None
 
 
 def trainers(cfg: ModelConfig, spsa: SPSAConfig, g: int, device: torch.device) -> list[Trainer]:
@@ -136,8 +169,10 @@ def cos(a: torch.Tensor, b: torch.Tensor) -> float:
 def check_equal(device, smoke: bool, size: dict) -> bool:
     b, t, n = size["equal"]
     ok = True
-    for label, cfg, g in (("narrow d=32, shared head", ModelConfig(d=32, head="shared_frozen"), 4),
-                          (f"wide d={size['wide_d']}, own head", ModelConfig(d=size["wide_d"], head="own"), 1)):
+    for label, cfg, g in (
+        ("narrow d=32, shared head", ModelConfig(d=32, head="shared_frozen"), 4),
+        (f"wide d={size['wide_d']}, own head", ModelConfig(d=size["wide_d"], head="own"), 1),
+    ):
         spsa = SPSAConfig(n_pert=n, batch=b, seq_len=t, pert_chunk=n)
         ref, dev = trainers(cfg, spsa, g, CPU), trainers(cfg, spsa, g, device)
         with cpu_probes():
@@ -147,19 +182,31 @@ def check_equal(device, smoke: bool, size: dict) -> bool:
         start = trainers(cfg, spsa, g, CPU)
         loss = max(abs(a - c) for a, c in zip(ref_loss, dev_loss))
         moment = max(rel(d.state.body_opt.m, r.state.body_opt.m) for r, d in zip(ref, dev))
-        move = min(cos(d.state.body.cpu() - s.state.body, r.state.body - s.state.body) for r, d, s in zip(ref, dev, start))
+        move = min(
+            cos(d.state.body.cpu() - s.state.body, r.state.body - s.state.body) for r, d, s in zip(ref, dev, start)
+        )
         if cfg.head == "own":
-            move = min(move, *(cos(d.state.head.cpu() - s.state.head, r.state.head - s.state.head) for r, d, s in zip(ref, dev, start)))
+            move = min(
+                move,
+                *(
+                    cos(d.state.head.cpu() - s.state.head, r.state.head - s.state.head)
+                    for r, d, s in zip(ref, dev, start)
+                ),
+            )
         good = loss <= TOL["loss"] and moment <= TOL["moment"] and move >= TOL["move_cos"]
         ok &= good
-        row("update == CPU update", f"{label}, G={g}, B={b} T={t} n_pert={n}, 2 updates",
-            f"max |loss diff| {loss:.1e}, Adam m rel. L2 {moment:.1e}, cos(moves) {move:.6f}", verdict="ok" if good else "FAIL")
+        row(
+            "update == CPU update",
+            f"{label}, G={g}, B={b} T={t} n_pert={n}, 2 updates",
+            f"max |loss diff| {loss:.1e}, Adam m rel. L2 {moment:.1e}, cos(moves) {move:.6f}",
+            verdict="ok" if good else "FAIL",
+        )
     return ok
 
 
 def time_updates(device, label: str, cfg: ModelConfig, spsa: SPSAConfig, g: int, timed: int) -> None:
     pack = trainers(cfg, spsa, g, device)
-    update_experts(pack)                                          # warm-up (kernel build, CUDA context, allocator)
+    update_experts(pack)  # warm-up (kernel build, CUDA context, allocator)
     sync(device)
     reset_peak(device)
     secs, tokens = [], []
@@ -171,22 +218,29 @@ def time_updates(device, label: str, cfg: ModelConfig, spsa: SPSAConfig, g: int,
         secs.append(time.perf_counter() - t0)
         tokens.append(sum(tr.state.tokens for tr in pack) - before)
     s = statistics.median(secs)
-    row("update time", f"{label}: G={g}, B={spsa.batch} T={spsa.seq_len} n_pert={spsa.n_pert} chunk={spsa.pert_chunk}",
-        f"median of {timed}: {', '.join(f'{x:.3f}' for x in secs)} s", s, tokens[0] / s, peak_mib(device))
+    row(
+        "update time",
+        f"{label}: G={g}, B={spsa.batch} T={spsa.seq_len} n_pert={spsa.n_pert} chunk={spsa.pert_chunk}",
+        f"median of {timed}: {', '.join(f'{x:.3f}' for x in secs)} s",
+        s,
+        tokens[0] / s,
+        peak_mib(device),
+    )
 
 
 def check_eval(device, size: dict) -> None:
     fit, data = corpus_chunks(size["fit"], size["windows"])
     win = Windows(np.ascontiguousarray(data), np.arange(len(data)))
-    rcfg = RouterConfig(max_features=20000, min_df=3, svd_dim=min(128, len(fit) // 4), kmeans_iters=5,
-                        balance_tolerance=size["balance"])
+    rcfg = RouterConfig(
+        max_features=20000, min_df=3, svd_dim=min(128, len(fit) // 4), kmeans_iters=5, balance_tolerance=size["balance"]
+    )
     rates = {}
     for n, d in size["ensembles"]:
         cfg = ModelConfig(d=d, head="shared_frozen" if d == 32 else "own")
         router, _ = fit_router(fit, n, rcfg, seed=0)
         experts = {e: (b.to(device), h.to(device)) for e, (b, h) in ensemble(cfg, n, seed=1).items()}
         best = None
-        for _ in range(size["eval_runs"]):                         # the first run warms up; keep the fastest
+        for _ in range(size["eval_runs"]):  # the first run warms up; keep the fastest
             reset_peak(device)
             res = evaluate_ensemble(router, cfg, experts, win, 256, size["eval_batch"], device)
             sync(device)
@@ -194,10 +248,20 @@ def check_eval(device, size: dict) -> None:
             if best is None or total < best[0]:
                 best = (total, res.route_seconds, peak_mib(device))
         rates[n] = len(data) * 1024 / best[0]
-        row("eval throughput", f"N={n}, d={d}, top-4, {len(data)} windows", f"routing {100 * best[1] / best[0]:.2f}% of the time",
-            best[0], rates[n], best[2])
+        row(
+            "eval throughput",
+            f"N={n}, d={d}, top-4, {len(data)} windows",
+            f"routing {100 * best[1] / best[0]:.2f}% of the time",
+            best[0],
+            rates[n],
+            best[2],
+        )
     (n_narrow, _), (n_wide, _) = size["ensembles"]
-    row("eval throughput", f"N={n_narrow} / N={n_wide}", f"{rates[n_narrow] / rates[n_wide]:.2f}x (paper, N=256 / N=8 on one GPU: 9.2x)")
+    row(
+        "eval throughput",
+        f"N={n_narrow} / N={n_wide}",
+        f"{rates[n_narrow] / rates[n_wide]:.2f}x (paper, N=256 / N=8 on one GPU: 9.2x)",
+    )
 
 
 def check_tf32(device, size: dict) -> None:
@@ -219,15 +283,26 @@ def check_tf32(device, size: dict) -> None:
         for name, on in (("FP32", False), ("TF32", True)):
             torch.backends.cuda.matmul.allow_tf32 = torch.backends.cudnn.allow_tf32 = on
             with torch.no_grad():
-                est[name] = spsa_estimate(theta, z, 1e-3, lambda bodies: copy_losses(cfg, bodies, head, x, y), min(n, 16)).grad
+                est[name] = spsa_estimate(
+                    theta, z, 1e-3, lambda bodies: copy_losses(cfg, bodies, head, x, y), min(n, 16)
+                ).grad
     finally:
         torch.backends.cuda.matmul.allow_tf32, torch.backends.cudnn.allow_tf32 = saved
     c32, ctf, cboth = cos(est["FP32"], exact), cos(est["TF32"], exact), cos(est["TF32"], est["FP32"])
     no_loss = cboth >= 0.99 and ctf >= c32 - 0.005
-    setting = f"d=32, B={b} T={t} n_pert={n}, eps 1e-3, same probes" + ("" if device.type == "cuda" else " (CPU: flags have no effect)")
-    row("TF32 vs FP32", setting, f"cos(SPSA, autograd) FP32 {c32:.4f}, TF32 {ctf:.4f}; cos(TF32 est., FP32 est.) {cboth:.4f}",
-        verdict="n/a on the CPU (no TF32)" if device.type != "cuda" else
-        "no loss shown: TF32 may be enabled (SOMA_TF32=1)" if no_loss else "loss shown: keep TF32 off")
+    setting = f"d=32, B={b} T={t} n_pert={n}, eps 1e-3, same probes" + (
+        "" if device.type == "cuda" else " (CPU: flags have no effect)"
+    )
+    row(
+        "TF32 vs FP32",
+        setting,
+        f"cos(SPSA, autograd) FP32 {c32:.4f}, TF32 {ctf:.4f}; cos(TF32 est., FP32 est.) {cboth:.4f}",
+        verdict="n/a on the CPU (no TF32)"
+        if device.type != "cuda"
+        else "no loss shown: TF32 may be enabled (SOMA_TF32=1)"
+        if no_loss
+        else "loss shown: keep TF32 off",
+    )
 
 
 def main() -> None:
@@ -240,11 +315,13 @@ def main() -> None:
         raise SystemExit(2)
     device = CPU if args.smoke else torch.device("cuda")
     if args.smoke:
-        torch.set_num_threads(1)        # toy sizes: OpenMP workers would only spin against make test's other processes
+        torch.set_num_threads(1)  # toy sizes: OpenMP workers would only spin against make test's other processes
     size = SIZES["smoke" if args.smoke else "full"]
     skip = set(filter(None, args.skip.split(",")))
     name = torch.cuda.get_device_name() if device.type == "cuda" else f"CPU, {torch.get_num_threads()} threads"
-    print(f"gpu_check on {name}; torch {torch.__version__}; {'smoke (toy sizes)' if args.smoke else 'full'}", flush=True)
+    print(
+        f"gpu_check on {name}; torch {torch.__version__}; {'smoke (toy sizes)' if args.smoke else 'full'}", flush=True
+    )
     t0 = time.perf_counter()
     ok = True
     if "equal" not in skip:
@@ -252,14 +329,30 @@ def main() -> None:
     if "time" not in skip:
         d32 = ModelConfig(d=32, head="shared_frozen")
         b, t, n = size["small"]
-        time_updates(device, "paper-small", d32, SPSAConfig(n_pert=n, batch=b, seq_len=t, pert_chunk=min(n, 16)), 1, size["timed"])
+        time_updates(
+            device,
+            "paper-small",
+            d32,
+            SPSAConfig(n_pert=n, batch=b, seq_len=t, pert_chunk=min(n, 16)),
+            1,
+            size["timed"],
+        )
         b, t, n = size["n256"]
-        time_updates(device, "paper-n256 packed", d32, SPSAConfig(n_pert=n, batch=b, seq_len=t, pert_chunk=min(n, 32)), size["pack"], size["timed"])
+        time_updates(
+            device,
+            "paper-n256 packed",
+            d32,
+            SPSAConfig(n_pert=n, batch=b, seq_len=t, pert_chunk=min(n, 32)),
+            size["pack"],
+            size["timed"],
+        )
     if "eval" not in skip:
         check_eval(device, size)
     if "tf32" not in skip:
         check_tf32(device, size)
-    print(f"\n| check | setting | result | seconds | byte-tokens/s | peak GPU MiB | verdict |\n|---|---|---|---|---|---|---|")
+    print(
+        "\n| check | setting | result | seconds | byte-tokens/s | peak GPU MiB | verdict |\n|---|---|---|---|---|---|---|"
+    )
     for r in ROWS:
         print("| " + " | ".join(r) + " |")
     print(f"\n{'PASS' if ok else 'FAIL'}: {time.perf_counter() - t0:.0f} s in all")

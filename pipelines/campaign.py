@@ -8,6 +8,7 @@ where the cluster launcher's or KubeRay's autoscaler sees them and adds nodes; t
 Ray places them (an actor's clock starts when its process holds its GPU share), and they disappear with
 the driver, so a lost driver leaves no standing demand behind.
 """
+
 from __future__ import annotations
 
 import math
@@ -18,7 +19,14 @@ import time
 from collections import deque
 
 import ray
-from ray.exceptions import ActorUnavailableError, GetTimeoutError, NodeDiedError, OutOfMemoryError, RayActorError, RayTaskError
+from ray.exceptions import (
+    ActorUnavailableError,
+    GetTimeoutError,
+    NodeDiedError,
+    OutOfMemoryError,
+    RayActorError,
+    RayTaskError,
+)
 
 from pipelines.campaign_lease import held, holding
 from pipelines.common import console, progress
@@ -34,23 +42,36 @@ from soma_cluster.failures import WORDS, Cause, actor_death_cause, exception_cau
 from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
-from soma_cluster.schedule import POLL_S, SEED_JOB, Action, Chunk, Job, LossKind, Lost, Reuse, Scheduler, Start, Stop, expert_jobs
+from soma_cluster.schedule import (
+    POLL_S,
+    SEED_JOB,
+    Action,
+    Chunk,
+    Job,
+    LossKind,
+    Lost,
+    Reuse,
+    Scheduler,
+    Start,
+    Stop,
+    expert_jobs,
+)
 from soma_cluster.shards import expert_name
 from soma_cluster.snapshot import SNAPSHOT, build, history_rows, scheduler_rows, summary_line
 from soma_cluster.storage import Store
 from workers import actor_name, start_worker
 
-FLUSH_S = 0.25          # group commit: held log records are made durable at least this often
-SLOTS_REFRESH_S = 5.0   # how stale the cluster's GPU count may be (nodes join and leave over minutes)
-QUEUED_POLL_S = 0.2     # how soon an actor Ray has just placed is seen (its setup report), while others run
+FLUSH_S = 0.25  # group commit: held log records are made durable at least this often
+SLOTS_REFRESH_S = 5.0  # how stale the cluster's GPU count may be (nodes join and leave over minutes)
+QUEUED_POLL_S = 0.2  # how soon an actor Ray has just placed is seen (its setup report), while others run
 TRACEBACK_CHARS = 4000  # of a worker's traceback, kept in its `failed` event
-STATUS_S = 5.0          # status.json (and the metrics) are rewritten this often: one small PUT, never a log re-read
-RATE_WINDOW_S = 60.0    # the ETA's rate is measured over this much of the recent past
-LOG_EVERY_S = 30.0      # without a progress bar, one summary line this often (a log collector's view)
-ANSI = re.compile(r"\x1b\[[0-9;]*m")   # Ray colours the task name in an error's text
+STATUS_S = 5.0  # status.json (and the metrics) are rewritten this often: one small PUT, never a log re-read
+RATE_WINDOW_S = 60.0  # the ETA's rate is measured over this much of the recent past
+LOG_EVERY_S = 30.0  # without a progress bar, one summary line this often (a log collector's view)
+ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task name in an error's text
 # what a ray.get of an actor's call raises when the actor is gone (RayTaskError: its code raised)
 LOST_ERRORS = (RayActorError, RayTaskError, GetTimeoutError, OutOfMemoryError, NodeDiedError)
-NODE_CHECK_S = 1.0      # an actor died on a node Ray still calls alive: how long to watch whether the node follows it
+NODE_CHECK_S = 1.0  # an actor died on a node Ray still calls alive: how long to watch whether the node follows it
 
 
 def also_ready(first: list, rest: list) -> list:
@@ -99,7 +120,9 @@ def lost_task(exc: RayTaskError) -> Lost:
     why = f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
     kind = exception_cause(cause)
     if kind.infra:
-        print(f"warning: {WORDS[kind]} in a worker, waited out (retry.infra_wait_s): {why}", file=sys.stderr, flush=True)
+        print(
+            f"warning: {WORDS[kind]} in a worker, waited out (retry.infra_wait_s): {why}", file=sys.stderr, flush=True
+        )
         return Lost(f"{kind}: {why}", LossKind.INFRA, ANSI.sub("", str(exc))[-TRACEBACK_CHARS:], kind)
     if kind == Cause.BAD_INPUT:
         return Lost(why, LossKind.BAD_INPUT, cause=kind)
@@ -132,7 +155,7 @@ class SnapshotWriter:
                     return
             try:
                 self.store.write_json(SNAPSHOT, snap)
-            except Exception as exc:      # the status view never stops a campaign
+            except Exception as exc:  # the status view never stops a campaign
                 print(f"warning: could not write {self.store.url}/{SNAPSHOT}: {exc}", file=sys.stderr, flush=True)
 
     def close(self, timeout_s: float = 30.0) -> None:
@@ -146,30 +169,43 @@ class SnapshotWriter:
 class Driver:
     """Runs jobs to an end state on Ray; `run()` returns job name -> how it ended."""
 
-    def __init__(self, store: Store, cfg: CampaignConfig, jobs: list[Job], show_progress: bool = True, actor_factory=start_worker,
-                 log_every_s: float = LOG_EVERY_S):
+    def __init__(
+        self,
+        store: Store,
+        cfg: CampaignConfig,
+        jobs: list[Job],
+        show_progress: bool = True,
+        actor_factory=start_worker,
+        log_every_s: float = LOG_EVERY_S,
+    ):
         self.store, self.cfg, self.jobs = store, cfg, jobs
-        self.show = show_progress and console.is_terminal     # a bar only where a person watches; else summary lines
+        self.show = show_progress and console.is_terminal  # a bar only where a person watches; else summary lines
         self.log_every_s = log_every_s
         self.start_actor = actor_factory
         # an attempt lost to a store outage is settled against its checkpoint, read once the store answers again
-        self.sched = Scheduler(store, cfg, jobs, latest=lambda job: waiting(lambda: latest_meta(store, job.model_dir),
-                                                                            cfg.retry.infra_wait_s, f"reading {job.model_dir}"))
-        self.actors: dict[int, object] = {}            # unit id -> its actor handle
-        self.inflight: dict[int, object] = {}          # unit id -> the one call it is running (setup or a chunk)
-        self.placing: dict[int, object] = {}           # unit id -> its `holding` call, for actors asked of Ray's queue
+        self.sched = Scheduler(
+            store,
+            cfg,
+            jobs,
+            latest=lambda job: waiting(
+                lambda: latest_meta(store, job.model_dir), cfg.retry.infra_wait_s, f"reading {job.model_dir}"
+            ),
+        )
+        self.actors: dict[int, object] = {}  # unit id -> its actor handle
+        self.inflight: dict[int, object] = {}  # unit id -> the one call it is running (setup or a chunk)
+        self.placing: dict[int, object] = {}  # unit id -> its `holding` call, for actors asked of Ray's queue
         self._placing_polled = -math.inf
         self.campaign_id = cfg.digest()[:8]
-        self._gpus, self._gpus_at = 0.0, -math.inf     # cluster GPUs, and when they were last read
+        self._gpus, self._gpus_at = 0.0, -math.inf  # cluster GPUs, and when they were last read
         self._queued_polled = -math.inf
         self.metrics = CampaignMetrics(cfg.name, self.campaign_id)
-        self.others: dict[str, dict] = {}              # status rows of the campaign's jobs this driver does not run
+        self.others: dict[str, dict] = {}  # status rows of the campaign's jobs this driver does not run
         self.started_at: float | None = None
         self._reported = self._logged = -math.inf
         self._writer: SnapshotWriter | None = None
-        self._samples: deque[tuple[float, int]] = deque()   # (monotonic time, updates of all jobs) for the ETA
-        self.lease = held(store.url)                     # the campaign's lease, whose generation fences the workers
-        self.stopped: str | None = None                  # why this driver stopped before its jobs ended (a signal, lease lost)
+        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, updates of all jobs) for the ETA
+        self.lease = held(store.url)  # the campaign's lease, whose generation fences the workers
+        self.stopped: str | None = None  # why this driver stopped before its jobs ended (a signal, lease lost)
 
     @property
     def outcome(self) -> dict[str, str]:
@@ -201,13 +237,14 @@ class Driver:
             uid = a.unit.id
             if isinstance(a, Start):
                 self.actors[uid] = self._start(a)
-                if a.unit.held_since is None and self._budgeted:      # when Ray places it, its start-up clock runs
+                if a.unit.held_since is None and self._budgeted:  # when Ray places it, its start-up clock runs
                     self.placing[uid] = self.actors[uid].holding.remote()
                 self.inflight[uid] = self.actors[uid].setup.remote()
             elif isinstance(a, Reuse):
                 self.actors[uid] = self.actors.pop(a.actor_of)
-                self.inflight[uid] = self.actors[uid].setup.remote([j.expert for j in a.unit.jobs],
-                                                                   [c.attempt for c in a.unit.accounts.values()])
+                self.inflight[uid] = self.actors[uid].setup.remote(
+                    [j.expert for j in a.unit.jobs], [c.attempt for c in a.unit.accounts.values()]
+                )
             elif isinstance(a, Chunk):
                 self.inflight[uid] = self.actors[uid].run_chunk.remote(a.updates, a.caps)
             elif isinstance(a, Stop):
@@ -220,10 +257,20 @@ class Driver:
     def _start(self, a: Start):
         r, unit = self.cfg.resources, a.unit
         attempts = [c.attempt for c in unit.accounts.values()]
-        return self.start_actor(self.store.url, self.store.storage_options, [j.expert for j in unit.jobs], attempts,
-                                r.num_gpus, r.num_cpus, name=actor_name(self.campaign_id, unit.name, attempts[0]),
-                                placement=r.placement, requested_at=time.time(), granted=unit.granted, previous=unit.previous,
-                                lease_generation=self.lease.generation if self.lease else None)
+        return self.start_actor(
+            self.store.url,
+            self.store.storage_options,
+            [j.expert for j in unit.jobs],
+            attempts,
+            r.num_gpus,
+            r.num_cpus,
+            name=actor_name(self.campaign_id, unit.name, attempts[0]),
+            placement=r.placement,
+            requested_at=time.time(),
+            granted=unit.granted,
+            previous=unit.previous,
+            lease_generation=self.lease.generation if self.lease else None,
+        )
 
     @property
     def _budgeted(self) -> bool:
@@ -243,7 +290,7 @@ class Driver:
             try:
                 held_from = ray.get(ref, timeout=60)
             except (RayActorError, RayTaskError, GetTimeoutError):
-                continue                            # its setup call reports the loss
+                continue  # its setup call reports the loss
             self.sched.on_placed(uid, time.time() - held_from)
 
     def _collect(self, uid: int, ref, result=None) -> list[Action]:
@@ -257,7 +304,9 @@ class Driver:
                     # the worker found the lease changed: the driver's own compare-and-swap decides (LeaseLost here
                     # too); if the driver still holds it, the worker is retried like any loss, never as bad input
                     self.lease.check(now=True)
-                    return self.sched.on_lost(uid, Lost(f"exception: {exc.cause}", LossKind.FAILURE, cause=Cause.EXCEPTION))
+                    return self.sched.on_lost(
+                        uid, Lost(f"exception: {exc.cause}", LossKind.FAILURE, cause=Cause.EXCEPTION)
+                    )
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
                 return self.sched.on_lost(uid, Lost("hang: result not retrievable", cause=Cause.HANG))
@@ -269,7 +318,11 @@ class Driver:
         """lost_actor, with a crash on a node that turns out to be dead taken for the node's loss."""
         lost, process = lost_actor(exc), self.sched.units[uid].process
         if lost.cause == Cause.CRASH and process is not None and process.node and node_died(process.node):
-            return Lost(f"{Cause.NODE_LOST}: its node {process.node[:12]} died: {lost.reason}", LossKind.INFRA, cause=Cause.NODE_LOST)
+            return Lost(
+                f"{Cause.NODE_LOST}: its node {process.node[:12]} died: {lost.reason}",
+                LossKind.INFRA,
+                cause=Cause.NODE_LOST,
+            )
         return lost
 
     # -- main loop ------------------------------------------------------------------------------------
@@ -277,8 +330,9 @@ class Driver:
         hist = history(self.store)
         self.sched.restore(hist)
         mine = set(self.jobs)
-        self.others = history_rows(self.cfg, hist, self.sched.totals_at_start,
-                                   [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine])
+        self.others = history_rows(
+            self.cfg, hist, self.sched.totals_at_start, [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine]
+        )
         self.started_at = time.time()
         self._writer = SnapshotWriter(self.store)
         if self.sched.outcome:
@@ -287,10 +341,15 @@ class Driver:
         concurrent = max(1, min(self._slots(), len(self.sched.pending)))
         per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, concurrent)
         if self._budgeted:
-            console.print(f"budget: a worker stops before a chunk it cannot afford; any expert past its cap, start-up included, "
-                          f"is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for the campaign (grace "
-                          f"{self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {concurrent} concurrent)")
-        targets = {j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates for j in self.sched.pending}
+            console.print(
+                f"budget: a worker stops before a chunk it cannot afford; any expert past its cap, start-up included, "
+                f"is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for the campaign (grace "
+                f"{self.cfg.budget.grace_gpu_seconds} GPU-s + one {POLL_S} s poll, {concurrent} concurrent)"
+            )
+        targets = {
+            j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates
+            for j in self.sched.pending
+        }
         with progress(self.show) as bar:
             overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
             tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
@@ -312,11 +371,11 @@ class Driver:
                     self.stopped = "lease lost"
                     raise
                 finally:
-                    for actor in self.actors.values():      # on an error in the loop, leave no actor behind
+                    for actor in self.actors.values():  # on an error in the loop, leave no actor behind
                         ray.kill(actor, no_restart=True)
                     if STOP.requested is not None and self.stopped is None:
                         self.stopped = Stopped(STOP.requested).name
-                    if self.stopped == "lease lost":        # a fenced driver writes nothing more
+                    if self.stopped == "lease lost":  # a fenced driver writes nothing more
                         self._writer.close()
                     else:
                         self._last_report()
@@ -338,25 +397,39 @@ class Driver:
         """curves/<job>.csv for this driver's jobs, from the events log (complete across retries and resumes)."""
         try:
             write_curves(self.store, history(self.store), [j.name for j in self.jobs])
-        except Exception as exc:          # a curve is a view: never a reason for a campaign to fail
+        except Exception as exc:  # a curve is a view: never a reason for a campaign to fail
             console.print(f"warning: could not write the training curves: {exc}", markup=False)
 
     def snapshot(self, final: bool = False) -> dict:
         """The campaign's status now (soma_cluster/snapshot.py): every job of the campaign, seed first."""
         rows = {**self.others, **scheduler_rows(self.sched)}
         order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
-        return build(self.cfg, self.store.url, {n: rows[n] for n in order if n in rows}, self.sched.by_category,
-                     self.sched.by_device, started_at=self.started_at, rate=self._rate(), final=final, source="driver",
-                     running={j.name for j in self.jobs}, driver=self._driver_info(final))
+        return build(
+            self.cfg,
+            self.store.url,
+            {n: rows[n] for n in order if n in rows},
+            self.sched.by_category,
+            self.sched.by_device,
+            started_at=self.started_at,
+            rate=self._rate(),
+            final=final,
+            source="driver",
+            running={j.name for j in self.jobs},
+            driver=self._driver_info(final),
+        )
 
     def _driver_info(self, final: bool) -> dict:
         """Who writes this snapshot, and whether it is running, ended (its jobs all ended) or stopped before they did
         (then its in-flight jobs show as `interrupted`, not `running`: nothing runs them until the next resume)."""
         holder = self.lease.record.holder if self.lease and self.lease.record else None
         state = "stopped" if self.stopped else "ended" if final else "running"
-        return {"state": state, "stopped_by": self.stopped,
-                "host": holder.host if holder else None, "pid": holder.pid if holder else None,
-                "lease_generation": self.lease.generation if self.lease else None}
+        return {
+            "state": state,
+            "stopped_by": self.stopped,
+            "host": holder.host if holder else None,
+            "pid": holder.pid if holder else None,
+            "lease_generation": self.lease.generation if self.lease else None,
+        }
 
     def _rate(self) -> float | None:
         """Updates per second of every job together over the last RATE_WINDOW_S (start-ups and queueing age out)."""
@@ -382,30 +455,36 @@ class Driver:
 
     def _say_overruns(self) -> None:
         """Measured against bound, for the experts a per-expert cap stopped."""
-        stopped = {j.expert for j, end in self.sched.outcome.items() if end == "budget_exhausted" and j.expert is not None}
+        stopped = {
+            j.expert for j, end in self.sched.outcome.items() if end == "budget_exhausted" and j.expert is not None
+        }
         over = {e: o for e, o in self.sched.book.overruns(self.sched.spent, self.sched.largest).items() if e in stopped}
         if over:
             e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
             per, _ = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, 1)
             if worst.gpu_s <= 0:
-                console.print(f"budget: {len(over)} expert(s) stopped by their cap, none past it (closest "
-                              f"{worst.gpu_s:+.2f} GPU-s, {expert_name(e)})")
+                console.print(
+                    f"budget: {len(over)} expert(s) stopped by their cap, none past it (closest "
+                    f"{worst.gpu_s:+.2f} GPU-s, {expert_name(e)})"
+                )
                 return
-            console.print(f"budget: {len(over)} expert(s) stopped by their cap; largest overrun {worst.gpu_s:+.2f} GPU-s "
-                          f"({expert_name(e)}; hard-stop bound {per:.2f}); {sum(o.gpu_s > per for o in over.values())} past it")
+            console.print(
+                f"budget: {len(over)} expert(s) stopped by their cap; largest overrun {worst.gpu_s:+.2f} GPU-s "
+                f"({expert_name(e)}; hard-stop bound {per:.2f}); {sum(o.gpu_s > per for o in over.values())} past it"
+            )
 
     def _sweep(self) -> None:
         self._apply(self.sched.requests(self._capacity(), self._slots()))
         if self.inflight:
             owner = {ref: uid for uid, ref in self.inflight.items()}
             ready = self._ready()
-            try:                      # one call for every ready result; on any error, each on its own
+            try:  # one call for every ready result; on any error, each on its own
                 results = ray.get(ready, timeout=60)
             except LOST_ERRORS:
                 results = [None] * len(ready)
             for ref, result in zip(ready, results):
                 uid = owner[ref]
-                if self.inflight.get(uid) is ref:      # not stopped meanwhile
+                if self.inflight.get(uid) is ref:  # not stopped meanwhile
                     del self.inflight[uid]
                     self.placing.pop(uid, None)
                     self._apply(self._collect(uid, ref, result))
@@ -449,8 +528,13 @@ class Driver:
 
 
 @holding("soma launch")
-def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S,
-           retry_failed: list[str] | None = None) -> dict[str, str]:
+def launch(
+    store: Store,
+    cfg: CampaignConfig,
+    show_progress: bool = True,
+    log_every_s: float = LOG_EVERY_S,
+    retry_failed: list[str] | None = None,
+) -> dict[str, str]:
     """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. With `retry_failed`
     (`soma resume --retry-failed`), the experts that failed permanently (all of them for [], else the named ones)
     are reopened first. Raises SomaError on bad input, StoppedByEnvironment when the infrastructure stayed broken
@@ -464,11 +548,15 @@ def launch(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_ev
     hist = history(store)
     unended = [j for j in expert_jobs(cfg) if not (j.name in hist and hist[j.name].terminal)]
     if cap is not None and spent >= cap and unended:
-        raise SomaError(f"campaign budget budget.campaign_gpu_hours={cap} is already spent ({spent:.4f} GPU-hours in the ledger); "
-                        f"start a new campaign with a larger budget")
+        raise SomaError(
+            f"campaign budget budget.campaign_gpu_hours={cap} is already spent ({spent:.4f} GPU-hours in the ledger); "
+            f"start a new campaign with a larger budget"
+        )
     r = cfg.resources
-    console.print(f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
-                  f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries")
+    console.print(
+        f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
+        f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries"
+    )
     driver = Driver(store, cfg, expert_jobs(cfg), show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver)
     counts = {k: list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
@@ -487,9 +575,9 @@ def run_driver(driver: Driver) -> dict[str, str]:
         cause = exception_cause(exc)
         if not cause.infra:
             raise
-        first = str(exc).splitlines()[0].split("; ")[0][:200]         # the fix follows in the line: not the error's own hint
+        first = str(exc).splitlines()[0].split("; ")[0][:200]  # the fix follows in the line: not the error's own hint
         why = f"the driver's own storage call failed: {type(exc).__name__}: {first}"
-        bound = driver.cfg.retry.infra_wait_s          # its log writer waited that long (soma_cluster/storage.py)
+        bound = driver.cfg.retry.infra_wait_s  # its log writer waited that long (soma_cluster/storage.py)
         raise StoppedByEnvironment(stop_line(cause, why, "the driver", bound, bound, driver.store.url)) from None
 
 
@@ -501,16 +589,23 @@ def raise_failures(driver: Driver, what: str) -> None:
     if stop is not None:
         raise StoppedByEnvironment(stop.line(driver.cfg.retry.infra_wait_s, driver.store.url))
     url = driver.store.url
-    again = f"soma seed {url} --retry-failed" if [j.name for j in driver.jobs] == ["seed"] else f"soma resume {url} --retry-failed"
+    again = (
+        f"soma seed {url} --retry-failed"
+        if [j.name for j in driver.jobs] == ["seed"]
+        else f"soma resume {url} --retry-failed"
+    )
     if driver.bad_input:
         job, why = next(iter(driver.bad_input.items()))
         more = f" (and {len(driver.bad_input) - 1} more jobs)" if len(driver.bad_input) > 1 else ""
-        raise SomaError(f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')} (or fix it in place, "
-                        f"then {again})")
+        raise SomaError(
+            f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')} (or fix it in place, then {again})"
+        )
     failed = sorted(n for n, end in driver.outcome.items() if end == "failed_permanently")
     if failed:
         hist = history(driver.store)
         first = hist[failed[0]].last_error if failed[0] in hist else None
-        raise JobsFailed(f"{len(failed)} {what} failed permanently after {driver.cfg.retry.max_retries} retries "
-                         f"({', '.join(failed[:4])}{', ...' if len(failed) > 4 else ''}); {failed[0]}: {first}; "
-                         f"see soma status {url} and its events.jsonl; once the cause is fixed, {again} reopens them")
+        raise JobsFailed(
+            f"{len(failed)} {what} failed permanently after {driver.cfg.retry.max_retries} retries "
+            f"({', '.join(failed[:4])}{', ...' if len(failed) > 4 else ''}); {failed[0]}: {first}; "
+            f"see soma status {url} and its events.jsonl; once the cause is fixed, {again} reopens them"
+        )

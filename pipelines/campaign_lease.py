@@ -5,6 +5,7 @@ Re-entrant within a process: `soma demo` runs prepare, seed and launch under one
 function that takes the lease itself (for library callers such as `soma experiment`) reuses the one its CLI
 command already holds.
 """
+
 from __future__ import annotations
 
 import errno
@@ -25,7 +26,7 @@ from soma_cluster.lease import LEASE, Lease
 from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.storage import Store
 
-_held: dict[str, tuple[Lease, int]] = {}        # campaign URL -> (its lease, how many holders in this process)
+_held: dict[str, tuple[Lease, int]] = {}  # campaign URL -> (its lease, how many holders in this process)
 
 
 @contextmanager
@@ -36,7 +37,7 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
     lease, count = _held.get(store.url, (None, 0))
     empty, created = False, False
     if lease is None:
-        store.check_writable(need_bytes)    # a full, read-only or missing place is named before anything is made there
+        store.check_writable(need_bytes)  # a full, read-only or missing place is named before anything is made there
         _refuse_foreign(store)
         created = store.local and not os.path.isdir(store.root)
         empty = created or not contents(store)
@@ -48,23 +49,25 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
             err = storage_error(exc, store.root if store.local else store.url, f"taking its driver lease, {LEASE}")
             if err is not None:
                 raise err from None
-            raise SomaError(f"cannot take the driver lease {store.url}/{LEASE}: {_why(exc)}; a command that writes the "
-                            f"campaign needs a writable directory with free space") from None
+            raise SomaError(
+                f"cannot take the driver lease {store.url}/{LEASE}: {_why(exc)}; a command that writes the "
+                f"campaign needs a writable directory with free space"
+            ) from None
         lease.start_renewing()
-        store.sweep_scratch(psutil.pid_exists)      # this driver is the campaign's only writer now
+        store.sweep_scratch(psutil.pid_exists)  # this driver is the campaign's only writer now
     _held[store.url] = (lease, count + 1)
     before = store.fence
     store.fence = lease.check
     try:
         yield lease
     finally:
-        with STOP.deferred():           # a signal now waits: the lease is released whole, however the command ends
+        with STOP.deferred():  # a signal now waits: the lease is released whole, however the command ends
             store.fence = before
             lease, count = _held[store.url]
             if count == 1:
                 del _held[store.url]
                 lease.release()
-                if empty and not contents(store):   # refused or undone where there was no campaign: leave no lease
+                if empty and not contents(store):  # refused or undone where there was no campaign: leave no lease
                     lease.forget(remove_dir=created)
             else:
                 _held[store.url] = (lease, count - 1)
@@ -90,6 +93,7 @@ def _why(exc: OSError) -> str:
 def holding(command: str, store_arg: str = "store"):
     """A pipeline function that writes a campaign holds its lease while it runs (re-entrant, see `hold`): the
     function's argument `store_arg` names the campaign."""
+
     def wrap(fn):
         params = inspect.signature(fn)
 
@@ -97,5 +101,7 @@ def holding(command: str, store_arg: str = "store"):
         def held_call(*args, **kwargs):
             with hold(params.bind(*args, **kwargs).arguments[store_arg], command):
                 return fn(*args, **kwargs)
+
         return held_call
+
     return wrap

@@ -1,4 +1,5 @@
 """The `soma` command line: thin wiring over the pipelines. Bad input exits 2 with one line."""
+
 from __future__ import annotations
 
 import os
@@ -24,8 +25,12 @@ from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # n
 from soma_cluster.lease import LeaseLost  # noqa: E402
 from soma_cluster.preflight import training_bytes  # noqa: E402
 
-app = typer.Typer(add_completion=False, no_args_is_help=True, help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
-                  "Data (tables, results, --json) goes to stdout; logs and progress to stderr.")
+app = typer.Typer(
+    add_completion=False,
+    no_args_is_help=True,
+    help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
+    "Data (tables, results, --json) goes to stdout; logs and progress to stderr.",
+)
 
 SCALES = ("small", "paper")
 
@@ -63,30 +68,54 @@ def _check_positive(param: typer.CallbackParam, value: float) -> float:
 def _version(value: bool) -> None:
     if value:
         v = versions()
-        out.print(f"soma-cluster {v['soma-cluster']} (torch {v['torch']}, ray {v['ray']}, python {v['python']})", markup=False)
+        out.print(
+            f"soma-cluster {v['soma-cluster']} (torch {v['torch']}, ray {v['ray']}, python {v['python']})", markup=False
+        )
         raise typer.Exit(0)
 
 
 @app.callback()
-def main(version: bool = typer.Option(False, "--version", callback=_version, is_eager=True, help="print the versions and exit")) -> None:
+def main(
+    version: bool = typer.Option(
+        False, "--version", callback=_version, is_eager=True, help="print the versions and exit"
+    ),
+) -> None:
     """SOMA-style sharded zero-order pretraining campaigns on Ray."""
 
 
-PresetOpt = typer.Option("tiny", "--preset", "-p", callback=_check_preset,
-                         help=f"preset: {', '.join(preset_names())} (soma_cluster/presets/*.yaml)")
+PresetOpt = typer.Option(
+    "tiny",
+    "--preset",
+    "-p",
+    callback=_check_preset,
+    help=f"preset: {', '.join(preset_names())} (soma_cluster/presets/*.yaml)",
+)
 ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file layered over the preset")
 SetOpt = typer.Option(None, "--set", "-s", help="override, e.g. --set spsa.n_pert=16 (repeatable)")
 CorpusOpt = typer.Option(None, "--corpus", help="corpus path or s3:// URL (default: the built-in corpus)")
 ExpertsOpt = typer.Option(None, "--experts", "-n", callback=_check_experts, help="number of experts N (at least 1)")
 AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
-QuietOpt = typer.Option(False, "--no-progress", help="no progress bars: one summary line every --log-every seconds "
-                        "(also when stderr is not a terminal)")
-LogEveryOpt = typer.Option(30.0, "--log-every", callback=_check_positive, help="seconds between summary lines without a progress bar")
+QuietOpt = typer.Option(
+    False,
+    "--no-progress",
+    help="no progress bars: one summary line every --log-every seconds (also when stderr is not a terminal)",
+)
+LogEveryOpt = typer.Option(
+    30.0, "--log-every", callback=_check_positive, help="seconds between summary lines without a progress bar"
+)
 JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in the README)")
-TakeOverOpt = typer.Option(False, "--take-over", help="if another driver holds the campaign, wait for its lease to lapse "
-                           "(SOMA_LEASE_TTL_S, 30 s by default) and take over; a driver that still renews it is never displaced")
-RetryFailedOpt = typer.Option(False, "--retry-failed", help="first reopen the jobs that ended failed_permanently (all, or the "
-                              "EXPERTS named) from their newest valid checkpoint, with their retries given back")
+TakeOverOpt = typer.Option(
+    False,
+    "--take-over",
+    help="if another driver holds the campaign, wait for its lease to lapse "
+    "(SOMA_LEASE_TTL_S, 30 s by default) and take over; a driver that still renews it is never displaced",
+)
+RetryFailedOpt = typer.Option(
+    False,
+    "--retry-failed",
+    help="first reopen the jobs that ended failed_permanently (all, or the "
+    "EXPERTS named) from their newest valid checkpoint, with their retries given back",
+)
 
 
 def _run(fn: Callable[[], None]) -> None:
@@ -98,9 +127,11 @@ def _run(fn: Callable[[], None]) -> None:
     STOP.install()
     try:
         fn()
-        if STOP.requested is not None:      # it came while the finished command was cleaning up: the work is done
-            print(f"soma: {Stopped(STOP.requested).name} arrived as the command was finishing; its work is complete",
-                  file=sys.stderr)
+        if STOP.requested is not None:  # it came while the finished command was cleaning up: the work is done
+            print(
+                f"soma: {Stopped(STOP.requested).name} arrived as the command was finishing; its work is complete",
+                file=sys.stderr,
+            )
     except LeaseLost as exc:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(LeaseLost.exit_code) from None
@@ -111,8 +142,11 @@ def _run(fn: Callable[[], None]) -> None:
         print(f"error: {exc}", file=sys.stderr)
         raise typer.Exit(exc.exit_code) from None
     except Stopped as exc:
-        print(f"stopped: {exc.name}; what was done is kept and the campaign's lease released; run the same command again "
-              f"to continue (soma resume for a launch)", file=sys.stderr)
+        print(
+            f"stopped: {exc.name}; what was done is kept and the campaign's lease released; run the same command again "
+            f"to continue (soma resume for a launch)",
+            file=sys.stderr,
+        )
         raise typer.Exit(exc.exit_code) from None
     except OSError as exc:
         # the last resort for an environment condition no check foresaw (a disk filling up mid-command, a
@@ -126,11 +160,15 @@ def _run(fn: Callable[[], None]) -> None:
         STOP.finish(exiting=CLI_PROCESS)
 
 
-def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]) -> CampaignConfig:
+def _config(
+    preset: str, config: Optional[str], sets: Optional[list[str]], corpus: Optional[str], experts: Optional[int]
+) -> CampaignConfig:
     overrides = parse_overrides(sets or [])
     if corpus is not None:
         if not corpus.strip():
-            raise SomaError("--corpus is empty; pass a corpus directory, file or s3:// URL (or leave it out: built-in corpus)")
+            raise SomaError(
+                "--corpus is empty; pass a corpus directory, file or s3:// URL (or leave it out: built-in corpus)"
+            )
         overrides.setdefault("corpus", {})["source"] = corpus
     if experts is not None:
         if experts < 1:
@@ -140,45 +178,77 @@ def _config(preset: str, config: Optional[str], sets: Optional[list[str]], corpu
 
 
 @app.command()
-def prepare(campaign: str, preset: str = PresetOpt, config: Optional[str] = ConfigOpt, set: Optional[list[str]] = SetOpt,
-            corpus: Optional[str] = CorpusOpt, experts: Optional[int] = ExpertsOpt, address: Optional[str] = AddressOpt,
-            take_over: bool = TakeOverOpt) -> None:
+def prepare(
+    campaign: str,
+    preset: str = PresetOpt,
+    config: Optional[str] = ConfigOpt,
+    set: Optional[list[str]] = SetOpt,
+    corpus: Optional[str] = CorpusOpt,
+    experts: Optional[int] = ExpertsOpt,
+    address: Optional[str] = AddressOpt,
+    take_over: bool = TakeOverOpt,
+) -> None:
     """Build the corpus, fit the router and write one Arrow shard per expert under CAMPAIGN (prepare.engine=ray, the
     default with --address: on the cluster's CPU workers with Ray Data)."""
+
     def go() -> None:
         from pipelines.prepare import prepare as run
+
         store, cfg = open_store(campaign), _config(preset, config, set, corpus, experts)
-        claim_campaign(store, cfg, write=False)       # another campaign's directory is refused before its lease is touched
+        claim_campaign(store, cfg, write=False)  # another campaign's directory is refused before its lease is touched
         with hold(store, "soma prepare", take_over):
             run(store, cfg, address)
+
     _run(go)
 
 
 @app.command()
-def seed(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
-         take_over: bool = TakeOverOpt,
-         retry_failed: bool = typer.Option(False, "--retry-failed", help="first reopen the seed if it ended failed_permanently")) -> None:
+def seed(
+    campaign: str,
+    address: Optional[str] = AddressOpt,
+    no_progress: bool = QuietOpt,
+    log_every: float = LogEveryOpt,
+    take_over: bool = TakeOverOpt,
+    retry_failed: bool = typer.Option(
+        False, "--retry-failed", help="first reopen the seed if it ended failed_permanently"
+    ),
+) -> None:
     """Train the seed model (N = 1) on the whole corpus."""
+
     def go() -> None:
         from pipelines.raysession import ray_session
         from pipelines.seed import train_seed
+
         store = open_store(campaign)
         cfg = load_config(store)
-        with hold(store, "soma seed", take_over, training_bytes(cfg, 1)), ray_session(cfg, address):   # checked before Ray
+        with (
+            hold(store, "soma seed", take_over, training_bytes(cfg, 1)),
+            ray_session(cfg, address),
+        ):  # checked before Ray
             train_seed(store, cfg, not no_progress, log_every, retry_failed)
+
     _run(go)
 
 
-def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every: float, command: str, take_over: bool,
-            retry_failed: list[str] | None = None) -> None:
+def _launch(
+    campaign: str,
+    address: Optional[str],
+    no_progress: bool,
+    log_every: float,
+    command: str,
+    take_over: bool,
+    retry_failed: list[str] | None = None,
+) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
+
     store = open_store(campaign)
     cfg = load_config(store)
-    if retry_failed:            # named experts are checked before Ray starts: one that did not fail is bad input
+    if retry_failed:  # named experts are checked before Ray starts: one that did not fail is bad input
         from soma_cluster.events import history
         from soma_cluster.failures import select_failed
         from soma_cluster.schedule import expert_jobs
+
         select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
     # the place and its room are checked (hold) before Ray starts or any expert is queued
     with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)), ray_session(cfg, address):
@@ -186,52 +256,91 @@ def _launch(campaign: str, address: Optional[str], no_progress: bool, log_every:
 
 
 @app.command()
-def launch(campaign: str, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt, log_every: float = LogEveryOpt,
-           take_over: bool = TakeOverOpt) -> None:
+def launch(
+    campaign: str,
+    address: Optional[str] = AddressOpt,
+    no_progress: bool = QuietOpt,
+    log_every: float = LogEveryOpt,
+    take_over: bool = TakeOverOpt,
+) -> None:
     """Train one expert actor per shard; finished experts are never retrained."""
     _run(lambda: _launch(campaign, address, no_progress, log_every, "soma launch", take_over))
 
 
 @app.command()
-def resume(campaign: str, experts: Optional[list[str]] = typer.Argument(None, help="with --retry-failed: the experts to reopen "
-                                                                          "(expert-0003 or 3; default: every one that failed permanently)"),
-           retry_failed: bool = RetryFailedOpt, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt,
-           log_every: float = LogEveryOpt, take_over: bool = TakeOverOpt) -> None:
+def resume(
+    campaign: str,
+    experts: Optional[list[str]] = typer.Argument(
+        None,
+        help="with --retry-failed: the experts to reopen "
+        "(expert-0003 or 3; default: every one that failed permanently)",
+    ),
+    retry_failed: bool = RetryFailedOpt,
+    address: Optional[str] = AddressOpt,
+    no_progress: bool = QuietOpt,
+    log_every: float = LogEveryOpt,
+    take_over: bool = TakeOverOpt,
+) -> None:
     """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash, or a stop for its environment:
     exit 4). With --retry-failed, experts that failed permanently are reopened first (after their cause is fixed)."""
+
     def go() -> None:
         if experts and not retry_failed:
-            raise SomaError(f"experts named ({' '.join(experts)}) without --retry-failed; pass --retry-failed to reopen them, "
-                            f"or name none to resume the campaign")
-        _launch(campaign, address, no_progress, log_every, "soma resume", take_over,
-                list(experts or []) if retry_failed else None)
+            raise SomaError(
+                f"experts named ({' '.join(experts)}) without --retry-failed; pass --retry-failed to reopen them, "
+                f"or name none to resume the campaign"
+            )
+        _launch(
+            campaign,
+            address,
+            no_progress,
+            log_every,
+            "soma resume",
+            take_over,
+            list(experts or []) if retry_failed else None,
+        )
+
     _run(go)
 
 
 @app.command("eval")
-def evaluate(campaign: str,
-             compare: Optional[str] = typer.Option(None, "--compare", help="another campaign: its ensemble on the same windows, paired"),
-             text: Optional[str] = typer.Option(None, "--text", help="long-document mode on this text corpus (dir/.txt/.jsonl/.parquet, s3://)"),
-             stride: int = typer.Option(768, "--stride", help="window stride in long-document mode"),
-             require_all: bool = typer.Option(False, "--require-all", help="refuse (exit 2) a partial campaign instead of "
-                                              "evaluating its experts without a checkpoint as the seed model"),
-             as_json: bool = JsonOpt) -> None:
+def evaluate(
+    campaign: str,
+    compare: Optional[str] = typer.Option(
+        None, "--compare", help="another campaign: its ensemble on the same windows, paired"
+    ),
+    text: Optional[str] = typer.Option(
+        None, "--text", help="long-document mode on this text corpus (dir/.txt/.jsonl/.parquet, s3://)"
+    ),
+    stride: int = typer.Option(768, "--stride", help="window stride in long-document mode"),
+    require_all: bool = typer.Option(
+        False,
+        "--require-all",
+        help="refuse (exit 2) a partial campaign instead of "
+        "evaluating its experts without a checkpoint as the seed model",
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
     """Evaluate the routed ensemble (and the seed) on the held-out test windows, or on --text documents. An expert
     with no checkpoint (budget_exhausted at step 0, failed_permanently, never launched) is evaluated as the seed
     model under the same routing, and listed."""
+
     def go() -> None:
         from pipelines.evaluate import evaluate as run
         from pipelines.evaluate import evaluate_text
+
         store = open_store(campaign)
         cfg = load_config(store)
-        store.check_writable()                 # the report is written at the end: fail before evaluating
+        store.check_writable()  # the report is written at the end: fail before evaluating
         if text is not None:
             t = evaluate_text(store, cfg, text, stride, require_all)
             if as_json:
                 return emit_json({"schema": 1, "mode": "text", **t})
             _say_substituted(t["substituted"])
-            out.print(f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
-                          f"{t['seed']['nats_per_byte']:.4f} on {t['scored_bytes']:,} bytes; report: {t['report']}")
+            out.print(
+                f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
+                f"{t['seed']['nats_per_byte']:.4f} on {t['scored_bytes']:,} bytes; report: {t['report']}"
+            )
             return
         other = None
         if compare is not None:
@@ -243,9 +352,14 @@ def evaluate(campaign: str,
         _say_substituted(m["substituted"], m.get("compare", {}).get("substituted", []), compare)
         if other is not None:
             d = m["compare"]["this_minus_other"]
-            out.print(f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]")
-        out.print(f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
-                      f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md")
+            out.print(
+                f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+            )
+        out.print(
+            f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
+            f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md"
+        )
+
     _run(go)
 
 
@@ -253,19 +367,34 @@ def _say_substituted(mine: list[dict], theirs: list[dict] = (), compare: Optiona
     """A partial campaign's result says so beside the numbers (stdout: it qualifies them)."""
     for subs, whose in ((mine, ""), (theirs, f" of {compare}")):
         if subs:
-            out.print(f"seed model stands in for {len(subs)} expert(s){whose} with no checkpoint: "
-                      + ", ".join(f"{s['expert']} ({s['end']}, {s['routed_windows']} windows)" for s in subs), markup=False, soft_wrap=True)
+            out.print(
+                f"seed model stands in for {len(subs)} expert(s){whose} with no checkpoint: "
+                + ", ".join(f"{s['expert']} ({s['end']}, {s['routed_windows']} windows)" for s in subs),
+                markup=False,
+                soft_wrap=True,
+            )
 
 
 @app.command()
-def status(campaign: str, as_json: bool = JsonOpt,
-           watch: bool = typer.Option(False, "--watch", "-w", help="refresh until the driver's last snapshot (or --count refreshes)"),
-           interval: float = typer.Option(5.0, "--interval", callback=_check_positive, help="seconds between refreshes with --watch"),
-           count: int = typer.Option(0, "--count", help="with --watch, stop after this many refreshes (0: until the campaign's driver ends)")) -> None:
+def status(
+    campaign: str,
+    as_json: bool = JsonOpt,
+    watch: bool = typer.Option(
+        False, "--watch", "-w", help="refresh until the driver's last snapshot (or --count refreshes)"
+    ),
+    interval: float = typer.Option(
+        5.0, "--interval", callback=_check_positive, help="seconds between refreshes with --watch"
+    ),
+    count: int = typer.Option(
+        0, "--count", help="with --watch, stop after this many refreshes (0: until the campaign's driver ends)"
+    ),
+) -> None:
     """Every job's state, step/target, expert-val loss, GPU-hours, budget left, retries, node, device and last error,
     with counts by state, GPU-hours by category and an ETA (from the snapshot the driver writes)."""
+
     def go() -> None:
         from pipelines.status import load_status, print_full, render, stopped
+
         store = open_store(campaign)
         cfg = load_config(store)
         shown = 0
@@ -282,60 +411,92 @@ def status(campaign: str, as_json: bool = JsonOpt,
             if not watch or done or (count and shown >= count):
                 return
             time.sleep(interval)
+
     _run(go)
 
 
 @app.command()
-def plan(campaign: str, gpus: Optional[float] = typer.Option(None, "--gpus", help="GPUs to plan for (default: the cluster's GPUs "
-                                                                          "with --address/RAY_ADDRESS, else resources.local_gpus)"),
-         recalibrate: bool = typer.Option(False, "--recalibrate", help="time the model again (else plan/calibration.json is reused)"),
-         address: Optional[str] = typer.Option(None, "--address", help="Ray cluster whose worker times the calibration "
-                                                                       "(default: RAY_ADDRESS, else this process)"),
-         wait: float = typer.Option(900.0, "--wait", callback=_check_positive,
-                                    help="on a cluster: seconds to wait for a worker to hold an actor's resources for the calibration"),
-         as_json: bool = JsonOpt) -> None:
+def plan(
+    campaign: str,
+    gpus: Optional[float] = typer.Option(
+        None,
+        "--gpus",
+        help="GPUs to plan for (default: the cluster's GPUs with --address/RAY_ADDRESS, else resources.local_gpus)",
+    ),
+    recalibrate: bool = typer.Option(
+        False, "--recalibrate", help="time the model again (else plan/calibration.json is reused)"
+    ),
+    address: Optional[str] = typer.Option(
+        None,
+        "--address",
+        help="Ray cluster whose worker times the calibration (default: RAY_ADDRESS, else this process)",
+    ),
+    wait: float = typer.Option(
+        900.0,
+        "--wait",
+        callback=_check_positive,
+        help="on a cluster: seconds to wait for a worker to hold an actor's resources for the calibration",
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
     """Predict GPU-hours by category, wall time on --gpus GPUs and which experts a budget stops (and at what step),
     from the config and a calibration timed on the real model and shards (on a worker of the cluster with
     --address or RAY_ADDRESS, else here); written to CAMPAIGN/plan/."""
+
     def go() -> None:
         from pipelines.plan import plan as run
         from pipelines.plan import render
         from soma_cluster.ledger import hours_unit
+
         if gpus is not None and gpus <= 0:
             raise SomaError(f"--gpus {gpus:g}: plan for a positive number of GPUs, e.g. --gpus 8")
         store = open_store(campaign)
         cfg = load_config(store)
-        store.check_writable(training_bytes(cfg, 1))   # plan/ is written; the calibration writes a checkpoint
+        store.check_writable(training_bytes(cfg, 1))  # plan/ is written; the calibration writes a checkpoint
         if gpus is not None and gpus < cfg.resources.num_gpus:
-            raise SomaError(f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that")
+            raise SomaError(
+                f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that"
+            )
         remote = address or os.environ.get("RAY_ADDRESS")
         if remote:
             from pipelines.raysession import ray_session
+
             with ray_session(cfg, remote):
                 import ray
+
                 planned = gpus if gpus is not None else float(ray.cluster_resources().get("GPU", 0.0))
                 if planned < cfg.resources.num_gpus:
-                    raise SomaError(f"the cluster at {remote} has {planned:g} GPUs now (an autoscaling one may start with none); "
-                                    f"pass --gpus K, the GPUs the campaign will run on")
+                    raise SomaError(
+                        f"the cluster at {remote} has {planned:g} GPUs now (an autoscaling one may start with none); "
+                        f"pass --gpus K, the GPUs the campaign will run on"
+                    )
                 p = run(store, cfg, planned, recalibrate, cluster_wait_s=wait)
         else:
             p = run(store, cfg, gpus, recalibrate)
         if as_json:
             return emit_json(p)
         out.print(render(p, hours_unit({p["calibration"]["device"]: 1.0})), markup=False)
+
     _run(go)
 
 
 @app.command()
-def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, set: Optional[list[str]] = SetOpt,
-         address: Optional[str] = AddressOpt, take_over: bool = TakeOverOpt) -> None:
+def demo(
+    campaign: str = typer.Argument("runs/demo"),
+    preset: str = PresetOpt,
+    set: Optional[list[str]] = SetOpt,
+    address: Optional[str] = AddressOpt,
+    take_over: bool = TakeOverOpt,
+) -> None:
     """prepare -> seed -> launch -> eval on a preset (tiny by default), then print where the report is."""
+
     def go() -> None:
         from pipelines.campaign import launch as run_launch
         from pipelines.evaluate import evaluate as run_eval
         from pipelines.prepare import prepare as run_prepare
         from pipelines.raysession import ray_session
         from pipelines.seed import train_seed
+
         t0 = time.monotonic()
         store = open_store(campaign)
         cfg = _config(preset, None, set, None, None)
@@ -345,47 +506,68 @@ def demo(campaign: str = typer.Argument("runs/demo"), preset: str = PresetOpt, s
                 train_seed(store, cfg)
                 run_launch(store, cfg)
             m = run_eval(store, cfg)
-        out.print(f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
-                      f"vs seed {m['seed']['nats_per_byte']:.4f} vs uniform {m['uniform']['nats_per_byte']:.4f}")
+        out.print(
+            f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
+            f"vs seed {m['seed']['nats_per_byte']:.4f} vs uniform {m['uniform']['nats_per_byte']:.4f}"
+        )
         out.print(f"report: {store.url}/eval/report.md")
+
     _run(go)
 
 
 @app.command()
 def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
     """A new campaign sharing PARENT's data and seed model, with training-side overrides (e.g. train.method=bptt)."""
+
     def go() -> None:
         from pipelines.fork import fork as run
         from soma_cluster.config import merge_trees, validated
+
         parent_store = open_store(parent)
         child = open_store(campaign)
         child.check_writable()
         tree = merge_trees(load_config(parent_store).model_dump(mode="json"), parse_overrides(set or []))
         run(parent_store, child, validated(tree, "fork overrides"))
+
     _run(go)
 
 
 @app.command()
-def experiment(name: str = typer.Argument(..., help="variance, summed, zo-compare or scaling (soma_cluster/presets/experiments)"),
-               directory: str = typer.Argument(..., help="where its campaigns, results.json and report.md go"),
-               scale: str = typer.Option("small", "--scale", callback=_check_scale, help="small (2 CPU cores, <= 30 min) or paper (a GPU cluster)"),
-               set: Optional[list[str]] = SetOpt, address: Optional[str] = AddressOpt, no_progress: bool = QuietOpt) -> None:
+def experiment(
+    name: str = typer.Argument(..., help="variance, summed, zo-compare or scaling (soma_cluster/presets/experiments)"),
+    directory: str = typer.Argument(..., help="where its campaigns, results.json and report.md go"),
+    scale: str = typer.Option(
+        "small", "--scale", callback=_check_scale, help="small (2 CPU cores, <= 30 min) or paper (a GPU cluster)"
+    ),
+    set: Optional[list[str]] = SetOpt,
+    address: Optional[str] = AddressOpt,
+    no_progress: bool = QuietOpt,
+) -> None:
     """Run one of the paper's comparisons: every arm a campaign (prepare or fork, seed, launch, eval), then a report."""
+
     def go() -> None:
         from pipelines.experiment import run_experiment
-        open_store(directory).check_writable()        # before any arm is prepared or Ray starts
+
+        open_store(directory).check_writable()  # before any arm is prepared or Ray starts
         res = run_experiment(name, directory, scale, set or [], address, not no_progress)
-        out.print(f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md")
+        out.print(
+            f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md"
+        )
+
     _run(go)
 
 
 @app.command()
-def report(directories: list[str] = typer.Argument(..., help="experiment directories (each holds results.json)"),
-           readme: Optional[str] = typer.Option(None, "--readme", help="rewrite this README's results section from them")) -> None:
+def report(
+    directories: list[str] = typer.Argument(..., help="experiment directories (each holds results.json)"),
+    readme: Optional[str] = typer.Option(None, "--readme", help="rewrite this README's results section from them"),
+) -> None:
     """Re-render each experiment's report.md and figures from its results.json; optionally the README's results."""
+
     def go() -> None:
         from pipelines.report import readme_section, update_readme, write_report
         from soma_cluster.preflight import require_writable_dir
+
         stores = [open_store(d) for d in directories]
         for store in stores:
             store.check_writable()
@@ -399,27 +581,42 @@ def report(directories: list[str] = typer.Argument(..., help="experiment directo
         if readme:
             update_readme(readme, readme_section(done))
             out.print(f"{readme}: results section rewritten from {len(done)} experiment(s)")
+
     _run(go)
 
 
 @app.command()
 def presets(as_json: bool = JsonOpt) -> None:
     """List the presets and the experiments."""
+
     def go() -> None:
         from soma_cluster.experiments import experiment_names
+
         if as_json:
             rows = []
             for name in preset_names():
                 cfg = resolve(name)
-                rows.append({"name": name, "n_experts": cfg.n_experts, "d": cfg.model.d, "n_pert": cfg.spsa.n_pert,
-                             "batch": cfg.spsa.batch, "seq_len": cfg.spsa.seq_len, "updates": cfg.train.updates,
-                             "num_gpus": cfg.resources.num_gpus, "experts_per_actor": cfg.resources.experts_per_actor,
-                             "expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours})
+                rows.append(
+                    {
+                        "name": name,
+                        "n_experts": cfg.n_experts,
+                        "d": cfg.model.d,
+                        "n_pert": cfg.spsa.n_pert,
+                        "batch": cfg.spsa.batch,
+                        "seq_len": cfg.spsa.seq_len,
+                        "updates": cfg.train.updates,
+                        "num_gpus": cfg.resources.num_gpus,
+                        "experts_per_actor": cfg.resources.experts_per_actor,
+                        "expert_gpu_hours": cfg.budget.expert_gpu_hours,
+                        "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
+                    }
+                )
             return emit_json({"schema": 1, "presets": rows, "experiments": experiment_names()})
         for name in preset_names():
             out.print(name, markup=False)
         for name in experiment_names():
             out.print(f"experiment {name}", markup=False)
+
     _run(go)
 
 

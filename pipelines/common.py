@@ -1,4 +1,5 @@
 """Shared driver plumbing: open a campaign directory, the console, progress bars."""
+
 from __future__ import annotations
 
 import os
@@ -16,13 +17,14 @@ from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE_FILES
 from soma_cluster.storage import Store, storage_options_from_env
 
-console = Console(stderr=True, highlight=False)     # logs and progress: stderr
-out = Console(highlight=False, soft_wrap=True)      # data (tables, results, JSON): stdout, so `soma status X > f` holds it
+console = Console(stderr=True, highlight=False)  # logs and progress: stderr
+out = Console(highlight=False, soft_wrap=True)  # data (tables, results, JSON): stdout, so `soma status X > f` holds it
 
 
 def emit_json(obj) -> None:
     """A command's --json result: one JSON document on stdout, nothing else there."""
     import json
+
     sys.stdout.write(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
 
@@ -47,11 +49,13 @@ def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> boo
     if store.exists(CONFIG):
         existing = load_config(store)
         if existing.digest() != cfg.digest():
-            raise SomaError(f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); use a new campaign URL")
+            raise SomaError(
+                f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); use a new campaign URL"
+            )
         return True
     if contents(store):
         raise SomaError(f"{store.url} is not empty and holds no {CONFIG}; choose an empty or new directory")
-    store.require_bucket()      # s3://: a missing bucket is found before any data is read, not at the first write
+    store.require_bucket()  # s3://: a missing bucket is found before any data is read, not at the first write
     if write:
         store.write_new(CONFIG, to_yaml_text(cfg).encode())
     return False
@@ -65,7 +69,15 @@ def contents(store: Store) -> list[str]:
 
 @contextmanager
 def progress(enabled: bool = True) -> Iterator[Progress]:
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   TimeRemainingColumn(), console=console, disable=not enabled, transient=False)
+    bar = Progress(
+        TextColumn("{task.description}"),
+        BarColumn(),
+        MofNCompleteColumn(),
+        TimeElapsedColumn(),
+        TimeRemainingColumn(),
+        console=console,
+        disable=not enabled,
+        transient=False,
+    )
     with bar:
         yield bar

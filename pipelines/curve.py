@@ -6,6 +6,7 @@ every expert's), aggregate GPU-seconds from the ledger (preprocessing and seed r
 training and wasted records up to that step). y is the paper's evaluation protocol with its document
 bootstrap interval, on the campaign's test windows.
 """
+
 from __future__ import annotations
 
 import numpy as np
@@ -21,7 +22,7 @@ from soma_cluster.shards import expert_name
 from soma_cluster.storage import Store
 from soma_cluster.trainer import pick_device
 
-ALWAYS = ("preprocessing", "seed")          # spent before any expert step
+ALWAYS = ("preprocessing", "seed")  # spent before any expert step
 
 
 def _evenly(steps: list[int], k: int) -> list[int]:
@@ -46,16 +47,31 @@ def curve(store: Store, cfg: CampaignConfig, max_points: int = 12) -> list[dict]
     seed = _load(store, SEED_JOB.model_dir, "the seed model")
     seed_fw = seed.meta["state"]["forwards"]
     first = Ensemble.load(store, cfg, router=router)
-    points = [{"step": 0, "forwards": seed_fw, "gpu_hours": base_s / 3600, **_summary(first.seed_nats(win, ctx, device), w)}]
+    points = [
+        {"step": 0, "forwards": seed_fw, "gpu_hours": base_s / 3600, **_summary(first.seed_nats(win, ctx, device), w)}
+    ]
     for s in steps:
         # each expert at its latest checkpoint not after s (experts that stopped early stay where they stopped)
-        cks = {e: _load(store, Job(e).model_dir, expert_name(e), f"step-{max(x for x in kept[e] if x <= s):06d}")
-               for e in range(cfg.n_experts) if any(x <= s for x in kept[e])}
+        cks = {
+            e: _load(store, Job(e).model_dir, expert_name(e), f"step-{max(x for x in kept[e] if x <= s):06d}")
+            for e in range(cfg.n_experts)
+            if any(x <= s for x in kept[e])
+        }
         if len(cks) < cfg.n_experts:
             continue
         ens = Ensemble(cfg, router, cks, seed.tensors)
         res = ens.run(win, ctx, device)
-        spent = base_s + sum(r["gpu_seconds"] for r in records if r["category"] in EXPERT_SPEND and r["step"] is not None and r["step"] <= s)
-        points.append({"step": s, "forwards": seed_fw + sum(ck.meta["state"]["forwards"] for ck in cks.values()),
-                       "gpu_hours": spent / 3600, **_summary(res.nats, w)})
+        spent = base_s + sum(
+            r["gpu_seconds"]
+            for r in records
+            if r["category"] in EXPERT_SPEND and r["step"] is not None and r["step"] <= s
+        )
+        points.append(
+            {
+                "step": s,
+                "forwards": seed_fw + sum(ck.meta["state"]["forwards"] for ck in cks.values()),
+                "gpu_hours": spent / 3600,
+                **_summary(res.nats, w),
+            }
+        )
     return points

@@ -1,4 +1,5 @@
 """`soma eval`: the routed ensemble, the seed model and each expert on the test windows, with CIs."""
+
 from __future__ import annotations
 
 import io
@@ -15,8 +16,18 @@ from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
 from soma_cluster.curves import DIR as CURVES
 from soma_cluster.curves import read_curve
-from soma_cluster.ensemble import (UNIFORM_NATS, Substitute, Windows, bootstrap_weights, ci, evaluate_ensemble, load_windows,
-                                   strided_windows, substitute_for, window_logprobs)
+from soma_cluster.ensemble import (
+    UNIFORM_NATS,
+    Substitute,
+    Windows,
+    bootstrap_weights,
+    ci,
+    evaluate_ensemble,
+    load_windows,
+    strided_windows,
+    substitute_for,
+    window_logprobs,
+)
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
@@ -30,13 +41,24 @@ from soma_cluster.trainer import Trainer, pick_device
 
 def _load(store: Store, directory: str, what: str, name: str | None = None) -> Checkpoint:
     if not has_checkpoint(store, directory):
-        raise SomaError(f"{what} has no checkpoint under {store.url}/{directory}; run soma launch (or soma resume) first")
+        raise SomaError(
+            f"{what} has no checkpoint under {store.url}/{directory}; run soma launch (or soma resume) first"
+        )
     return load_checkpoint(store, directory, name)
 
 
 def _own_shard_val(store: Store, cfg: CampaignConfig, e: int, ck: Checkpoint, device: torch.device) -> float:
     """The expert's loss on its own shard's expert-validation rows (the rows it validated on in training)."""
-    tr = Trainer(cfg.model, cfg.spsa, open_shard(store, e), ck.state(device), cfg.seed, e, device, cfg.train.val_batches * cfg.spsa.batch)
+    tr = Trainer(
+        cfg.model,
+        cfg.spsa,
+        open_shard(store, e),
+        ck.state(device),
+        cfg.seed,
+        e,
+        device,
+        cfg.train.val_batches * cfg.spsa.batch,
+    )
     return tr.validate()
 
 
@@ -47,6 +69,7 @@ def _fmt(m: tuple[float, float, float]) -> str:
 @dataclass
 class Ensemble:
     """A campaign's router, experts and seed model, loaded once; the seed stands in for `substituted` experts."""
+
     cfg: CampaignConfig
     router: Router
     checkpoints: dict[int, Checkpoint]
@@ -54,12 +77,14 @@ class Ensemble:
     substituted: dict[int, Substitute] = field(default_factory=dict)
 
     @classmethod
-    def load(cls, store: Store, cfg: CampaignConfig, step: int | None = None, router: Router | None = None) -> "Ensemble":
+    def load(
+        cls, store: Store, cfg: CampaignConfig, step: int | None = None, router: Router | None = None
+    ) -> "Ensemble":
         """The latest checkpoints, or those of one step (every expert must have one there). Without `step`, an
         expert that never wrote a checkpoint is substituted by the seed model (ensemble.substitute_for says when)."""
         name = None if step is None else f"step-{step:06d}"
         seed = _load(store, SEED_JOB.model_dir, "the seed model").tensors
-        past = None                     # the events log, read only if an expert has no checkpoint (minutes on S3 at N = 256)
+        past = None  # the events log, read only if an expert has no checkpoint (minutes on S3 at N = 256)
         cks, subs = {}, {}
         for e in range(cfg.n_experts):
             d = Job(e).model_dir
@@ -75,8 +100,16 @@ class Ensemble:
 
     def run(self, win: Windows, context: int, device: torch.device):
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}
-        return evaluate_ensemble(self.router, self.cfg.model, experts, win, context, self.cfg.eval.batch, device,
-                                 seed=(self.seed["body"], self.seed["head"]))
+        return evaluate_ensemble(
+            self.router,
+            self.cfg.model,
+            experts,
+            win,
+            context,
+            self.cfg.eval.batch,
+            device,
+            seed=(self.seed["body"], self.seed["head"]),
+        )
 
     def require_all(self, url: str) -> None:
         """`soma eval --require-all`: any substitution is an error, naming the experts and what trains them."""
@@ -87,18 +120,34 @@ class Ensemble:
         ends = {s.end for s in subs}
         fixes = [f"soma resume {url}"] if ends - {"budget_exhausted", "failed_permanently"} else []
         fixes += [f"failed_permanently ones: soma resume {url} --retry-failed"] if "failed_permanently" in ends else []
-        fixes += ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"] if "budget_exhausted" in ends else []
-        raise SomaError(f"{len(subs)} of {self.cfg.n_experts} experts of {url} have no checkpoint and would be evaluated as the "
-                        f"seed model: {named}; --require-all refuses that: train them first ({'; '.join(fixes)}) "
-                        f"or leave out --require-all")
+        fixes += (
+            ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"]
+            if "budget_exhausted" in ends
+            else []
+        )
+        raise SomaError(
+            f"{len(subs)} of {self.cfg.n_experts} experts of {url} have no checkpoint and would be evaluated as the "
+            f"seed model: {named}; --require-all refuses that: train them first ({'; '.join(fixes)}) "
+            f"or leave out --require-all"
+        )
 
     def substitutes(self, routed: dict[int, int]) -> list[dict]:
         """The substituted experts for metrics.json and --json: name, end state, step, reason, windows routed to it."""
-        return [{"expert": expert_name(e), "end": s.end, "step": s.step, "reason": s.reason, "routed_windows": routed.get(e, 0)}
-                for e, s in self.substituted.items()]
+        return [
+            {
+                "expert": expert_name(e),
+                "end": s.end,
+                "step": s.step,
+                "reason": s.reason,
+                "routed_windows": routed.get(e, 0),
+            }
+            for e, s in self.substituted.items()
+        ]
 
     def seed_nats(self, win: Windows, context: int, device: torch.device) -> np.ndarray:
-        return -window_logprobs(self.cfg.model, self.seed["body"], self.seed["head"], win.data, context, self.cfg.eval.batch, device)
+        return -window_logprobs(
+            self.cfg.model, self.seed["body"], self.seed["head"], win.data, context, self.cfg.eval.batch, device
+        )
 
 
 def _summary(nats: np.ndarray, w: np.ndarray, scored: np.ndarray | None = None) -> dict:
@@ -112,7 +161,9 @@ def _paired(a: np.ndarray, b: np.ndarray, w: np.ndarray, scored: np.ndarray | No
     return {"nats_per_byte": m[0], "ci95": list(m[1:])}
 
 
-def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignConfig] | None = None, require_all: bool = False) -> dict:
+def evaluate(
+    store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignConfig] | None = None, require_all: bool = False
+) -> dict:
     """The routed ensemble, the seed and each expert on the campaign's test windows; with `compare`,
     another campaign's ensemble on the same windows and the paired difference. Experts without a checkpoint
     are evaluated as the seed model and listed (`require_all`: refused instead, before any work)."""
@@ -131,28 +182,46 @@ def evaluate(store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignCo
     seed_nats = ens.seed_nats(win, ctx, device)
     seed_seconds = time.perf_counter() - t_seed
     w = bootstrap_weights(win.docs, cfg.eval.bootstrap, cfg.seed)
-    per_expert = {expert_name(e): {"own_val_nats": _own_shard_val(store, cfg, e, ck, device),
-                                   "step": ck.meta["state"]["step"], "routed_windows": res.per_expert_windows[e]}
-                  for e, ck in ens.checkpoints.items()}
+    per_expert = {
+        expert_name(e): {
+            "own_val_nats": _own_shard_val(store, cfg, e, ck, device),
+            "step": ck.meta["state"]["step"],
+            "routed_windows": res.per_expert_windows[e],
+        }
+        for e, ck in ens.checkpoints.items()
+    }
     total_s = res.route_seconds + res.model_seconds
     metrics = {
-        "windows": len(win.data), "documents": int(len(np.unique(win.docs))), "scored_bytes": int(res.nats.size),
-        "ensemble": _summary(res.nats, w), "seed": _summary(seed_nats, w),
+        "windows": len(win.data),
+        "documents": int(len(np.unique(win.docs))),
+        "scored_bytes": int(res.nats.size),
+        "ensemble": _summary(res.nats, w),
+        "seed": _summary(seed_nats, w),
         "uniform": {"nats_per_byte": UNIFORM_NATS, "bits_per_byte": 8.0},
         "ensemble_minus_seed": _paired(res.nats, seed_nats, w),
-        "per_expert": per_expert, "substituted": ens.substitutes(res.per_expert_windows), "seed_substitute_windows": res.seed_windows,
-        "top_k": min(ens.router.cfg.top_k, cfg.n_experts), "weighting": ens.router.cfg.weighting,
+        "per_expert": per_expert,
+        "substituted": ens.substitutes(res.per_expert_windows),
+        "seed_substitute_windows": res.seed_windows,
+        "top_k": min(ens.router.cfg.top_k, cfg.n_experts),
+        "weighting": ens.router.cfg.weighting,
         "rule": ens.router.cfg.rule,
-        "routing_time_share": res.route_seconds / total_s, "ensemble_seconds": total_s, "seed_seconds": seed_seconds,
+        "routing_time_share": res.route_seconds / total_s,
+        "ensemble_seconds": total_s,
+        "seed_seconds": seed_seconds,
         "byte_tokens_per_second": len(win.data) * (win.data.shape[1] - 1) / total_s,
-        "parameters": campaign_param_count(cfg.model, cfg.n_experts), "device": str(device),
+        "parameters": campaign_param_count(cfg.model, cfg.n_experts),
+        "device": str(device),
     }
     if compare is not None:
         other_store, other_cfg = compare
         other = other_ens.run(win, ctx, device)
-        metrics["compare"] = {"campaign": other_store.url, "n_experts": other_cfg.n_experts, "ensemble": _summary(other.nats, w),
-                              "this_minus_other": _paired(res.nats, other.nats, w),
-                              "substituted": other_ens.substitutes(other.per_expert_windows)}
+        metrics["compare"] = {
+            "campaign": other_store.url,
+            "n_experts": other_cfg.n_experts,
+            "ensemble": _summary(other.nats, w),
+            "this_minus_other": _paired(res.nats, other.nats, w),
+            "substituted": other_ens.substitutes(other.per_expert_windows),
+        }
     _charge(store, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
     metrics["curves_figure"] = plot_curves(store, cfg)
@@ -168,8 +237,10 @@ def plot_curves(store: Store, cfg: CampaignConfig) -> str | None:
     if not names:
         return None
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+
     fig, ax = plt.subplots(figsize=(7, 4))
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(names)))
     for name, color in zip(names, colors):
@@ -196,7 +267,9 @@ def plot_curves(store: Store, cfg: CampaignConfig) -> str | None:
 def _charge(store: Store, t0: float, device: torch.device) -> None:
     wall = time.monotonic() - t0
     # each evaluation is its own record (a fixed id would let a second `soma eval` be deduplicated away)
-    Ledger(store).record("evaluation", wall if device.type == "cuda" else 0.0, wall, seq=time.time_ns(), note=f"driver {device}")
+    Ledger(store).record(
+        "evaluation", wall if device.type == "cuda" else 0.0, wall, seq=time.time_ns(), note=f"driver {device}"
+    )
 
 
 def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, require_all: bool = False) -> dict:
@@ -210,19 +283,30 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         ens.require_all(store.url)
     corpus = CorpusConfig(source=source, max_bytes=cfg.corpus.max_bytes, text_field=cfg.corpus.text_field)
     if not 0 < stride <= cfg.eval.window_bytes - 1:
-        raise SomaError(f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)")
+        raise SomaError(
+            f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)"
+        )
     st = strided_windows((d.data for d in documents(corpus)), cfg.eval.window_bytes, stride, cfg.eval.max_windows)
     res = ens.run(st.windows, 0, device)
     seed_nats = ens.seed_nats(st.windows, 0, device)
     w = bootstrap_weights(st.windows.docs, cfg.eval.bootstrap, cfg.seed)
     total_s = res.route_seconds + res.model_seconds
-    m = {"source": source, "stride": stride, "windows": len(st.windows.data), "documents": int(len(np.unique(st.windows.docs))),
-         "skipped_short_documents": st.skipped, "scored_bytes": int(st.scored.sum()),
-         "ensemble": _summary(res.nats, w, st.scored), "seed": _summary(seed_nats, w, st.scored),
-         "ensemble_minus_seed": _paired(res.nats, seed_nats, w, st.scored),
-         "substituted": ens.substitutes(res.per_expert_windows), "seed_substitute_windows": res.seed_windows,
-         "routing_time_share": res.route_seconds / total_s,
-         "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s, "device": str(device)}
+    m = {
+        "source": source,
+        "stride": stride,
+        "windows": len(st.windows.data),
+        "documents": int(len(np.unique(st.windows.docs))),
+        "skipped_short_documents": st.skipped,
+        "scored_bytes": int(st.scored.sum()),
+        "ensemble": _summary(res.nats, w, st.scored),
+        "seed": _summary(seed_nats, w, st.scored),
+        "ensemble_minus_seed": _paired(res.nats, seed_nats, w, st.scored),
+        "substituted": ens.substitutes(res.per_expert_windows),
+        "seed_substitute_windows": res.seed_windows,
+        "routing_time_share": res.route_seconds / total_s,
+        "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s,
+        "device": str(device),
+    }
     _charge(store, t0, device)
     name = f"eval/text-{sha256(source.encode())[:12]}"
     store.write_json(f"{name}.json", m)
@@ -234,22 +318,24 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
 def text_report(cfg: CampaignConfig, m: dict) -> str:
     return f"""# soma-cluster long-document evaluation: {cfg.name}
 
-Source `{m['source']}`: {m['windows']} windows of {cfg.eval.window_bytes} bytes at stride {m['stride']} from {m['documents']}
-documents ({m['skipped_short_documents']} shorter than a window skipped), {m['scored_bytes']:,} bytes scored once each.
+Source `{m["source"]}`: {m["windows"]} windows of {cfg.eval.window_bytes} bytes at stride {m["stride"]} from {m["documents"]}
+documents ({m["skipped_short_documents"]} shorter than a window skipped), {m["scored_bytes"]:,} bytes scored once each.
 {substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
-| routed ensemble | {_fmt((m['ensemble']['nats_per_byte'], *m['ensemble']['ci95']))} | {m['ensemble']['bits_per_byte']:.4f} |
-| seed model (N = 1) | {_fmt((m['seed']['nats_per_byte'], *m['seed']['ci95']))} | {m['seed']['bits_per_byte']:.4f} |
+| routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | {m["ensemble"]["bits_per_byte"]:.4f} |
+| seed model (N = 1) | {_fmt((m["seed"]["nats_per_byte"], *m["seed"]["ci95"]))} | {m["seed"]["bits_per_byte"]:.4f} |
 
-Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_per_byte']:+.4f}
-[{m['ensemble_minus_seed']['ci95'][0]:+.4f}, {m['ensemble_minus_seed']['ci95'][1]:+.4f}]. Routing is
-{100 * m['routing_time_share']:.1f}% of the ensemble's time; {m['byte_tokens_per_second']:,.0f} byte-tokens/s on {m['device']}.
+Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_per_byte"]:+.4f}
+[{m["ensemble_minus_seed"]["ci95"][0]:+.4f}, {m["ensemble_minus_seed"]["ci95"][1]:+.4f}]. Routing is
+{100 * m["routing_time_share"]:.1f}% of the ensemble's time; {m["byte_tokens_per_second"]:,.0f} byte-tokens/s on {m["device"]}.
 """
 
 
-SUBSTITUTION_RULE = ("the router still sends each window to the same top-k experts with the same weights; a substituted "
-                     "expert's next-byte probabilities are the seed model's")
+SUBSTITUTION_RULE = (
+    "the router still sends each window to the same top-k experts with the same weights; a substituted "
+    "expert's next-byte probabilities are the seed model's"
+)
 
 
 def substitution_lines(m: dict) -> str:
@@ -257,10 +343,14 @@ def substitution_lines(m: dict) -> str:
     subs = m.get("substituted") or []
     if not subs:
         return ""
-    rows = "\n".join(f"| {s['expert']} | {s['end']} | {s['step']} | {s['reason'] or ''} | {s['routed_windows']} |" for s in subs)
-    return (f"\n**Partial campaign: {len(subs)} expert(s) have no checkpoint and are evaluated as the seed model** ({SUBSTITUTION_RULE}; "
-            f"the seed scored {m.get('seed_substitute_windows', 0)} windows in their place). `soma eval --require-all` refuses this.\n\n"
-            f"| expert | end (events.jsonl) | step | why | windows routed to it |\n|---|---|---|---|---|\n{rows}\n")
+    rows = "\n".join(
+        f"| {s['expert']} | {s['end']} | {s['step']} | {s['reason'] or ''} | {s['routed_windows']} |" for s in subs
+    )
+    return (
+        f"\n**Partial campaign: {len(subs)} expert(s) have no checkpoint and are evaluated as the seed model** ({SUBSTITUTION_RULE}; "
+        f"the seed scored {m.get('seed_substitute_windows', 0)} windows in their place). `soma eval --require-all` refuses this.\n\n"
+        f"| expert | end (events.jsonl) | step | why | windows routed to it |\n|---|---|---|---|---|\n{rows}\n"
+    )
 
 
 def _compare_lines(m: dict) -> str:
@@ -268,42 +358,53 @@ def _compare_lines(m: dict) -> str:
         return ""
     c = m["compare"]
     subs = c.get("substituted") or []
-    partial = (f" That campaign is partial: the seed model stands in for {', '.join(x['expert'] for x in subs)} "
-               f"(no checkpoint).") if subs else ""
+    partial = (
+        (
+            f" That campaign is partial: the seed model stands in for {', '.join(x['expert'] for x in subs)} "
+            f"(no checkpoint)."
+        )
+        if subs
+        else ""
+    )
     d = c["this_minus_other"]
-    return (f"\nCompared on the same windows with `{c['campaign']}` (N = {c['n_experts']}): its ensemble "
-            f"{_fmt((c['ensemble']['nats_per_byte'], *c['ensemble']['ci95']))}; this minus that, paired: "
-            f"{d['nats_per_byte']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}].{partial}\n")
+    return (
+        f"\nCompared on the same windows with `{c['campaign']}` (N = {c['n_experts']}): its ensemble "
+        f"{_fmt((c['ensemble']['nats_per_byte'], *c['ensemble']['ci95']))}; this minus that, paired: "
+        f"{d['nats_per_byte']:+.4f} [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}].{partial}\n"
+    )
 
 
 def report(cfg: CampaignConfig, m: dict) -> str:
     led = m["ledger"]
-    rows = "\n".join(f"| {name} | {v['step']} | {v['own_val_nats']:.4f} | {v['routed_windows']} |" for name, v in m["per_expert"].items())
+    rows = "\n".join(
+        f"| {name} | {v['step']} | {v['own_val_nats']:.4f} | {v['routed_windows']} |"
+        for name, v in m["per_expert"].items()
+    )
     return f"""# soma-cluster evaluation: {cfg.name} (preset {cfg.preset})
 
-N = {cfg.n_experts} experts, d = {cfg.model.d}, {m['parameters']:,} parameters; top-{m['top_k']} {m['weighting']} routing by the {m.get('rule', 'nearest')} rule;
-{m['windows']} test windows of {cfg.eval.window_bytes} bytes from {m['documents']} held-out documents, {m['scored_bytes']:,} scored bytes.
+N = {cfg.n_experts} experts, d = {cfg.model.d}, {m["parameters"]:,} parameters; top-{m["top_k"]} {m["weighting"]} routing by the {m.get("rule", "nearest")} rule;
+{m["windows"]} test windows of {cfg.eval.window_bytes} bytes from {m["documents"]} held-out documents, {m["scored_bytes"]:,} scored bytes.
 {substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
-| routed ensemble | {_fmt((m['ensemble']['nats_per_byte'], *m['ensemble']['ci95']))} | {m['ensemble']['bits_per_byte']:.4f} |
-| seed model (N = 1) | {_fmt((m['seed']['nats_per_byte'], *m['seed']['ci95']))} | {m['seed']['bits_per_byte']:.4f} |
-| uniform over bytes | {m['uniform']['nats_per_byte']:.4f} | 8.0000 |
+| routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | {m["ensemble"]["bits_per_byte"]:.4f} |
+| seed model (N = 1) | {_fmt((m["seed"]["nats_per_byte"], *m["seed"]["ci95"]))} | {m["seed"]["bits_per_byte"]:.4f} |
+| uniform over bytes | {m["uniform"]["nats_per_byte"]:.4f} | 8.0000 |
 
-Ensemble minus seed, paired document bootstrap: {m['ensemble_minus_seed']['nats_per_byte']:+.4f} nats/byte
-[{m['ensemble_minus_seed']['ci95'][0]:+.4f}, {m['ensemble_minus_seed']['ci95'][1]:+.4f}].
+Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_per_byte"]:+.4f} nats/byte
+[{m["ensemble_minus_seed"]["ci95"][0]:+.4f}, {m["ensemble_minus_seed"]["ci95"][1]:+.4f}].
 {_compare_lines(m)}
 | expert | updates | own-shard val nats/byte | windows routed to it |
 |---|---|---|---|
 {rows}
 
 {"Training curves (from `curves/*.csv`, one per expert):" + chr(10) + chr(10) + "![per-expert curves](curves.png)" + chr(10) if m.get("curves_figure") else ""}
-Inference on {m['device']}: {m['byte_tokens_per_second']:,.0f} byte-tokens/s including routing; routing is
-{100 * m['routing_time_share']:.1f}% of the ensemble's time.
+Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s including routing; routing is
+{100 * m["routing_time_share"]:.1f}% of the ensemble's time.
 
-Compute (from the ledger): {led['gpu_hours_total']:.4f} aggregate {led['unit']}
-({', '.join(f"{k} {v:.4f}" for k, v in led['gpu_hours'].items())}); forwards {json.dumps(led['forwards'])}.
-Wall seconds per category: {', '.join(f"{k} {v:.1f}" for k, v in led['wall_seconds'].items())}.
+Compute (from the ledger): {led["gpu_hours_total"]:.4f} aggregate {led["unit"]}
+({", ".join(f"{k} {v:.4f}" for k, v in led["gpu_hours"].items())}); forwards {json.dumps(led["forwards"])}.
+Wall seconds per category: {", ".join(f"{k} {v:.1f}" for k, v in led["wall_seconds"].items())}.
 
 SOMA is a zero-order method: it is meant to beat other zero-order training at matched compute, not
 backpropagation, which remains far better per GPU-hour (SPEC section 8).

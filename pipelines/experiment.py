@@ -6,6 +6,7 @@ campaign, then evaluated with the paper's protocol, its training curve included.
 what was measured; DIR/report.md and DIR/*.png are rendered from it (pipelines.report). Running the same
 command again resumes: finished stages are skipped, unfinished experts continue from their checkpoints.
 """
+
 from __future__ import annotations
 
 import time
@@ -16,21 +17,21 @@ from pipelines.campaign import launch
 from pipelines.common import console, contents, open_store
 from pipelines.curve import curve
 from pipelines.evaluate import evaluate
-from soma_cluster.events import history
 from pipelines.fork import fork
 from pipelines.prepare import prepare
 from pipelines.raysession import ray_session
 from pipelines.seed import train_seed
 from soma_cluster.config import CampaignConfig, parse_overrides
 from soma_cluster.errors import SomaError
+from soma_cluster.events import history
 from soma_cluster.experiments import ExperimentSpec, arm_configs, load_spec
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import Layout, campaign_param_count
+from soma_cluster.schedule import Job
 from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, pick_device
 from soma_cluster.variance import model_ratio, separable_ratio
-from soma_cluster.schedule import Job
 from workers.expert_worker import start_state, training_method
 
 MARKER = "experiment.json"
@@ -42,8 +43,10 @@ def _claim(root: Store, spec: ExperimentSpec, scale: str, sets: list[str]) -> No
     if root.exists(MARKER):
         have = root.read_json(MARKER)
         if {k: have.get(k) for k in want} != want:
-            raise SomaError(f"{root.url} holds experiment {have.get('experiment')} (scale {have.get('scale')}, overrides "
-                            f"{have.get('overrides')}); use a new directory for {spec.name} at scale {scale}")
+            raise SomaError(
+                f"{root.url} holds experiment {have.get('experiment')} (scale {have.get('scale')}, overrides "
+                f"{have.get('overrides')}); use a new directory for {spec.name} at scale {scale}"
+            )
         return
     if contents(root):
         raise SomaError(f"{root.url} is not empty and holds no {MARKER}; choose an empty or new directory")
@@ -64,7 +67,9 @@ def _same_windows(a: Store, b: Store) -> bool:
     return a.read_json("test/manifest.json")["sha256"] == b.read_json("test/manifest.json")["sha256"]
 
 
-def _arm_result(spec: ExperimentSpec, arm, store: Store, cfg: CampaignConfig, ref: tuple[Store, CampaignConfig] | None) -> dict:
+def _arm_result(
+    spec: ExperimentSpec, arm, store: Store, cfg: CampaignConfig, ref: tuple[Store, CampaignConfig] | None
+) -> dict:
     """Final metrics (paired against the reference arm on the same windows), curve and compute of one arm."""
     compare = ref if ref is not None and _same_windows(store, ref[0]) else None
     metrics = evaluate(store, cfg, compare)
@@ -73,19 +78,34 @@ def _arm_result(spec: ExperimentSpec, arm, store: Store, cfg: CampaignConfig, re
     experts = [hist.get(expert_name(e)) for e in range(cfg.n_experts)]
     pts = curve(store, cfg, spec.curve_points)
     return {
-        "label": arm.label, "fork": arm.fork, "n_experts": cfg.n_experts, "d": cfg.model.d, "head": cfg.model.head,
-        "method": cfg.train.method, "objective": cfg.spsa.objective, "parameters": campaign_param_count(cfg.model, cfg.n_experts),
-        "body_parameters": Layout(cfg.model).size, "budget_gpu_hours": cfg.budget.campaign_gpu_hours,
-        "outcomes": [h.state if h else "pending" for h in experts], "updates": [h.step if h else 0 for h in experts],
+        "label": arm.label,
+        "fork": arm.fork,
+        "n_experts": cfg.n_experts,
+        "d": cfg.model.d,
+        "head": cfg.model.head,
+        "method": cfg.train.method,
+        "objective": cfg.spsa.objective,
+        "parameters": campaign_param_count(cfg.model, cfg.n_experts),
+        "body_parameters": Layout(cfg.model).size,
+        "budget_gpu_hours": cfg.budget.campaign_gpu_hours,
+        "outcomes": [h.state if h else "pending" for h in experts],
+        "updates": [h.step if h else 0 for h in experts],
         # compute, kept apart: GPU-hours of training (seed included, evaluation not), wall time, forwards
         "gpu_hours": sum(v for k, v in totals.gpu_seconds.items() if k != "evaluation") / 3600,
-        "gpu_hours_by_category": {k: v / 3600 for k, v in totals.gpu_seconds.items()}, "gpu_hours_unit": totals.unit,
-        "wall_seconds_by_category": dict(totals.wall_seconds), "forwards": pts[-1]["forwards"] if pts else 0,
+        "gpu_hours_by_category": {k: v / 3600 for k, v in totals.gpu_seconds.items()},
+        "gpu_hours_unit": totals.unit,
+        "wall_seconds_by_category": dict(totals.wall_seconds),
+        "forwards": pts[-1]["forwards"] if pts else 0,
         "forwards_by_category": dict(totals.forwards),
-        "ensemble": metrics["ensemble"], "seed": metrics["seed"],
+        "ensemble": metrics["ensemble"],
+        "seed": metrics["seed"],
         "vs_reference": metrics["compare"]["this_minus_other"] if compare else None,
-        "byte_tokens_per_second": metrics["byte_tokens_per_second"], "routing_time_share": metrics["routing_time_share"],
-        "windows": metrics["windows"], "documents": metrics["documents"], "curve": pts, "campaign": store.url,
+        "byte_tokens_per_second": metrics["byte_tokens_per_second"],
+        "routing_time_share": metrics["routing_time_share"],
+        "windows": metrics["windows"],
+        "documents": metrics["documents"],
+        "curve": pts,
+        "campaign": store.url,
     }
 
 
@@ -94,40 +114,78 @@ def _model_variance(store: Store, cfg: CampaignConfig, draws: int, seed: int) ->
     """Independent vs summed SPSA variance on the arm's real experts, each starting from the seed model on one
     batch of its own shard (the state SOMA's expert stage starts from)."""
     device = pick_device()
-    trainers = [Trainer(cfg.model, cfg.spsa, open_shard(store, e), start_state(store, cfg, Job(e), device), cfg.seed, e,
-                        device, cfg.spsa.batch, training_method(cfg, Job(e))) for e in range(cfg.n_experts)]
+    trainers = [
+        Trainer(
+            cfg.model,
+            cfg.spsa,
+            open_shard(store, e),
+            start_state(store, cfg, Job(e), device),
+            cfg.seed,
+            e,
+            device,
+            cfg.spsa.batch,
+            training_method(cfg, Job(e)),
+        )
+        for e in range(cfg.n_experts)
+    ]
     batches = [t.batch(0) for t in trainers]
     x, y = torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches])
     bodies = torch.stack([t.state.body for t in trainers])
     heads = torch.stack([t.state.head for t in trainers])
     t0 = time.monotonic()
-    r = model_ratio(cfg.model, bodies, heads, x, y, trainers[0].gain_mask, cfg.spsa.eps, draws, cfg.spsa.pert_chunk, seed)
-    return {**r.as_dict(), "campaign": store.url, "batch": list(x.shape), "eps": cfg.spsa.eps, "seconds": time.monotonic() - t0}
+    r = model_ratio(
+        cfg.model, bodies, heads, x, y, trainers[0].gain_mask, cfg.spsa.eps, draws, cfg.spsa.pert_chunk, seed
+    )
+    return {
+        **r.as_dict(),
+        "campaign": store.url,
+        "batch": list(x.shape),
+        "eps": cfg.spsa.eps,
+        "seconds": time.monotonic() - t0,
+    }
 
 
 def _variance(spec: ExperimentSpec, stores: dict[str, Store], cfgs: dict[str, CampaignConfig], seed: int) -> dict:
     v = spec.variance
     t0 = time.monotonic()
-    fixed = [separable_ratio(v.params, n, v.draws, probe, seed).as_dict() for probe in ("rademacher", "ternary") for n in v.blocks]
+    fixed = [
+        separable_ratio(v.params, n, v.draws, probe, seed).as_dict()
+        for probe in ("rademacher", "ternary")
+        for n in v.blocks
+    ]
     out = {"fixed": fixed, "fixed_seconds": time.monotonic() - t0}
     if v.model_arm:
         out["model"] = _model_variance(stores[v.model_arm], cfgs[v.model_arm], v.model_draws, seed)
     return out
 
 
-def run_experiment(name: str, url: str, scale: str = "small", sets: list[str] | None = None, address: str | None = None,
-                   show_progress: bool = True) -> dict:
+def run_experiment(
+    name: str,
+    url: str,
+    scale: str = "small",
+    sets: list[str] | None = None,
+    address: str | None = None,
+    show_progress: bool = True,
+) -> dict:
     spec = load_spec(name)
     sets = list(sets or [])
     user = parse_overrides(sets)
     root = open_store(url)
     seeds = spec.seeds_at(scale)
-    cfgs_by_seed = {s: arm_configs(spec, scale, s, user) for s in seeds}      # every config valid before anything runs
+    cfgs_by_seed = {s: arm_configs(spec, scale, s, user) for s in seeds}  # every config valid before anything runs
     _claim(root, spec, scale, sets)
     t0 = time.monotonic()
-    results: dict = {"experiment": spec.name, "title": spec.title, "question": spec.question, "kind": spec.kind,
-                     "scale": scale, "overrides": sets, "reference": spec.reference, "seeds": {},
-                     "expect": [e.model_dump() for e in spec.expect]}
+    results: dict = {
+        "experiment": spec.name,
+        "title": spec.title,
+        "question": spec.question,
+        "kind": spec.kind,
+        "scale": scale,
+        "overrides": sets,
+        "reference": spec.reference,
+        "seeds": {},
+        "expect": [e.model_dump() for e in spec.expect],
+    }
     first = next(iter(cfgs_by_seed[seeds[0]].values()))
     with ray_session(first, address):
         for s in seeds:
@@ -143,11 +201,15 @@ def run_experiment(name: str, url: str, scale: str = "small", sets: list[str] | 
                 console.print(f"[bold]{spec.name} seed {s}[/bold]: training arm {arm.name}")
                 launch(stores[arm.name], cfgs[arm.name], show_progress)
             ref = (stores[spec.reference], cfgs[spec.reference]) if spec.reference else None
-            results["seeds"][str(s)] = {arm.name: _arm_result(spec, arm, stores[arm.name], cfgs[arm.name],
-                                                              None if arm.name == spec.reference else ref)
-                                        for arm in spec.ordered_arms()}
+            results["seeds"][str(s)] = {
+                arm.name: _arm_result(
+                    spec, arm, stores[arm.name], cfgs[arm.name], None if arm.name == spec.reference else ref
+                )
+                for arm in spec.ordered_arms()
+            }
     results["wall_seconds"] = time.monotonic() - t0
     root.write_json("results.json", results)
     from pipelines.report import write_report
+
     write_report(root, results)
     return results

@@ -7,6 +7,7 @@ accounting includes the seed it started from, then binds the child to its own co
 with only training-side sections changed (train, spsa, eggroll, bptt, budget, retry, resources, eval).
 `fork.json`, written last, marks a complete fork; an interrupted fork is simply run again.
 """
+
 from __future__ import annotations
 
 from pipelines.campaign_lease import holding
@@ -30,8 +31,10 @@ def fork_config(parent: CampaignConfig, child: CampaignConfig) -> None:
     a, b = parent.model_dump(mode="json"), child.model_dump(mode="json")
     changed = [k for k in FIXED if a[k] != b[k]]
     if changed:
-        raise SomaError(f"a fork shares its parent's data and seed model, so it cannot change {', '.join(changed)}; "
-                        f"change only {', '.join(k for k in a if k not in FIXED and k not in ('name', 'preset'))}")
+        raise SomaError(
+            f"a fork shares its parent's data and seed model, so it cannot change {', '.join(changed)}; "
+            f"change only {', '.join(k for k in a if k not in FIXED and k not in ('name', 'preset'))}"
+        )
 
 
 @holding("soma fork", "child")
@@ -48,14 +51,16 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig) -> dict:
         raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
     claim_campaign(child, cfg)
     files = [p for d in SHARED for p in parent.walk(d)]
-    if not logged:                  # files first, then the logs, then the marker: a rerun picks up where it stopped
+    if not logged:  # files first, then the logs, then the marker: a rerun picks up where it stopped
         for rel in files:
             child.write_bytes(rel, parent.read_bytes(rel))
         _copy_seed_logs(parent, child, pcfg, len(files))
     summary = {"parent": parent.url, "parent_digest": pcfg.digest(), "files": len(files)}
     child.write_json(MARKER, summary)
-    console.print(f"forked {parent.url} -> {child.url}: {len(files)} files (router, shards, test windows, seed) and "
-                  f"the records of its preprocessing and seed")
+    console.print(
+        f"forked {parent.url} -> {child.url}: {len(files)} files (router, shards, test windows, seed) and "
+        f"the records of its preprocessing and seed"
+    )
     return summary
 
 

@@ -6,6 +6,7 @@ Every metric is tagged with the campaign's name and the first 8 hex digits of it
 campaigns of one name on one cluster stay apart). Exporting needs Ray's metrics agent, i.e. `ray[default]`;
 without it the values are still set and simply go nowhere.
 """
+
 from __future__ import annotations
 
 import logging
@@ -24,17 +25,34 @@ class CampaignMetrics:
         self._steps: dict[str, int] = {}
         try:
             from ray.util.metrics import Counter, Gauge
+
             keys = ("campaign", "campaign_id")
             self.jobs = Gauge(PREFIX + "jobs", "jobs of the campaign by state", tag_keys=keys + ("state",))
-            self.gpu_hours = Gauge(PREFIX + "gpu_hours", "GPU-hours spent, by ledger category", tag_keys=keys + ("category",))
-            self.eta = Gauge(PREFIX + "eta_seconds", "estimated seconds to the campaign's end (-1: unknown)", tag_keys=keys)
-            self.left = Gauge(PREFIX + "budget_left_gpu_hours", "GPU-hours a job may still spend (-1: no budget)", tag_keys=keys + ("job",))
-            self.val = Gauge(PREFIX + "expert_val_loss", "latest expert-validation loss, nats/byte", tag_keys=keys + ("job",))
-            self.lag = Gauge(PREFIX + "heartbeat_lag_seconds", "seconds since a running job's last heartbeat", tag_keys=keys + ("job",))
+            self.gpu_hours = Gauge(
+                PREFIX + "gpu_hours", "GPU-hours spent, by ledger category", tag_keys=keys + ("category",)
+            )
+            self.eta = Gauge(
+                PREFIX + "eta_seconds", "estimated seconds to the campaign's end (-1: unknown)", tag_keys=keys
+            )
+            self.left = Gauge(
+                PREFIX + "budget_left_gpu_hours",
+                "GPU-hours a job may still spend (-1: no budget)",
+                tag_keys=keys + ("job",),
+            )
+            self.val = Gauge(
+                PREFIX + "expert_val_loss", "latest expert-validation loss, nats/byte", tag_keys=keys + ("job",)
+            )
+            self.lag = Gauge(
+                PREFIX + "heartbeat_lag_seconds",
+                "seconds since a running job's last heartbeat",
+                tag_keys=keys + ("job",),
+            )
             self.step = Gauge(PREFIX + "job_step", "a job's update count", tag_keys=keys + ("job",))
-            self.updates = Counter(PREFIX + "updates_total", "updates trained by every job, counted by this driver", tag_keys=keys)
+            self.updates = Counter(
+                PREFIX + "updates_total", "updates trained by every job, counted by this driver", tag_keys=keys
+            )
             self.ok = True
-        except Exception as exc:       # metrics are never a reason for a campaign to stop
+        except Exception as exc:  # metrics are never a reason for a campaign to stop
             log.warning("metrics disabled: %s", exc)
             self.ok = False
 

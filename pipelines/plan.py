@@ -13,6 +13,7 @@ machine `soma plan` runs on (a KubeRay head has no GPU); an autoscaling cluster 
 records the node and its cores, and a calibration is reused only where it was measured (a cluster's
 for cluster plans, this machine's for local ones).
 """
+
 from __future__ import annotations
 
 import os
@@ -49,8 +50,17 @@ def _state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) ->
 
 def _trainer(store: Store, cfg: CampaignConfig, job: Job, device: torch.device, cache: str) -> Trainer:
     shard = union_shard(store, cfg.n_experts, cache) if job.expert is None else open_shard(store, job.expert, cache)
-    return Trainer(cfg.model, cfg.spsa, shard, _state(store, cfg, job, device), cfg.seed, -1 if job.expert is None else job.expert,
-                   device, cfg.train.val_batches * cfg.spsa.batch, training_method(cfg, job))
+    return Trainer(
+        cfg.model,
+        cfg.spsa,
+        shard,
+        _state(store, cfg, job, device),
+        cfg.seed,
+        -1 if job.expert is None else job.expert,
+        device,
+        cfg.train.val_batches * cfg.spsa.batch,
+        training_method(cfg, job),
+    )
 
 
 def _timed(fn, repeat: int = 1, min_s: float = 0.0, most: int = 50) -> tuple[float, int]:
@@ -65,8 +75,12 @@ def _timed(fn, repeat: int = 1, min_s: float = 0.0, most: int = 50) -> tuple[flo
 def startup_seconds() -> float:
     """A fresh interpreter importing the worker (torch, Ray, soma_cluster): the bulk of an actor's start-up."""
     t = time.perf_counter()
-    subprocess.run([sys.executable, "-c", "import workers.expert_worker"], check=True, capture_output=True,
-                   cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    subprocess.run(
+        [sys.executable, "-c", "import workers.expert_worker"],
+        check=True,
+        capture_output=True,
+        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+    )
     return time.perf_counter() - t
 
 
@@ -74,15 +88,15 @@ def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float 
     device = pick_device()
     threads = torch.get_num_threads()
     if device.type == "cpu":
-        torch.set_num_threads(cfg.train.threads)      # as the worker runs
+        torch.set_num_threads(cfg.train.threads)  # as the worker runs
     try:
         g = min(cfg.resources.experts_per_actor, cfg.n_experts)
-        with store.scratch() as scratch:           # on the campaign's own disk (the checkpoint timed is written there)
+        with store.scratch() as scratch:  # on the campaign's own disk (the checkpoint timed is written there)
             cache = os.path.join(scratch, "cache")
             t = time.perf_counter()
             trainers = [_trainer(store, cfg, Job(e), device, cache) for e in range(g)]
-            load_s = time.perf_counter() - t                   # the actor loads its G members one after another
-            update_experts(trainers)                            # warm-up (allocations, kernels)
+            load_s = time.perf_counter() - t  # the actor loads its G members one after another
+            update_experts(trainers)  # warm-up (allocations, kernels)
             packed, timed = _timed(lambda: update_experts(trainers), updates, min_s)
             val, _ = _timed(trainers[0].validate)
             ckpt, _ = _timed(lambda: save_checkpoint(Store(os.path.join(scratch, "ck")), "x", trainers[0].state))
@@ -93,10 +107,22 @@ def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float 
                 seed["seed_load_s"] = time.perf_counter() - t
                 st.update()
                 seed["seed_update_s"], _ = _timed(st.update, updates, min_s)
-        return {"device": device.type, "threads": cfg.train.threads if device.type == "cpu" else None, "experts_per_actor": g,
-                "updates_timed": timed, "packed_update_s": packed, "val_s": val, "checkpoint_s": ckpt, "load_s": load_s,
-                "startup_s": startup_seconds(), "poll_s": POLL_S, "measured_at": time.time(), "config_digest": cfg.digest(),
-                "seed_load_s": seed.get("seed_load_s", 0.0), "seed_update_s": seed.get("seed_update_s", packed)}
+        return {
+            "device": device.type,
+            "threads": cfg.train.threads if device.type == "cpu" else None,
+            "experts_per_actor": g,
+            "updates_timed": timed,
+            "packed_update_s": packed,
+            "val_s": val,
+            "checkpoint_s": ckpt,
+            "load_s": load_s,
+            "startup_s": startup_seconds(),
+            "poll_s": POLL_S,
+            "measured_at": time.time(),
+            "config_digest": cfg.digest(),
+            "seed_load_s": seed.get("seed_load_s", 0.0),
+            "seed_update_s": seed.get("seed_update_s", packed),
+        }
     finally:
         torch.set_num_threads(threads)
 
@@ -108,10 +134,17 @@ def _calibrate_task(url: str, storage_options: dict, cfg: CampaignConfig) -> dic
 
     node = ray.util.get_node_ip_address()
     if pick_device().type == "cpu" and cfg.resources.num_gpus > 0 and not cfg.resources.allow_cpu:
-        raise DeviceError(f"node {node} gave the calibration {cfg.resources.num_gpus:g} GPU but torch finds no CUDA device "
-                          f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); fix that node's GPU driver or "
-                          f"image, or set resources.allow_cpu=true to train on CPU")
-    return {**calibrate(Store(url, storage_options), cfg), "where": "cluster", "node": node, "cores": os.cpu_count() or 1}
+        raise DeviceError(
+            f"node {node} gave the calibration {cfg.resources.num_gpus:g} GPU but torch finds no CUDA device "
+            f"(CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); fix that node's GPU driver or "
+            f"image, or set resources.allow_cpu=true to train on CPU"
+        )
+    return {
+        **calibrate(Store(url, storage_options), cfg),
+        "where": "cluster",
+        "node": node,
+        "cores": os.cpu_count() or 1,
+    }
 
 
 def calibrate_on_cluster(store: Store, cfg: CampaignConfig, wait_s: float) -> dict:
@@ -120,14 +153,19 @@ def calibrate_on_cluster(store: Store, cfg: CampaignConfig, wait_s: float) -> di
     import ray
 
     r = cfg.resources
-    ref = ray.remote(_calibrate_task).options(num_gpus=r.num_gpus, num_cpus=r.num_cpus, max_retries=0).remote(
-        store.url, store.storage_options, cfg)
+    ref = (
+        ray.remote(_calibrate_task)
+        .options(num_gpus=r.num_gpus, num_cpus=r.num_cpus, max_retries=0)
+        .remote(store.url, store.storage_options, cfg)
+    )
     ready, _ = ray.wait([ref], timeout=wait_s)
     if not ready:
         ray.cancel(ref, force=True)
-        raise SomaError(f"no Ray worker could hold an expert actor's resources (num_gpus={r.num_gpus:g}, num_cpus={r.num_cpus:g}) "
-                        f"within --wait {wait_s:g} s to time the calibration; check that the cluster can add such a node "
-                        f"(ray status), or wait longer with --wait")
+        raise SomaError(
+            f"no Ray worker could hold an expert actor's resources (num_gpus={r.num_gpus:g}, num_cpus={r.num_cpus:g}) "
+            f"within --wait {wait_s:g} s to time the calibration; check that the cluster can add such a node "
+            f"(ray status), or wait longer with --wait"
+        )
     try:
         return ray.get(ref)
     except ray.exceptions.RayTaskError as exc:
@@ -136,15 +174,27 @@ def calibrate_on_cluster(store: Store, cfg: CampaignConfig, wait_s: float) -> di
         raise
 
 
-def plan(store: Store, cfg: CampaignConfig, gpus: float | None, recalibrate: bool = False, cores: int | None = None,
-         cluster_wait_s: float | None = None) -> dict:
+def plan(
+    store: Store,
+    cfg: CampaignConfig,
+    gpus: float | None,
+    recalibrate: bool = False,
+    cores: int | None = None,
+    cluster_wait_s: float | None = None,
+) -> dict:
     """cluster_wait_s: calibrate on the connected Ray cluster (waiting up to that long for a worker), else here."""
     if not store.exists("shards/manifest.json"):
-        raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first (the plan times the real shards)")
+        raise SomaError(
+            f"{store.url} is not prepared; run soma prepare {store.url} first (the plan times the real shards)"
+        )
     where = "local" if cluster_wait_s is None else "cluster"
     cal = None if recalibrate or not store.exists(CALIBRATION) else store.read_json(CALIBRATION)
-    if (cal is None or cal.get("config_digest") != cfg.digest() or cal.get("where", "local") != where
-            or (not seed_done(store) and "seed_update_s" not in cal)):
+    if (
+        cal is None
+        or cal.get("config_digest") != cfg.digest()
+        or cal.get("where", "local") != where
+        or (not seed_done(store) and "seed_update_s" not in cal)
+    ):
         cal = calibrate(store, cfg) if cluster_wait_s is None else calibrate_on_cluster(store, cfg, cluster_wait_s)
         cal.setdefault("where", "local")
         store.write_json(CALIBRATION, cal)
@@ -152,7 +202,9 @@ def plan(store: Store, cfg: CampaignConfig, gpus: float | None, recalibrate: boo
     if gpus is None:
         gpus = float(cfg.resources.local_gpus)
     totals = Ledger(store).totals()
-    p = predict(cfg, cal, gpus, cores or cal.get("cores") or os.cpu_count() or 1, dict(totals.gpu_seconds), seed_done(store))
+    p = predict(
+        cfg, cal, gpus, cores or cal.get("cores") or os.cpu_count() or 1, dict(totals.gpu_seconds), seed_done(store)
+    )
     p["campaign"], p["made_at"] = store.url, time.time()
     store.write_json(PLAN, p)
     return p
@@ -161,25 +213,35 @@ def plan(store: Store, cfg: CampaignConfig, gpus: float | None, recalibrate: boo
 def render(p: dict, unit: str) -> str:
     """The plan as lines of text (stdout)."""
     c, h, w, b = p["calibration"], p["gpu_hours"], p["wall_seconds"], p["budget"]
-    lines = [f"plan for {p['campaign']} on {p['gpus']:g} GPUs: {p['slots']} actors at once, {p['actors']} actors of "
-             f"{p['experts_per_actor']} expert(s)" + (f", {p['cpu_contention']:.2f}x CPU contention ({p['cores']} cores)"
-                                                   if p["cpu_contention"] > 1 else ""),
-             f"calibration ({c['device']}{' on ' + c['node'] if c.get('node') else ''}, {c['updates_timed']} timed updates): packed update {c['packed_update_s']:.4f} s, "
-             f"validation {c['val_s']:.4f} s, checkpoint {c['checkpoint_s']:.4f} s, load {c['load_s']:.2f} s, "
-             f"actor start-up {c['startup_s']:.2f} s",
-             f"{unit}: seed {h['seed']:.4f}{' (spent)' if p['seed_trained'] else ''}, expert training {h['expert_training']:.4f}, "
-             f"seed + experts {h['training_total']:.4f} (preprocessing spent {h['preprocessing']:.4f}; wasted and preempted "
-             f"not predicted)",
-             f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s"]
+    lines = [
+        f"plan for {p['campaign']} on {p['gpus']:g} GPUs: {p['slots']} actors at once, {p['actors']} actors of "
+        f"{p['experts_per_actor']} expert(s)"
+        + (f", {p['cpu_contention']:.2f}x CPU contention ({p['cores']} cores)" if p["cpu_contention"] > 1 else ""),
+        f"calibration ({c['device']}{' on ' + c['node'] if c.get('node') else ''}, {c['updates_timed']} timed updates): packed update {c['packed_update_s']:.4f} s, "
+        f"validation {c['val_s']:.4f} s, checkpoint {c['checkpoint_s']:.4f} s, load {c['load_s']:.2f} s, "
+        f"actor start-up {c['startup_s']:.2f} s",
+        f"{unit}: seed {h['seed']:.4f}{' (spent)' if p['seed_trained'] else ''}, expert training {h['expert_training']:.4f}, "
+        f"seed + experts {h['training_total']:.4f} (preprocessing spent {h['preprocessing']:.4f}; wasted and preempted "
+        f"not predicted)",
+        f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s",
+    ]
     stopped = [x for x in p["experts"] if x["end"] == "budget_exhausted"]
     if b["effective_expert_cap_gpu_hours"] is None:
         lines.append("budget: none set; every expert trains to its target")
     else:
         steps = sorted({x["step"] for x in stopped})
-        lines.append(f"budget: {b['effective_expert_cap_gpu_hours']:.4f} {unit} per expert; "
-                     + (f"{len(stopped)} of {len(p['experts'])} experts stop early, at step {', '.join(map(str, steps))} of "
-                        f"{p['experts'][0]['target']}" if stopped else "every expert reaches its target"))
+        lines.append(
+            f"budget: {b['effective_expert_cap_gpu_hours']:.4f} {unit} per expert; "
+            + (
+                f"{len(stopped)} of {len(p['experts'])} experts stop early, at step {', '.join(map(str, steps))} of "
+                f"{p['experts'][0]['target']}"
+                if stopped
+                else "every expert reaches its target"
+            )
+        )
         o = b["worst_overrun_gpu_seconds"]
-        lines.append(f"worst-case overrun: {o['per_expert']:.1f} GPU-s per expert, {o['campaign']:.1f} GPU-s for the campaign")
+        lines.append(
+            f"worst-case overrun: {o['per_expert']:.1f} GPU-s per expert, {o['campaign']:.1f} GPU-s for the campaign"
+        )
     lines.append(f"not modelled: {', '.join(p['not_modelled'])}")
     return "\n".join(lines)

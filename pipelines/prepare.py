@@ -5,13 +5,14 @@ Two engines run the same per-part work (soma_cluster.parts) and give the same ca
 part in the driver's process with its staging on local disk; `ray` (pipelines.prepare_ray) as Ray Data tasks on
 the cluster's CPU workers, staging under the campaign. This module holds what the driver decides in both.
 """
+
 from __future__ import annotations
 
 import math
 import os
 import time
 from contextlib import contextmanager
-from dataclasses import dataclass, replace
+from dataclasses import replace
 from typing import Iterator, Protocol
 
 import numpy as np
@@ -22,23 +23,37 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Part, describe_counts, describe_skipped, no_text_error, plan_parts
 from soma_cluster.errors import SomaError
 from soma_cluster.ledger import Ledger
-from soma_cluster.parts import WINDOWS, PartStats, count_part, embed_part, lowest, read_part, sample_part, select, threshold, write_part
+from soma_cluster.parts import (
+    WINDOWS,
+    PartStats,
+    count_part,
+    embed_part,
+    lowest,
+    read_part,
+    sample_part,
+    select,
+    threshold,
+    write_part,
+)
+from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import expert_name, val_every, write_manifests
-from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.storage import Store, sha256
 
 
 class Engine(Protocol):
     """Runs the per-part work over every part, returning results in the order of `parts`; the driver (prepare_with)
     decides from what it returns."""
+
     stage: Store
 
     def read(self, parts: list[Part], keep_keys: int) -> list[PartStats]: ...
     def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]: ...
     def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]: ...
     def count(self, router: Router, parts: list[int]) -> np.ndarray: ...
-    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray) -> list[dict]: ...
+    def write(
+        self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray
+    ) -> list[dict]: ...
 
 
 class LocalEngine:
@@ -81,9 +96,13 @@ class LocalEngine:
     def count(self, router: Router, parts: list[int]) -> np.ndarray:
         return np.stack([count_part(router, self.stage, p, self.cache) for p in parts])
 
-    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray) -> list[dict]:
-        return [write_part(router, self.stage, store, p, b, cfg.shards.val_fraction, cfg.shards.rows_per_file, self.cache)
-                for p, b in zip(parts, before)]
+    def write(
+        self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray
+    ) -> list[dict]:
+        return [
+            write_part(router, self.stage, store, p, b, cfg.shards.val_fraction, cfg.shards.rows_per_file, self.cache)
+            for p, b in zip(parts, before)
+        ]
 
 
 def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
@@ -96,18 +115,34 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         for why, files in st.skipped.items():
             skipped.setdefault(why, []).extend(files)
     n_docs, read = sum(st.documents for st in stats), sum(st.bytes for st in stats)
-    n_test, n_windows, n_seqs = sum(st.test_documents for st in stats), sum(st.windows for st in stats), sum(st.seqs for st in stats)
+    n_test, n_windows, n_seqs = (
+        sum(st.test_documents for st in stats),
+        sum(st.windows for st in stats),
+        sum(st.seqs for st in stats),
+    )
     if n_docs == 0 or read == 0:
         if cfg.corpus.source == "builtin":
             raise SomaError(f"corpus {cfg.corpus.source} holds no text; point corpus.source at files with text in them")
         raise no_text_error(cfg.corpus, skipped)
     if not n_windows:
-        raise SomaError(f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {cfg.eval.window_bytes}-byte evaluation window; "
-                        "add data or raise corpus.test_fraction")
-    console.print(f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} part{'s' * (len(stats) > 1)}; "
-                  f"{n_seqs} train sequences, {n_windows} test windows from {n_test} held-out documents{describe_skipped(skipped, 3)}")
-    return {"documents": n_docs, "bytes": read, "sources": sources, "test_documents": n_test, "parts": len(stats),
-            "skipped_files": {why: len(files) for why, files in skipped.items()}, "test_windows": n_windows, "train_sequences": n_seqs}
+        raise SomaError(
+            f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {cfg.eval.window_bytes}-byte evaluation window; "
+            "add data or raise corpus.test_fraction"
+        )
+    console.print(
+        f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} part{'s' * (len(stats) > 1)}; "
+        f"{n_seqs} train sequences, {n_windows} test windows from {n_test} held-out documents{describe_skipped(skipped, 3)}"
+    )
+    return {
+        "documents": n_docs,
+        "bytes": read,
+        "sources": sources,
+        "test_documents": n_test,
+        "parts": len(stats),
+        "skipped_files": {why: len(files) for why, files in skipped.items()},
+        "test_windows": n_windows,
+        "train_sequences": n_seqs,
+    }
 
 
 def _publish_windows(store: Store, stage: Store, stats: list[PartStats], cfg: CampaignConfig) -> None:
@@ -119,8 +154,15 @@ def _publish_windows(store: Store, stage: Store, stats: list[PartStats], cfg: Ca
             rel = WINDOWS.format(st.part)
             store.write_bytes(rel, stage.read_bytes(rel))
             files.append({"name": rel.rsplit("/", 1)[-1], "rows": st.windows, "sha256": st.windows_sha256})
-    store.write_json("test/manifest.json", {"windows": sum(f["rows"] for f in files), "window_bytes": cfg.eval.window_bytes,
-                                            "files": files, "sha256": sha256("".join(f["sha256"] for f in files).encode())})
+    store.write_json(
+        "test/manifest.json",
+        {
+            "windows": sum(f["rows"] for f in files),
+            "window_bytes": cfg.eval.window_bytes,
+            "files": files,
+            "sha256": sha256("".join(f["sha256"] for f in files).encode()),
+        },
+    )
 
 
 def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
@@ -129,17 +171,23 @@ def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
     n = int(sizes[e])
     n_val = n // every
     if n - n_val < cfg.shards.min_train_seqs:
-        raise SomaError(f"{expert_name(e)} would get {n} sequences ({n_val} val), below shards.min_train_seqs="
-                        f"{cfg.shards.min_train_seqs} train; lower n_experts or add data")
+        raise SomaError(
+            f"{expert_name(e)} would get {n} sequences ({n_val} val), below shards.min_train_seqs="
+            f"{cfg.shards.min_train_seqs} train; lower n_experts or add data"
+        )
     if n_val < 1:
-        need = math.ceil(1000 / max(n, 2)) / 1000     # round(1 / fraction) <= n puts one of its n sequences in val
-        raise SomaError(f"{expert_name(e)} would get {n} sequences and 0 val: shards.val_fraction={cfg.shards.val_fraction} puts one in "
-                        f"every {every} in val; raise shards.val_fraction to {need} or more (or add data, or lower n_experts)")
+        need = math.ceil(1000 / max(n, 2)) / 1000  # round(1 / fraction) <= n puts one of its n sequences in val
+        raise SomaError(
+            f"{expert_name(e)} would get {n} sequences and 0 val: shards.val_fraction={cfg.shards.val_fraction} puts one in "
+            f"every {every} in val; raise shards.val_fraction to {need} or more (or add data, or lower n_experts)"
+        )
     spread = size_spread(sizes)
     if cfg.router.rule == "balanced" and spread > cfg.router.balance_tolerance:
-        raise SomaError(f"router: the balanced rule gives shards of {sizes.min()}-{sizes.max()} sequences ({spread:.1%} from the mean), over "
-                        f"router.balance_tolerance={cfg.router.balance_tolerance} (identical chunks always share a shard); "
-                        "raise the tolerance, lower n_experts or add data")
+        raise SomaError(
+            f"router: the balanced rule gives shards of {sizes.min()}-{sizes.max()} sequences ({spread:.1%} from the mean), over "
+            f"router.balance_tolerance={cfg.router.balance_tolerance} (identical chunks always share a shard); "
+            "raise the tolerance, lower n_experts or add data"
+        )
 
 
 def resolve_engine(cfg: CampaignConfig, address: str | None) -> str:
@@ -157,9 +205,10 @@ def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> di
         claim_campaign(store, cfg)
         console.print(f"{store.url} is already prepared for this config; skipping prepare")
         return store.read_json("shards/manifest.json")
-    claim_campaign(store, cfg, write=False)           # refuse a foreign directory before reading any data
+    claim_campaign(store, cfg, write=False)  # refuse a foreign directory before reading any data
     if resolve_engine(cfg, address) == "ray":
         from pipelines.prepare_ray import prepare_on_ray
+
         return prepare_on_ray(store, cfg, address)
     with undone_on_failure(store), store.scratch() as tmp:
         return prepare_with(LocalEngine(cfg, tmp), store, cfg)
@@ -180,8 +229,10 @@ def undone_on_failure(store: Store) -> Iterator[None]:
                 store.remove_tree(name)
             if absent and os.path.isdir(store.root) and not os.listdir(store.root):
                 os.rmdir(store.root)
-        except Exception as exc:      # the first error is the one to report; say what is left behind
-            console.print(f"could not undo the failed prepare in {store.url} ({type(exc).__name__}: {exc}); remove what it wrote there")
+        except Exception as exc:  # the first error is the one to report; say what is left behind
+            console.print(
+                f"could not undo the failed prepare in {store.url} ({type(exc).__name__}: {exc}); remove what it wrote there"
+            )
         raise
 
 
@@ -199,7 +250,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     stages: dict[str, float] = {}
     last = t0
 
-    def lap(name: str) -> None:         # wall seconds of each stage, into the manifest
+    def lap(name: str) -> None:  # wall seconds of each stage, into the manifest
         nonlocal last
         now = time.monotonic()
         stages[name] = round(now - last, 3)
@@ -213,14 +264,18 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     corpus_info = _corpus_info(cfg, stats)
     n_seqs = corpus_info["train_sequences"]
     if n_seqs < cfg.n_experts:
-        raise SomaError(f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than n_experts={cfg.n_experts}; lower n_experts or add data")
+        raise SomaError(
+            f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than n_experts={cfg.n_experts}; lower n_experts or add data"
+        )
     with_seqs = [st.part for st in stats if st.seqs]
     lowest_keys = lowest(np.concatenate([st.lowest_keys for st in stats]), keep)
     below = threshold(lowest_keys, cfg.router.sample_chunks)
     keys, seqs = select(*engine.sample(with_seqs, below), below)
     lap("sample")
-    console.print(f"fitting router on {len(seqs)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, "
-                  f"N={cfg.n_experts}, rule {cfg.router.rule})")
+    console.print(
+        f"fitting router on {len(seqs)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, "
+        f"N={cfg.n_experts}, rule {cfg.router.rule})"
+    )
     router, sample_labels = fit_router([router_text(s) for s in seqs], cfg.n_experts, cfg.router, cfg.seed)
     del seqs
     lap("fit")
@@ -232,30 +287,55 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         router = replace(router, offsets=fit_offsets(emb, router.centroids, router.offsets))
     del emb
     lap("refit")
-    per_part = engine.count(router, with_seqs)          # (parts, N): each expert's sequences in each part
+    per_part = engine.count(router, with_seqs)  # (parts, N): each expert's sequences in each part
     sizes = per_part.sum(axis=0)
     lap("count")
     _check_sizes(cfg, sizes)
-    store.check_writable(shard_bytes(cfg, n_seqs, corpus_info["test_windows"]))   # the room to publish, before publishing
-    claim_campaign(store, cfg)                      # nothing is written before the data is known to fit
+    store.check_writable(
+        shard_bytes(cfg, n_seqs, corpus_info["test_windows"])
+    )  # the room to publish, before publishing
+    claim_campaign(store, cfg)  # nothing is written before the data is known to fit
     save_router(store, router)
-    before = np.cumsum(per_part, axis=0) - per_part     # an expert's sequences in the parts before each
-    manifests = write_manifests(store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, router, with_seqs, before))
+    before = np.cumsum(per_part, axis=0) - per_part  # an expert's sequences in the parts before each
+    manifests = write_manifests(
+        store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, router, with_seqs, before)
+    )
     _publish_windows(store, engine.stage, stats, cfg)
     lap("write")
     fit_sizes = np.bincount(sample_labels, minlength=cfg.n_experts)
     refit = min(cfg.router.refit_rows, n_seqs)
-    summary = {"complete": True, "n_experts": cfg.n_experts, "seq_bytes": cfg.shards.seq_bytes, "corpus": corpus_info,
-               "train_rows": [m["train_rows"] for m in manifests], "val_rows": [m["val_rows"] for m in manifests],
-               "rule": router.cfg.rule, "fit_sample": len(sample_labels), "refit_sample": refit if balanced else 0,
-               "fit_cluster_sizes": fit_sizes.tolist(), "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
-               "assigned_size_spread": size_spread(sizes), "top_terms": router.top_terms, "stage_seconds": stages,
-               "wall_seconds": time.monotonic() - t0}
+    summary = {
+        "complete": True,
+        "n_experts": cfg.n_experts,
+        "seq_bytes": cfg.shards.seq_bytes,
+        "corpus": corpus_info,
+        "train_rows": [m["train_rows"] for m in manifests],
+        "val_rows": [m["val_rows"] for m in manifests],
+        "rule": router.cfg.rule,
+        "fit_sample": len(sample_labels),
+        "refit_sample": refit if balanced else 0,
+        "fit_cluster_sizes": fit_sizes.tolist(),
+        "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
+        "assigned_size_spread": size_spread(sizes),
+        "top_terms": router.top_terms,
+        "stage_seconds": stages,
+        "wall_seconds": time.monotonic() - t0,
+    }
     store.write_json("shards/manifest.json", summary)
-    how = (f"offsets refitted on {'all' if refit == n_seqs else refit} of them" if balanced else "each to its nearest centroid")
-    console.print(f"cluster sizes: within {summary['fit_size_spread']:.1%} of the mean on the fit sample (balanced k-means), "
-                  f"{summary['assigned_size_spread']:.1%} over all sequences (rule {router.cfg.rule}: {how})")
-    Ledger(store).record("preprocessing", 0.0, summary["wall_seconds"], note="CPU: corpus, router fit, shard writing (no GPU)")
+    how = (
+        f"offsets refitted on {'all' if refit == n_seqs else refit} of them"
+        if balanced
+        else "each to its nearest centroid"
+    )
+    console.print(
+        f"cluster sizes: within {summary['fit_size_spread']:.1%} of the mean on the fit sample (balanced k-means), "
+        f"{summary['assigned_size_spread']:.1%} over all sequences (rule {router.cfg.rule}: {how})"
+    )
+    Ledger(store).record(
+        "preprocessing", 0.0, summary["wall_seconds"], note="CPU: corpus, router fit, shard writing (no GPU)"
+    )
     for e, terms in enumerate(router.top_terms):
-        console.print(f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  top terms: {', '.join(terms[:8])}")
+        console.print(
+            f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  top terms: {', '.join(terms[:8])}"
+        )
     return summary

@@ -18,6 +18,7 @@ machine, so its one part is read by the driver. Bad input found by a worker (a c
 line that is not JSON, a missing column) comes back as one error naming the file; a failed prepare removes its
 staging, and, when the campaign directory was empty, everything it wrote (campaign.yaml included).
 """
+
 from __future__ import annotations
 
 import json
@@ -39,7 +40,7 @@ from soma_cluster.router import Router, load_router, save_router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store
 
-STAGING = ".soma-staging/prepare"     # hidden: listings leave it out, and all of .soma-staging/ goes at the end
+STAGING = ".soma-staging/prepare"  # hidden: listings leave it out, and all of .soma-staging/ goes at the end
 
 
 def _part(row_json: str) -> Part:
@@ -51,13 +52,21 @@ def _read(batch: dict, cfg_json: str, stage_url: str, options: dict, keep: int) 
     cfg = CampaignConfig.model_validate_json(cfg_json)
     try:
         st = read_part(cfg, _part(batch["spec"][0]), Store(stage_url, options), keep)
-    except SomaError as exc:        # bad input comes back as data: Ray Data would wrap it in its own exception
-        return {"stats": np.array([""], dtype=object), "keys": np.array([b""], dtype=object), "node": np.array([_node_id()], dtype=object),
-                "error": np.array([str(exc)], dtype=object)}
+    except SomaError as exc:  # bad input comes back as data: Ray Data would wrap it in its own exception
+        return {
+            "stats": np.array([""], dtype=object),
+            "keys": np.array([b""], dtype=object),
+            "node": np.array([_node_id()], dtype=object),
+            "error": np.array([str(exc)], dtype=object),
+        }
     body = asdict(st)
     keys = body.pop("lowest_keys")
-    return {"stats": np.array([json.dumps(body)], dtype=object), "keys": np.array([keys.astype("<u8").tobytes()], dtype=object),
-            "node": np.array([_node_id()], dtype=object), "error": np.array([""], dtype=object)}
+    return {
+        "stats": np.array([json.dumps(body)], dtype=object),
+        "keys": np.array([keys.astype("<u8").tobytes()], dtype=object),
+        "node": np.array([_node_id()], dtype=object),
+        "error": np.array([""], dtype=object),
+    }
 
 
 def _node_id() -> str:
@@ -72,7 +81,7 @@ def _sample(batch: dict, seed: int, stage_url: str, options: dict, below: int, s
     return pa.table({"key": pa.array(keys, pa.uint64()), "seq": pa.array(seqs, pa.binary(seq_bytes))})
 
 
-_ROUTER: dict[str, Router] = {}     # this worker process's router, by its files' digests: loaded once per process
+_ROUTER: dict[str, Router] = {}  # this worker process's router, by its files' digests: loaded once per process
 
 
 def _router(stage_url: str, options: dict, router_dir: str) -> Router:
@@ -91,8 +100,10 @@ def _embed(batch: dict, stage_url: str, options: dict, router_dir: str, seed: in
     router = _router(stage_url, options, router_dir)
     with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
         keys, emb = embed_part(seed, router, Store(stage_url, options), int(batch["part"][0]), below, tmp)
-    width = emb.shape[1] * 4            # rows as fixed-size binary: an empty refit sample converts too
-    rows = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())])
+    width = emb.shape[1] * 4  # rows as fixed-size binary: an empty refit sample converts too
+    rows = pa.FixedSizeBinaryArray.from_buffers(
+        pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())]
+    )
     return pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
 
 
@@ -103,13 +114,28 @@ def _count(batch: dict, stage_url: str, options: dict, router_dir: str) -> dict:
     return {"part": np.array([part]), "sizes": sizes[None, :]}
 
 
-def _write(batch: dict, stage_url: str, options: dict, router_dir: str, campaign_url: str, val_fraction: float,
-           rows_per_file: int) -> dict:
+def _write(
+    batch: dict,
+    stage_url: str,
+    options: dict,
+    router_dir: str,
+    campaign_url: str,
+    val_fraction: float,
+    rows_per_file: int,
+) -> dict:
     """A part's sequences into the campaign's shard files (every part's files are its own: no shuffle)."""
     part = int(batch["part"][0])
     with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
-        written = write_part(_router(stage_url, options, router_dir), Store(stage_url, options), Store(campaign_url, options), part,
-                             batch["before"][0], val_fraction, rows_per_file, tmp)
+        written = write_part(
+            _router(stage_url, options, router_dir),
+            Store(stage_url, options),
+            Store(campaign_url, options),
+            part,
+            batch["before"][0],
+            val_fraction,
+            rows_per_file,
+            tmp,
+        )
     return {"part": np.array([part]), "written": np.array([json.dumps(written)], dtype=object)}
 
 
@@ -135,14 +161,17 @@ class RayEngine:
         return name
 
     def read(self, parts: list[Part], keep_keys: int) -> list[PartStats]:
-        out = [read_part(self.cfg, p, self.stage, keep_keys) for p in parts if p.builtin]   # the driver's own files
+        out = [read_part(self.cfg, p, self.stage, keep_keys) for p in parts if p.builtin]  # the driver's own files
         remote = [p for p in parts if not p.builtin]
         if remote:
             console.print(f"reading {len(remote)} parts on the cluster")
             rows = [{"spec": json.dumps({"index": p.index, "files": [asdict(f) for f in p.files]})} for p in remote]
             ds = self.rd.from_items(rows, override_num_blocks=len(rows)).map_batches(
-                _read, batch_size=1, fn_kwargs=dict(cfg_json=self.cfg_json, stage_url=self.stage.url, options=self.options, keep=keep_keys),
-                **self.tasks)
+                _read,
+                batch_size=1,
+                fn_kwargs=dict(cfg_json=self.cfg_json, stage_url=self.stage.url, options=self.options, keep=keep_keys),
+                **self.tasks,
+            )
             nodes = set()
             for row in ds.iter_rows():
                 if row["error"]:
@@ -152,15 +181,27 @@ class RayEngine:
                 nodes.add(row["node"])
             unseen = [p.index for p in remote if not self.stage.exists(SEQS.format(p.index))]
             if unseen:
-                raise SomaError(f"the Ray workers staged parts {unseen[:5]} where this driver cannot see them: the campaign "
-                                f"{self.store.url} must be on storage every node reaches (s3://, or a filesystem shared by all nodes)")
+                raise SomaError(
+                    f"the Ray workers staged parts {unseen[:5]} where this driver cannot see them: the campaign "
+                    f"{self.store.url} must be on storage every node reaches (s3://, or a filesystem shared by all nodes)"
+                )
             console.print(f"read {len(remote)} parts on {len(nodes)} node{'s' * (len(nodes) > 1)}")
         return sorted(out, key=lambda st: st.part)
 
     def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]:
-        ds = self._parts(parts).map_batches(_sample, batch_size=1, batch_format="numpy", **self.tasks,
-                                            fn_kwargs=dict(seed=self.cfg.seed, stage_url=self.stage.url, options=self.options, below=below,
-                                                           seq_bytes=self.cfg.shards.seq_bytes))
+        ds = self._parts(parts).map_batches(
+            _sample,
+            batch_size=1,
+            batch_format="numpy",
+            **self.tasks,
+            fn_kwargs=dict(
+                seed=self.cfg.seed,
+                stage_url=self.stage.url,
+                options=self.options,
+                below=below,
+                seq_bytes=self.cfg.shards.seq_bytes,
+            ),
+        )
         keys, seqs = [], []
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             keys.append(batch.column("key").to_numpy())
@@ -170,9 +211,14 @@ class RayEngine:
     def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]:
         name = self._save_router(router, "router-fit")
         console.print(f"embedding {len(parts)} parts on the cluster")
-        ds = self._parts(parts).map_batches(_embed, batch_size=1, **self.tasks,
-                                            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=name,
-                                                           seed=self.cfg.seed, below=below))
+        ds = self._parts(parts).map_batches(
+            _embed,
+            batch_size=1,
+            **self.tasks,
+            fn_kwargs=dict(
+                stage_url=self.stage.url, options=self.options, router_dir=name, seed=self.cfg.seed, below=below
+            ),
+        )
         keys, emb = [np.zeros(0, np.uint64)], [np.zeros((0, router.centroids.shape[1]), np.float32)]
         for batch in ds.iter_batches(batch_format="pyarrow", batch_size=None):
             keys.append(batch.column("key").to_numpy())
@@ -182,20 +228,35 @@ class RayEngine:
 
     def count(self, router: Router, parts: list[int]) -> np.ndarray:
         self.router_dir = self._save_router(router, "router")
-        ds = self._parts(parts).map_batches(_count, batch_size=1, **self.tasks,
-                                            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=self.router_dir))
+        ds = self._parts(parts).map_batches(
+            _count,
+            batch_size=1,
+            **self.tasks,
+            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=self.router_dir),
+        )
         sizes = {}
         for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
             sizes.update(zip(batch["part"].tolist(), batch["sizes"]))
         return np.stack([sizes[p] for p in parts]).astype(np.int64)
 
-    def write(self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray) -> list[dict]:
+    def write(
+        self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray
+    ) -> list[dict]:
         console.print(f"writing {len(parts)} parts of the {cfg.n_experts} experts' shards from the cluster")
         rows = [{"part": p, "before": b} for p, b in zip(parts, before)]
         ds = self.rd.from_items(rows, override_num_blocks=max(1, len(rows))).map_batches(
-            _write, batch_size=1, **self.tasks,
-            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=self.router_dir, campaign_url=store.url,
-                           val_fraction=cfg.shards.val_fraction, rows_per_file=cfg.shards.rows_per_file))
+            _write,
+            batch_size=1,
+            **self.tasks,
+            fn_kwargs=dict(
+                stage_url=self.stage.url,
+                options=self.options,
+                router_dir=self.router_dir,
+                campaign_url=store.url,
+                val_fraction=cfg.shards.val_fraction,
+                rows_per_file=cfg.shards.rows_per_file,
+            ),
+        )
         written = {}
         for row in ds.iter_rows():
             written[int(row["part"])] = {int(e): files for e, files in json.loads(row["written"]).items()}

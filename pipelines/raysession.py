@@ -1,4 +1,5 @@
 """Connect to a Ray cluster, or start a local one with logical GPUs on loopback only."""
+
 from __future__ import annotations
 
 import glob
@@ -28,13 +29,13 @@ LOCAL_ENV = {
     "RAY_AUTH_MODE": "disabled",
     "RAY_USAGE_STATS_ENABLED": "0",
 }
-RAY_TMP = "/tmp"        # not $TMPDIR: Ray's socket paths must stay under the 107-byte limit of a Unix socket name
+RAY_TMP = "/tmp"  # not $TMPDIR: Ray's socket paths must stay under the 107-byte limit of a Unix socket name
 PREFIX = "soma-ray-"
-OWNER = "soma-owner.json"   # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
-RAY_PROGRAMS = ("gcs_server", "raylet")     # besides Python processes (its agents, workers): what reap may kill
+OWNER = "soma-owner.json"  # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
+RAY_PROGRAMS = ("gcs_server", "raylet")  # besides Python processes (its agents, workers): what reap may kill
 REAP_GRACE_S = 5.0
-KEEP_ENV = "SOMA_KEEP_RAY_LOGS"   # =1: a local Ray's directory (its logs) stays after the command, for debugging      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
-PROBE_S = 10.0          # an address nothing answers at fails in this long (Ray itself retries for minutes)
+KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays after the command, for debugging      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
+PROBE_S = 10.0  # an address nothing answers at fails in this long (Ray itself retries for minutes)
 
 
 def _probe(address: str) -> None:
@@ -46,8 +47,10 @@ def _probe(address: str) -> None:
         with socket.create_connection((host, int(port)), timeout=PROBE_S):
             pass
     except (OSError, ValueError) as exc:
-        raise SomaError(f"cannot reach a Ray cluster at {address} ({exc.__class__.__name__}: {exc}); check --address / "
-                        f"RAY_ADDRESS (the head's GCS, host:6379 by default)") from None
+        raise SomaError(
+            f"cannot reach a Ray cluster at {address} ({exc.__class__.__name__}: {exc}); check --address / "
+            f"RAY_ADDRESS (the head's GCS, host:6379 by default)"
+        ) from None
 
 
 def _connect(address: str) -> None:
@@ -59,9 +62,11 @@ def _connect(address: str) -> None:
     except ConnectionError as exc:
         mode = os.environ.get("RAY_AUTH_MODE", "unset")
         token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
-        raise SomaError(f"Ray at {address} refused the connection ({str(exc).splitlines()[0][:160]}); if the cluster uses "
-                        f"token authentication, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its token "
-                        f"(here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})") from None
+        raise SomaError(
+            f"Ray at {address} refused the connection ({str(exc).splitlines()[0][:160]}); if the cluster uses "
+            f"token authentication, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its token "
+            f"(here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})"
+        ) from None
 
 
 @contextmanager
@@ -88,11 +93,17 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
             clean_leftovers()
             tmp = _own_temp_dir()
             with _ray_init_guard():
-                ray.init(num_gpus=cfg.resources.local_gpus, num_cpus=os.cpu_count() or 1, include_dashboard=False,
-                         _temp_dir=tmp, log_to_driver=True, logging_level="WARNING")
+                ray.init(
+                    num_gpus=cfg.resources.local_gpus,
+                    num_cpus=os.cpu_count() or 1,
+                    include_dashboard=False,
+                    _temp_dir=tmp,
+                    log_to_driver=True,
+                    logging_level="WARNING",
+                )
         yield
     finally:
-        with STOP.deferred(), _handlers_kept_through_shutdown():   # a signal now waits: the local Ray goes whole
+        with STOP.deferred(), _handlers_kept_through_shutdown():  # a signal now waits: the local Ray goes whole
             ray.shutdown()
             if tmp is not None:
                 reap(tmp, keep=os.environ.get(KEEP_ENV) == "1")
@@ -124,6 +135,7 @@ def _ray_init_guard() -> Iterator[None]:
     after, in case a later Ray sets the signal some other way); ray.shutdown() in ray_session stops the node either
     way. And the driver's command line goes to the GCS as valid UTF-8 (`_utf8`)."""
     import ray._private.utils as ray_utils
+
     original = getattr(ray_utils, "set_sigterm_handler", None)
     entrypoint = getattr(ray_utils, "get_entrypoint_name", None)
     if original is not None:
@@ -147,11 +159,14 @@ def _handlers_kept_through_shutdown() -> Iterator[None]:
     killed the command before it released its lease. Ours are installed again as that stopping begins
     (Node.kill_all_processes, where only milliseconds have passed since) and after it."""
     from ray._private.node import Node
+
     original = getattr(Node, "kill_all_processes", None)
     if original is not None:
+
         def kill_all_processes(node, *args, **kwargs):
             STOP.install()
             return original(node, *args, **kwargs)
+
         Node.kill_all_processes = kill_all_processes
     try:
         yield
@@ -170,10 +185,12 @@ def _utf8(text: str) -> str:
 def _users_of(directory: str) -> list[psutil.Process]:
     """Ray's processes whose command line names `directory` (a local Ray's GCS, raylet, agents and workers all do);
     a person's `tail -f` of its logs is not one of them."""
-    found, named = [], re.compile(re.escape(directory) + r"(?![\w.-])")     # not a longer name it is the start of
+    found, named = [], re.compile(re.escape(directory) + r"(?![\w.-])")  # not a longer name it is the start of
     for p in psutil.process_iter(["cmdline", "name"]):
         try:
-            ray_process = p.info["name"] in RAY_PROGRAMS or "python" in p.info["name"] or p.info["name"].startswith("ray::")
+            ray_process = (
+                p.info["name"] in RAY_PROGRAMS or "python" in p.info["name"] or p.info["name"].startswith("ray::")
+            )
             if p.pid != os.getpid() and ray_process and any(named.search(a) for a in p.info["cmdline"] or ()):
                 found.append(p)
         except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -196,7 +213,9 @@ def reap(directory: str, grace_s: float = REAP_GRACE_S, keep: bool = False) -> N
     if keep:
         with open(os.path.join(directory, OWNER), "w") as fh:
             json.dump({"kept": True}, fh)
-        print(f"soma: the local Ray's files are kept in {directory} ({KEEP_ENV}=1); remove it when done", file=sys.stderr)
+        print(
+            f"soma: the local Ray's files are kept in {directory} ({KEEP_ENV}=1); remove it when done", file=sys.stderr
+        )
         return
     shutil.rmtree(directory, ignore_errors=True)
 

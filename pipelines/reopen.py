@@ -10,6 +10,7 @@ the run that never stopped (SPEC section 6), so the result is the one the lost c
 clusters; Ray Tune restarts errored trials): from their newest checkpoint that verifies, with their retries
 given back. Their failed attempts stay as they were settled (their lost work stays `wasted`).
 """
+
 from __future__ import annotations
 
 from concurrent.futures import ThreadPoolExecutor
@@ -21,8 +22,8 @@ from soma_cluster.failures import select_failed
 from soma_cluster.schedule import Job
 from soma_cluster.storage import Store
 
-ENDED_WITH_CHECKPOINT = ("finished", "converged")    # a job that ended so wrote its final checkpoint
-PARALLEL_CHECKS = 8     # checkpoints verified at once (each is a few reads: latest.json, metadata, tensors)
+ENDED_WITH_CHECKPOINT = ("finished", "converged")  # a job that ended so wrote its final checkpoint
+PARALLEL_CHECKS = 8  # checkpoints verified at once (each is a few reads: latest.json, metadata, tensors)
 
 
 def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointCheck]:
@@ -37,16 +38,30 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
     for name, c in checks.items():
         h = past[name]
         if c.ok and not (c.valid is None and h.state in ENDED_WITH_CHECKPOINT and h.step > 0):
-            continue                    # (a finished expert whose checkpoints are all gone is retrained too)
+            continue  # (a finished expert whose checkpoints are all gone is retrained too)
         lost = max(0, h.step - (c.step or 0))
-        if h.terminal and c.valid is not None and not lost:       # only the pointer was gone: nothing to retrain
+        if h.terminal and c.valid is not None and not lost:  # only the pointer was gone: nothing to retrain
             console.print(f"{name}: latest.json pointed again at {c.valid}, its last checkpoint (which verifies)")
             continue
         reopened[name] = c
-        what = "; ".join(f"{n}: {why}" for n, why in c.bad) or f"no checkpoint of it is left under {store.url}/{c.directory}"
-        emit(store, "reopened", name, step=c.step or 0, was=h.state, checkpoint=c.valid, bad=[n for n, _ in c.bad], reason=what)
+        what = (
+            "; ".join(f"{n}: {why}" for n, why in c.bad)
+            or f"no checkpoint of it is left under {store.url}/{c.directory}"
+        )
+        emit(
+            store,
+            "reopened",
+            name,
+            step=c.step or 0,
+            was=h.state,
+            checkpoint=c.valid,
+            bad=[n for n, _ in c.bad],
+            reason=what,
+        )
         start = f"from {c.valid} (step {c.step})" if c.valid else "from the start (no checkpoint of it verifies)"
-        console.print(f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain")
+        console.print(
+            f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain"
+        )
     return reopened
 
 
@@ -64,9 +79,19 @@ def reopen_failed(store: Store, jobs: list[Job], requested: list[str]) -> list[s
     reopen_unverified(store, [by_name[n] for n in chosen])
     for name in chosen:
         check = check_checkpoints(store, by_name[name].model_dir)
-        emit(store, "reopened", name, step=check.step or 0, was="failed_permanently", checkpoint=check.valid, bad=[],
-             reason=RETRY_FAILED, failures=past[name].failures)
+        emit(
+            store,
+            "reopened",
+            name,
+            step=check.step or 0,
+            was="failed_permanently",
+            checkpoint=check.valid,
+            bad=[],
+            reason=RETRY_FAILED,
+            failures=past[name].failures,
+        )
         start = f"from {check.valid} (step {check.step})" if check.valid else "from the start (it has no checkpoint)"
-        console.print(f"{name}: failed permanently ({past[name].last_error}); reopened {start} with "
-                      f"its retries given back")
+        console.print(
+            f"{name}: failed permanently ({past[name].last_error}); reopened {start} with its retries given back"
+        )
     return chosen

@@ -3,6 +3,7 @@
 Everything printed is what the experiment measured (pipelines.experiment); the paper's figures stand beside
 ours for reference only, and each expectation says plainly whether our result has the paper's sign.
 """
+
 from __future__ import annotations
 
 import io
@@ -18,8 +19,10 @@ from scipy import stats
 
 from soma_cluster.storage import Store
 
-ZO_NOTE = ("SOMA is a zero-order method: it is meant to beat other zero-order training (monolithic SPSA, EGGROLL) "
-           "at matched compute, not backpropagation, which remains far better per GPU-hour.")
+ZO_NOTE = (
+    "SOMA is a zero-order method: it is meant to beat other zero-order training (monolithic SPSA, EGGROLL) "
+    "at matched compute, not backpropagation, which remains far better per GPU-hour."
+)
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
 
 
@@ -47,15 +50,22 @@ def mean_interval(values: list[float]) -> tuple[float, float, float]:
 
 # -- arms experiments -------------------------------------------------------------------------------------
 def results_table(res: dict) -> str:
-    unit = next((r["gpu_hours_unit"] for arms in res["seeds"].values() for r in arms.values() if "gpu_hours_unit" in r), "GPU-hours")
-    head = (f"| seed | arm | parameters | updates / expert | forwards | {unit} | test nats/byte [95% CI] | bits/byte | "
-            f"minus {res['reference']}, paired [95% CI] | byte-tokens/s | routing share |\n|---|---|---|---|---|---|---|---|---|---|---|")
+    unit = next(
+        (r["gpu_hours_unit"] for arms in res["seeds"].values() for r in arms.values() if "gpu_hours_unit" in r),
+        "GPU-hours",
+    )
+    head = (
+        f"| seed | arm | parameters | updates / expert | forwards | {unit} | test nats/byte [95% CI] | bits/byte | "
+        f"minus {res['reference']}, paired [95% CI] | byte-tokens/s | routing share |\n|---|---|---|---|---|---|---|---|---|---|---|"
+    )
     rows = []
     for seed, arms in res["seeds"].items():
         for name, r in arms.items():
-            rows.append(f"| {seed} | {_name(r)} | {r['parameters']:,} | {np.mean(r['updates']):.0f} | {r['forwards']:,} | "
-                        f"{r['gpu_hours']:.4f} | {_ci(r['ensemble'])} | {r['ensemble']['bits_per_byte']:.4f} | "
-                        f"{_diff(r['vs_reference'])} | {r['byte_tokens_per_second']:,.0f} | {100 * r['routing_time_share']:.2f}% |")
+            rows.append(
+                f"| {seed} | {_name(r)} | {r['parameters']:,} | {np.mean(r['updates']):.0f} | {r['forwards']:,} | "
+                f"{r['gpu_hours']:.4f} | {_ci(r['ensemble'])} | {r['ensemble']['bits_per_byte']:.4f} | "
+                f"{_diff(r['vs_reference'])} | {r['byte_tokens_per_second']:,.0f} | {100 * r['routing_time_share']:.2f}% |"
+            )
     return head + "\n" + "\n".join(rows)
 
 
@@ -64,14 +74,20 @@ def seed_summary(res: dict) -> str:
     seeds = list(res["seeds"].values())
     if len(seeds) < 2:
         return ""
-    lines = [f"Across {len(seeds)} seeds (mean, 95% t-interval over seeds):", "",
-             f"| arm | test nats/byte | minus {res['reference']}, paired |", "|---|---|---|"]
+    lines = [
+        f"Across {len(seeds)} seeds (mean, 95% t-interval over seeds):",
+        "",
+        f"| arm | test nats/byte | minus {res['reference']}, paired |",
+        "|---|---|---|",
+    ]
     for name in seeds[0]:
         loss = mean_interval([s[name]["ensemble"]["nats_per_byte"] for s in seeds])
         diffs = [s[name]["vs_reference"]["nats_per_byte"] for s in seeds if s[name]["vs_reference"]]
         d = mean_interval(diffs) if diffs else None
-        lines.append(f"| {_name(seeds[0][name])} | {loss[0]:.4f} [{loss[1]:.4f}, {loss[2]:.4f}] | "
-                     + (f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] |" if d else "- |"))
+        lines.append(
+            f"| {_name(seeds[0][name])} | {loss[0]:.4f} [{loss[1]:.4f}, {loss[2]:.4f}] | "
+            + (f"{d[0]:+.4f} [{d[1]:+.4f}, {d[2]:+.4f}] |" if d else "- |")
+        )
     return "\n".join(lines)
 
 
@@ -81,11 +97,19 @@ def matched_forwards(res: dict) -> str:
     arms = next(iter(res["seeds"].values()))
     zo = [r for r in arms.values() if r["method"] != "bptt"] or list(arms.values())
     target = min(r["curve"][-1]["forwards"] for r in zo)
-    bptt = (" A BPTT update is one forward and one backward (about two forwards more of compute), so BPTT rarely "
-            "reaches that count within the same GPU-hours." if len(zo) < len(arms) else "")
-    lines = [f"At matched forward passes: each arm at its last evaluated checkpoint with at most {target:,} forwards, the "
-             f"smallest total any zero-order arm reached (seed-stage forwards included).{bptt}", "",
-             "| arm | step | forwards | GPU-hours | test nats/byte [95% CI] |", "|---|---|---|---|---|"]
+    bptt = (
+        " A BPTT update is one forward and one backward (about two forwards more of compute), so BPTT rarely "
+        "reaches that count within the same GPU-hours."
+        if len(zo) < len(arms)
+        else ""
+    )
+    lines = [
+        f"At matched forward passes: each arm at its last evaluated checkpoint with at most {target:,} forwards, the "
+        f"smallest total any zero-order arm reached (seed-stage forwards included).{bptt}",
+        "",
+        "| arm | step | forwards | GPU-hours | test nats/byte [95% CI] |",
+        "|---|---|---|---|---|",
+    ]
     for r in arms.values():
         p = [q for q in r["curve"] if q["forwards"] <= target][-1]
         lines.append(f"| {_name(r)} | {p['step']} | {p['forwards']:,} | {p['gpu_hours']:.4f} | {_ci(p)} |")
@@ -115,10 +139,18 @@ def verdicts(res: dict) -> list[str]:
         mean = float(np.mean([d["nats_per_byte"] for d in diffs]))
         strong = all(d["ci95"][1] < 0 for d in diffs)
         sign = "matches the paper's sign" if mean < 0 else "does NOT match the paper's sign"
-        conf = " (every seed's paired 95% CI excludes zero)" if strong else " (not every seed's paired CI excludes zero)" if mean < 0 else ""
+        conf = (
+            " (every seed's paired 95% CI excludes zero)"
+            if strong
+            else " (not every seed's paired CI excludes zero)"
+            if mean < 0
+            else ""
+        )
         per = ", ".join(f"{d['nats_per_byte']:+.4f}" for d in diffs)
-        lines.append(f"- **{e['better']} vs {e['worse']}** (final test loss, each arm at its own budget): {e['better']} minus {e['worse']} = {mean:+.4f} nats/byte "
-                     f"(per seed: {per}): {sign}{conf}. Paper: {e['paper']}.")
+        lines.append(
+            f"- **{e['better']} vs {e['worse']}** (final test loss, each arm at its own budget): {e['better']} minus {e['worse']} = {mean:+.4f} nats/byte "
+            f"(per seed: {per}): {sign}{conf}. Paper: {e['paper']}."
+        )
     return lines
 
 
@@ -133,6 +165,7 @@ def _curves_by_arm(res: dict) -> dict[str, list[list[dict]]]:
 
 def _figure(size: tuple[float, float]):
     import matplotlib
+
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
@@ -160,7 +193,9 @@ def _plot_curves(res: dict, x_key: str, xlabel: str) -> bytes:
             x = np.array([p[x_key] for p in c], dtype=np.float64)
             y = np.array([p["nats_per_byte"] for p in c])
             lo, hi = np.array([p["ci95"][0] for p in c]), np.array([p["ci95"][1] for p in c])
-            line, = ax.plot(x, y, marker=".", color=color, label=names[name] if i == 0 else None, alpha=1.0 if i == 0 else 0.6)
+            (line,) = ax.plot(
+                x, y, marker=".", color=color, label=names[name] if i == 0 else None, alpha=1.0 if i == 0 else 0.6
+            )
             color = line.get_color()
             ax.fill_between(x, lo, hi, color=color, alpha=0.15)
     if x_key == "forwards":
@@ -173,10 +208,16 @@ def _plot_curves(res: dict, x_key: str, xlabel: str) -> bytes:
 
 def _plot_variance(res: dict) -> bytes:
     fig, ax = _figure((6, 4))
-    v = next(iter(res["seeds"].values()))          # the first seed's measurements
+    v = next(iter(res["seeds"].values()))  # the first seed's measurements
     for probe, marker in (("rademacher", "o"), ("ternary", "s")):
         rows = [r for r in v["fixed"] if r["probe"] == probe]
-        ax.plot([r["n_blocks"] for r in rows], [r["reduction"] for r in rows], marker=marker, ls="", label=f"measured, {probe} probes")
+        ax.plot(
+            [r["n_blocks"] for r in rows],
+            [r["reduction"] for r in rows],
+            marker=marker,
+            ls="",
+            label=f"measured, {probe} probes",
+        )
     rad = [r for r in v["fixed"] if r["probe"] == "rademacher"]
     ax.plot([r["n_blocks"] for r in rad], [1 / r["predicted_ratio"] for r in rad], "k--", label="(M-1)/(M/N-1)")
     if "model" in v:
@@ -189,13 +230,19 @@ def _plot_variance(res: dict) -> bytes:
 
 # -- variance experiment ----------------------------------------------------------------------------------
 def variance_table(res: dict) -> str:
-    lines = ["| seed | objective | probes | N | M | relative variance, independent | shared | reduction measured | predicted |",
-             "|---|---|---|---|---|---|---|---|---|"]
+    lines = [
+        "| seed | objective | probes | N | M | relative variance, independent | shared | reduction measured | predicted |",
+        "|---|---|---|---|---|---|---|---|---|",
+    ]
     for seed, v in res["seeds"].items():
-        rows = [("fixed separable", r) for r in v["fixed"]] + ([("real experts (seed init.)", v["model"])] if "model" in v else [])
+        rows = [("fixed separable", r) for r in v["fixed"]] + (
+            [("real experts (seed init.)", v["model"])] if "model" in v else []
+        )
         for what, r in rows:
-            lines.append(f"| {seed} | {what} | {r['probe']} | {r['n_blocks']} | {r['params']:,} | {r['rel_var_independent']:.1f} | "
-                         f"{r['rel_var_shared']:.1f} | {r['reduction']:.2f}x | {r['predicted_reduction']:.2f}x |")
+            lines.append(
+                f"| {seed} | {what} | {r['probe']} | {r['n_blocks']} | {r['params']:,} | {r['rel_var_independent']:.1f} | "
+                f"{r['rel_var_shared']:.1f} | {r['reduction']:.2f}x | {r['predicted_reduction']:.2f}x |"
+            )
     return "\n".join(lines)
 
 
@@ -203,17 +250,24 @@ def variance_table(res: dict) -> str:
 def figures(res: dict) -> dict[str, bytes]:
     if res["kind"] == "variance":
         return {"variance.png": _plot_variance(res)}
-    return {"loss_vs_gpu_hours.png": _plot_curves(res, "gpu_hours", "aggregate GPU-hours (seed included; on CPU: wall s x logical GPUs)"),
-            "loss_vs_forwards.png": _plot_curves(res, "forwards", "forward passes of B windows (seed included)")}
+    return {
+        "loss_vs_gpu_hours.png": _plot_curves(
+            res, "gpu_hours", "aggregate GPU-hours (seed included; on CPU: wall s x logical GPUs)"
+        ),
+        "loss_vs_forwards.png": _plot_curves(res, "forwards", "forward passes of B windows (seed included)"),
+    }
 
 
 def headline(res: dict) -> str:
     """The part of a report that also goes into the README: the question, the tables, the verdicts."""
     parts = [f"**Question.** {res['question']}", ""]
     if res["kind"] == "variance":
-        parts += [variance_table(res), "",
-                  "Prediction: (M/N - 1)/(M - 1) for Rademacher probes; exactly 1/N for SOMA's ternary probes (E z^2 = E z^4 = 1/2). "
-                  "Paper: 3.19-4.64x lower at N = 4 on the model, 4.02x on a fixed objective."]
+        parts += [
+            variance_table(res),
+            "",
+            "Prediction: (M/N - 1)/(M - 1) for Rademacher probes; exactly 1/N for SOMA's ternary probes (E z^2 = E z^4 = 1/2). "
+            "Paper: 3.19-4.64x lower at N = 4 on the model, 4.02x on a fixed objective.",
+        ]
     else:
         parts += [results_table(res), ""]
         summary = seed_summary(res)
@@ -224,10 +278,10 @@ def headline(res: dict) -> str:
 
 def render(res: dict, figure_names: list[str]) -> str:
     pics = "\n".join(f"![{n}]({n})" for n in figure_names)
-    return f"""# {res['title']} ({res['scale']} scale)
+    return f"""# {res["title"]} ({res["scale"]} scale)
 
-Experiment `{res['experiment']}`, overrides {res['overrides'] or 'none'}, seeds {', '.join(res['seeds'])}; this run's wall time
-{res['wall_seconds']:.0f} s. Every arm is a campaign under this directory (s<seed>/<arm>/), trained by the same Driver, actors,
+Experiment `{res["experiment"]}`, overrides {res["overrides"] or "none"}, seeds {", ".join(res["seeds"])}; this run's wall time
+{res["wall_seconds"]:.0f} s. Every arm is a campaign under this directory (s<seed>/<arm>/), trained by the same Driver, actors,
 ledger and checkpoints as any campaign and evaluated with the paper's protocol: 1,025-byte windows, the 768 predictions
 after a 256-byte prefix scored, FP64 reduction, 95% paired document bootstrap. GPU-hours are the ledger's (seed stage
 included, evaluation not); on a CPU-only host a logical GPU's GPU-seconds are its wall seconds.
@@ -252,7 +306,14 @@ def readme_section(results: list[tuple[str, dict]]) -> str:
     """The README's results section: each experiment's headline, and where its full report is."""
     out = [BEGIN, "## Results (generated by `soma report`; numbers measured by `soma experiment`)", ""]
     for url, res in results:
-        out += [f"### {res['title']} ({res['scale']} scale)", "", headline(res), "", f"Full report and figures: `{url}/report.md`.", ""]
+        out += [
+            f"### {res['title']} ({res['scale']} scale)",
+            "",
+            headline(res),
+            "",
+            f"Full report and figures: `{url}/report.md`.",
+            "",
+        ]
     out += [ZO_NOTE, END]
     return "\n".join(out)
 

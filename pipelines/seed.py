@@ -1,4 +1,5 @@
 """`soma seed`: train the N = 1 seed model (SPSA body, delta-rule decoder) as one actor."""
+
 from __future__ import annotations
 
 from pipelines.campaign import LOG_EVERY_S, Driver, raise_failures, run_driver
@@ -13,19 +14,26 @@ from soma_cluster.storage import Store
 
 
 @holding("soma seed")
-def train_seed(store: Store, cfg: CampaignConfig, show_progress: bool = True, log_every_s: float = LOG_EVERY_S,
-               retry_failed: bool = False) -> str:
+def train_seed(
+    store: Store,
+    cfg: CampaignConfig,
+    show_progress: bool = True,
+    log_every_s: float = LOG_EVERY_S,
+    retry_failed: bool = False,
+) -> str:
     """Train the seed job; with `retry_failed` (`soma seed --retry-failed`) a seed that failed permanently is reopened."""
     if not store.exists("shards/manifest.json"):
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
     if retry_failed:
         reopen_failed(store, [SEED_JOB], [])
-    reopen_unverified(store, [SEED_JOB])        # done only while its last checkpoint verifies
+    reopen_unverified(store, [SEED_JOB])  # done only while its last checkpoint verifies
     if seed_done(store):
         console.print("seed model already trained; skipping")
         return "finished"
-    console.print(f"training the seed model: {cfg.seed_stage.updates} updates at lr {cfg.seed_stage.lr}, "
-                  f"{cfg.spsa.n_pert} probes x 2 signs, batch {cfg.spsa.batch} x {cfg.spsa.seq_len} bytes")
+    console.print(
+        f"training the seed model: {cfg.seed_stage.updates} updates at lr {cfg.seed_stage.lr}, "
+        f"{cfg.spsa.n_pert} probes x 2 signs, batch {cfg.spsa.batch} x {cfg.spsa.seq_len} bytes"
+    )
     driver = Driver(store, cfg, [SEED_JOB], show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver).get(SEED_JOB.name)
     raise_failures(driver, "jobs")

@@ -1,6 +1,7 @@
 """`soma status`: every job's state from the snapshot the driver keeps (`status.json`, one small read even for 256
 experts), or, for a campaign written before snapshots existed, rebuilt from its events log and ledger.
 After a campaign that was planned (`soma plan`), predicted GPU-hours and wall time stand beside the ledger's."""
+
 from __future__ import annotations
 
 import time
@@ -18,7 +19,7 @@ from soma_cluster.ledger import Ledger
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
 
-STALE_S = 30.0      # a driver's snapshot older than this, and not its last, means the driver is gone (or stuck)
+STALE_S = 30.0  # a driver's snapshot older than this, and not its last, means the driver is gone (or stuck)
 PLAN = "plan/plan.json"
 
 
@@ -27,15 +28,28 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
     if store.exists(SNAPSHOT):
         snap = store.read_json(SNAPSHOT)
         snap.pop("checksum", None)
-        snap["campaign"] = store.url         # where it is read from now (a campaign moved or copied keeps its old URL)
+        snap["campaign"] = store.url  # where it is read from now (a campaign moved or copied keeps its old URL)
     else:
         totals = Ledger(store).totals()
         rows = history_rows(cfg, history(store), totals)
-        snap = build(cfg, store.url, rows, totals.gpu_seconds, totals.devices, started_at=None, rate=None,
-                     final=False, source="events")
+        snap = build(
+            cfg,
+            store.url,
+            rows,
+            totals.gpu_seconds,
+            totals.devices,
+            started_at=None,
+            rate=None,
+            final=False,
+            source="events",
+        )
         snap["eta_s"] = None
-    snap["stale"] = (snap["source"] == "driver" and not snap["final"] and not stopped(snap)
-                     and time.time() - snap["written_at"] > STALE_S)
+    snap["stale"] = (
+        snap["source"] == "driver"
+        and not snap["final"]
+        and not stopped(snap)
+        and time.time() - snap["written_at"] > STALE_S
+    )
     snap["plan_vs_actual"] = plan_vs_actual(store, snap) if store.exists(PLAN) else None
     snap["lease"] = lease_view(store)
     return snap
@@ -48,12 +62,20 @@ def lease_view(store: Store) -> dict | None:
         return None
     try:
         rec = LeaseRecord.from_bytes(found[0], f"{store.url}/{LEASE}")
-    except SomaError as exc:                 # a damaged lease is for the next driver to refuse; status still shows
+    except SomaError as exc:  # a damaged lease is for the next driver to refuse; status still shows
         return {"held": False, "released": False, "damaged": str(exc)}
     here = Holder.here("soma status")
     gone = judge(rec, time.time(), here, process_alive) is not Verdict.HELD
-    return {"held": not gone, "released": rec.released, "generation": rec.generation, "host": rec.holder.host,
-            "pid": rec.holder.pid, "command": rec.holder.command, "renewed_at": rec.renewed_at, "ttl_s": rec.ttl_s}
+    return {
+        "held": not gone,
+        "released": rec.released,
+        "generation": rec.generation,
+        "host": rec.holder.host,
+        "pid": rec.holder.pid,
+        "command": rec.holder.command,
+        "renewed_at": rec.renewed_at,
+        "ttl_s": rec.ttl_s,
+    }
 
 
 def stopped(snap: dict) -> bool:
@@ -70,13 +92,23 @@ def plan_vs_actual(store: Store, snap: dict) -> dict | None:
     totals = Ledger(store).totals()
     actual = {c: s / 3600.0 for c, s in totals.gpu_seconds.items()}
     walls = stage_walls(store)
-    seed = not plan.get("seed_trained")          # a seed trained before the plan was spent, not predicted
+    seed = not plan.get("seed_trained")  # a seed trained before the plan was spent, not predicted
     rows = []
-    for what, key in ((("seed", "seed"),) if seed else ()) + (("expert training", "expert_training"), ("wasted", "wasted")):
-        rows.append({"what": f"GPU-hours, {what}", "predicted": plan["gpu_hours"].get(key, 0.0), "actual": actual.get(key, 0.0)})
+    for what, key in ((("seed", "seed"),) if seed else ()) + (
+        ("expert training", "expert_training"),
+        ("wasted", "wasted"),
+    ):
+        rows.append(
+            {"what": f"GPU-hours, {what}", "predicted": plan["gpu_hours"].get(key, 0.0), "actual": actual.get(key, 0.0)}
+        )
     if seed:
-        rows.append({"what": "GPU-hours, seed + experts", "predicted": plan["gpu_hours"]["training_total"],
-                     "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"]})
+        rows.append(
+            {
+                "what": "GPU-hours, seed + experts",
+                "predicted": plan["gpu_hours"]["training_total"],
+                "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"],
+            }
+        )
     for what, key in ((("seed", "seed"),) if seed else ()) + (("experts", "experts"),):
         rows.append({"what": f"wall seconds, {what}", "predicted": plan["wall_seconds"][key], "actual": walls.get(key)})
     for r in rows:
@@ -108,36 +140,66 @@ def header(snap: dict) -> Text:
         age = time.time() - snap["written_at"]
         if stopped(snap):
             d = snap["driver"]
-            then = "soma seed" if any(r["job"] == "seed" and r["state"] == "interrupted" for r in snap["jobs"]) else "soma resume"
-            lines.append(f"the driver (pid {d['pid']} on {d['host']}) STOPPED ({d['stopped_by']}) {fmt_duration(age)} ago with "
-                         f"jobs unfinished; {then} {snap['campaign']} continues them")
-        lines.append(f"snapshot {age:.0f} s old" + (", the driver's last" if snap["final"] or stopped(snap) else "")
-                     + (f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
-                        if snap["stale"] else ""))
+            then = (
+                "soma seed"
+                if any(r["job"] == "seed" and r["state"] == "interrupted" for r in snap["jobs"])
+                else "soma resume"
+            )
+            lines.append(
+                f"the driver (pid {d['pid']} on {d['host']}) STOPPED ({d['stopped_by']}) {fmt_duration(age)} ago with "
+                f"jobs unfinished; {then} {snap['campaign']} continues them"
+            )
+        lines.append(
+            f"snapshot {age:.0f} s old"
+            + (", the driver's last" if snap["final"] or stopped(snap) else "")
+            + (
+                f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
+                if snap["stale"]
+                else ""
+            )
+        )
     lease = snap.get("lease")
     if lease and lease.get("damaged"):
         lines.append(f"driver lease: {lease['damaged']}")
     if lease and lease["held"]:
-        lines.append(f"driver: {lease['command']!r}, pid {lease['pid']} on {lease['host']} holds the campaign "
-                     f"(lease renewed {max(0.0, time.time() - lease['renewed_at']):.0f} s ago)")
+        lines.append(
+            f"driver: {lease['command']!r}, pid {lease['pid']} on {lease['host']} holds the campaign "
+            f"(lease renewed {max(0.0, time.time() - lease['renewed_at']):.0f} s ago)"
+        )
     lines.append("jobs: " + (", ".join(f"{n} {s}" for s, n in snap["counts"].items()) or "none"))
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0) or "nothing yet"
     b = snap["budget"]
     caps = ", ".join(f"{k.replace('_gpu_hours', '')} cap {v}" for k, v in b.items() if v is not None)
     lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps})" if caps else ""))
     if not snap["final"] and not stopped(snap) and snap["source"] == "driver":
-        lines.append(f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA " + ("-" if snap["eta_s"] is None else fmt_duration(snap["eta_s"])))
+        lines.append(
+            f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA "
+            + ("-" if snap["eta_s"] is None else fmt_duration(snap["eta_s"]))
+        )
     return Text("\n".join(lines))
 
 
 def job_table(snap: dict) -> Table:
     table = Table(box=None, pad_edge=False, show_edge=False)
     for col in ("job", "state", "step", "expert-val", "GPU-h", "left GPU-h", "retries", "node", "device", "last error"):
-        table.add_column(col, no_wrap=True, justify="right" if col in ("step", "expert-val", "GPU-h", "left GPU-h", "retries") else "left")
+        table.add_column(
+            col,
+            no_wrap=True,
+            justify="right" if col in ("step", "expert-val", "GPU-h", "left GPU-h", "retries") else "left",
+        )
     for r in snap["jobs"]:
-        table.add_row(r["job"], r["state"], f"{r['step']}/{r['target']}", "-" if r["val"] is None else f"{r['val']:.4f}",
-                      _hours(r["gpu_hours"]), _hours(r["budget_left_gpu_hours"]), str(r["retries"]), r["node"] or "-",
-                      r["device"] or "-", Text(r["last_error"] or ""))
+        table.add_row(
+            r["job"],
+            r["state"],
+            f"{r['step']}/{r['target']}",
+            "-" if r["val"] is None else f"{r['val']:.4f}",
+            _hours(r["gpu_hours"]),
+            _hours(r["budget_left_gpu_hours"]),
+            str(r["retries"]),
+            r["node"] or "-",
+            r["device"] or "-",
+            Text(r["last_error"] or ""),
+        )
     return table
 
 
@@ -146,9 +208,12 @@ def comparison_table(cmp: dict) -> Table:
     for col in ("", "predicted", "actual", "error"):
         table.add_column(col, no_wrap=True, justify="left" if not col else "right")
     for r in cmp["rows"]:
-        table.add_row(r["what"], f"{r['predicted']:.4f}" if "GPU" in r["what"] else f"{r['predicted']:.1f}",
-                      "-" if r["actual"] is None else (f"{r['actual']:.4f}" if "GPU" in r["what"] else f"{r['actual']:.1f}"),
-                      "-" if r["error"] is None else f"{r['error']:+.1%}")
+        table.add_row(
+            r["what"],
+            f"{r['predicted']:.4f}" if "GPU" in r["what"] else f"{r['predicted']:.1f}",
+            "-" if r["actual"] is None else (f"{r['actual']:.4f}" if "GPU" in r["what"] else f"{r['actual']:.1f}"),
+            "-" if r["error"] is None else f"{r['error']:+.1%}",
+        )
     return table
 
 

@@ -8,6 +8,7 @@ where its state is consistent. Anywhere else it raises Stopped at once, which un
 cleanup is bounded (a job system's SIGKILL after its grace period is the last resort, and the next command
 cleans what a SIGKILL leaves).
 """
+
 from __future__ import annotations
 
 import os
@@ -41,12 +42,13 @@ class StopSignals:
         self.requested: int | None = None
         self._cooperative = 0
         self._early = True
-        self._saved: dict[int, object] = {}            # the handlers found before the first install
+        self._saved: dict[int, object] = {}  # the handlers found before the first install
 
     def install(self, early: bool = False) -> None:
         """(Re)install the handlers; only the main thread can, and only it needs to. `early`: while the CLI is still
         importing, before a command has begun anything, a signal ends the process at once with one line."""
         import threading
+
         self._early = early
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
@@ -60,6 +62,7 @@ class StopSignals:
         the default and a late SIGTERM would kill it mid-exit). Else (a command run in-process, e.g. by a test) the
         handlers found before are put back."""
         import threading
+
         if threading.current_thread() is threading.main_thread():
             for s in SIGNALS:
                 signal.signal(s, signal.SIG_IGN if exiting else self._saved.get(s, signal.SIG_DFL))
@@ -67,15 +70,27 @@ class StopSignals:
 
     def _on_signal(self, signum: int, frame) -> None:
         if self._early:
-            print(f"soma: received {signal.Signals(signum).name} while starting; nothing was done", file=sys.stderr, flush=True)
+            print(
+                f"soma: received {signal.Signals(signum).name} while starting; nothing was done",
+                file=sys.stderr,
+                flush=True,
+            )
             os._exit(128 + signum)
         if self.requested is not None:
-            print(f"soma: {signal.Signals(signum).name} again: already stopping (bounded; the next command cleans up "
-                  f"whatever a SIGKILL leaves)", file=sys.stderr, flush=True)
+            print(
+                f"soma: {signal.Signals(signum).name} again: already stopping (bounded; the next command cleans up "
+                f"whatever a SIGKILL leaves)",
+                file=sys.stderr,
+                flush=True,
+            )
             return
         self.requested = signum
-        print(f"soma: received {signal.Signals(signum).name}: stopping (no new work; final status, then exit "
-              f"{128 + signum})", file=sys.stderr, flush=True)
+        print(
+            f"soma: received {signal.Signals(signum).name}: stopping (no new work; final status, then exit "
+            f"{128 + signum})",
+            file=sys.stderr,
+            flush=True,
+        )
         if not self._cooperative:
             raise Stopped(signum)
 

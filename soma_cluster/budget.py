@@ -2,6 +2,7 @@
 
 Pure bookkeeping (no Ray, no clocks): the driver feeds it what the ledger says was spent.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, field
@@ -12,7 +13,7 @@ from soma_cluster.config import BudgetConfig
 @dataclass
 class BudgetBook:
     cfg: BudgetConfig
-    granted: dict[int, float] = field(default_factory=dict)   # extra GPU-seconds given to an expert from the pool
+    granted: dict[int, float] = field(default_factory=dict)  # extra GPU-seconds given to an expert from the pool
 
     @property
     def expert_s(self) -> float | None:
@@ -43,7 +44,11 @@ class BudgetBook:
         if cap is None or self.cfg.pool_policy == "none" or not candidates:
             return {}
         pool = max(0.0, cap - spent_expert)
-        chosen = [e for e, improving in candidates.items() if improving] if self.cfg.pool_policy == "improving" else list(candidates)
+        chosen = (
+            [e for e, improving in candidates.items() if improving]
+            if self.cfg.pool_policy == "improving"
+            else list(candidates)
+        )
         if pool <= 0 or not chosen:
             return {}
         grants = {e: pool / len(chosen) for e in chosen}
@@ -66,7 +71,11 @@ class BudgetBook:
         estimate: at most the largest single record billed to it (`largest`: a start-up, or a chunk with its
         validations and checkpoints, none interruptible). The driver's hard stop (`worst_overrun_s`) covers a
         worker that breaks that rule. Both come from the ledger (Totals) or the scheduler, which keeps them."""
-        return {e: Overrun(s - cap, largest.get(e, 0.0)) for e, s in spent.items() if (cap := self.expert_cap(e)) is not None}
+        return {
+            e: Overrun(s - cap, largest.get(e, 0.0))
+            for e, s in spent.items()
+            if (cap := self.expert_cap(e)) is not None
+        }
 
 
 @dataclass
@@ -74,8 +83,9 @@ class StartCost:
     """What starting an expert costs, as measured in this campaign, in GPU-seconds: a start-up (a start-up
     hard-stopped by the driver counts for what it had held, a lower bound) and one chunk of updates. The least
     of each seen is kept, so refusing a launch on it is refusing one that no measured start would have survived."""
+
     startup_s: float | None = None
-    update_s: float | None = None       # one update of one expert, validations and checkpoints included
+    update_s: float | None = None  # one update of one expert, validations and checkpoints included
 
     def observe_startup(self, gpu_s: float) -> None:
         self.startup_s = gpu_s if self.startup_s is None else min(self.startup_s, gpu_s)
@@ -95,8 +105,8 @@ class StartCost:
 
 @dataclass(frozen=True)
 class Overrun:
-    gpu_s: float        # spent minus the cap (negative: stopped under it)
-    bound_s: float      # the largest single record billed to the expert
+    gpu_s: float  # spent minus the cap (negative: stopped under it)
+    bound_s: float  # the largest single record billed to the expert
 
     @property
     def within(self) -> bool:

@@ -5,6 +5,7 @@
     <dir>/latest.json               {"step": 500, "name": "step-000500"}
 Never pickle, never torch.load.
 """
+
 from __future__ import annotations
 
 import re
@@ -42,7 +43,9 @@ def save_checkpoint(store: Store, directory: str, state: TrainState, extra: dict
         return name
     blob = st_save(state.tensors())
     store.write_bytes(f"{directory}/{name}.safetensors", blob)
-    store.write_json(f"{directory}/{name}.json", {"state": state.scalars(), "tensors_sha256": sha256(blob), **(extra or {})})
+    store.write_json(
+        f"{directory}/{name}.json", {"state": state.scalars(), "tensors_sha256": sha256(blob), **(extra or {})}
+    )
     if (_latest_step(store, directory) or 0) <= state.step:
         store.write_json(f"{directory}/latest.json", {"step": state.step, "name": name})
     return name
@@ -79,7 +82,11 @@ def latest_meta(store: Store, directory: str) -> dict | None:
 def checkpoint_steps(store: Store, directory: str) -> list[int]:
     """Steps of every checkpoint kept under `directory` (all are kept: a training curve can be re-evaluated)."""
     names = store.listdir(directory)
-    return sorted(int(n[5:-5]) for n in names if n.startswith("step-") and n.endswith(".json") and f"{n[:-5]}.safetensors" in names)
+    return sorted(
+        int(n[5:-5])
+        for n in names
+        if n.startswith("step-") and n.endswith(".json") and f"{n[:-5]}.safetensors" in names
+    )
 
 
 def has_checkpoint(store: Store, directory: str) -> bool:
@@ -89,8 +96,10 @@ def has_checkpoint(store: Store, directory: str) -> bool:
 def _fix(store: Store, directory: str) -> str:
     """The command that recovers from a bad checkpoint in `directory` (see `fall_back`)."""
     cmd = "soma seed" if directory == "seed" else "soma resume"
-    return (f"run {cmd} {store.url}: it falls back to the newest checkpoint of {directory} that verifies "
-            f"and retrains the updates after it")
+    return (
+        f"run {cmd} {store.url}: it falls back to the newest checkpoint of {directory} that verifies "
+        f"and retrains the updates after it"
+    )
 
 
 def load_checkpoint(store: Store, directory: str, name: str | None = None) -> Checkpoint:
@@ -127,6 +136,7 @@ class CheckpointCheck:
     bad:    (name, why) of a missing or unreadable latest.json, then of every newer checkpoint that failed,
             newest first: the work they held is lost
     """
+
     directory: str
     latest: str | None
     valid: str | None
@@ -183,7 +193,7 @@ def check_checkpoints(store: Store, directory: str) -> CheckpointCheck:
             bad.append(("latest.json", "unreadable"))
     elif steps:
         bad.append(("latest.json", "missing"))
-    if latest is not None and re.fullmatch(r"step-\d{6}", latest):     # newer files were never published
+    if latest is not None and re.fullmatch(r"step-\d{6}", latest):  # newer files were never published
         steps = {s for s in steps if s <= int(latest[5:])} | {int(latest[5:])}
     for step in sorted(steps, reverse=True):
         name = f"step-{step:06d}"

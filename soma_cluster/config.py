@@ -3,6 +3,7 @@
 The resolved model is dumped to `<campaign>/campaign.yaml` once and is the only source of
 truth afterwards (workers and `soma resume` read it back from there).
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -24,9 +25,9 @@ class _Section(BaseModel):
 
 
 class CorpusConfig(_Section):
-    source: str = "builtin"          # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
-    max_bytes: int = Field(64_000_000, gt=0)   # cap on corpus bytes read
-    text_field: str = "text"         # JSONL / Parquet column holding the text
+    source: str = "builtin"  # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
+    max_bytes: int = Field(64_000_000, gt=0)  # cap on corpus bytes read
+    text_field: str = "text"  # JSONL / Parquet column holding the text
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
 
@@ -35,13 +36,25 @@ class CorpusConfig(_Section):
         # the resolved config is saved to campaign.yaml: credentials belong in the environment
         found = sorted(_credential_keys(self.storage_options))
         if found:
-            raise ValueError(f"corpus.storage_options must not hold credentials ({', '.join(found)}): the config is saved "
-                             "to campaign.yaml; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment")
+            raise ValueError(
+                f"corpus.storage_options must not hold credentials ({', '.join(found)}): the config is saved "
+                "to campaign.yaml; set AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY (or AWS_PROFILE) in the environment"
+            )
         return self
 
 
-_CREDENTIAL_KEYS = {"key", "secret", "token", "password", "session_token", "aws_access_key_id",
-                    "aws_secret_access_key", "aws_session_token", "access_key", "secret_key"}
+_CREDENTIAL_KEYS = {
+    "key",
+    "secret",
+    "token",
+    "password",
+    "session_token",
+    "aws_access_key_id",
+    "aws_secret_access_key",
+    "aws_session_token",
+    "access_key",
+    "secret_key",
+}
 
 
 def _credential_keys(options: Any, prefix: str = "") -> set[str]:
@@ -60,10 +73,10 @@ class RouterConfig(_Section):
     max_features: int = Field(50_000, gt=0)
     min_df: int = Field(5, ge=1)
     svd_dim: int = Field(128, ge=2)
-    sample_chunks: int = Field(400_000, gt=0)   # chunks the vectorizer, SVD and k-means are fit on
-    prefix_bytes: int = Field(256, gt=0)        # bytes of a window the router reads at inference
+    sample_chunks: int = Field(400_000, gt=0)  # chunks the vectorizer, SVD and k-means are fit on
+    prefix_bytes: int = Field(256, gt=0)  # bytes of a window the router reads at inference
     top_k: int = Field(4, ge=1)
-    weighting: Literal["uniform", "softmax"] = "uniform"   # softmax(-d^2/T) is c-BTM's option
+    weighting: Literal["uniform", "softmax"] = "uniform"  # softmax(-d^2/T) is c-BTM's option
     temperature: float = Field(0.1, gt=0.0)
     kmeans_iters: int = Field(20, ge=1)
     # balanced: argmax(similarity - offset), offsets fitted so every expert gets an equal share (refitted over
@@ -83,7 +96,7 @@ class ShardConfig(_Section):
     seq_bytes: int = Field(1024, ge=16)
     val_fraction: float = Field(0.01, gt=0.0, lt=0.5)
     rows_per_file: int = Field(65_536, gt=0)
-    min_train_seqs: int = Field(16, ge=1)       # an expert with fewer is an error, not a silent no-op
+    min_train_seqs: int = Field(16, ge=1)  # an expert with fewer is an error, not a silent no-op
 
 
 class PrepareConfig(_Section):
@@ -91,21 +104,21 @@ class PrepareConfig(_Section):
     # workers do it; auto: ray when a Ray address is given (--address or RAY_ADDRESS), else local. Both give
     # the same router, shards and test windows (README "Preparing at scale")
     engine: Literal["auto", "local", "ray"] = "auto"
-    part_bytes: int = Field(64_000_000, gt=0)   # corpus files grouped into parts of about this many bytes on disk
-    workers: int = Field(0, ge=0)              # Ray engine: CPU workers at most (0: as many as the cluster grants)
+    part_bytes: int = Field(64_000_000, gt=0)  # corpus files grouped into parts of about this many bytes on disk
+    workers: int = Field(0, ge=0)  # Ray engine: CPU workers at most (0: as many as the cluster grants)
 
 
 class ModelConfig(_Section):
-    d: int = Field(32, ge=4)                # body width
-    depth: int = Field(2, ge=1)             # residual blocks (LSTM + MLP each)
-    embed_dim: int = Field(32, ge=4)        # tied byte embedding width (E is 256 x embed_dim)
+    d: int = Field(32, ge=4)  # body width
+    depth: int = Field(2, ge=1)  # residual blocks (LSTM + MLP each)
+    embed_dim: int = Field(32, ge=4)  # tied byte embedding width (E is 256 x embed_dim)
     head: Literal["shared_frozen", "own"] = "shared_frozen"
 
 
 class SPSAConfig(_Section):
     n_pert: int = Field(64, ge=1)
     batch: int = Field(64, ge=1)
-    seq_len: int = Field(1024, ge=2)        # bytes per training window (<= shards.seq_bytes)
+    seq_len: int = Field(1024, ge=2)  # bytes per training window (<= shards.seq_bytes)
     accum: int = Field(1, ge=1)
     eps: float = Field(1e-3, gt=0.0)
     lr: float = Field(1e-3, gt=0.0)
@@ -113,11 +126,11 @@ class SPSAConfig(_Section):
     beta1: float = 0.9
     beta2: float = 0.999
     adam_eps: float = 1e-8
-    patience: int = Field(1000, ge=1)       # updates without expert-val improvement before halving
+    patience: int = Field(1000, ge=1)  # updates without expert-val improvement before halving
     floor: float = Field(1e-5, gt=0.0)
-    pert_chunk: int = Field(32, ge=1)       # probes per batched pass (2 x pert_chunk copies; memory knob)
-    compile: bool = False                   # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
-    time_block: int = Field(8, ge=1)        # steps every layer advances at once: keeps activations cache-sized
+    pert_chunk: int = Field(32, ge=1)  # probes per batched pass (2 x pert_chunk copies; memory knob)
+    compile: bool = False  # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
+    time_block: int = Field(8, ge=1)  # steps every layer advances at once: keeps activations cache-sized
     # independent: each expert's estimate uses its own loss only (SOMA). summed: the control of SPEC section 8,
     # every expert updated with the SUM of all experts' losses under one joint probe (needs all N experts
     # in one actor: resources.experts_per_actor = n_experts); same starts, data, probes and update counts
@@ -128,14 +141,16 @@ class EggrollConfig(_Section):
     """EGGROLL (low-rank antithetic ES): per matrix E = A B^T / sqrt(r), A (a x r), B (b x r) Gaussian;
     population 2 n_pert (antithetic +-sigma), z-scored fitness. sigma starts at spsa.eps's place in the
     schedule (it halves with lr)."""
+
     rank: int = Field(1, ge=1)
     sigma: float = Field(1e-3, gt=0.0)
 
 
 class BPTTConfig(_Section):
     """The honest reference: exact gradients by backpropagation through time (autograd) and Adam."""
+
     lr: float = Field(2e-3, gt=0.0)
-    grad_clip: float = Field(1.0, ge=0.0)   # global norm clip per expert; 0 = off
+    grad_clip: float = Field(1.0, ge=0.0)  # global norm clip per expert; 0 = off
 
 
 class SeedStageConfig(_Section):
@@ -148,19 +163,19 @@ class TrainConfig(_Section):
     # how the expert stage trains the bodies: SOMA's SPSA, or a baseline of SPEC section 8 (the seed stage
     # is always SPSA with the delta-rule decoder)
     method: Literal["spsa", "eggroll", "bptt"] = "spsa"
-    updates: int = Field(1000, ge=1)        # updates per expert
-    chunk_updates: int = Field(10, ge=1)    # updates between heartbeats (and budget checks)
+    updates: int = Field(1000, ge=1)  # updates per expert
+    chunk_updates: int = Field(10, ge=1)  # updates between heartbeats (and budget checks)
     checkpoint_every: int = Field(100, ge=1)
     val_every: int = Field(50, ge=1)
     val_batches: int = Field(2, ge=1)
-    threads: int = Field(1, ge=1)           # torch intra-op threads per worker on CPU
+    threads: int = Field(1, ge=1)  # torch intra-op threads per worker on CPU
 
 
 class ResourcesConfig(_Section):
-    num_gpus: float = Field(1.0, gt=0.0)    # per expert actor: 1, 0.5, 0.125 ...
-    num_cpus: float = Field(0.0, ge=0.0)    # stated explicitly: Ray's default of 1 CPU starves small hosts
-    local_gpus: int = Field(4, ge=1)        # logical GPUs of a local Ray started when no address is given
-    placement: Literal["pack", "spread"] = "pack"   # pack: fill a node's GPUs first; spread: one node after another
+    num_gpus: float = Field(1.0, gt=0.0)  # per expert actor: 1, 0.5, 0.125 ...
+    num_cpus: float = Field(0.0, ge=0.0)  # stated explicitly: Ray's default of 1 CPU starves small hosts
+    local_gpus: int = Field(4, ge=1)  # logical GPUs of a local Ray started when no address is given
+    placement: Literal["pack", "spread"] = "pack"  # pack: fill a node's GPUs first; spread: one node after another
     # G small experts trained by one actor in shared batched passes (the engine's expert axis); num_gpus and
     # num_cpus are then per actor, and the actor's GPU-seconds are split evenly among the experts it trains
     experts_per_actor: int = Field(1, ge=1)
@@ -180,13 +195,13 @@ class ResourcesConfig(_Section):
 class BudgetConfig(_Section):
     expert_gpu_hours: float | None = Field(None, gt=0.0)
     campaign_gpu_hours: float | None = Field(None, gt=0.0)
-    grace_gpu_seconds: float = Field(30.0, ge=0.0)   # overrun past a cap before the driver kills the actor
-    pool_policy: Literal["none", "even", "improving"] = "none"   # who gets an ended expert's unspent budget
+    grace_gpu_seconds: float = Field(30.0, ge=0.0)  # overrun past a cap before the driver kills the actor
+    pool_policy: Literal["none", "even", "improving"] = "none"  # who gets an ended expert's unspent budget
 
 
 class RetryConfig(_Section):
-    max_retries: int = Field(3, ge=0)       # failures per job; preemptions and driver losses do not count
-    backoff_s: float = Field(1.0, ge=0.0)   # the k-th retry waits backoff_s x 2^k, capped, with jitter
+    max_retries: int = Field(3, ge=0)  # failures per job; preemptions and driver losses do not count
+    backoff_s: float = Field(1.0, ge=0.0)  # the k-th retry waits backoff_s x 2^k, capped, with jitter
     backoff_max_s: float = Field(300.0, ge=0.0)
     heartbeat_timeout_s: float = Field(600.0, gt=0.0)
     # SIGTERM (a spot notice, a node drain, a KubeRay scale-down) gives a worker this long to checkpoint and
@@ -204,7 +219,7 @@ class RetryConfig(_Section):
 
 class EvalConfig(_Section):
     window_bytes: int = Field(1025, ge=3)
-    context_bytes: int = Field(256, ge=1)   # predictions before this index are not scored
+    context_bytes: int = Field(256, ge=1)  # predictions before this index are not scored
     max_windows: int = Field(2048, ge=1)
     bootstrap: int = Field(10_000, ge=100)
     batch: int = Field(32, ge=1)
@@ -242,13 +257,17 @@ class CampaignConfig(_Section):
             if self.train.method != "spsa":
                 raise ValueError("spsa.objective summed is the SPSA control; set train.method spsa")
             if self.resources.experts_per_actor != self.n_experts:
-                raise ValueError(f"spsa.objective summed couples all experts: set resources.experts_per_actor={self.n_experts} (= n_experts)")
+                raise ValueError(
+                    f"spsa.objective summed couples all experts: set resources.experts_per_actor={self.n_experts} (= n_experts)"
+                )
         return self
 
     def digest(self) -> str:
         """A stable hash of the resolved config: tells 'same campaign' from 'a different one'. How prepare runs
         (engine, workers) is left out: every engine makes the same campaign."""
-        blob = json.dumps(self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}}), sort_keys=True).encode()
+        blob = json.dumps(
+            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}}), sort_keys=True
+        ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
 
@@ -301,7 +320,9 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
         raise SomaError(f"{origin}: {where}: {first['msg']}; fix that field") from None
 
 
-def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, config_file: str | None = None) -> CampaignConfig:
+def resolve(
+    preset: str = "tiny", overrides: dict[str, Any] | None = None, config_file: str | None = None
+) -> CampaignConfig:
     """Defaults <- preset file <- optional user YAML <- key=value overrides."""
     tree = preset_tree(preset)
     tree["preset"] = preset
@@ -312,15 +333,19 @@ def resolve(preset: str = "tiny", overrides: dict[str, Any] | None = None, confi
         path = Path(config_file)
         if not path.exists():
             raise SomaError(f"config file {config_file!r} not found; pass an existing YAML file")
-        if not path.is_file():          # a FIFO would block the read, a directory cannot be read
+        if not path.is_file():  # a FIFO would block the read, a directory cannot be read
             raise SomaError(f"config file {config_file} is not a regular file; pass a YAML file")
         try:
             user = yaml.safe_load(path.read_text())
         except yaml.YAMLError as exc:
-            raise SomaError(f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax") from None
-        if user is None:                # empty or comments only: almost surely not what was meant
-            raise SomaError(f"config file {config_file} is empty (no settings); write the sections to change in it "
-                            f"(e.g. spsa: {{n_pert: 16}}, as in soma_cluster/presets/tiny.yaml) or leave out --config")
+            raise SomaError(
+                f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax"
+            ) from None
+        if user is None:  # empty or comments only: almost surely not what was meant
+            raise SomaError(
+                f"config file {config_file} is empty (no settings); write the sections to change in it "
+                f"(e.g. spsa: {{n_pert: 16}}, as in soma_cluster/presets/tiny.yaml) or leave out --config"
+            )
         if not isinstance(user, dict):
             raise SomaError(f"config file {config_file} must hold a mapping of sections; see soma_cluster/presets/")
         tree, origin = merge_trees(tree, user), f"config file {config_file}"
@@ -350,9 +375,11 @@ def from_yaml_text(text: str, origin: str) -> CampaignConfig:
         raise SomaError(f"{origin} does not hold a campaign config; restore it or start a new campaign")
     recorded = _DIGEST.search(text)
     if recorded and _sha(tree) != recorded.group(1):
-        raise SomaError(f"{origin} was edited after the campaign was prepared ({_edited(text, tree)}), but its router, shards "
-                        f"and checkpoints were made for the config recorded in it; undo the edit, or put new settings in a "
-                        f"new campaign (soma prepare NEW_URL --set KEY=VALUE, or soma fork for training-side settings)")
+        raise SomaError(
+            f"{origin} was edited after the campaign was prepared ({_edited(text, tree)}), but its router, shards "
+            f"and checkpoints were made for the config recorded in it; undo the edit, or put new settings in a "
+            f"new campaign (soma prepare NEW_URL --set KEY=VALUE, or soma fork for training-side settings)"
+        )
     return validated(tree, origin)
 
 
@@ -384,7 +411,13 @@ def versions() -> dict[str, str]:
             return metadata.version(dist)
         except metadata.PackageNotFoundError:
             return "not installed"
-    return {"soma-cluster": of("soma-cluster"), "torch": of("torch"), "ray": of("ray"), "python": platform.python_version()}
+
+    return {
+        "soma-cluster": of("soma-cluster"),
+        "torch": of("torch"),
+        "ray": of("ray"),
+        "python": platform.python_version(),
+    }
 
 
 _VERSIONS = re.compile(r"^# versions: (.*)$", re.M)
@@ -398,9 +431,11 @@ def recorded_versions(text: str) -> dict[str, str]:
 
 def to_yaml_text(cfg: CampaignConfig) -> str:
     body = yaml.safe_dump(cfg.model_dump(mode="json"), sort_keys=False)
-    tree = yaml.safe_load(body)                 # the digests are of what a reader will load back
+    tree = yaml.safe_load(body)  # the digests are of what a reader will load back
     keys = " ".join(f"{k}={_sha(v)[:8]}" for k, v in tree.items())
     made_by = " ".join(f"{k}={v.replace(' ', '_')}" for k, v in versions().items())
-    return ("# The resolved config of this campaign, written once when it was created. Every soma command checks it\n"
-            "# against the digests below and refuses an edited copy: its router, shards and checkpoints were made for it.\n"
-            f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n# versions: {made_by}\n{body}")
+    return (
+        "# The resolved config of this campaign, written once when it was created. Every soma command checks it\n"
+        "# against the digests below and refuses an edited copy: its router, shards and checkpoints were made for it.\n"
+        f"# config-sha256: {_sha(tree)}\n# key-sha256: {keys}\n# versions: {made_by}\n{body}"
+    )

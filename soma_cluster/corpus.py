@@ -4,6 +4,7 @@ The built-in corpus is real text already on the machine (Python's own docs and s
 texts, man/info pages and package docs where present); nothing is downloaded. A user corpus is a
 local or s3:// path: a directory of text files, or .txt/.md, .jsonl, .parquet, .arrow files.
 """
+
 from __future__ import annotations
 
 import gzip
@@ -35,8 +36,8 @@ SEPARATOR = b"\n\n"
 
 @dataclass(frozen=True)
 class Document:
-    doc_id: str      # stable name (path, topic, row) used for the test split and the bootstrap
-    source: str      # which built-in source or user file it came from
+    doc_id: str  # stable name (path, topic, row) used for the test split and the bootstrap
+    source: str  # which built-in source or user file it came from
     data: bytes
 
 
@@ -65,7 +66,13 @@ def _clean_troff(data: bytes) -> bytes:
     return b"\n".join(out)
 
 
-def _files(root: Path, pattern: str, reader: Callable[[Path], bytes], source: str, skip: Callable[[Path], bool] = lambda p: False) -> Iterator[Document]:
+def _files(
+    root: Path,
+    pattern: str,
+    reader: Callable[[Path], bytes],
+    source: str,
+    skip: Callable[[Path], bool] = lambda p: False,
+) -> Iterator[Document]:
     if not root.is_dir():
         return
     for path in _stable_order(p for p in root.glob(pattern) if p.is_file() and not p.is_symlink() and not skip(p)):
@@ -96,7 +103,9 @@ def builtin_sources() -> dict[str, Iterator[Document]]:
         "python-stdlib": _files(stdlib, "**/*.py", Path.read_bytes, "python-stdlib", skip_tests),
         "licenses": _files(purelib, "*.dist-info/**/LICENSE*", Path.read_bytes, "licenses"),
         "common-licenses": _files(Path("/usr/share/common-licenses"), "*", Path.read_bytes, "common-licenses"),
-        "man-pages": _files(Path("/usr/share/man"), "man[1-8]/*.gz", lambda p: _clean_troff(_read_maybe_gz(p)), "man-pages"),
+        "man-pages": _files(
+            Path("/usr/share/man"), "man[1-8]/*.gz", lambda p: _clean_troff(_read_maybe_gz(p)), "man-pages"
+        ),
         "info-pages": _files(Path("/usr/share/info"), "*.gz", _read_maybe_gz, "info-pages"),
         "package-docs": _files(Path("/usr/share/doc"), "*/*", _read_maybe_gz, "package-docs"),
     }
@@ -144,7 +153,9 @@ def _text_batches(fh, name: str, field: str, where: str) -> Iterator[pa.RecordBa
         try:
             yield from batches(g)
         except (pa.ArrowInvalid, OSError) as exc:
-            raise SomaError(f"corpus file {where} {unit} {g} of {groups} is not readable ({exc}); replace the file") from None
+            raise SomaError(
+                f"corpus file {where} {unit} {g} of {groups} is not readable ({exc}); replace the file"
+            ) from None
 
 
 def _text_rows(batch: pa.RecordBatch) -> Iterator[str]:
@@ -178,8 +189,13 @@ def not_text(head: bytes) -> str | None:
     return None
 
 
-_SPECIAL = ((stat.S_ISFIFO, "FIFO (named pipe)"), (stat.S_ISSOCK, "socket"), (stat.S_ISCHR, "character device"),
-            (stat.S_ISBLK, "block device"), (stat.S_ISDIR, "directory"))
+_SPECIAL = (
+    (stat.S_ISFIFO, "FIFO (named pipe)"),
+    (stat.S_ISSOCK, "socket"),
+    (stat.S_ISCHR, "character device"),
+    (stat.S_ISBLK, "block device"),
+    (stat.S_ISDIR, "directory"),
+)
 
 
 def _require_regular(path: str, root: bool = False) -> None:
@@ -188,9 +204,13 @@ def _require_regular(path: str, root: bool = False) -> None:
     try:
         mode = os.stat(path).st_mode
     except FileNotFoundError:
-        raise SomaError(f"corpus file {path} is a broken symbolic link (or vanished); remove it or point it at a file") from None
+        raise SomaError(
+            f"corpus file {path} is a broken symbolic link (or vanished); remove it or point it at a file"
+        ) from None
     except OSError as exc:
-        raise SomaError(f"corpus file {path} cannot be read ({type(exc).__name__}); fix its permissions or remove it") from None
+        raise SomaError(
+            f"corpus file {path} cannot be read ({type(exc).__name__}); fix its permissions or remove it"
+        ) from None
     for test, kind in _SPECIAL:
         if test(mode):
             fix = "pass a text file or a directory of them" if root else "remove it from the corpus directory"
@@ -210,13 +230,14 @@ def _jsonl_docs(fh, path: str, name: str, kind: str, field: str) -> Iterator[Doc
             yield Document(f"{name}:{i}", kind, text.encode())
 
 
-def _user_file_docs(fs: fsspec.AbstractFileSystem, path: str, name: str, field: str,
-                    skipped: dict[str, list[str]]) -> Iterator[Document]:
+def _user_file_docs(
+    fs: fsspec.AbstractFileSystem, path: str, name: str, field: str, skipped: dict[str, list[str]]
+) -> Iterator[Document]:
     """The documents of one corpus file; `name` (its path relative to the corpus root) keys them, so the
     test split and the shards do not depend on where the corpus lives. A file that is not text is skipped
     and listed in `skipped` by reason."""
     base = name.rsplit("/", 1)[-1]
-    kind = base.split(".", 1)[1] if "." in base else "text"     # bytes are reported per file kind
+    kind = base.split(".", 1)[1] if "." in base else "text"  # bytes are reported per file kind
     if base.endswith(".parquet") or base.endswith(".arrow"):
         with fs.open(path, "rb") as fh:
             i = 0
@@ -245,16 +266,22 @@ def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list
     try:
         info = fs.info(root)
     except FileNotFoundError:
-        raise SomaError(f"corpus path {source} not found; pass an existing directory or file (or corpus.source=builtin)") from None
+        raise SomaError(
+            f"corpus path {source} not found; pass an existing directory or file (or corpus.source=builtin)"
+        ) from None
     except (PermissionError, *transient_errors()) as exc:
-        raise SomaError(f"corpus path {source} cannot be read ({type(exc).__name__}); check the path, its permissions "
-                        f"and, for s3://, the endpoint (SOMA_S3_ENDPOINT) and credentials") from None
+        raise SomaError(
+            f"corpus path {source} cannot be read ({type(exc).__name__}); check the path, its permissions "
+            f"and, for s3://, the endpoint (SOMA_S3_ENDPOINT) and credentials"
+        ) from None
     is_dir = info["type"] == "directory"
     if is_dir:
         base = root.rstrip("/")
         found = fs.find(base, detail=True)
-        files = [(p, p[len(base):].lstrip("/"), int(d.get("size") or 0)) for p, d in found.items()]
-        files = sorted(((p, rel, n) for p, rel, n in files if not rel.rsplit("/", 1)[-1].startswith(".")), key=lambda f: f[1])
+        files = [(p, p[len(base) :].lstrip("/"), int(d.get("size") or 0)) for p, d in found.items()]
+        files = sorted(
+            ((p, rel, n) for p, rel, n in files if not rel.rsplit("/", 1)[-1].startswith(".")), key=lambda f: f[1]
+        )
     else:
         files = [(root, root.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0))]
     if _is_local(fs):
@@ -271,22 +298,25 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
 
 def corpus_fs(cfg: CorpusConfig) -> tuple[fsspec.AbstractFileSystem, str]:
     """The filesystem and root path of a user corpus (options from the environment and the config)."""
-    options = with_s3_defaults(cfg.source, {**storage_options_from_env(cfg.source), **cfg.storage_options}, botocore_attempts=3)
+    options = with_s3_defaults(
+        cfg.source, {**storage_options_from_env(cfg.source), **cfg.storage_options}, botocore_attempts=3
+    )
     return fsspec.core.url_to_fs(cfg.source, **options)
 
 
 # -- parts: the unit of reading, packing and sampling ---------------------------------------------------------
 @dataclass(frozen=True)
 class CorpusFile:
-    path: str       # as the corpus's filesystem names it
-    name: str       # relative to the corpus root: the key of its documents (test split, shards)
-    budget: int     # document bytes it may give: corpus.max_bytes less the on-disk sizes of the files before it
+    path: str  # as the corpus's filesystem names it
+    name: str  # relative to the corpus root: the key of its documents (test split, shards)
+    budget: int  # document bytes it may give: corpus.max_bytes less the on-disk sizes of the files before it
 
 
 @dataclass(frozen=True)
 class Part:
     """Consecutive corpus files (relative-path order) of about prepare.part_bytes on disk, packed on their own:
     a sequence never spans two parts. No files: the built-in corpus, one part, read where the driver runs."""
+
     index: int
     files: tuple[CorpusFile, ...] = ()
 
@@ -319,8 +349,9 @@ def plan_parts(cfg: CorpusConfig, part_bytes: int) -> list[Part]:
     return parts
 
 
-def part_documents(cfg: CorpusConfig, part: Part, counts: dict[str, int] | None = None,
-                   skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
+def part_documents(
+    cfg: CorpusConfig, part: Part, counts: dict[str, int] | None = None, skipped: dict[str, list[str]] | None = None
+) -> Iterator[Document]:
     """The documents of one part; `counts` receives bytes per source or file kind, `skipped` the files left
     out, by reason."""
     if part.builtin:
@@ -340,14 +371,18 @@ def part_documents(cfg: CorpusConfig, part: Part, counts: dict[str, int] | None 
                 yield doc
                 if total >= f.budget:
                     break
-        except (EOFError, zlib.error, *transient_errors()) as exc:    # OSError: permissions, a bad .gz, the store
-            raise SomaError(f"corpus file {f.path} cannot be read ({type(exc).__name__}); fix or remove it (for s3://, "
-                            f"check the endpoint SOMA_S3_ENDPOINT and the credentials)") from None
+        except (EOFError, zlib.error, *transient_errors()) as exc:  # OSError: permissions, a bad .gz, the store
+            raise SomaError(
+                f"corpus file {f.path} cannot be read ({type(exc).__name__}); fix or remove it (for s3://, "
+                f"check the endpoint SOMA_S3_ENDPOINT and the credentials)"
+            ) from None
 
 
 def no_text_error(cfg: CorpusConfig, skipped: dict[str, list[str]]) -> SomaError:
-    return SomaError(f"corpus {cfg.source} holds no text{describe_skipped(skipped, names=3)}; point corpus.source "
-                     f"at text files (.txt, .md, .jsonl, .parquet, .arrow)")
+    return SomaError(
+        f"corpus {cfg.source} holds no text{describe_skipped(skipped, names=3)}; point corpus.source "
+        f"at text files (.txt, .md, .jsonl, .parquet, .arrow)"
+    )
 
 
 def user_documents(cfg: CorpusConfig, skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
@@ -375,8 +410,9 @@ def describe_skipped(skipped: dict[str, list[str]], names: int = 0) -> str:
     return f"; skipped {n} file{'s' if n > 1 else ''}: " + ", ".join(parts)
 
 
-def documents(cfg: CorpusConfig, counts: dict[str, int] | None = None,
-              skipped: dict[str, list[str]] | None = None) -> Iterator[Document]:
+def documents(
+    cfg: CorpusConfig, counts: dict[str, int] | None = None, skipped: dict[str, list[str]] | None = None
+) -> Iterator[Document]:
     """The corpus's documents; `counts` receives bytes per source or file kind, `skipped` the user files
     left out, by reason."""
     if cfg.source == "builtin":
@@ -404,7 +440,7 @@ class Packer:
     def __init__(self, size: int, owner_at: int = 0):
         self.size, self.owner_at = size, owner_at
         self.buf = bytearray()
-        self.owners: list[tuple[int, int]] = []   # (start offset in buf, doc index), ascending
+        self.owners: list[tuple[int, int]] = []  # (start offset in buf, doc index), ascending
         self.n_docs = 0
 
     def add(self, data: bytes) -> Iterator[tuple[bytes, int]]:

@@ -3,6 +3,7 @@
 GPU-seconds, eps, lr, wall-clock time), rebuilt from the events log, so they are complete after retries and
 resumes. Written by the driver when a stage ends; `soma eval` plots them (eval/curves.png).
 """
+
 from __future__ import annotations
 
 import csv
@@ -16,9 +17,20 @@ DIR = "curves"
 
 
 def curve_rows(h: JobHistory) -> list[dict]:
-    return [{"step": ev.get("step"), "attempt": ev.get("attempt"), "train_loss": ev.get("loss"), "val_loss": ev.get("val"),
-             "gpu_seconds": ev.get("gpu_seconds"), "eps": ev.get("eps"), "lr": ev.get("lr"), "t": ev.get("t")}
-            for ev in h.events if ev["event"] == "heartbeat"]
+    return [
+        {
+            "step": ev.get("step"),
+            "attempt": ev.get("attempt"),
+            "train_loss": ev.get("loss"),
+            "val_loss": ev.get("val"),
+            "gpu_seconds": ev.get("gpu_seconds"),
+            "eps": ev.get("eps"),
+            "lr": ev.get("lr"),
+            "t": ev.get("t"),
+        }
+        for ev in h.events
+        if ev["event"] == "heartbeat"
+    ]
 
 
 def to_csv(rows: list[dict]) -> str:

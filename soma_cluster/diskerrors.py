@@ -3,6 +3,7 @@
 The driver (the CLI's last resort and the commands' pre-flight checks) and the workers (which tell the
 infrastructure's failures from an expert's own) classify the same errnos the same way, from here. No Ray.
 """
+
 from __future__ import annotations
 
 import errno
@@ -14,21 +15,25 @@ from soma_cluster.errors import SomaError
 
 class DiskCondition(StrEnum):
     """An environment condition the operator fixes (never an expert's fault); the values go into records as is."""
-    FULL = "full"                        # ENOSPC, EDQUOT: no space (or quota) left
-    READ_ONLY = "read_only"              # EROFS: a read-only mount
-    DENIED = "denied"                    # EACCES, EPERM: this user may not write (or read) there
-    MISSING = "missing"                  # ENOENT, ESTALE: absent, or removed while the command ran
+
+    FULL = "full"  # ENOSPC, EDQUOT: no space (or quota) left
+    READ_ONLY = "read_only"  # EROFS: a read-only mount
+    DENIED = "denied"  # EACCES, EPERM: this user may not write (or read) there
+    MISSING = "missing"  # ENOENT, ESTALE: absent, or removed while the command ran
     NOT_A_DIRECTORY = "not_a_directory"  # ENOTDIR: a file where a directory must be
-    IS_A_DIRECTORY = "is_a_directory"    # EISDIR: a directory where a file must be
-    CROSS_DEVICE = "cross_device"        # EXDEV: a rename across filesystems (staging on the wrong disk)
-    IO_ERROR = "io_error"                # EIO: the device failed
+    IS_A_DIRECTORY = "is_a_directory"  # EISDIR: a directory where a file must be
+    CROSS_DEVICE = "cross_device"  # EXDEV: a rename across filesystems (staging on the wrong disk)
+    IO_ERROR = "io_error"  # EIO: the device failed
 
 
 _BY_ERRNO = {
-    errno.ENOSPC: DiskCondition.FULL, errno.EDQUOT: DiskCondition.FULL,
+    errno.ENOSPC: DiskCondition.FULL,
+    errno.EDQUOT: DiskCondition.FULL,
     errno.EROFS: DiskCondition.READ_ONLY,
-    errno.EACCES: DiskCondition.DENIED, errno.EPERM: DiskCondition.DENIED,
-    errno.ENOENT: DiskCondition.MISSING, errno.ESTALE: DiskCondition.MISSING,
+    errno.EACCES: DiskCondition.DENIED,
+    errno.EPERM: DiskCondition.DENIED,
+    errno.ENOENT: DiskCondition.MISSING,
+    errno.ESTALE: DiskCondition.MISSING,
     errno.ENOTDIR: DiskCondition.NOT_A_DIRECTORY,
     errno.EISDIR: DiskCondition.IS_A_DIRECTORY,
     errno.EXDEV: DiskCondition.CROSS_DEVICE,
@@ -37,15 +42,38 @@ _BY_ERRNO = {
 
 # (what happened, what is needed), for the one `error:` line
 _WORDS = {
-    DiskCondition.FULL: ("no space left on its filesystem", "free space there (or a larger quota), or use a campaign on a larger disk"),
-    DiskCondition.READ_ONLY: ("it is on a read-only filesystem", "a writable mount (remount it read-write, or copy the campaign "
-                                                                 "to a writable directory)"),
-    DiskCondition.DENIED: ("permission denied", "a directory this user may write (fix its owner/mode or choose another)"),
-    DiskCondition.MISSING: ("it does not exist (or was removed while the command ran)", "the directory back, or another path"),
-    DiskCondition.NOT_A_DIRECTORY: ("a file is where a directory must be", "a directory path (move the file away or choose another path)"),
-    DiskCondition.IS_A_DIRECTORY: ("a directory is where a file must be", "a file path (move the directory away or choose another path)"),
-    DiskCondition.CROSS_DEVICE: ("a rename crossed filesystems", "staging on the campaign's own filesystem (report this as a bug)"),
-    DiskCondition.IO_ERROR: ("an I/O error from the device", "a healthy disk (check the device and the kernel log, then rerun)"),
+    DiskCondition.FULL: (
+        "no space left on its filesystem",
+        "free space there (or a larger quota), or use a campaign on a larger disk",
+    ),
+    DiskCondition.READ_ONLY: (
+        "it is on a read-only filesystem",
+        "a writable mount (remount it read-write, or copy the campaign to a writable directory)",
+    ),
+    DiskCondition.DENIED: (
+        "permission denied",
+        "a directory this user may write (fix its owner/mode or choose another)",
+    ),
+    DiskCondition.MISSING: (
+        "it does not exist (or was removed while the command ran)",
+        "the directory back, or another path",
+    ),
+    DiskCondition.NOT_A_DIRECTORY: (
+        "a file is where a directory must be",
+        "a directory path (move the file away or choose another path)",
+    ),
+    DiskCondition.IS_A_DIRECTORY: (
+        "a directory is where a file must be",
+        "a file path (move the directory away or choose another path)",
+    ),
+    DiskCondition.CROSS_DEVICE: (
+        "a rename crossed filesystems",
+        "staging on the campaign's own filesystem (report this as a bug)",
+    ),
+    DiskCondition.IO_ERROR: (
+        "an I/O error from the device",
+        "a healthy disk (check the device and the kernel log, then rerun)",
+    ),
 }
 
 
@@ -67,7 +95,7 @@ class StorageError(SomaError):
         happened, needed = _WORDS[self.condition]
         super().__init__(f"{self.path}: {happened}{f' ({detail})' if detail else ''}; needs {needed}")
 
-    def __reduce__(self):           # pickles (Ray ships it from a worker) with its own arguments, not the message
+    def __reduce__(self):  # pickles (Ray ships it from a worker) with its own arguments, not the message
         return (StorageError, (self.path, self.condition, self.detail))
 
 

@@ -11,6 +11,7 @@ it by adding sigma E_k to the copy's weights and running the same batched copy f
 copy axis): the same numbers, and at d = 32 the same cost, since every copy has its own activations anyway.
 The tied embedding is never perturbed, as in SPSA.
 """
+
 from __future__ import annotations
 
 import math
@@ -48,7 +49,7 @@ def eggroll_estimate(theta: torch.Tensor, e: torch.Tensor, sigma, loss_fn: LossF
     near theta (mean of the population) and 2 n forwards per expert."""
     lp, lm = paired_losses(theta, e, sigma, loss_fn, pert_chunk)
     n = e.shape[1]
-    f = zscore(-torch.cat([lp, lm], dim=1))                       # fitness of the whole population, (G, 2n)
+    f = zscore(-torch.cat([lp, lm], dim=1))  # fitness of the whole population, (G, 2n)
     coef = (f[:, :n] - f[:, n:]) / 2
     s = torch.as_tensor(sigma, dtype=theta.dtype, device=theta.device).reshape(-1).expand(theta.shape[0])[:, None]
     grad = -torch.einsum("gn,gnm->gm", coef, e) / (n * s)

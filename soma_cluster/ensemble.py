@@ -11,6 +11,7 @@ A partial campaign (some experts ended without a checkpoint) is evaluated with t
 place: the router still picks the same top-k experts with the same weights, and a missing expert's
 probabilities are the seed model's (see `unit_routes`).
 """
+
 from __future__ import annotations
 
 import math
@@ -36,8 +37,8 @@ UNIFORM_NATS = math.log(256)
 
 @dataclass
 class Windows:
-    data: np.ndarray        # (n, window_bytes) uint8
-    docs: np.ndarray        # (n,) document index owning the first scored byte
+    data: np.ndarray  # (n, window_bytes) uint8
+    docs: np.ndarray  # (n,) document index owning the first scored byte
 
 
 def _window_file(store: Store, rel: str, digest: str) -> pa.Table:
@@ -46,7 +47,9 @@ def _window_file(store: Store, rel: str, digest: str) -> pa.Table:
     except FileNotFoundError:
         raise SomaError(f"{store.url}/{rel} is missing; re-run soma prepare on a new campaign URL") from None
     if sha256(raw) != digest:
-        raise ChecksumError(f"{store.url}/{rel} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
+        raise ChecksumError(
+            f"{store.url}/{rel} fails its checksum (corrupt); re-run soma prepare on a new campaign URL"
+        )
     return ipc.open_file(pa.BufferReader(raw)).read_all()
 
 
@@ -66,24 +69,33 @@ def load_windows(store: Store, max_windows: int) -> Windows:
             continue
         table = _window_file(store, f"test/{f['name']}", f["sha256"])
         if len(table) != f["rows"]:
-            raise ChecksumError(f"{store.url}/test/{f['name']} holds {len(table)} windows, its manifest says {f['rows']}; re-run soma prepare")
+            raise ChecksumError(
+                f"{store.url}/test/{f['name']} holds {len(table)} windows, its manifest says {f['rows']}; re-run soma prepare"
+            )
         data.append(rows_to_numpy(table.column("window").combine_chunks(), meta["window_bytes"])[mine])
         docs.append(table.column("doc").to_numpy()[mine])
     return Windows(np.ascontiguousarray(np.concatenate(data)), np.concatenate(docs))
 
 
-TIME_BLOCK = 32      # time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)
+TIME_BLOCK = 32  # time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)
 
 
 def bmm_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """log p(y) in torch with one bmm for all experts: h (G, R, e), heads (G, 256, e), y (G, R) -> (G, R)."""
-    logits = torch.bmm(h, heads.transpose(1, 2))                       # (G, R, 256)
+    logits = torch.bmm(h, heads.transpose(1, 2))  # (G, R, 256)
     return torch.log_softmax(logits, dim=-1).gather(-1, y.long()[..., None])[..., 0]
 
 
 @torch.no_grad()
-def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor], heads: torch.Tensor | list[torch.Tensor],
-                    windows: np.ndarray, context: int, device: torch.device, sizes: list[int] | None = None) -> np.ndarray:
+def packed_logprobs(
+    model: ModelConfig,
+    bodies: torch.Tensor | list[torch.Tensor],
+    heads: torch.Tensor | list[torch.Tensor],
+    windows: np.ndarray,
+    context: int,
+    device: torch.device,
+    sizes: list[int] | None = None,
+) -> np.ndarray:
     """G experts at once on the expert axis, each on its own windows: bodies (G, M), heads (G, 256, e) (or lists of
     G tensors), windows (G, B, W) -> log p(target) of the scored predictions (G, B, W-1-context) float64.
     sizes, when given, are the real windows of each expert (G entries, each <= B); the rest are padding, and their
@@ -92,31 +104,40 @@ def packed_logprobs(model: ModelConfig, bodies: torch.Tensor | list[torch.Tensor
         fused.check_sizes(sizes, windows.shape[0], windows.shape[1])
     w = torch.from_numpy(np.ascontiguousarray(windows)).to(device)
     x, y = w[..., :-1], w[..., 1:]
-    if device.type == "cpu" and fused.expert_usable(model, *bodies[:1], *heads[:1]):   # the whole expert in one kernel
+    if device.type == "cpu" and fused.expert_usable(model, *bodies[:1], *heads[:1]):  # the whole expert in one kernel
         return fused.expert_logprobs(Layout(model), bodies, heads, x, y, context, sizes).numpy().astype(np.float64)
     bodies, heads = (torch.stack(list(t)).to(device) if isinstance(t, list) else t.to(device) for t in (bodies, heads))
     g, b = x.shape[0], x.shape[1]
     parts = []
-    for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):   # h (G, Tb, B, e)
-        if t1 <= context:                                              # nothing scored in this block: no decoder
+    for t0, t1, h in forward_blocks(model, bodies, heads, x, block=TIME_BLOCK):  # h (G, Tb, B, e)
+        if t1 <= context:  # nothing scored in this block: no decoder
             parts.append(h.new_zeros(g, t1 - t0, b))
             continue
         if fused.usable(h, heads):
-            parts.append(target_logprobs(h, heads, y[..., t0:t1]))                 # the fused kernel, no logits tensor
+            parts.append(target_logprobs(h, heads, y[..., t0:t1]))  # the fused kernel, no logits tensor
             continue
-        tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1)                           # (G, Tb*B), time-major as h
+        tgt = y[..., t0:t1].transpose(1, 2).reshape(g, -1)  # (G, Tb*B), time-major as h
         parts.append(bmm_logprobs(h.reshape(g, -1, h.shape[-1]), heads, tgt).view(g, t1 - t0, b))
-    lp = torch.cat(parts, dim=1)[:, context:].transpose(1, 2).double().cpu().numpy()   # (G, B, T - context)
+    lp = torch.cat(parts, dim=1)[:, context:].transpose(1, 2).double().cpu().numpy()  # (G, B, T - context)
     for i, n in enumerate(sizes if sizes is not None else ()):
         lp[i, n:] = 0.0
     return lp
 
 
-def window_logprobs(model: ModelConfig, body: torch.Tensor, head: torch.Tensor, windows: np.ndarray, context: int,
-                    batch: int, device: torch.device) -> np.ndarray:
+def window_logprobs(
+    model: ModelConfig,
+    body: torch.Tensor,
+    head: torch.Tensor,
+    windows: np.ndarray,
+    context: int,
+    batch: int,
+    device: torch.device,
+) -> np.ndarray:
     """log p(target) for the scored predictions of each window: (n, window-1-context) float64."""
-    out = [packed_logprobs(model, body[None], head[None], windows[a:a + batch][None], context, device)[0]
-           for a in range(0, len(windows), batch)]
+    out = [
+        packed_logprobs(model, body[None], head[None], windows[a : a + batch][None], context, device)[0]
+        for a in range(0, len(windows), batch)
+    ]
     return np.concatenate(out) if out else np.zeros((0, windows.shape[1] - 1 - context))
 
 
@@ -124,11 +145,13 @@ def bootstrap_weights(groups: np.ndarray, resamples: int, seed: int) -> np.ndarr
     """(R, n_windows) multiplicity of each window when documents are resampled with replacement."""
     uniq, inverse = np.unique(groups, return_inverse=True)
     rng = np.random.default_rng(seed)
-    doc_counts = rng.multinomial(len(uniq), np.full(len(uniq), 1.0 / len(uniq)), size=resamples)   # (R, D)
+    doc_counts = rng.multinomial(len(uniq), np.full(len(uniq), 1.0 / len(uniq)), size=resamples)  # (R, D)
     return doc_counts[:, inverse]
 
 
-def ci(per_window_nats: np.ndarray, weights: np.ndarray, scored: np.ndarray | None = None) -> tuple[float, float, float]:
+def ci(
+    per_window_nats: np.ndarray, weights: np.ndarray, scored: np.ndarray | None = None
+) -> tuple[float, float, float]:
     """Mean nats/byte and its 95% bootstrap interval. per_window_nats (n, S) -> (mean, lo, hi); `scored`
     (n, S) bool marks the predictions that count (default all). Works for a paired difference too."""
     mask = np.ones(per_window_nats.shape, dtype=bool) if scored is None else scored
@@ -139,9 +162,9 @@ def ci(per_window_nats: np.ndarray, weights: np.ndarray, scored: np.ndarray | No
 
 @dataclass
 class Strided:
-    windows: Windows        # data (n, window) and the document of each window
-    scored: np.ndarray      # (n, window - 1) bool: the predictions this window scores
-    skipped: int            # documents shorter than one window
+    windows: Windows  # data (n, window) and the document of each window
+    scored: np.ndarray  # (n, window - 1) bool: the predictions this window scores
+    skipped: int  # documents shorter than one window
 
 
 def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided:
@@ -154,11 +177,11 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
         if len(doc) < window:
             skipped += 1
             continue
-        start, last = 0, 0                             # targets (byte positions) <= last are scored already
+        start, last = 0, 0  # targets (byte positions) <= last are scored already
         while len(data) < max_windows:
-            data.append(np.frombuffer(doc[start:start + window], dtype=np.uint8))
+            data.append(np.frombuffer(doc[start : start + window], dtype=np.uint8))
             owner.append(d)
-            first.append(last - start)                 # prediction i is for byte start + i + 1
+            first.append(last - start)  # prediction i is for byte start + i + 1
             last = start + window - 1
             nxt = min(start + stride, len(doc) - window)
             if nxt <= start:
@@ -167,7 +190,9 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
         if len(data) >= max_windows:
             break
     if not data:
-        raise SomaError(f"no document of at least {window} bytes to evaluate in long-document mode; give longer documents")
+        raise SomaError(
+            f"no document of at least {window} bytes to evaluate in long-document mode; give longer documents"
+        )
     first_a = np.array(first)
     scored = np.arange(window - 1)[None, :] >= first_a[:, None]
     return Strided(Windows(np.stack(data), np.array(owner)), scored, skipped)
@@ -175,14 +200,14 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
 
 @dataclass
 class EnsembleResult:
-    nats: np.ndarray          # (n, S) ensemble -log p per scored byte
-    per_expert_windows: dict[int, int]     # windows routed to each expert (a missing one's went to the seed)
+    nats: np.ndarray  # (n, S) ensemble -log p per scored byte
+    per_expert_windows: dict[int, int]  # windows routed to each expert (a missing one's went to the seed)
     route_seconds: float
     model_seconds: float
-    seed_windows: int = 0     # windows the seed model scored in place of missing experts (each once)
+    seed_windows: int = 0  # windows the seed model scored in place of missing experts (each once)
 
 
-SEED_UNIT = -1      # the evaluation unit of the seed model standing in for missing experts
+SEED_UNIT = -1  # the evaluation unit of the seed model standing in for missing experts
 
 
 def unit_routes(top: np.ndarray, weights: np.ndarray, present: set[int]) -> dict[int, tuple[np.ndarray, np.ndarray]]:
@@ -195,7 +220,7 @@ def unit_routes(top: np.ndarray, weights: np.ndarray, present: set[int]) -> dict
     re-routing to other experts, no renormalisation). Units with no window are left out."""
     routes: dict[int, tuple[np.ndarray, np.ndarray]] = {}
     for e in sorted(present):
-        rows, slots = np.nonzero(top == e)              # an expert appears at most once in a window's top-m
+        rows, slots = np.nonzero(top == e)  # an expert appears at most once in a window's top-m
         if len(rows):
             routes[e] = (rows, weights[rows, slots])
     missing = ~np.isin(top, list(present))
@@ -211,7 +236,10 @@ def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int,
     go in by decreasing size: each pass holds units of nearly equal size and padding stays small, whether
     N = 256 experts get a dozen windows each or N = 8 get hundreds. (Torch's batched path computes the padding;
     the whole-expert CPU kernel is told each unit's size and skips it.)"""
-    units = sorted(((e, a, min(batch, n - a)) for e, n in counts.items() for a in range(0, n, batch)), key=lambda u: (-u[2], u[0], u[1]))
+    units = sorted(
+        ((e, a, min(batch, n - a)) for e, n in counts.items() for a in range(0, n, batch)),
+        key=lambda u: (-u[2], u[0], u[1]),
+    )
     passes: list[list[tuple[int, int, int]]] = []
     for unit in units:
         if passes and (len(passes[-1]) + 1) * passes[-1][0][2] <= batch:
@@ -222,16 +250,17 @@ def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int,
 
 
 NEVER_LAUNCHED = "never_launched"
-LEAVES_CHECKPOINT = ("finished", "converged")     # these ends always write a checkpoint first
+LEAVES_CHECKPOINT = ("finished", "converged")  # these ends always write a checkpoint first
 
 
 @dataclass(frozen=True)
 class Substitute:
     """An expert the seed model stands in for: it has no checkpoint, and its events say why."""
+
     expert: int
-    end: str                 # budget_exhausted, failed_permanently, never_launched, or the state of one not ended
-    step: int                # the step its events last reported
-    reason: str | None       # the end event's reason or note
+    end: str  # budget_exhausted, failed_permanently, never_launched, or the state of one not ended
+    step: int  # the step its events last reported
+    reason: str | None  # the end event's reason or note
 
 
 def substitute_for(expert: int, h: JobHistory | None) -> Substitute | None:
@@ -246,12 +275,21 @@ def substitute_for(expert: int, h: JobHistory | None) -> Substitute | None:
         return Substitute(expert, h.state, h.step, end.get("reason") or end.get("note"))
     if h is None or not h.attempts:
         return Substitute(expert, NEVER_LAUNCHED, 0, "no attempt of it was ever started")
-    return Substitute(expert, h.state, h.step, "not ended and no checkpoint yet (is a driver still training it? soma status)")
+    return Substitute(
+        expert, h.state, h.step, "not ended and no checkpoint yet (is a driver still training it? soma status)"
+    )
 
 
-def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tuple[torch.Tensor, torch.Tensor]], win: Windows,
-                      context: int, batch: int, device: torch.device,
-                      seed: tuple[torch.Tensor, torch.Tensor] | None = None) -> EnsembleResult:
+def evaluate_ensemble(
+    router: Router,
+    model: ModelConfig,
+    experts: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    win: Windows,
+    context: int,
+    batch: int,
+    device: torch.device,
+    seed: tuple[torch.Tensor, torch.Tensor] | None = None,
+) -> EnsembleResult:
     """Route each window by its first prefix_bytes, run every expert once over all the windows routed to
     it, mix. The experts of a pass run together on the expert axis (see plan_passes): N = 256 narrow
     experts cost a few wide passes instead of 256 thin ones. Experts missing from `experts` are served by
@@ -265,17 +303,26 @@ def evaluate_ensemble(router: Router, model: ModelConfig, experts: dict[int, tup
     if SEED_UNIT in routes:
         if seed is None:
             absent = sorted({int(e) for e in np.unique(top)} - set(experts))
-            raise SomaError(f"windows are routed to experts {absent} that have no model, and no seed model stands in for them")
+            raise SomaError(
+                f"windows are routed to experts {absent} that have no model, and no seed model stands in for them"
+            )
         models[SEED_UNIT] = seed
     prob = np.zeros((len(win.data), win.data.shape[1] - 1 - context), dtype=np.float64)
     for units in plan_passes({u: len(r[0]) for u, r in routes.items()}, batch):
         padded = np.zeros((len(units), units[0][2], win.data.shape[1]), dtype=np.uint8)
         for i, (u, a, n) in enumerate(units):
-            padded[i, :n] = win.data[routes[u][0][a:a + n]]
-        lp = packed_logprobs(model, [models[u][0] for u, _, _ in units], [models[u][1] for u, _, _ in units], padded, context, device,
-                             [n for _, _, n in units])
+            padded[i, :n] = win.data[routes[u][0][a : a + n]]
+        lp = packed_logprobs(
+            model,
+            [models[u][0] for u, _, _ in units],
+            [models[u][1] for u, _, _ in units],
+            padded,
+            context,
+            device,
+            [n for _, _, n in units],
+        )
         for i, (u, a, n) in enumerate(units):
-            rows, w = routes[u][0][a:a + n], routes[u][1][a:a + n]
+            rows, w = routes[u][0][a : a + n], routes[u][1][a : a + n]
             np.add.at(prob, rows, w[:, None] * np.exp(lp[i, :n]))
     t2 = time.perf_counter()
     counts = {e: n for e in range(router.n_experts) if (n := int((top == e).sum())) or e in experts}

@@ -16,6 +16,7 @@ class DeviceError(SomaError):
 class JobsFailed(Exception):
     """The campaign ran, but some jobs ended failed_permanently (retries spent): the CLI exits with 3, so a
     RayJob, a CI pipeline or a script sees it. Not bad input: the message names the jobs and their errors."""
+
     exit_code = 3
 
 
@@ -28,4 +29,5 @@ class StoppedByEnvironment(Exception):
     """The driver stopped the campaign because the infrastructure (disk full, read-only, storage unreachable,
     nodes lost, out of memory) stayed broken past retry.infra_wait_s: the CLI exits with 4. Nothing is lost and
     no expert's retries were spent on it; fix the condition the message names, then `soma resume`."""
+
     exit_code = 4

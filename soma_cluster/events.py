@@ -11,6 +11,7 @@ attempt like any other, but not one of the job's retries. A `reopened` event mak
 after its checkpoint was lost (the attempt's end is void: it is settled again against the one kept), or, with
 reason `retry_failed` (`soma resume --retry-failed`), a job that failed permanently gets its retries back.
 """
+
 from __future__ import annotations
 
 import time
@@ -24,7 +25,7 @@ TERMINAL = ("finished", "converged", "budget_exhausted", "failed_permanently")
 # events that report progress or bookkeeping without changing where a job stands
 PROGRESS = ("heartbeat", "checkpointed", "budget_granted")
 ATTEMPT_ENDS = ("failed", "preempted") + TERMINAL
-RETRY_FAILED = "retry_failed"   # the reason of a `reopened` event written by --retry-failed
+RETRY_FAILED = "retry_failed"  # the reason of a `reopened` event written by --retry-failed
 
 
 def emit(store: Store, event: str, job: str, **fields) -> None:
@@ -34,10 +35,10 @@ def emit(store: Store, event: str, job: str, **fields) -> None:
 @dataclass
 class JobHistory:
     job: str
-    state: str = "pending"          # last event that changed where the job stands
-    attempts: int = 0               # attempts begun (queued or launched), i.e. the next attempt's number
-    failures: int = 0               # failed attempts counted against max_retries since the job was last given its
-                                    # retries back (preemptions, driver losses, the infrastructure's failures are not)
+    state: str = "pending"  # last event that changed where the job stands
+    attempts: int = 0  # attempts begun (queued or launched), i.e. the next attempt's number
+    failures: int = 0  # failed attempts counted against max_retries since the job was last given its
+    # retries back (preemptions, driver losses, the infrastructure's failures are not)
     step: int = 0
     val: float | None = None
     last_error: str | None = None

@@ -15,6 +15,7 @@ that worker's use alone: infrastructure. A MemoryError raised in the expert's ow
 
 The errno mapping is soma_cluster/diskerrors.py's, the one the commands use to refuse bad disks up front.
 """
+
 from __future__ import annotations
 
 import logging
@@ -32,12 +33,13 @@ log = logging.getLogger(__name__)
 
 class Cause(StrEnum):
     """Why an attempt was lost (the `cause` field of its `failed` event)."""
+
     # the expert's own: counted against retry.max_retries
-    EXCEPTION = "exception"                 # its code raised
+    EXCEPTION = "exception"  # its code raised
     NON_FINITE = "non_finite_loss"
-    CRASH = "crash"                         # its process died, its node did not (SIGKILL, kernel OOM kill, segfault)
-    HANG = "hang"                           # no heartbeat within retry.heartbeat_timeout_s
-    BAD_INPUT = "bad_input"                 # corrupt shard or checkpoint, no CUDA device: ends the job at once
+    CRASH = "crash"  # its process died, its node did not (SIGKILL, kernel OOM kill, segfault)
+    HANG = "hang"  # no heartbeat within retry.heartbeat_timeout_s
+    BAD_INPUT = "bad_input"  # corrupt shard or checkpoint, no CUDA device: ends the job at once
     # the infrastructure's: waited out for at most retry.infra_wait_s, never counted
     DISK_FULL = "disk_full"
     READ_ONLY = "read_only"
@@ -51,15 +53,29 @@ class Cause(StrEnum):
         return self in INFRA
 
 
-INFRA = frozenset({Cause.DISK_FULL, Cause.READ_ONLY, Cause.PERMISSION, Cause.STORAGE_UNREACHABLE, Cause.NODE_LOST,
-                   Cause.OUT_OF_MEMORY})
+INFRA = frozenset(
+    {
+        Cause.DISK_FULL,
+        Cause.READ_ONLY,
+        Cause.PERMISSION,
+        Cause.STORAGE_UNREACHABLE,
+        Cause.NODE_LOST,
+        Cause.OUT_OF_MEMORY,
+    }
+)
 
 # the disk conditions (soma_cluster/diskerrors.py: errno -> condition, shared with the commands' checks) that are
 # the infrastructure's; the others (a missing file, a file in a directory's place) are bad input or a bug
-_DISK = {DiskCondition.FULL: Cause.DISK_FULL, DiskCondition.READ_ONLY: Cause.READ_ONLY, DiskCondition.DENIED: Cause.PERMISSION}
+_DISK = {
+    DiskCondition.FULL: Cause.DISK_FULL,
+    DiskCondition.READ_ONLY: Cause.READ_ONLY,
+    DiskCondition.DENIED: Cause.PERMISSION,
+}
 # the same conditions as they read in a message, for errors that carry no errno (pyarrow's, a C library's)
-_TEXT = ((re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]"), Cause.DISK_FULL),
-         (re.compile(r"Read-only file system|\[Errno 30\]"), Cause.READ_ONLY))
+_TEXT = (
+    (re.compile(r"No space left on device|Disk quota exceeded|\[Errno (28|122)\]"), Cause.DISK_FULL),
+    (re.compile(r"Read-only file system|\[Errno 30\]"), Cause.READ_ONLY),
+)
 
 # what the operator does about each condition, for the line the campaign stops with ({url}: the campaign's)
 FIX = {
@@ -70,8 +86,14 @@ FIX = {
     Cause.NODE_LOST: "check the cluster's nodes (ray status) and that GPU nodes can join it",
     Cause.OUT_OF_MEMORY: "free memory on the nodes, or give each expert more (fewer actors per node)",
 }
-WORDS = {Cause.DISK_FULL: "disk full", Cause.READ_ONLY: "read-only filesystem", Cause.PERMISSION: "permission denied",
-         Cause.STORAGE_UNREACHABLE: "storage unreachable", Cause.NODE_LOST: "node lost", Cause.OUT_OF_MEMORY: "out of memory"}
+WORDS = {
+    Cause.DISK_FULL: "disk full",
+    Cause.READ_ONLY: "read-only filesystem",
+    Cause.PERMISSION: "permission denied",
+    Cause.STORAGE_UNREACHABLE: "storage unreachable",
+    Cause.NODE_LOST: "node lost",
+    Cause.OUT_OF_MEMORY: "out of memory",
+}
 
 
 def _chain(exc: BaseException):
@@ -129,8 +151,10 @@ def waiting(fn: Callable[[], T], wait_s: float, what: str) -> T:
 def stop_line(cause: Cause, reason: str, who: str, waited_s: float, bound_s: float, url: str) -> str:
     """The one line a campaign stopped by its environment ends with; `who` waited (e.g. "expert-0003's retries")."""
     reason = reason.removeprefix(f"{cause}: ")
-    return (f"the campaign stopped: {WORDS[cause]} ({reason}), {who} waited {waited_s:.0f} s for it "
-            f"(retry.infra_wait_s={bound_s:g}); {FIX[cause].format(url=url)}, then run soma resume {url}")
+    return (
+        f"the campaign stopped: {WORDS[cause]} ({reason}), {who} waited {waited_s:.0f} s for it "
+        f"(retry.infra_wait_s={bound_s:g}); {FIX[cause].format(url=url)}, then run soma resume {url}"
+    )
 
 
 def expert_names(requested: list[str], names: list[str]) -> list[str]:
@@ -145,8 +169,10 @@ def expert_names(requested: list[str], names: list[str]) -> list[str]:
         if name == "seed" and name not in names:
             raise SomaError("the seed is not an expert: reopen it with soma seed CAMPAIGN --retry-failed")
         if name not in names:
-            raise SomaError(f"{raw!r} names no {'expert' if names[-1] != 'seed' else 'job'} of this campaign "
-                            f"({names[0]} to {names[-1]}); name experts as expert-0003 or 3")
+            raise SomaError(
+                f"{raw!r} names no {'expert' if names[-1] != 'seed' else 'job'} of this campaign "
+                f"({names[0]} to {names[-1]}); name experts as expert-0003 or 3"
+            )
         if name not in out:
             out.append(name)
     return out
@@ -161,6 +187,8 @@ def select_failed(states: dict[str, str], names: list[str], requested: list[str]
     chosen = expert_names(requested, names)
     for name in chosen:
         if name not in failed:
-            raise SomaError(f"{name} is {states.get(name, 'pending')}, not failed_permanently: --retry-failed reopens only "
-                            f"jobs that failed permanently ({', '.join(failed) if failed else 'none here'})")
+            raise SomaError(
+                f"{name} is {states.get(name, 'pending')}, not failed_permanently: --retry-failed reopens only "
+                f"jobs that failed permanently ({', '.join(failed) if failed else 'none here'})"
+            )
     return chosen

@@ -18,6 +18,7 @@ portable vector code elsewhere. Without a compiler, or with SOMA_FUSED=0, `avail
 model keeps its torch path; the kernels never run under autograd or on CUDA (the caller checks `usable`).
 Results agree with the torch path to float32 rounding and do not depend on the number of threads.
 """
+
 from __future__ import annotations
 
 import ctypes
@@ -43,8 +44,8 @@ SOURCE = Path(__file__).parent / "csrc" / "kernels.c"
 # kernel beats torch's step-by-step bmm (benchmarks/bench_kernels.py on the 2-core host).
 MAX_EXPERT_D = 192
 MAX_RECURRENT_D = 1024
-EXPERT_ROWS = 32          # batch rows of one copy per task of the whole-expert kernel
-RECURRENT_ROWS = 32       # likewise for the recurrence kernel
+EXPERT_ROWS = 32  # batch rows of one copy per task of the whole-expert kernel
+RECURRENT_ROWS = 32  # likewise for the recurrence kernel
 FLAGS = ["-O3", "-march=native", "-fno-math-errno", "-fopenmp", "-fPIC", "-shared"]
 
 
@@ -59,24 +60,29 @@ def _cpu_flags() -> str:
 
 
 def cache_dir() -> Path:
-    root = os.environ.get("SOMA_KERNEL_CACHE") or os.path.join(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "soma_cluster")
+    root = os.environ.get("SOMA_KERNEL_CACHE") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache", "soma_cluster"
+    )
     return Path(root) / "kernels"
 
 
 def _build(cc: str) -> Path:
     src = SOURCE.read_bytes()
     version = subprocess.run([cc, "--version"], capture_output=True, text=True, timeout=30).stdout.splitlines()[:1]
-    key = hashlib.sha256(b"\0".join([src, " ".join(FLAGS).encode(), str(version).encode(), _cpu_flags().encode(),
-                                     platform.machine().encode()])).hexdigest()[:16]
+    key = hashlib.sha256(
+        b"\0".join(
+            [src, " ".join(FLAGS).encode(), str(version).encode(), _cpu_flags().encode(), platform.machine().encode()]
+        )
+    ).hexdigest()[:16]
     target = cache_dir() / f"soma-kernels-{key}.so"
     if target.exists():
         return target
     target.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)       # concurrent builders each write their own file
+    fd, tmp = tempfile.mkstemp(suffix=".so", dir=target.parent)  # concurrent builders each write their own file
     os.close(fd)
     try:
         subprocess.run([cc, *FLAGS, str(SOURCE), "-o", tmp], check=True, capture_output=True, text=True, timeout=120)
-        os.replace(tmp, target)                                      # atomic: a reader never sees half a library
+        os.replace(tmp, target)  # atomic: a reader never sees half a library
     finally:
         if os.path.exists(tmp):
             os.unlink(tmp)
@@ -95,10 +101,13 @@ def _library():
         lib = ctypes.CDLL(str(_build(cc)))
     except (OSError, subprocess.SubprocessError) as exc:
         detail = getattr(exc, "stderr", "") or exc
-        log.warning("building the fused CPU kernels failed (%s): the model runs in plain torch (slower)", str(detail).strip()[:300])
+        log.warning(
+            "building the fused CPU kernels failed (%s): the model runs in plain torch (slower)",
+            str(detail).strip()[:300],
+        )
         return None
     i64, ptr = ctypes.c_int64, ctypes.c_void_p
-    signatures = {                                   # name: (result, arguments), as in kernels.c
+    signatures = {  # name: (result, arguments), as in kernels.c
         "expert_forward": (None, [ptr] * 3 + [i64] + [ptr] * 2 + [i64] * 3 + [ptr] * 3 + [i64] * 8),
         "lstm_block": (None, [ptr] * 5 + [i64] * 5),
         "target_logprobs": (None, [ptr] * 4 + [i64] * 5),
@@ -162,33 +171,65 @@ def check_sizes(sizes: Sequence[int], groups: int, rows: int) -> None:
         raise ValueError(f"sizes {list(sizes)}: need 0 to {rows} real rows for each of {groups} groups")
 
 
-def _expert_forward(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int,
-                    keep: bool, sizes: Sequence[int] | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
+def _expert_forward(
+    layout,
+    bodies: Tensors,
+    heads: Tensors,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    first: int,
+    keep: bool,
+    sizes: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor | None]:
     cfg = layout.cfg
     x, y = (t[None] if t.dim() == 2 else t for t in (x, y))
     heads = heads[None] if isinstance(heads, torch.Tensor) and heads.dim() == 2 else heads
     c, groups, b, t = len(bodies), *x.shape
     if c % groups or y.shape != x.shape or len(heads) not in (1, groups):
-        raise ValueError(f"expert kernel: {c} copies, {len(heads)} heads, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit")
+        raise ValueError(
+            f"expert kernel: {c} copies, {len(heads)} heads, x {tuple(x.shape)}, y {tuple(y.shape)} do not fit"
+        )
     if sizes is not None:
         check_sizes(sizes, groups, b)
     real = (ctypes.c_int64 * groups)(*map(int, sizes)) if sizes is not None else None
     body_ptrs, body_keep = _pointers(bodies, (layout.size,), "body")
     head_ptrs, head_keep = _pointers(heads, (256, cfg.embed_dim), "head")
-    names = (["proj_in"] if layout.wide else [None]) + [f"b{k}.{n}" for k in range(cfg.depth) for n in BLOCK_TENSORS] \
+    names = (
+        (["proj_in"] if layout.wide else [None])
+        + [f"b{k}.{n}" for k in range(cfg.depth) for n in BLOCK_TENSORS]
         + ["lnf", "proj_out" if layout.wide else None]
+    )
     offsets = (ctypes.c_int64 * len(names))(*(layout.offsets[n][0] if n else -1 for n in names))
     x, y, ldx, ldg = _byte_rows(x, y)
     nll = torch.empty(c, b, dtype=torch.float64)
     logp = torch.empty(c, b, t - first) if keep else None
-    _library().expert_forward(body_ptrs, offsets, head_ptrs, len(heads), x.data_ptr(), y.data_ptr(), ldx, ldg, groups, real,
-                              logp.data_ptr() if keep else None, nll.data_ptr(), c, b, t, first, cfg.d, cfg.embed_dim,
-                              cfg.depth, EXPERT_ROWS)
+    _library().expert_forward(
+        body_ptrs,
+        offsets,
+        head_ptrs,
+        len(heads),
+        x.data_ptr(),
+        y.data_ptr(),
+        ldx,
+        ldg,
+        groups,
+        real,
+        logp.data_ptr() if keep else None,
+        nll.data_ptr(),
+        c,
+        b,
+        t,
+        first,
+        cfg.d,
+        cfg.embed_dim,
+        cfg.depth,
+        EXPERT_ROWS,
+    )
     del body_keep, head_keep
     return nll, logp
 
 
-BLOCK_TENSORS = ("ln1", "w_ih", "w_hh", "ln2", "w1", "w2")       # kernels.c's pack_body reads them in this order
+BLOCK_TENSORS = ("ln1", "w_ih", "w_hh", "ln2", "w1", "w2")  # kernels.c's pack_body reads them in this order
 
 
 def expert_nll(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
@@ -198,8 +239,15 @@ def expert_nll(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torc
     return _expert_forward(layout, bodies, heads, x, y, 0, keep=False)[0]
 
 
-def expert_logprobs(layout, bodies: Tensors, heads: Tensors, x: torch.Tensor, y: torch.Tensor, first: int = 0,
-                    sizes: Sequence[int] | None = None) -> torch.Tensor:
+def expert_logprobs(
+    layout,
+    bodies: Tensors,
+    heads: Tensors,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    first: int = 0,
+    sizes: Sequence[int] | None = None,
+) -> torch.Tensor:
     """log p(y) of the predictions t >= first: (C, B, T - first) float32; arguments as `expert_nll`. The decoder
     is not run for t < first. sizes, when given, are the real rows of each group of x (one entry per group): the
     rows after them are padding, not computed, and their log p is 0."""
@@ -230,7 +278,9 @@ def lstm_block(gates_in: torch.Tensor, w_hh: torch.Tensor, h: torch.Tensor, c: t
     if not (h.is_contiguous() and c.is_contiguous()):
         raise ValueError("lstm_block updates h and c in place: they must be contiguous")
     out = gates_in.new_empty(p, t, b, d)
-    _library().lstm_block(gates_in.data_ptr(), w_hh.data_ptr(), h.data_ptr(), c.data_ptr(), out.data_ptr(), p, t, b, d, RECURRENT_ROWS)
+    _library().lstm_block(
+        gates_in.data_ptr(), w_hh.data_ptr(), h.data_ptr(), c.data_ptr(), out.data_ptr(), p, t, b, d, RECURRENT_ROWS
+    )
     return out
 
 
@@ -240,10 +290,14 @@ def target_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> to
     c, r, e = h.shape
     groups, heads_n = y.shape[0], heads.shape[0]
     if c % groups or y.shape[1] != r or heads.shape[1:] != (256, e) or heads_n not in (1, groups):
-        raise ValueError(f"target_logprobs: h {tuple(h.shape)}, heads {tuple(heads.shape)}, y {tuple(y.shape)} do not fit")
+        raise ValueError(
+            f"target_logprobs: h {tuple(h.shape)}, heads {tuple(heads.shape)}, y {tuple(y.shape)} do not fit"
+        )
     h = h.contiguous()
-    heads_t = heads.transpose(1, 2).contiguous()                      # (H, e, 256): a row of E^T per input unit
+    heads_t = heads.transpose(1, 2).contiguous()  # (H, e, 256): a row of E^T per input unit
     y = y.to(torch.uint8).contiguous()
     out = h.new_empty(c, r)
-    _library().target_logprobs(h.data_ptr(), heads_t.data_ptr(), y.data_ptr(), out.data_ptr(), c, r, e, c // groups, heads_n)
+    _library().target_logprobs(
+        h.data_ptr(), heads_t.data_ptr(), y.data_ptr(), out.data_ptr(), c, r, e, c // groups, heads_n
+    )
     return out

@@ -14,6 +14,7 @@ renews in place (a compare-and-swap) before writing past that. So two drivers ne
 as long as the hosts' wall clocks agree within `margin_s` (ttl_s / 3: 10 s by default; NTP keeps them within
 milliseconds). The remaining window is one write already past its check when the process is paused.
 """
+
 from __future__ import annotations
 
 import json
@@ -31,12 +32,12 @@ from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, VersionConflict
 
 LEASE = "driver-lease.json"
-LEASE_FILES = (LEASE, f".{LEASE}.lock")     # the lease and its lock file (Store.write_if): not campaign content
+LEASE_FILES = (LEASE, f".{LEASE}.lock")  # the lease and its lock file (Store.write_if): not campaign content
 TTL_ENV = "SOMA_LEASE_TTL_S"
 DEFAULT_TTL_S = 30.0
-RENEWALS_PER_TTL = 6            # a renewal every ttl_s / 6 (5 s by default): five may fail before the lease lapses
+RENEWALS_PER_TTL = 6  # a renewal every ttl_s / 6 (5 s by default): five may fail before the lease lapses
 WORKER_CHECK_S = 1.0
-TAKE_OVER_SLACK_S = 5.0         # --take-over waits the holder's ttl and this long for its lease to lapse            # a worker re-reads the lease at most this often (once per checkpoint in practice)
+TAKE_OVER_SLACK_S = 5.0  # --take-over waits the holder's ttl and this long for its lease to lapse            # a worker re-reads the lease at most this often (once per checkpoint in practice)
 
 
 class LeaseHeld(SomaError):
@@ -46,24 +47,26 @@ class LeaseHeld(SomaError):
 class LeaseLost(SomaError):
     """This driver (or worker) no longer holds the campaign: another driver took it over while this one was
     paused or cut off. It stops and writes nothing more (CLI: exit 4)."""
+
     exit_code = 4
 
 
 class Verdict(StrEnum):
     """What a candidate may do with the lease it found."""
-    FREE = "free"                # no lease yet
-    RELEASED = "released"        # its holder ended and said so
-    DEAD = "dead"                # its holder's host is this host, and the holder's process is gone
-    EXPIRED = "expired"          # not renewed within its ttl
-    HELD = "held"                # a live holder: refuse (or wait, with take-over)
+
+    FREE = "free"  # no lease yet
+    RELEASED = "released"  # its holder ended and said so
+    DEAD = "dead"  # its holder's host is this host, and the holder's process is gone
+    EXPIRED = "expired"  # not renewed within its ttl
+    HELD = "held"  # a live holder: refuse (or wait, with take-over)
 
 
 @dataclass(frozen=True)
 class Holder:
     host: str
     pid: int
-    started: float               # the process's start time (wall clock): a reused pid is another process
-    boot_id: str                 # the host's boot: a pid of an earlier boot is gone
+    started: float  # the process's start time (wall clock): a reused pid is another process
+    boot_id: str  # the host's boot: a pid of an earlier boot is gone
     command: str
 
     @staticmethod
@@ -77,7 +80,7 @@ class Holder:
 @dataclass(frozen=True)
 class LeaseRecord:
     generation: int
-    token: str                   # this acquisition's own id: a renewal or release must find it unchanged
+    token: str  # this acquisition's own id: a renewal or release must find it unchanged
     holder: Holder
     acquired_at: float
     renewed_at: float
@@ -93,8 +96,10 @@ class LeaseRecord:
             d = json.loads(raw)
             return LeaseRecord(**{**d, "holder": Holder(**d["holder"])})
         except (ValueError, TypeError, KeyError):
-            raise SomaError(f"{where} is not a soma driver lease (corrupt or edited); if no driver runs on this campaign, "
-                            f"delete it and run the command again") from None
+            raise SomaError(
+                f"{where} is not a soma driver lease (corrupt or edited); if no driver runs on this campaign, "
+                f"delete it and run the command again"
+            ) from None
 
 
 def judge(rec: LeaseRecord | None, now: float, here: Holder, alive: Callable[[int, float], bool]) -> Verdict:
@@ -121,8 +126,10 @@ def lease_ttl_s(environ: dict[str, str] | None = None) -> float:
     except ValueError:
         value = float("nan")
     if not 3.0 <= value <= 86400.0:
-        raise SomaError(f"{TTL_ENV}={raw!r}: give the driver lease's lifetime in seconds, from 3 to 86400 "
-                        f"(default {DEFAULT_TTL_S:.0f})")
+        raise SomaError(
+            f"{TTL_ENV}={raw!r}: give the driver lease's lifetime in seconds, from 3 to 86400 "
+            f"(default {DEFAULT_TTL_S:.0f})"
+        )
     return value
 
 
@@ -130,15 +137,22 @@ class Lease:
     """This process's hold on a campaign. `acquire()`, then `store.fence = lease.check` fences every write the
     store makes; a thread renews it every ttl_s / RENEWALS_PER_TTL; `release()` at the end."""
 
-    def __init__(self, store: Store, command: str, ttl_s: float | None = None, clock: Callable[[], float] = time.monotonic,
-                 wall: Callable[[], float] = time.time, sleep: Callable[[float], None] = time.sleep):
+    def __init__(
+        self,
+        store: Store,
+        command: str,
+        ttl_s: float | None = None,
+        clock: Callable[[], float] = time.monotonic,
+        wall: Callable[[], float] = time.time,
+        sleep: Callable[[float], None] = time.sleep,
+    ):
         self.store, self.command = store, command
         self.ttl_s = lease_ttl_s() if ttl_s is None else ttl_s
         self.margin_s = self.ttl_s / 3
         self.clock, self.wall, self.sleep = clock, wall, sleep
         self.record: LeaseRecord | None = None
         self._version: str | None = None
-        self._renewed = -float("inf")          # monotonic start of the last successful renewal
+        self._renewed = -float("inf")  # monotonic start of the last successful renewal
         self._lost: str | None = None
         self._lock = threading.Lock()
         self._stop = threading.Event()
@@ -170,20 +184,28 @@ class Lease:
                 try:
                     self._version = self.store.write_if(LEASE, mine.to_bytes(), version)
                 except VersionConflict:
-                    continue                     # another candidate won this round: judge its lease
+                    continue  # another candidate won this round: judge its lease
                 self.record, self._renewed = mine, start
                 if rec is not None and verdict in (Verdict.DEAD, Verdict.EXPIRED):
-                    print(f"soma: took over {self.store.url} from {rec.holder.describe()}: its lease "
-                          f"{'had expired' if verdict is Verdict.EXPIRED else 'was left by a process that is gone'} "
-                          f"(generation {rec.generation} -> {mine.generation})", file=sys.stderr, flush=True)
+                    print(
+                        f"soma: took over {self.store.url} from {rec.holder.describe()}: its lease "
+                        f"{'had expired' if verdict is Verdict.EXPIRED else 'was left by a process that is gone'} "
+                        f"(generation {rec.generation} -> {mine.generation})",
+                        file=sys.stderr,
+                        flush=True,
+                    )
                 return mine
             if not take_over:
                 raise LeaseHeld(self._held_message(rec))
             if deadline is None:
                 waited_s = rec.ttl_s + TAKE_OVER_SLACK_S
                 deadline = self.clock() + waited_s
-                print(f"soma: {self.store.url} is held by {rec.holder.describe()}; waiting up to {waited_s:.0f} s for its "
-                      f"lease to lapse (it lapses {rec.ttl_s:.0f} s after its last renewal)", file=sys.stderr, flush=True)
+                print(
+                    f"soma: {self.store.url} is held by {rec.holder.describe()}; waiting up to {waited_s:.0f} s for its "
+                    f"lease to lapse (it lapses {rec.ttl_s:.0f} s after its last renewal)",
+                    file=sys.stderr,
+                    flush=True,
+                )
             left = deadline - self.clock()
             if left <= 0:
                 raise LeaseHeld(self._held_message(rec, waited_s=waited_s))
@@ -193,13 +215,17 @@ class Lease:
         age = max(0.0, self.wall() - rec.renewed_at)
         lapse = max(0.0, rec.ttl_s - age)
         if waited_s > 0:
-            return (f"{self.store.url} is being run by another driver: {rec.holder.describe()} renewed its lease within "
-                    f"the {waited_s:.0f} s this command waited, so it is alive; wait for it to end, or stop it first "
-                    f"(kill {rec.holder.pid} on {rec.holder.host})")
-        return (f"{self.store.url} is being run by another driver: {rec.holder.describe()}, lease renewed {age:.0f} s ago; "
-                f"wait for it to end, or stop it (kill {rec.holder.pid} on {rec.holder.host}); if that driver is stuck or its "
-                f"host is gone, run this command again with --take-over (it waits for the lease to lapse, {lapse:.0f} s "
-                f"from now, and never displaces a driver that still renews it)")
+            return (
+                f"{self.store.url} is being run by another driver: {rec.holder.describe()} renewed its lease within "
+                f"the {waited_s:.0f} s this command waited, so it is alive; wait for it to end, or stop it first "
+                f"(kill {rec.holder.pid} on {rec.holder.host})"
+            )
+        return (
+            f"{self.store.url} is being run by another driver: {rec.holder.describe()}, lease renewed {age:.0f} s ago; "
+            f"wait for it to end, or stop it (kill {rec.holder.pid} on {rec.holder.host}); if that driver is stuck or its "
+            f"host is gone, run this command again with --take-over (it waits for the lease to lapse, {lapse:.0f} s "
+            f"from now, and never displaces a driver that still renews it)"
+        )
 
     def renew(self) -> None:
         """Compare-and-swap the lease with a new renewal time; LeaseLost if another driver has taken it."""
@@ -222,9 +248,14 @@ class Lease:
         except SomaError:
             rec, who = None, "nobody (its lease file was overwritten with something else)"
         gen = f" (generation {rec.generation})" if rec is not None else ""
-        after = (f"follow that driver with soma status {self.store.url}" if rec is not None and not rec.released else
-                 f"once no other driver runs on it, soma resume {self.store.url} continues (delete a damaged {LEASE} first)")
-        self._lost = (f"this driver lost {self.store.url} to {who}{gen}: it stopped without writing anything more; {after}")
+        after = (
+            f"follow that driver with soma status {self.store.url}"
+            if rec is not None and not rec.released
+            else f"once no other driver runs on it, soma resume {self.store.url} continues (delete a damaged {LEASE} first)"
+        )
+        self._lost = (
+            f"this driver lost {self.store.url} to {who}{gen}: it stopped without writing anything more; {after}"
+        )
 
     def check(self, now: bool = False) -> None:
         """The fence, called before every write the store makes: past ttl_s - margin_s since the last renewal (a
@@ -245,9 +276,11 @@ class Lease:
             try:
                 self.renew()
             except LeaseLost:
-                return                           # check() raises it in the writer's thread
-            except Exception as exc:             # the store is down: check() renews before the next write
-                print(f"warning: could not renew the driver lease on {self.store.url}: {exc}", file=sys.stderr, flush=True)
+                return  # check() raises it in the writer's thread
+            except Exception as exc:  # the store is down: check() renews before the next write
+                print(
+                    f"warning: could not renew the driver lease on {self.store.url}: {exc}", file=sys.stderr, flush=True
+                )
 
     def release(self) -> None:
         """Mark the lease released (a compare-and-swap: a lease taken over meanwhile is left to its new holder)."""
@@ -258,11 +291,11 @@ class Lease:
             if self._lost is not None or self.record is None:
                 return
             try:
-                self._version = self.store.write_if(LEASE, replace(self.record, released=True, renewed_at=self.wall()).to_bytes(),
-                                                    self._version)
+                self._version = self.store.write_if(
+                    LEASE, replace(self.record, released=True, renewed_at=self.wall()).to_bytes(), self._version
+                )
             except VersionConflict:
                 self._version = None
-
 
     def forget(self, remove_dir: bool = False) -> None:
         """Delete the released lease (a command that leaves nothing behind where there was no campaign), unless another
@@ -287,11 +320,13 @@ class WorkerFence:
         try:
             rec = LeaseRecord.from_bytes(found[0], f"{self.store.url}/{LEASE}") if found else None
         except SomaError:
-            rec = None                  # overwritten with something else: no driver can show it holds the campaign
+            rec = None  # overwritten with something else: no driver can show it holds the campaign
         if rec is None or rec.generation != self.generation:
             now = rec.generation if rec else "none"
-            raise LeaseLost(f"{self.store.url}: the driver that started this worker (lease generation {self.generation}) "
-                            f"no longer holds the campaign (generation now {now}); this worker writes nothing more")
+            raise LeaseLost(
+                f"{self.store.url}: the driver that started this worker (lease generation {self.generation}) "
+                f"no longer holds the campaign (generation now {now}); this worker writes nothing more"
+            )
         self._checked = self.clock()
 
 
@@ -305,6 +340,7 @@ def boot_id() -> str:
 
 def _process_start(pid: int) -> float | None:
     import psutil
+
     try:
         return psutil.Process(pid).create_time()
     except (psutil.NoSuchProcess, psutil.AccessDenied):
@@ -314,12 +350,13 @@ def _process_start(pid: int) -> float | None:
 def process_alive(pid: int, started: float) -> bool:
     """The process `pid` runs on this host and is the one that started at `started` (not a reused pid)."""
     import psutil
+
     try:
         p = psutil.Process(pid)
         return abs(p.create_time() - started) < 1.0 and p.status() != psutil.STATUS_ZOMBIE
     except psutil.NoSuchProcess:
         return False
-    except psutil.AccessDenied:          # another user's live process
+    except psutil.AccessDenied:  # another user's live process
         return True
 
 

@@ -6,6 +6,7 @@ lost to failures (and the start-up of the retries they cause), `preempted` the s
 node reclaimed or drained), which are no fault of the campaign. Each record names the device its
 seconds ran on: "cuda", or "cpu" where a GPU share was logical (a local Ray, or resources.allow_cpu).
 """
+
 from __future__ import annotations
 
 import math
@@ -28,9 +29,11 @@ class Totals:
     forwards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     tokens: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
     per_expert_gpu_seconds: dict[int, float] = field(default_factory=lambda: defaultdict(float))
-    per_expert_largest: dict[int, float] = field(default_factory=lambda: defaultdict(float))   # its largest single record
-    devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))   # device -> GPU-seconds on it
-    least_startup: float | None = None       # GPU-seconds of the cheapest expert start-up (records with seq 0)
+    per_expert_largest: dict[int, float] = field(
+        default_factory=lambda: defaultdict(float)
+    )  # its largest single record
+    devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # device -> GPU-seconds on it
+    least_startup: float | None = None  # GPU-seconds of the cheapest expert start-up (records with seq 0)
 
     @property
     def gpu_hours(self) -> float:
@@ -42,15 +45,20 @@ class Totals:
         return hours_unit(self.devices)
 
     def as_dict(self) -> dict:
-        return {"gpu_hours_total": self.gpu_hours,
-                "gpu_hours": {k: v / 3600.0 for k, v in self.gpu_seconds.items()},
-                "wall_seconds": self.wall_seconds, "forwards": self.forwards, "tokens": self.tokens,
-                "per_expert_gpu_hours": {str(k): v / 3600.0 for k, v in sorted(self.per_expert_gpu_seconds.items())},
-                "gpu_hours_by_device": {k: v / 3600.0 for k, v in sorted(self.devices.items())}, "unit": self.unit}
+        return {
+            "gpu_hours_total": self.gpu_hours,
+            "gpu_hours": {k: v / 3600.0 for k, v in self.gpu_seconds.items()},
+            "wall_seconds": self.wall_seconds,
+            "forwards": self.forwards,
+            "tokens": self.tokens,
+            "per_expert_gpu_hours": {str(k): v / 3600.0 for k, v in sorted(self.per_expert_gpu_seconds.items())},
+            "gpu_hours_by_device": {k: v / 3600.0 for k, v in sorted(self.devices.items())},
+            "unit": self.unit,
+        }
 
 
 def hours_unit(devices: dict[str, float]) -> str:
-    """"GPU-hours" only where every GPU-second ran on a GPU; else say what they were."""
+    """ "GPU-hours" only where every GPU-second ran on a GPU; else say what they were."""
     used = {d for d, s in devices.items() if s > 0}
     if not used or used == {"cuda"}:
         return "GPU-hours"
@@ -64,16 +72,42 @@ class Ledger:
     def __init__(self, store: Store):
         self.store = store
 
-    def record(self, category: str, gpu_seconds: float, wall_seconds: float, *, expert: int | None = None,
-               attempt: int = 0, seq: int = 0, forwards: int = 0, tokens: int = 0, step: int | None = None, note: str = "",
-               device: str | None = None) -> None:
+    def record(
+        self,
+        category: str,
+        gpu_seconds: float,
+        wall_seconds: float,
+        *,
+        expert: int | None = None,
+        attempt: int = 0,
+        seq: int = 0,
+        forwards: int = 0,
+        tokens: int = 0,
+        step: int | None = None,
+        note: str = "",
+        device: str | None = None,
+    ) -> None:
         if category not in CATEGORIES:
             raise ValueError(f"unknown ledger category {category!r}")
         rid = f"{category}/{expert if expert is not None else '-'}/{attempt}/{seq}"
-        self.store.append(LOG, {"id": rid, "category": category, "expert": expert, "attempt": attempt, "seq": seq,
-                                "gpu_seconds": float(gpu_seconds), "wall_seconds": float(wall_seconds),
-                                "forwards": int(forwards), "tokens": int(tokens), "step": step, "note": note, "device": device,
-                                "t": time.time()})
+        self.store.append(
+            LOG,
+            {
+                "id": rid,
+                "category": category,
+                "expert": expert,
+                "attempt": attempt,
+                "seq": seq,
+                "gpu_seconds": float(gpu_seconds),
+                "wall_seconds": float(wall_seconds),
+                "forwards": int(forwards),
+                "tokens": int(tokens),
+                "step": step,
+                "note": note,
+                "device": device,
+                "t": time.time(),
+            },
+        )
 
     def records(self) -> list[dict]:
         """Records in write order, a repeated id (a replayed write) counted once."""

@@ -4,6 +4,7 @@ An actor trains one job (the seed, or one expert) or G experts packed on the eng
 reports are keyed by `Job.expert` (an int, or None for the seed). Every amount is cumulative over the
 attempt, measured by the actor's own clock, which starts when its process began holding its GPU share.
 """
+
 from __future__ import annotations
 
 from dataclasses import dataclass, fields
@@ -12,6 +13,7 @@ from dataclasses import dataclass, fields
 @dataclass(frozen=True)
 class Usage:
     """Compute spent, kept apart: GPU-seconds (wall x GPUs held), wall seconds, forwards, byte-tokens."""
+
     gpu_seconds: float = 0.0
     wall_seconds: float = 0.0
     forwards: int = 0
@@ -35,51 +37,54 @@ class Usage:
 class Incarnation:
     """An earlier actor process of the same jobs (a hung one the driver killed): a retry that lands on the
     same node waits for it to be gone before it touches the device."""
+
     node: str | None
     pid: int
-    created: float          # the process's start (wall clock), so a reused pid is not mistaken for it
+    created: float  # the process's start (wall clock), so a reused pid is not mistaken for it
 
 
 @dataclass(frozen=True)
 class ExpertStart:
     """One job as its actor loaded it."""
-    step: int               # the step it starts from (0, or its latest checkpoint's)
-    target: int             # updates it trains to
-    resumed: bool           # loaded from its own checkpoint
-    forwards: int           # the model's forward count as loaded
-    n_train: int            # train sequences in its shard
-    usage: Usage            # its share of the actor's start-up (process start, imports, data and model loading)
-    kept_by: int | None = None        # resumed: the attempt that wrote the checkpoint it loaded
-    kept: Usage | None = None         # resumed: that attempt's usage as its checkpoint recorded it
+
+    step: int  # the step it starts from (0, or its latest checkpoint's)
+    target: int  # updates it trains to
+    resumed: bool  # loaded from its own checkpoint
+    forwards: int  # the model's forward count as loaded
+    n_train: int  # train sequences in its shard
+    usage: Usage  # its share of the actor's start-up (process start, imports, data and model loading)
+    kept_by: int | None = None  # resumed: the attempt that wrote the checkpoint it loaded
+    kept: Usage | None = None  # resumed: that attempt's usage as its checkpoint recorded it
 
 
 @dataclass(frozen=True)
 class SetupReport:
-    device: str             # "cuda" or "cpu": where the jobs really train
+    device: str  # "cuda" or "cpu": where the jobs really train
     node_ip: str | None
-    process: Incarnation    # Ray node id (None outside Ray), pid, process start
-    held_from: float        # wall clock: when this actor's process began holding its GPU share for these jobs
-    waited_s: float         # time spent waiting for an earlier incarnation on this node to exit
+    process: Incarnation  # Ray node id (None outside Ray), pid, process start
+    held_from: float  # wall clock: when this actor's process began holding its GPU share for these jobs
+    waited_s: float  # time spent waiting for an earlier incarnation on this node to exit
     experts: dict[int | None, ExpertStart]
 
 
 @dataclass(frozen=True)
 class Heartbeat:
     """One job after a chunk of updates (or its end)."""
+
     step: int
     target: int
-    updates: int            # updates done in this chunk
-    loss: float | None      # mean train nats/byte over the chunk
-    val: float | None       # expert-validation nats/byte, when measured in this chunk
+    updates: int  # updates done in this chunk
+    loss: float | None  # mean train nats/byte over the chunk
+    val: float | None  # expert-validation nats/byte, when measured in this chunk
     best_val: float | None
     eps: float
     lr: float
     checkpoint: str | None  # checkpoint written in this chunk (its name), if any
-    checkpoint_step: int    # step of its latest checkpoint in this attempt (-1: none yet)
-    usage: Usage            # cumulative over the attempt, start-up included
+    checkpoint_step: int  # step of its latest checkpoint in this attempt (-1: none yet)
+    usage: Usage  # cumulative over the attempt, start-up included
     sec_per_update: float | None
-    reason: str | None = None   # why it stopped: finished, converged, budget_exhausted, preempted, or a failure
-    failed: bool = False        # it failed inside a pack (e.g. a non-finite loss); its pack-mates train on
+    reason: str | None = None  # why it stopped: finished, converged, budget_exhausted, preempted, or a failure
+    failed: bool = False  # it failed inside a pack (e.g. a non-finite loss); its pack-mates train on
 
     @property
     def done(self) -> bool:
@@ -89,4 +94,4 @@ class Heartbeat:
 @dataclass(frozen=True)
 class ChunkReport:
     experts: dict[int | None, Heartbeat]
-    wall_seconds: float     # the actor's clock
+    wall_seconds: float  # the actor's clock

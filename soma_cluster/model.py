@@ -10,6 +10,7 @@ are copy-major, (P, T, B, d): the hoisted matmuls are one bmm each, and a recurr
     block b: ln1 (d) -> LSTM W_ih (4d, d), W_hh (4d, d), no bias;  ln2 (d) -> W1 (4d, d), GELU, W2 (d, 4d)
     lnf      (d)        final gain-only LayerNorm
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ LN_EPS = 1e-5
 class ParamSpec:
     name: str
     shape: tuple[int, ...]
-    gain: bool          # LayerNorm gain: dense +-1 probes, initialised to 1
+    gain: bool  # LayerNorm gain: dense +-1 probes, initialised to 1
 
     @property
     def size(self) -> int:
@@ -40,6 +41,7 @@ class ParamSpec:
 @dataclass(frozen=True)
 class Layout:
     """Where each body tensor sits in the flat body vector."""
+
     cfg: ModelConfig
 
     @property
@@ -51,9 +53,14 @@ class Layout:
         d, e = self.cfg.d, self.cfg.embed_dim
         out = [ParamSpec("proj_in", (d, e), False)] if self.wide else []
         for b in range(self.cfg.depth):
-            out += [ParamSpec(f"b{b}.ln1", (d,), True), ParamSpec(f"b{b}.w_ih", (4 * d, d), False),
-                    ParamSpec(f"b{b}.w_hh", (4 * d, d), False), ParamSpec(f"b{b}.ln2", (d,), True),
-                    ParamSpec(f"b{b}.w1", (4 * d, d), False), ParamSpec(f"b{b}.w2", (d, 4 * d), False)]
+            out += [
+                ParamSpec(f"b{b}.ln1", (d,), True),
+                ParamSpec(f"b{b}.w_ih", (4 * d, d), False),
+                ParamSpec(f"b{b}.w_hh", (4 * d, d), False),
+                ParamSpec(f"b{b}.ln2", (d,), True),
+                ParamSpec(f"b{b}.w1", (4 * d, d), False),
+                ParamSpec(f"b{b}.w2", (d, 4 * d), False),
+            ]
         out.append(ParamSpec("lnf", (d,), True))
         if self.wide:
             out.append(ParamSpec("proj_out", (e, d), False))
@@ -128,11 +135,13 @@ def copy_matmul(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return torch.bmm(x.reshape(p, t * b, i), w.transpose(1, 2)).view(p, t, b, -1)
 
 
-def _cell(gates_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh_t: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def _cell(
+    gates_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor, w_hh_t: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
     """One LSTM step for all copies: gates (P, B, 4d) with the g rows pre-scaled by 2."""
     s = torch.sigmoid(torch.baddbmm(gates_t, h, w_hh_t))
     i, f, g, o = s.chunk(4, dim=-1)
-    c = f * c + i * (2.0 * g - 1.0)                 # tanh(z) = 2 sigmoid(2z) - 1
+    c = f * c + i * (2.0 * g - 1.0)  # tanh(z) = 2 sigmoid(2z) - 1
     return o * torch.tanh(c), c
 
 
@@ -157,21 +166,25 @@ class LSTMState:
     def __init__(self, w_ih: torch.Tensor, w_hh: torch.Tensor, batch: int, compiled: bool):
         p, four_d, d = w_ih.shape
         scale = torch.ones(four_d, 1, dtype=w_ih.dtype, device=w_ih.device)
-        scale[2 * d:3 * d] = 2.0
-        self.w_ih = w_ih * scale                                       # (P, 4d, d)
-        self.w_hh_t = (w_hh * scale).transpose(1, 2).contiguous()       # (P, d, 4d)
+        scale[2 * d : 3 * d] = 2.0
+        self.w_ih = w_ih * scale  # (P, 4d, d)
+        self.w_hh_t = (w_hh * scale).transpose(1, 2).contiguous()  # (P, d, 4d)
         self.h = w_ih.new_zeros(p, batch, d)
         self.c = w_ih.new_zeros(p, batch, d)
         self.compiled = compiled
         self.step = cell_fn(compiled)
-        self.w_hh_packed = None                                         # W_hh^T in the fused kernel's layout, made once
+        self.w_hh_packed = None  # W_hh^T in the fused kernel's layout, made once
 
     def run(self, x: torch.Tensor) -> torch.Tensor:
         """x (P or 1, Tb, B, d) -> h (P, Tb, B, d): the input matmul hoisted over the block, then the
         sequential part h W_hh^T: in the fused CPU kernel where it can (see soma_cluster.fused), else step
         by step."""
-        gates_in = copy_matmul(x.expand(self.h.shape[0], -1, -1, -1), self.w_ih)         # (P, Tb, B, 4d)
-        if not self.compiled and self.h.shape[-1] <= fused.MAX_RECURRENT_D and fused.usable(gates_in, self.w_hh_t, self.h, self.c):
+        gates_in = copy_matmul(x.expand(self.h.shape[0], -1, -1, -1), self.w_ih)  # (P, Tb, B, 4d)
+        if (
+            not self.compiled
+            and self.h.shape[-1] <= fused.MAX_RECURRENT_D
+            and fused.usable(gates_in, self.w_hh_t, self.h, self.c)
+        ):
             if self.w_hh_packed is None:
                 self.w_hh_packed = fused.pack_recurrent(self.w_hh_t)
             return fused.lstm_block(gates_in, self.w_hh_packed, self.h, self.c)
@@ -182,7 +195,7 @@ class LSTMState:
 def step_by_step(gates_in: torch.Tensor, w_hh_t: torch.Tensor, h: torch.Tensor, c: torch.Tensor, step=_cell):
     """The recurrence in torch, one `step` per time step: gates_in (P, T, B, 4d), w_hh_t (P, d, 4d), state
     h, c (P, B, d) -> (out (P, T, B, d), h, c)."""
-    by_time = gates_in.transpose(0, 1).contiguous()                   # (T, P, B, 4d): one slab per step
+    by_time = gates_in.transpose(0, 1).contiguous()  # (T, P, B, 4d): one slab per step
     out = gates_in.new_empty(*gates_in.shape[:3], h.shape[-1])
     for t in range(by_time.shape[0]):
         h, c = step(by_time[t], h, c, w_hh_t)
@@ -206,36 +219,39 @@ def embed(head: torch.Tensor, x: torch.Tensor, copies: int) -> torch.Tensor:
         return head[x.t().long()][None]
     g = x.shape[0]
     heads = head if head.dim() == 3 else head.expand(g, -1, -1)
-    emb = heads[torch.arange(g, device=x.device)[:, None, None], x.transpose(1, 2).long()]   # (G, T, B, e)
+    emb = heads[torch.arange(g, device=x.device)[:, None, None], x.transpose(1, 2).long()]  # (G, T, B, e)
     return emb if copies == g else emb.repeat_interleave(copies // g, dim=0)
 
 
-def forward_blocks(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False,
-                   block: int = 0):
+def forward_blocks(
+    cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False, block: int = 0
+):
     """Yield (t0, t1, h) for consecutive time blocks, h (C, t1-t0, B, e). Every layer advances one block
     at a time (its LSTM state carried over), so the working set is (C, block, B, 4d), not (C, T, B, 4d):
     at the paper's shape the whole-sequence activations are gigabytes and memory-bound. block 0 = T."""
     layout = Layout(cfg)
     w = layout.views(body)
     p = body.shape[0]
-    emb = embed(head, x, p)                                         # (1 or C, T, B, e)
+    emb = embed(head, x, p)  # (1 or C, T, B, e)
     t_len, b = emb.shape[1], emb.shape[2]
     states = [LSTMState(w[f"b{k}.w_ih"], w[f"b{k}.w_hh"], b, compiled) for k in range(cfg.depth)]
     step = block or t_len
     for t0 in range(0, t_len, step):
-        h = emb[:, t0:t0 + step]
+        h = emb[:, t0 : t0 + step]
         if layout.wide:
-            h = copy_matmul(h.expand(p, -1, -1, -1), w["proj_in"])    # (C, Tb, B, d)
+            h = copy_matmul(h.expand(p, -1, -1, -1), w["proj_in"])  # (C, Tb, B, d)
         for k in range(cfg.depth):
             h = h + states[k].run(layer_norm(h, w[f"b{k}.ln1"]))
             h = h + mlp(layer_norm(h, w[f"b{k}.ln2"]), w[f"b{k}.w1"], w[f"b{k}.w2"])
         h = layer_norm(h, w["lnf"])
         if layout.wide:
-            h = copy_matmul(h, w["proj_out"])                         # (C, Tb, B, e)
+            h = copy_matmul(h, w["proj_out"])  # (C, Tb, B, e)
         yield t0, t0 + h.shape[1], h
 
 
-def body_forward(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False) -> torch.Tensor:
+def body_forward(
+    cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False
+) -> torch.Tensor:
     """Copies of the body in one batched pass. body (C, M), head (256, e) or (G, 256, e), x (B, T) or
     (G, B, T) bytes -> h (C, T, B, e). With an expert axis, copies g*P .. g*P+P-1 belong to expert g."""
     return torch.cat([h for _, _, h in forward_blocks(cfg, body, head, x, compiled)], dim=1)
@@ -244,11 +260,11 @@ def body_forward(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: to
 def _target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block: int) -> torch.Tensor:
     p, t, b, e = h.shape
     flat = h.reshape(-1, e)
-    tgt = y.t().reshape(-1).long()                                   # (T*B,), the same for every copy
+    tgt = y.t().reshape(-1).long()  # (T*B,), the same for every copy
     out = torch.empty(flat.shape[0], dtype=h.dtype, device=h.device)
     for a in range(0, flat.shape[0], block):
         rows = torch.arange(a, min(a + block, flat.shape[0]), device=h.device)
-        out[a:a + block] = -F.cross_entropy(flat[a:a + block] @ head.t(), tgt[rows % (t * b)], reduction="none")
+        out[a : a + block] = -F.cross_entropy(flat[a : a + block] @ head.t(), tgt[rows % (t * b)], reduction="none")
     return out.view(p, t, b)
 
 
@@ -257,23 +273,32 @@ def target_logprobs(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor, block:
     h (C, T, B, e), y (B, T) or (G, B, T) with head (256, e) or (G, 256, e) -> (C, T, B) float32."""
     if fused.usable(h, head):
         c, t, b, e = h.shape
-        ys = y.t().reshape(1, t * b) if y.dim() == 2 else y.transpose(1, 2).reshape(y.shape[0], t * b)   # time-major as h
+        ys = (
+            y.t().reshape(1, t * b) if y.dim() == 2 else y.transpose(1, 2).reshape(y.shape[0], t * b)
+        )  # time-major as h
         return fused.target_logprobs(h.reshape(c, t * b, e), head if head.dim() == 3 else head[None], ys).view(c, t, b)
     if y.dim() == 2:
         return _target_logprobs(h, head, y, block)
     g = y.shape[0]
     p = h.shape[0] // g
     heads = head if head.dim() == 3 else head.expand(g, -1, -1)
-    return torch.cat([_target_logprobs(h[i * p:(i + 1) * p], heads[i], y[i], block) for i in range(g)])
+    return torch.cat([_target_logprobs(h[i * p : (i + 1) * p], heads[i], y[i], block) for i in range(g)])
 
 
-def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, y: torch.Tensor, compiled: bool = False,
-                block: int = 8) -> torch.Tensor:
+def copy_losses(
+    cfg: ModelConfig,
+    body: torch.Tensor,
+    head: torch.Tensor,
+    x: torch.Tensor,
+    y: torch.Tensor,
+    compiled: bool = False,
+    block: int = 8,
+) -> torch.Tensor:
     """Mean next-byte cross-entropy (nats/byte) of each copy, body (C, M) -> (C,): in the fused whole-expert
     kernel where it runs (soma_cluster.fused), else block by block in time (see forward_blocks) with the loss
     of each block reduced as soon as it exists."""
     if not compiled and fused.expert_usable(cfg, body, head):
-        nll = fused.expert_nll(Layout(cfg), body, head, x, y)                     # (C, B) float64
+        nll = fused.expert_nll(Layout(cfg), body, head, x, y)  # (C, B) float64
         return (nll.sum(dim=1) / (y.shape[-1] * y.shape[-2])).float()
     total = torch.zeros(body.shape[0], dtype=torch.float64, device=body.device)
     for t0, t1, h in forward_blocks(cfg, body, head, x, compiled, block):
@@ -284,7 +309,7 @@ def copy_losses(cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: tor
 def decoder_gradient(h: torch.Tensor, head: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
     """Exact local cross-entropy gradient w.r.t. the decoder E with h held fixed (no BPTT):
     (1/BT) sum (softmax(E h) - onehot(y)) h^T.  h (1, T, B, e), y (B, T) -> (256, e)."""
-    hf = h[0].reshape(-1, h.shape[-1])                               # (T*B, e)
-    probs = torch.softmax(hf @ head.t(), dim=-1)                      # (T*B, 256)
+    hf = h[0].reshape(-1, h.shape[-1])  # (T*B, e)
+    probs = torch.softmax(hf @ head.t(), dim=-1)  # (T*B, 256)
     probs[torch.arange(len(hf), device=hf.device), y.t().reshape(-1).long()] -= 1.0
     return probs.t() @ hf / len(hf)

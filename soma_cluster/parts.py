@@ -16,6 +16,7 @@ count, completion order), so both engines draw the same samples: uniform over th
 from the seed. Sequences keep their corpus order (part, then index in the part) in each expert's shard, whose
 every val_every-th sequence is val (soma_cluster.shards.write_part_shards), in both engines.
 """
+
 from __future__ import annotations
 
 import io
@@ -33,11 +34,11 @@ from soma_cluster.router import Router, router_text
 from soma_cluster.shards import COLUMN, rows_to_numpy, schema, write_part_shards
 from soma_cluster.storage import Store, file_sha256
 
-SEQS = "seqs/part-{:05d}.arrow"       # staged train sequences of a part (their keys are row_keys of their places)
-EMBEDDINGS = "emb/part-{:05d}.npy"    # their router embeddings, float32
-WINDOWS = "test/part-{:05d}.arrow"    # a part's evaluation windows (window, doc): staged, then published as is
-WRITE_ROWS = 4096                     # rows per record batch of a staged file
-EMBED_ROWS = 4096                     # texts per router.embed call
+SEQS = "seqs/part-{:05d}.arrow"  # staged train sequences of a part (their keys are row_keys of their places)
+EMBEDDINGS = "emb/part-{:05d}.npy"  # their router embeddings, float32
+WINDOWS = "test/part-{:05d}.arrow"  # a part's evaluation windows (window, doc): staged, then published as is
+WRITE_ROWS = 4096  # rows per record batch of a staged file
+EMBED_ROWS = 4096  # texts per router.embed call
 MASK64 = (1 << 64) - 1
 
 
@@ -78,6 +79,7 @@ def owner_id(part: int, doc: int) -> int:
 @dataclass
 class PartStats:
     """What reading a part found (sent from a worker to the driver)."""
+
     part: int
     documents: int = 0
     bytes: int = 0
@@ -97,7 +99,7 @@ class _Staged:
         self.schema, self.rel = schema, rel
         self.file = store.stage_file(rel, ".arrow", scratch)
         self.path = self.file.path
-        self.sink = pa.OSFile(os.fsencode(self.path), "wb")      # bytes: pyarrow encodes str paths as strict UTF-8
+        self.sink = pa.OSFile(os.fsencode(self.path), "wb")  # bytes: pyarrow encodes str paths as strict UTF-8
         self.writer = ipc.new_file(self.sink, schema)
         self.cols: list[list] = [[] for _ in schema]
         self.rows = 0
@@ -110,7 +112,9 @@ class _Staged:
 
     def flush(self) -> None:
         if self.cols[0]:
-            self.writer.write_batch(pa.record_batch([pa.array(c, type=f.type) for c, f in zip(self.cols, self.schema)], schema=self.schema))
+            self.writer.write_batch(
+                pa.record_batch([pa.array(c, type=f.type) for c, f in zip(self.cols, self.schema)], schema=self.schema)
+            )
             self.rows += len(self.cols[0])
             self.cols = [[] for _ in self.schema]
 
@@ -132,7 +136,7 @@ class _Staged:
     def __exit__(self, kind, exc, tb) -> None:
         if not self.sink.closed:
             self.sink.close()
-        self.file.__exit__(kind, exc, tb)       # an unpublished file is removed; a disk error names its directory
+        self.file.__exit__(kind, exc, tb)  # an unpublished file is removed; a disk error names its directory
 
 
 def window_schema(window_bytes: int) -> pa.Schema:
@@ -144,9 +148,11 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
     the rest train sequences, each packed on its own within the part. Stages both; a part without windows
     stages no window file."""
     stats = PartStats(part.index)
-    with stage.scratch() if not stage.local else nullcontext() as tmp, \
-            _Staged(schema(cfg.shards.seq_bytes), stage, SEQS.format(part.index), tmp) as seqs, \
-            _Staged(window_schema(cfg.eval.window_bytes), stage, WINDOWS.format(part.index), tmp) as windows:
+    with (
+        stage.scratch() if not stage.local else nullcontext() as tmp,
+        _Staged(schema(cfg.shards.seq_bytes), stage, SEQS.format(part.index), tmp) as seqs,
+        _Staged(window_schema(cfg.eval.window_bytes), stage, WINDOWS.format(part.index), tmp) as windows,
+    ):
         train = Packer(cfg.shards.seq_bytes)
         test = Packer(cfg.eval.window_bytes, owner_at=cfg.eval.context_bytes + 1)
         batch: list[bytes] = []
@@ -196,14 +202,16 @@ def sample_part(seed: int, stage: Store, part: int, below: int, cache_dir: str) 
     return keys[take], [seqs[int(i)].as_py() for i in take]
 
 
-def embed_part(seed: int, router: Router, stage: Store, part: int, below: int | None, cache_dir: str) -> tuple[np.ndarray, np.ndarray]:
+def embed_part(
+    seed: int, router: Router, stage: Store, part: int, below: int | None, cache_dir: str
+) -> tuple[np.ndarray, np.ndarray]:
     """Embed every sequence of a part (staged beside them); returns (keys, embeddings) of the rows with
     key <= below (the offsets' refit sample; none for None)."""
     seqs, keys = _seqs_and_keys(seed, stage, part, cache_dir)
     rows = rows_to_numpy(seqs, seqs.type.byte_width)
     emb = np.zeros((len(rows), router.centroids.shape[1]), np.float32)
     for a in range(0, len(rows), EMBED_ROWS):
-        emb[a:a + EMBED_ROWS] = router.embed([router_text(s.tobytes()) for s in rows[a:a + EMBED_ROWS]])
+        emb[a : a + EMBED_ROWS] = router.embed([router_text(s.tobytes()) for s in rows[a : a + EMBED_ROWS]])
     buf = io.BytesIO()
     np.save(buf, emb)
     stage.write_bytes(EMBEDDINGS.format(part), buf.getvalue())
@@ -223,11 +231,21 @@ def count_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.nd
     return np.bincount(label_part(router, stage, part, cache_dir), minlength=router.n_experts)
 
 
-def write_part(router: Router, stage: Store, store: Store, part: int, before: np.ndarray, val_fraction: float, rows_per_file: int,
-               cache_dir: str) -> dict[int, dict[str, list[dict]]]:
+def write_part(
+    router: Router,
+    stage: Store,
+    store: Store,
+    part: int,
+    before: np.ndarray,
+    val_fraction: float,
+    rows_per_file: int,
+    cache_dir: str,
+) -> dict[int, dict[str, list[dict]]]:
     """A part's sequences into the campaign's shard files; before[e]: expert e's sequences in earlier parts."""
     seqs = read_seqs(stage, part, cache_dir)
-    return write_part_shards(store, part, seqs, label_part(router, stage, part, cache_dir), before, val_fraction, rows_per_file)
+    return write_part_shards(
+        store, part, seqs, label_part(router, stage, part, cache_dir), before, val_fraction, rows_per_file
+    )
 
 
 def select(keys: np.ndarray, values, below: int):

@@ -9,6 +9,7 @@ and hands the next unit to the first free slot. On a CPU host the logical GPUs s
 actors running at once ask for more threads than there are cores, each runs that much slower.
 Not modelled: failures and preemptions (wasted = 0), the budget pool's grants, queueing for new nodes.
 """
+
 from __future__ import annotations
 
 import math
@@ -30,7 +31,7 @@ def stop_step(target: int, chunk: int, cost: Callable[[int], float], per_update_
     (`cost(step)`: its GPU-seconds at that step; it predicts a chunk from its measured seconds per update)."""
     if cap_s is None:
         return target
-    step, todo = 0, 1                                   # the first chunk is one update (measured before promising more)
+    step, todo = 0, 1  # the first chunk is one update (measured before promising more)
     while step < target:
         todo = min(todo, target - step)
         if cost(step) + (todo * per_update_s if step > 0 else 0.0) > cap_s:
@@ -60,7 +61,9 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
     contention = max(1.0, min(slots, units) * cfg.train.threads / cores) if cpu else 1.0
     t = cfg.train
     # one expert's share of its actor, in GPU-seconds
-    fixed = (cal["startup_s"] + cal["load_s"]) * contention * r.num_gpus / g   # actors start together: imports contend too
+    fixed = (
+        (cal["startup_s"] + cal["load_s"]) * contention * r.num_gpus / g
+    )  # actors start together: imports contend too
     per_update = cal["packed_update_s"] * contention * r.num_gpus / g
     # each member's validation and checkpoint run one after another in the actor, its time split among members:
     # per member and event, one validation's (or checkpoint's) wall time
@@ -68,6 +71,7 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
 
     def cost(step: int) -> float:
         return fixed + step * per_update + _events(step, t.val_every) * val + _events(step, t.checkpoint_every) * ckpt
+
     book = BudgetBook(cfg.budget)
     seed_s = spent.get("seed", 0.0) if seed_done else _seed_s(cfg, cal)
     cap = book.expert_s
@@ -81,28 +85,52 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
         end = "finished" if step >= t.updates else "budget_exhausted"
         experts.append({"expert": e, "end": end, "step": step, "target": t.updates, "gpu_hours": s / 3600.0})
     # an actor lasts as long as its longest member (GPU-seconds / num_gpus * G = wall seconds)
-    unit_walls = [max(x["gpu_hours"] for x in experts[i:i + g]) * 3600.0 / r.num_gpus * g for i in range(0, cfg.n_experts, g)]
-    if r.reuse_actors:                  # one start-up per slot, not per unit
+    unit_walls = [
+        max(x["gpu_hours"] for x in experts[i : i + g]) * 3600.0 / r.num_gpus * g for i in range(0, cfg.n_experts, g)
+    ]
+    if r.reuse_actors:  # one start-up per slot, not per unit
         saved = cal["startup_s"]
         unit_walls = [w - (saved if i >= slots else 0.0) for i, w in enumerate(unit_walls)]
     experts_wall = _list_schedule(unit_walls, slots)
-    expert_s = sum(x["gpu_hours"] for x in experts) * 3600.0 - (units - min(units, slots)) * cal["startup_s"] * r.num_gpus * r.reuse_actors
+    expert_s = (
+        sum(x["gpu_hours"] for x in experts) * 3600.0
+        - (units - min(units, slots)) * cal["startup_s"] * r.num_gpus * r.reuse_actors
+    )
     seed_wall = 0.0 if seed_done else seed_s / r.num_gpus
     per, total = book.worst_overrun_s(r.num_gpus, cal.get("poll_s", 0.5), min(slots, units))
-    hours = {"preprocessing": spent.get("preprocessing", 0.0) / 3600.0, "seed": seed_s / 3600.0,
-             "expert_training": expert_s / 3600.0, "wasted": 0.0, "preempted": 0.0}
+    hours = {
+        "preprocessing": spent.get("preprocessing", 0.0) / 3600.0,
+        "seed": seed_s / 3600.0,
+        "expert_training": expert_s / 3600.0,
+        "wasted": 0.0,
+        "preempted": 0.0,
+    }
     return {
-        "schema": SCHEMA, "gpus": gpus, "slots": slots, "actors": units, "experts_per_actor": g, "cores": cores,
-        "cpu_contention": contention, "seed_trained": seed_done,
+        "schema": SCHEMA,
+        "gpus": gpus,
+        "slots": slots,
+        "actors": units,
+        "experts_per_actor": g,
+        "cores": cores,
+        "cpu_contention": contention,
+        "seed_trained": seed_done,
         "gpu_hours": {**hours, "training_total": hours["seed"] + hours["expert_training"]},
         "wall_seconds": {"seed": seed_wall, "experts": experts_wall, "total": seed_wall + experts_wall},
-        "budget": {"expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
-                   "effective_expert_cap_gpu_hours": None if cap is None else cap / 3600.0,
-                   "experts_stopped": sum(x["end"] == "budget_exhausted" for x in experts),
-                   "worst_overrun_gpu_seconds": {"per_expert": per, "campaign": total} if cap is not None else None},
-        "experts": experts, "calibration": cal,
-        "not_modelled": ["failures and preemptions (wasted = 0)", "budget pool grants", "time queued for new nodes",
-                         "evaluation"],
+        "budget": {
+            "expert_gpu_hours": cfg.budget.expert_gpu_hours,
+            "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
+            "effective_expert_cap_gpu_hours": None if cap is None else cap / 3600.0,
+            "experts_stopped": sum(x["end"] == "budget_exhausted" for x in experts),
+            "worst_overrun_gpu_seconds": {"per_expert": per, "campaign": total} if cap is not None else None,
+        },
+        "experts": experts,
+        "calibration": cal,
+        "not_modelled": [
+            "failures and preemptions (wasted = 0)",
+            "budget pool grants",
+            "time queued for new nodes",
+            "evaluation",
+        ],
     }
 
 
@@ -110,6 +138,11 @@ def _seed_s(cfg: CampaignConfig, cal: dict) -> float:
     """The seed stage's GPU-seconds: one actor, one job, seed_stage.updates updates."""
     n = cfg.seed_stage.updates
     t = cfg.train
-    wall = (cal["startup_s"] + cal["seed_load_s"] + n * cal["seed_update_s"] + _events(n, t.val_every) * cal["val_s"]
-            + _events(n, t.checkpoint_every) * cal["checkpoint_s"])
+    wall = (
+        cal["startup_s"]
+        + cal["seed_load_s"]
+        + n * cal["seed_update_s"]
+        + _events(n, t.val_every) * cal["val_s"]
+        + _events(n, t.checkpoint_every) * cal["checkpoint_s"]
+    )
     return wall * cfg.resources.num_gpus

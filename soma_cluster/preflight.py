@@ -5,6 +5,7 @@ A check that fails raises one StorageError naming the path and what is needed. T
 lower bound that any run needs (the command's own estimate, see docs/storage.md); running out later is
 still reported the same way, with what the command wrote undone. No Ray.
 """
+
 from __future__ import annotations
 
 import os
@@ -13,9 +14,9 @@ import uuid
 
 from soma_cluster.diskerrors import DiskCondition, StorageError, human_bytes, storage_error
 
-MARGIN_BYTES = 1 << 20       # logs, snapshots and small JSON: every writing command needs at least this much free
-PROBE_BYTES = 4096           # one block written and synced: a full disk, a quota and a read-only mount all show
-TEMP_ENV = ("TMPDIR", "TEMP", "TMP")    # where Python's tempfile looks, in its order
+MARGIN_BYTES = 1 << 20  # logs, snapshots and small JSON: every writing command needs at least this much free
+PROBE_BYTES = 4096  # one block written and synced: a full disk, a quota and a read-only mount all show
+TEMP_ENV = ("TMPDIR", "TEMP", "TMP")  # where Python's tempfile looks, in its order
 
 
 def nearest_existing(path: str) -> str:
@@ -98,8 +99,11 @@ def require_temp_dir(need_bytes: int = MARGIN_BYTES) -> str:
     """The temporary directory, checked to exist, be writable and hold need_bytes; returns its path."""
     path, what = temp_dir()
     if not os.path.isdir(path):
-        raise StorageError(path, DiskCondition.MISSING if not os.path.lexists(path) else DiskCondition.NOT_A_DIRECTORY,
-                           f"{what}; unset it or create the directory")
+        raise StorageError(
+            path,
+            DiskCondition.MISSING if not os.path.lexists(path) else DiskCondition.NOT_A_DIRECTORY,
+            f"{what}; unset it or create the directory",
+        )
     require_writable_dir(path, need_bytes, what)
     return path
 
@@ -108,6 +112,7 @@ def checkpoint_bytes(model) -> int:
     """One checkpoint of one job (soma_cluster.trainer.TrainState.tensors): body, head and their Adam moments,
     float32 (4 bytes each), plus its JSON metadata (< 64 KiB)."""
     from soma_cluster.model import body_param_count, head_param_count
+
     return 3 * 4 * (body_param_count(model) + head_param_count(model)) + (64 << 10)
 
 

@@ -12,6 +12,7 @@ corpus's topics. k-means, shard assignment and routing all use the same scores.
 Saved without pickle: the vocabulary as JSON, the arrays as safetensors, both checksummed, so a
 router written on one machine loads bit-identically on any other.
 """
+
 from __future__ import annotations
 
 import codecs
@@ -21,9 +22,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import scipy.sparse as sp
-from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
+from scipy.sparse.csgraph import csgraph_from_dense, dijkstra
 from sklearn.cluster import kmeans_plusplus
 from sklearn.decomposition import TruncatedSVD
 from sklearn.feature_extraction.text import TfidfVectorizer
@@ -32,17 +33,17 @@ from soma_cluster.config import RouterConfig
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.storage import Store, sha256
 
-SCORE_BATCH = 8192          # rows per (rows, N) score block: 8 MiB of float32 at N = 256
-TIE_DIMS = 8                # coordinates hashed from a chunk's text, appended to its embedding (_tie_break)
-TIE_SCALE = 0.25            # their norm beside the unit SVD part
+SCORE_BATCH = 8192  # rows per (rows, N) score block: 8 MiB of float32 at N = 256
+TIE_DIMS = 8  # coordinates hashed from a chunk's text, appended to its embedding (_tie_break)
+TIE_SCALE = 0.25  # their norm beside the unit SVD part
 
 
 def _cut_or_latin1(exc: UnicodeDecodeError) -> tuple[str, int]:
     """Bytes that are not UTF-8: the pieces of a character cut by the chunk's edges (continuation bytes at
     the start, a lead byte without its continuation at the end) are dropped; any other byte is read as its
     Latin-1 character, so Latin-1 letters stay letters."""
-    cut = exc.reason == "unexpected end of data" or all(0x80 <= b < 0xC0 for b in exc.object[:exc.end])
-    return ("" if cut else exc.object[exc.start:exc.end].decode("latin-1")), exc.end
+    cut = exc.reason == "unexpected end of data" or all(0x80 <= b < 0xC0 for b in exc.object[: exc.end])
+    return ("" if cut else exc.object[exc.start : exc.end].decode("latin-1")), exc.end
 
 
 codecs.register_error("soma-router", _cut_or_latin1)
@@ -55,15 +56,20 @@ def router_text(data: bytes) -> str:
 
 
 TOKEN_PATTERNS = {
-    "words": r"(?u)\b\w\w+\b",                       # scikit-learn's default
-    "layout": r"(?u)\b\w+\b|[^\w\s]+|\n\s*",          # + 1-letter words, punctuation runs, newline + indentation
+    "words": r"(?u)\b\w\w+\b",  # scikit-learn's default
+    "layout": r"(?u)\b\w+\b|[^\w\s]+|\n\s*",  # + 1-letter words, punctuation runs, newline + indentation
 }
 
 
 def _vectorizer(cfg: RouterConfig, vocabulary: dict[str, int] | None = None) -> TfidfVectorizer:
     return TfidfVectorizer(
-        max_features=cfg.max_features, sublinear_tf=True, stop_words="english", token_pattern=TOKEN_PATTERNS[cfg.tokens],
-        min_df=1 if vocabulary is not None else cfg.min_df, vocabulary=vocabulary, dtype=np.float32,
+        max_features=cfg.max_features,
+        sublinear_tf=True,
+        stop_words="english",
+        token_pattern=TOKEN_PATTERNS[cfg.tokens],
+        min_df=1 if vocabulary is not None else cfg.min_df,
+        vocabulary=vocabulary,
+        dtype=np.float32,
     )
 
 
@@ -81,8 +87,12 @@ def _tie_break(texts: list[str]) -> np.ndarray:
     real topics alone: every embedding has the same norm split (1 : TIE_SCALE), so a row's cosine scores
     shrink by one common factor (an argmax the offsets absorb), and a topic centroid averages the random
     hash coordinates of its members to near zero. Identical texts still hash alike and share an expert."""
-    raw = b"".join(hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=2 * TIE_DIMS).digest() for t in texts)
-    h = np.frombuffer(raw, dtype="<i2").reshape(len(texts), TIE_DIMS).astype(np.float32) + np.float32(0.5)   # never all zero
+    raw = b"".join(
+        hashlib.blake2b(t.encode("utf-8", "surrogatepass"), digest_size=2 * TIE_DIMS).digest() for t in texts
+    )
+    h = np.frombuffer(raw, dtype="<i2").reshape(len(texts), TIE_DIMS).astype(np.float32) + np.float32(
+        0.5
+    )  # never all zero
     return np.float32(TIE_SCALE) * _l2(h)
 
 
@@ -91,25 +101,27 @@ def _unit_rows(proj: np.ndarray, mean: np.ndarray, texts: list[str], tie_break: 
     u = _l2(proj - mean)
     if not tie_break:
         return u.astype(np.float32)
-    return (np.hstack([u, _tie_break(texts)]) / np.float32(np.sqrt(1.0 + TIE_SCALE ** 2))).astype(np.float32)
+    return (np.hstack([u, _tie_break(texts)]) / np.float32(np.sqrt(1.0 + TIE_SCALE**2))).astype(np.float32)
 
 
 def assign(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """The rule on unit rows emb (n, k), in blocks (emb may be a memory map): (n,) argmax_j emb.c_j - b_j."""
     b = offsets.astype(np.float32)
-    return np.concatenate([np.argmax(emb[a:a + SCORE_BATCH] @ centroids.T - b, axis=1)
-                           for a in range(0, len(emb), SCORE_BATCH)] or [np.zeros(0, np.int64)])
+    return np.concatenate(
+        [np.argmax(emb[a : a + SCORE_BATCH] @ centroids.T - b, axis=1) for a in range(0, len(emb), SCORE_BATCH)]
+        or [np.zeros(0, np.int64)]
+    )
 
 
 @dataclass
 class Router:
     cfg: RouterConfig
-    vocabulary: list[str]          # term of each TF-IDF column
-    idf: np.ndarray                # (V,) float32
-    components: np.ndarray         # (k, V) float32, SVD rows
-    mean: np.ndarray               # (k,) float32, subtracted after projection
-    centroids: np.ndarray          # (N, k + TIE_DIMS) float32, unit rows
-    offsets: np.ndarray            # (N,) float32, subtracted from the cosine similarity; zeros for rule nearest
+    vocabulary: list[str]  # term of each TF-IDF column
+    idf: np.ndarray  # (V,) float32
+    components: np.ndarray  # (k, V) float32, SVD rows
+    mean: np.ndarray  # (k,) float32, subtracted after projection
+    centroids: np.ndarray  # (N, k + TIE_DIMS) float32, unit rows
+    offsets: np.ndarray  # (N,) float32, subtracted from the cosine similarity; zeros for rule nearest
     top_terms: list[list[str]] = field(default_factory=list)
     _vec: TfidfVectorizer | None = field(default=None, repr=False)
 
@@ -128,8 +140,12 @@ class Router:
         """(n,) texts -> (n, k + TIE_DIMS) unit vectors in the router space (n, k for a router saved before
         the hashed coordinates existed: its centroids have k columns)."""
         tfidf = self.vectorizer().transform(texts).astype(np.float32)
-        return _unit_rows(np.asarray(tfidf @ self.components.T, dtype=np.float32), self.mean, texts,
-                          tie_break=self.centroids.shape[1] > self.mean.shape[0])
+        return _unit_rows(
+            np.asarray(tfidf @ self.components.T, dtype=np.float32),
+            self.mean,
+            texts,
+            tie_break=self.centroids.shape[1] > self.mean.shape[0],
+        )
 
     def scores(self, emb: np.ndarray) -> np.ndarray:
         """(n, k) -> (n, N) the rule's scores: cosine similarity to each centroid minus its offset."""
@@ -157,18 +173,18 @@ class Router:
 
 # -- the balanced rule's offsets -----------------------------------------------------------------------------
 TEMPERATURES = (0.05, 0.02, 0.01, 0.005, 0.002, 1e-3, 3e-4, 1e-4)  # smoothing, in cosine units; the last sets how
-                                                          # close the soft loads are to the hard argmax's counts
-WARM_FROM = 2           # a warm start (offsets near the answer already) skips the two coarsest temperatures
-CANDIDATES = 16         # clusters a row is looked at for (its best under the current offsets) past DENSE_ENTRIES
+# close the soft loads are to the hard argmax's counts
+WARM_FROM = 2  # a warm start (offsets near the answer already) skips the two coarsest temperatures
+CANDIDATES = 16  # clusters a row is looked at for (its best under the current offsets) past DENSE_ENTRIES
 DENSE_ENTRIES = 1 << 23  # rows x clusters fitted on every cluster at once (float64 temporaries of 64 MiB)
-ROUNDS = 6              # candidate refreshes; one more than the first is typical
-NEWTON_ITERS = 20       # per temperature; 2-4 are typical
+ROUNDS = 6  # candidate refreshes; one more than the first is typical
+NEWTON_ITERS = 20  # per temperature; 2-4 are typical
 KMEANS_TEMPERATURE = 0.01  # how far intermediate k-means steps fit the offsets
-MAX_STEP = 0.25         # largest change of one offset per Newton step (similarities span [-1, 1])
-SETTLE_PATHS = 4096     # surplus rows settled exactly after Newton (a few per cluster at most when it converged)
-SETTLE_MARGINS = (1e-6, 4e-7, 1.6e-7, 0.0)   # how far a settled row beats its next candidate, widest first (float32
-                                             # scores resolve about 1e-7; at 0, ties fall with rounding)
-SETTLE_CYCLES = 64      # cycles of ties closer than that, shared out, before a narrower margin is tried
+MAX_STEP = 0.25  # largest change of one offset per Newton step (similarities span [-1, 1])
+SETTLE_PATHS = 4096  # surplus rows settled exactly after Newton (a few per cluster at most when it converged)
+SETTLE_MARGINS = (1e-6, 4e-7, 1.6e-7, 0.0)  # how far a settled row beats its next candidate, widest first (float32
+# scores resolve about 1e-7; at 0, ties fall with rounding)
+SETTLE_CYCLES = 64  # cycles of ties closer than that, shared out, before a narrower margin is tried
 
 
 def _candidates(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray, m: int) -> tuple[np.ndarray, np.ndarray]:
@@ -176,28 +192,39 @@ def _candidates(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray, m: 
     sims, cols = [], []
     b = offsets.astype(np.float32)
     for a in range(0, len(emb), SCORE_BATCH):
-        s = emb[a:a + SCORE_BATCH] @ centroids.T
-        c = np.argpartition(b - s, m - 1, axis=1)[:, :m] if m < len(centroids) else np.broadcast_to(np.arange(m), s.shape)
+        s = emb[a : a + SCORE_BATCH] @ centroids.T
+        c = (
+            np.argpartition(b - s, m - 1, axis=1)[:, :m]
+            if m < len(centroids)
+            else np.broadcast_to(np.arange(m), s.shape)
+        )
         sims.append(np.take_along_axis(s, c, axis=1))
         cols.append(c.astype(np.int32))
     return np.concatenate(sims), np.concatenate(cols)
 
 
-def _reach(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, sims: np.ndarray, cols: np.ndarray, caps: np.ndarray) -> np.ndarray:
+def _reach(
+    emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, sims: np.ndarray, cols: np.ndarray, caps: np.ndarray
+) -> np.ndarray:
     """Lower the offset of every cluster that is a candidate of fewer rows than its cap (a cold start from
     far-off centroids) just enough that it becomes one for cap rows: the fit is then feasible."""
     short = np.flatnonzero(np.bincount(cols.ravel(), minlength=len(caps)) < caps)
     if not len(short):
         return b
-    worst = (sims - b[cols]).min(axis=1)                          # a row's m-th best score
-    margin = np.concatenate([emb[a:a + SCORE_BATCH] @ centroids[short].T for a in range(0, len(emb), SCORE_BATCH)]) - worst[:, None]
+    worst = (sims - b[cols]).min(axis=1)  # a row's m-th best score
+    margin = (
+        np.concatenate([emb[a : a + SCORE_BATCH] @ centroids[short].T for a in range(0, len(emb), SCORE_BATCH)])
+        - worst[:, None]
+    )
     b = b.copy()
-    for i, j in enumerate(short):                                 # cap-th largest margin: that many rows take j in
+    for i, j in enumerate(short):  # cap-th largest margin: that many rows take j in
         b[j] = min(b[j], np.partition(margin[:, i], -int(caps[j]))[-int(caps[j])] - 1e-6)
     return b
 
 
-def _smoothed_dual(sims: np.ndarray, cols: np.ndarray, caps: np.ndarray, b: np.ndarray, temp: float) -> tuple[float, np.ndarray]:
+def _smoothed_dual(
+    sims: np.ndarray, cols: np.ndarray, caps: np.ndarray, b: np.ndarray, temp: float
+) -> tuple[float, np.ndarray]:
     """D_T(b) = sum_i T logsumexp_j((s_ij - b_j) / T) + caps.b and the soft assignment pi (n, m)."""
     z = (sims - b[cols]) / temp
     top = z.max(axis=1, keepdims=True)
@@ -224,20 +251,20 @@ def _newton(sims: np.ndarray, cols: np.ndarray, caps: np.ndarray, b: np.ndarray,
     for _ in range(NEWTON_ITERS):
         load = np.bincount(cols.ravel(), pi.ravel(), minlength=n_clusters)
         grad = caps - load
-        if np.abs(grad).max() < 0.5:                    # every soft load within half a row of its cap
+        if np.abs(grad).max() < 0.5:  # every soft load within half a row of its cap
             break
         hess = (np.diag(load) - _gram(pi, cols, n_clusters)) / temp
-        hess += np.eye(n_clusters) * 1e-6 * max(np.trace(hess) / n_clusters, 1.0)   # ridge: the null space, and rows
-        step = -np.linalg.solve(hess, grad)                                      # all on one cluster (no soft mass)
+        hess += np.eye(n_clusters) * 1e-6 * max(np.trace(hess) / n_clusters, 1.0)  # ridge: the null space, and rows
+        step = -np.linalg.solve(hess, grad)  # all on one cluster (no soft mass)
         step *= min(1.0, MAX_STEP / np.abs(step).max())
         t, slope = 1.0, float(grad @ step)
-        for _ in range(20):                             # backtracking (Armijo) line search
+        for _ in range(20):  # backtracking (Armijo) line search
             f_new, pi_new = _smoothed_dual(sims, cols, caps, b + t * step, temp)
             if f_new <= f + 1e-4 * t * slope:
                 break
             t *= 0.5
         else:
-            break                                       # no descent left at this temperature's precision
+            break  # no descent left at this temperature's precision
         b, f, pi = b + t * step, f_new, pi_new
     return b
 
@@ -246,7 +273,9 @@ def _load_spread(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np
     return size_spread(np.bincount(assign(emb, centroids, b), minlength=len(caps)) / caps)
 
 
-def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.ndarray, m: int, temps: tuple) -> np.ndarray:
+def _fit_rounds(
+    emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.ndarray, m: int, temps: tuple
+) -> np.ndarray:
     """Newton over every temperature on each row's m candidate clusters, refreshing the candidates until no
     row's best cluster lies outside them (with m = N, one round). With m < N a round is kept only if it leaves
     the hard loads over emb nearer equal than the best offsets before it: where the candidate sets cannot give
@@ -260,7 +289,7 @@ def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.
         if chosen is not None and np.array_equal(best, chosen):
             break
         reached = _reach(emb, centroids, b, sims, cols, caps)
-        if reached is not b:                              # candidates again under the lowered offsets
+        if reached is not b:  # candidates again under the lowered offsets
             b = reached
             sims, cols = _candidates(emb, centroids, b, m)
         for temp in temps:
@@ -271,25 +300,32 @@ def _fit_rounds(emb: np.ndarray, centroids: np.ndarray, b: np.ndarray, caps: np.
         if spread < kept_spread:
             kept, kept_spread = b, spread
         chosen = cols[np.arange(n), np.argmax(sims - b[cols], axis=1)]
-        temps = temps[WARM_FROM:] or temps[-1:]           # later rounds start warm
+        temps = temps[WARM_FROM:] or temps[-1:]  # later rounds start warm
     return kept
 
 
 def _cheapest(to: np.ndarray, red: np.ndarray, n_clusters: int) -> tuple[np.ndarray, np.ndarray]:
     """Per cluster k: the least red over the entries going to k (inf where none) and that entry's index."""
     low, at = np.full(n_clusters, np.inf), np.full(n_clusters, -1, np.int64)
-    order = np.argsort(to, kind="stable")                           # entries by cluster (a radix sort)
+    order = np.argsort(to, kind="stable")  # entries by cluster (a radix sort)
     to, red = to[order], red[order]
     new = np.r_[True, to[1:] != to[:-1]]
     seg = np.cumsum(new) - 1
     hit = np.flatnonzero(red == np.minimum.reduceat(red, np.flatnonzero(new))[seg])
-    hit = hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]            # the first entry at each cluster's minimum
+    hit = hit[np.r_[True, seg[hit][1:] != seg[hit][:-1]]]  # the first entry at each cluster's minimum
     low[to[hit]], at[to[hit]] = red[hit], order[hit]
     return low, at
 
 
-def _leave_costs(sims: np.ndarray, cols: np.ndarray, b: np.ndarray, slot: np.ndarray, movable: np.ndarray,
-                 members: np.ndarray, n_clusters: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _leave_costs(
+    sims: np.ndarray,
+    cols: np.ndarray,
+    b: np.ndarray,
+    slot: np.ndarray,
+    movable: np.ndarray,
+    members: np.ndarray,
+    n_clusters: int,
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """For one cluster's member rows, per cluster k: the least score any member gives up by moving to k under
     the offsets b (what the offsets must keep; >= 0 while every row is at its best, up to float rounding; inf
     where no member has k as a candidate), the same over the movable members only (the cost of a move) and
@@ -303,11 +339,11 @@ def _leave_costs(sims: np.ndarray, cols: np.ndarray, b: np.ndarray, slot: np.nda
     red[i, slot[members]] = np.inf
     to = cols[members].ravel()
     keep, at = _cheapest(to, red.ravel(), n_clusters)
-    if not movable[members].all():                                 # identical rows: constraints, never movers
+    if not movable[members].all():  # identical rows: constraints, never movers
         red[~movable[members]] = np.inf
         move, at = _cheapest(to, red.ravel(), n_clusters)
     else:
-        move = keep                                                 # the caller copies both into its matrices
+        move = keep  # the caller copies both into its matrices
     found = at >= 0
     who[found] = members[at[found] // cols.shape[1]]
     return keep, move, who
@@ -330,7 +366,7 @@ def _strict(cost: np.ndarray, margin: float) -> np.ndarray | None:
                 return x
             x[better], pred[better] = via[better, k[better]], k[better]
         j = np.flatnonzero(better)[0]
-        for _ in range(n_clusters):                                 # back along the predecessors into a cycle
+        for _ in range(n_clusters):  # back along the predecessors into a cycle
             j = pred[j]
         cycle = [j]
         while pred[cycle[-1]] != j:
@@ -359,12 +395,12 @@ def _pinned_caps(caps: np.ndarray, pinned: np.ndarray) -> np.ndarray:
 def _row_keys(emb: np.ndarray) -> np.ndarray:
     """(n,) uint64: a hash of each row's bytes (random odd multipliers, sums wrapping mod 2^64), in blocks, so
     identical rows are found without sorting or copying the rows themselves (1 M rows of 136 floats: 0.5 GB)."""
-    n_words = emb.shape[1] * emb.dtype.itemsize // 4                # 32-bit words of a row
-    mult = np.random.default_rng(0).integers(1, 2 ** 62, n_words, dtype=np.uint64) * 2 + 1
+    n_words = emb.shape[1] * emb.dtype.itemsize // 4  # 32-bit words of a row
+    mult = np.random.default_rng(0).integers(1, 2**62, n_words, dtype=np.uint64) * 2 + 1
     keys = np.empty(len(emb), np.uint64)
     for a in range(0, len(emb), SCORE_BATCH):
-        words = np.ascontiguousarray(emb[a:a + SCORE_BATCH]).view(np.uint32).astype(np.uint64)
-        keys[a:a + SCORE_BATCH] = (words * mult).sum(axis=1)
+        words = np.ascontiguousarray(emb[a : a + SCORE_BATCH]).view(np.uint32).astype(np.uint64)
+        keys[a : a + SCORE_BATCH] = (words * mult).sum(axis=1)
     return keys
 
 
@@ -382,38 +418,45 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
     rows the group's tie falls together, leaving its clusters a row or two off."""
     n_clusters = len(caps)
     sims, cols = _candidates(emb, centroids, b32, m)
-    slot = np.argmax(sims - b32[cols], axis=1)                      # float32, as `assign` computes it
+    slot = np.argmax(sims - b32[cols], axis=1)  # float32, as `assign` computes it
     label = cols[np.arange(len(sims)), slot]
     load = np.bincount(label, minlength=n_clusters)
     if np.array_equal(load, caps):
         return b32
     b = b32.astype(np.float64)
     _, twin, count = np.unique(_row_keys(emb), return_inverse=True, return_counts=True)
-    movable = count[twin] <= caps.min()         # identical rows share every score: a group larger than a share stays
+    movable = count[twin] <= caps.min()  # identical rows share every score: a group larger than a share stays
     caps = _pinned_caps(caps, np.bincount(label[~movable], minlength=n_clusters))
-    best, best_excess = b32, np.maximum(load - caps, 0).sum()       # label is the rule's own argmax under b32
-    keep, free, who = (np.empty((n_clusters, n_clusters)), np.empty((n_clusters, n_clusters)),
-                       np.empty((n_clusters, n_clusters), np.int64))
-    groups = np.split(np.argsort(label, kind="stable"), np.cumsum(load)[:-1])   # members of each cluster
+    best, best_excess = b32, np.maximum(load - caps, 0).sum()  # label is the rule's own argmax under b32
+    keep, free, who = (
+        np.empty((n_clusters, n_clusters)),
+        np.empty((n_clusters, n_clusters)),
+        np.empty((n_clusters, n_clusters), np.int64),
+    )
+    groups = np.split(np.argsort(label, kind="stable"), np.cumsum(load)[:-1])  # members of each cluster
     for j in range(n_clusters):
         keep[j], free[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
     for _ in range(SETTLE_PATHS):
         over, short = np.flatnonzero(load > caps), np.flatnonzero(load < caps)
         if not len(over):
             break
-        dist, pred, _ = dijkstra(csgraph_from_dense(np.maximum(free, 0.0), null_value=np.inf), indices=over,
-                                 min_only=True, return_predecessors=True)
+        dist, pred, _ = dijkstra(
+            csgraph_from_dense(np.maximum(free, 0.0), null_value=np.inf),
+            indices=over,
+            min_only=True,
+            return_predecessors=True,
+        )
         d = short[np.argmin(dist[short])]
         if not np.isfinite(dist[d]):
-            break                                                   # no chain of candidates reaches a short cluster
-        rise = np.maximum(dist[d] - dist, 0.0)                      # keeps every move's cost >= 0; the chain's are 0
+            break  # no chain of candidates reaches a short cluster
+        rise = np.maximum(dist[d] - dist, 0.0)  # keeps every move's cost >= 0; the chain's are 0
         b += rise
         keep += rise[None, :] - rise[:, None]
         free += rise[None, :] - rise[:, None]
         path = [d]
         while pred[path[-1]] >= 0:
             path.append(pred[path[-1]])
-        for k, j in zip(path[:-1], path[1:]):                       # the cheapest movable member of j moves to k
+        for k, j in zip(path[:-1], path[1:]):  # the cheapest movable member of j moves to k
             r = who[j, k]
             slot[r] = np.flatnonzero(cols[r] == k)[0]
             groups[j], groups[k] = groups[j][groups[j] != r], np.append(groups[k], r)
@@ -422,11 +465,11 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
         for j in path:
             keep[j], free[j], who[j] = _leave_costs(sims, cols, b, slot, movable, groups[j], n_clusters)
 
-    def excess(offsets: np.ndarray) -> float:                       # rows over the caps under the rule itself
+    def excess(offsets: np.ndarray) -> float:  # rows over the caps under the rule itself
         return np.maximum(np.bincount(assign(emb, centroids, offsets), minlength=n_clusters) - caps, 0).sum()
 
-    for bounds in (keep, free):                                     # free: identical rows may move, as a whole
-        for margin in SETTLE_MARGINS:                               # the widest margin the ties allow
+    for bounds in (keep, free):  # free: identical rows may move, as a whole
+        for margin in SETTLE_MARGINS:  # the widest margin the ties allow
             x = _strict(bounds, margin)
             if x is None:
                 continue
@@ -445,8 +488,13 @@ def _caps(n: int, n_clusters: int) -> np.ndarray:
     return caps
 
 
-def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | None = None,
-                temperature: float = TEMPERATURES[-1], settle: bool = True) -> np.ndarray:
+def fit_offsets(
+    emb: np.ndarray,
+    centroids: np.ndarray,
+    offsets: np.ndarray | None = None,
+    temperature: float = TEMPERATURES[-1],
+    settle: bool = True,
+) -> np.ndarray:
     """Offsets b (N,) under which the rule argmax_j(emb.c_j - b_j) gives every cluster an equal share of the
     rows of emb (n, k): to the row at the last temperature (_settle), up to the rows within about `temperature`
     of a tie at a coarser one (k-means steps).
@@ -475,7 +523,7 @@ def fit_offsets(emb: np.ndarray, centroids: np.ndarray, offsets: np.ndarray | No
         b = _fit_rounds(emb, centroids, b, _caps(n, n_clusters), CANDIDATES, schedule[WARM_FROM:] or schedule[-1:])
     b = (b - b.mean()).astype(np.float32)
     if temperature > TEMPERATURES[-1] or not settle:
-        return b                                          # k-means steps: near-equal is enough
+        return b  # k-means steps: near-equal is enough
     return _settle(emb, centroids, b, _caps(n, n_clusters), n_clusters if dense else CANDIDATES)
 
 
@@ -499,7 +547,7 @@ def balanced_kmeans(x: np.ndarray, n_clusters: int, iters: int, seed: int) -> tu
         labels = new
         members = sp.csr_matrix((np.ones(len(x), np.float32), (labels, np.arange(len(x)))), shape=(n_clusters, len(x)))
         sums = np.asarray(members @ x)
-        empty = np.bincount(labels, minlength=n_clusters) == 0   # identical rows cannot be split: keep such a centroid
+        empty = np.bincount(labels, minlength=n_clusters) == 0  # identical rows cannot be split: keep such a centroid
         centroids = np.where(empty[:, None], centroids, _l2(sums)).astype(np.float32)
     offsets = fit_offsets(x, centroids, offsets)
     return centroids, offsets, assign(x, centroids, offsets)
@@ -533,11 +581,15 @@ def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) 
     try:
         tfidf = vec.fit_transform(texts)
     except ValueError:
-        raise SomaError(f"router: no word occurs in >= {cfg.min_df} chunks (corpus too small or not text); add text or lower router.min_df") from None
+        raise SomaError(
+            f"router: no word occurs in >= {cfg.min_df} chunks (corpus too small or not text); add text or lower router.min_df"
+        ) from None
     vocabulary = [t for t, _ in sorted(vec.vocabulary_.items(), key=lambda kv: kv[1])]
     dim = min(cfg.svd_dim, len(vocabulary) - 1, len(texts) - 1)
     if dim < 2:
-        raise SomaError(f"router: only {len(vocabulary)} terms survive min_df={cfg.min_df}; add text or lower router.min_df")
+        raise SomaError(
+            f"router: only {len(vocabulary)} terms survive min_df={cfg.min_df}; add text or lower router.min_df"
+        )
     svd = TruncatedSVD(n_components=dim, random_state=seed, algorithm="randomized")
     proj = svd.fit_transform(tfidf).astype(np.float32)
     mean = proj.mean(axis=0)
@@ -545,24 +597,46 @@ def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) 
     centroids, offsets, labels = balanced_kmeans(emb, n_clusters, cfg.kmeans_iters, seed)
     if cfg.rule == "nearest":
         offsets = np.zeros(n_clusters, np.float32)
-    router = Router(cfg, vocabulary, vec.idf_.astype(np.float32), svd.components_.astype(np.float32), mean.astype(np.float32),
-                    centroids, offsets)
+    router = Router(
+        cfg,
+        vocabulary,
+        vec.idf_.astype(np.float32),
+        svd.components_.astype(np.float32),
+        mean.astype(np.float32),
+        centroids,
+        offsets,
+    )
     router.top_terms = _top_terms(tfidf, labels, vocabulary, n_clusters)
     return router, labels
 
 
 # -- persistence ------------------------------------------------------------------------------------------
 def save_router(store: Store, router: Router) -> None:
-    arrays = st_save({k: np.ascontiguousarray(v) for k, v in {"idf": router.idf, "components": router.components, "mean": router.mean,
-                                                              "centroids": router.centroids, "offsets": router.offsets}.items()})
+    arrays = st_save(
+        {
+            k: np.ascontiguousarray(v)
+            for k, v in {
+                "idf": router.idf,
+                "components": router.components,
+                "mean": router.mean,
+                "centroids": router.centroids,
+                "offsets": router.offsets,
+            }.items()
+        }
+    )
     vocab = json.dumps(router.vocabulary).encode()
     store.write_bytes("router/arrays.safetensors", arrays)
     store.write_bytes("router/vocabulary.json", vocab)
-    store.write_json("router/router.json", {
-        "config": router.cfg.model_dump(mode="json"), "n_experts": router.n_experts, "svd_dim": int(router.mean.shape[0]),
-        "top_terms": router.top_terms,
-        "files": {"arrays.safetensors": sha256(arrays), "vocabulary.json": sha256(vocab)},
-    })
+    store.write_json(
+        "router/router.json",
+        {
+            "config": router.cfg.model_dump(mode="json"),
+            "n_experts": router.n_experts,
+            "svd_dim": int(router.mean.shape[0]),
+            "top_terms": router.top_terms,
+            "files": {"arrays.safetensors": sha256(arrays), "vocabulary.json": sha256(vocab)},
+        },
+    )
 
 
 def load_router(store: Store) -> Router:
@@ -575,13 +649,25 @@ def load_router(store: Store) -> Router:
         try:
             blobs[name] = store.read_bytes(f"router/{name}")
         except FileNotFoundError:
-            raise SomaError(f"{store.url}/router/{name} is missing; re-run soma prepare on a new campaign URL") from None
+            raise SomaError(
+                f"{store.url}/router/{name} is missing; re-run soma prepare on a new campaign URL"
+            ) from None
         if sha256(blobs[name]) != digest:
-            raise ChecksumError(f"{store.url}/router/{name} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
+            raise ChecksumError(
+                f"{store.url}/router/{name} fails its checksum (corrupt); re-run soma prepare on a new campaign URL"
+            )
     arrays = st_load(blobs["arrays.safetensors"])
-    cfg = RouterConfig.model_validate({"tokens": "words", **meta["config"]})     # saved before tokens existed: words
+    cfg = RouterConfig.model_validate({"tokens": "words", **meta["config"]})  # saved before tokens existed: words
     if "offsets" not in arrays:
         cfg = cfg.model_copy(update={"rule": "nearest"})
     offsets = arrays.get("offsets", np.zeros(len(arrays["centroids"]), np.float32))
-    return Router(cfg, json.loads(blobs["vocabulary.json"]), arrays["idf"], arrays["components"], arrays["mean"],
-                  arrays["centroids"], offsets, meta["top_terms"])
+    return Router(
+        cfg,
+        json.loads(blobs["vocabulary.json"]),
+        arrays["idf"],
+        arrays["components"],
+        arrays["mean"],
+        arrays["centroids"],
+        offsets,
+        meta["top_terms"],
+    )

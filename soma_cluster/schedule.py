@@ -11,6 +11,7 @@ checkpoint it leaves says exactly how much of its work is kept (the worker write
 every checkpoint), so training is corrected to that amount and the rest is filed as `wasted` (or
 `preempted`). Per expert, training forwards then equal a fault-free run's, whatever the kill moment.
 """
+
 from __future__ import annotations
 
 import itertools
@@ -30,12 +31,13 @@ from soma_cluster.messages import ChunkReport, Heartbeat, Incarnation, SetupRepo
 from soma_cluster.shards import expert_name
 from soma_cluster.storage import Store
 
-POLL_S = 0.5    # the driver's loop waits at most this long for a result, so hangs and budgets are checked this often
+POLL_S = 0.5  # the driver's loop waits at most this long for a result, so hangs and budgets are checked this often
 
 
 @dataclass(frozen=True, order=True)
 class Job:
     """The seed model (expert None, N = 1 on the whole corpus) or one expert."""
+
     expert: int | None = None
 
     @property
@@ -75,14 +77,15 @@ CAUSES = {"new": None, "retry": "wasted", "resumed": "wasted", "preempted": "pre
 @dataclass
 class Account:
     """One job's side of an attempt."""
+
     job: Job
     attempt: int
-    cause: str                       # key of CAUSES
-    started: bool = False            # its actor reported in (it held the GPU share)
-    setup: Usage = Usage()           # its share of the actor's start-up
-    reported: Usage = Usage()        # everything it reported in this attempt, start-up included
+    cause: str  # key of CAUSES
+    started: bool = False  # its actor reported in (it held the GPU share)
+    setup: Usage = Usage()  # its share of the actor's start-up
+    reported: Usage = Usage()  # everything it reported in this attempt, start-up included
     device: str | None = None
-    cap_s: float | None = None       # GPU-seconds it may hold, on its own cumulative clock, for this chunk
+    cap_s: float | None = None  # GPU-seconds it may hold, on its own cumulative clock, for this chunk
     seq: int = 0
     step: int = 0
     improving: bool = True
@@ -92,19 +95,20 @@ class Account:
 @dataclass
 class Unit:
     """One actor's attempt: a single job, or G experts packed on the expert axis (resources.experts_per_actor)."""
+
     id: int
     accounts: dict[Job, Account]
-    requested: float                 # scheduler clock when it was asked of Ray
-    reused_from: int | None = None   # the unit whose idle actor takes these jobs (resources.reuse_actors)
-    previous: tuple[Incarnation, ...] = ()   # killed processes of these jobs that a retry must outlive
-    granted: bool = False            # the GPUs present had room for it when asked: Ray grants its share at once
+    requested: float  # scheduler clock when it was asked of Ray
+    reused_from: int | None = None  # the unit whose idle actor takes these jobs (resources.reuse_actors)
+    previous: tuple[Incarnation, ...] = ()  # killed processes of these jobs that a retry must outlive
+    granted: bool = False  # the GPUs present had room for it when asked: Ray grants its share at once
     # scheduler clock when its actor began holding its GPU share (where the worker's own clock starts): the
     # request when granted or reused, else when Ray placed it (on_placed); None while that is unknown
     held_since: float | None = None
-    phase: str = "queued"            # queued: asked of Ray, not reported in; running: reporting
+    phase: str = "queued"  # queued: asked of Ray, not reported in; running: reporting
     last_beat: float = 0.0
     process: Incarnation | None = None
-    leaving: bool = False            # preempted: the actor checkpoints and exits, it takes no more jobs
+    leaving: bool = False  # preempted: the actor checkpoints and exits, it takes no more jobs
 
     @property
     def name(self) -> str:
@@ -126,7 +130,7 @@ class Start:
 @dataclass(frozen=True)
 class Reuse:
     unit: Unit
-    actor_of: int                    # the finished unit whose actor now trains `unit`
+    actor_of: int  # the finished unit whose actor now trains `unit`
 
 
 @dataclass(frozen=True)
@@ -150,12 +154,13 @@ class Settlement:
     that attempt says which checkpoint it really resumed from, which may be newer than the one the settlement
     read (a worker declared lost that was still running, on a partitioned node or between Ray's kill and the
     process's end, and wrote one more) or older (a checkpoint that did not verify)."""
+
     attempt: int
-    setup: Usage                     # the attempt's start-up share (not part of its kept work)
-    training: Usage                  # what it reported as useful work
-    kept: Usage                      # what the settlement took its checkpoint to keep
-    unreported: Usage                # the driver's estimate of what it held after its last report
-    lost_to: str                     # ledger category of the lost part: wasted or preempted
+    setup: Usage  # the attempt's start-up share (not part of its kept work)
+    training: Usage  # what it reported as useful work
+    kept: Usage  # what the settlement took its checkpoint to keep
+    unreported: Usage  # the driver's estimate of what it held after its last report
+    lost_to: str  # ledger category of the lost part: wasted or preempted
     device: str | None = None
 
     def to_json(self) -> dict:
@@ -163,30 +168,37 @@ class Settlement:
 
     @staticmethod
     def from_json(d: dict) -> "Settlement":
-        return Settlement(d["attempt"], *(Usage(**d[k]) for k in ("setup", "training", "kept", "unreported")), d["lost_to"],
-                          d.get("device"))
+        return Settlement(
+            d["attempt"],
+            *(Usage(**d[k]) for k in ("setup", "training", "kept", "unreported")),
+            d["lost_to"],
+            d.get("device"),
+        )
 
 
 class LossKind(StrEnum):
     """What a lost attempt means for its job (soma_cluster/failures.py says whose failure it was)."""
-    FAILURE = "failure"              # the expert's own: retried with backoff, counted against retry.max_retries
-    BAD_INPUT = "bad_input"          # no retry can fix it: the job ends failed_permanently at once
-    PREEMPTED = "preempted"          # not a failure: rescheduled first, nothing counted
-    INFRA = "infra"                  # the infrastructure's: retried with backoff, uncounted, for retry.infra_wait_s
+
+    FAILURE = "failure"  # the expert's own: retried with backoff, counted against retry.max_retries
+    BAD_INPUT = "bad_input"  # no retry can fix it: the job ends failed_permanently at once
+    PREEMPTED = "preempted"  # not a failure: rescheduled first, nothing counted
+    INFRA = "infra"  # the infrastructure's: retried with backoff, uncounted, for retry.infra_wait_s
 
 
 @dataclass(frozen=True)
 class Lost:
     """Why an actor's attempt ended without a clean report."""
+
     reason: str
     kind: LossKind = LossKind.FAILURE
     traceback: str | None = None
-    cause: Cause | None = None       # recorded in the `failed` event; an INFRA loss always has one
+    cause: Cause | None = None  # recorded in the `failed` event; an INFRA loss always has one
 
 
 @dataclass(frozen=True)
 class InfraStop:
     """The campaign stopped because a job's infrastructure failures outlasted retry.infra_wait_s."""
+
     cause: Cause
     reason: str
     job: str
@@ -219,8 +231,9 @@ def backoff_s(base: float, cap: float, failures: int, rng: random.Random) -> flo
 @dataclass
 class JobView:
     """What the driver last heard of a job, for `soma status` (not used in any decision)."""
+
     step: int = 0
-    val: float | None = None          # latest expert-validation loss, nats/byte
+    val: float | None = None  # latest expert-validation loss, nats/byte
     node: str | None = None
     device: str | None = None
     last_error: str | None = None
@@ -240,28 +253,30 @@ class Scheduler:
         self.ledger = Ledger(self.store)
         self.book = BudgetBook(self.cfg.budget)
         self.units: dict[int, Unit] = {}
-        self.open: dict[Job, Unit] = {}             # job -> the unit training it (queued or running)
-        self.pending: deque[Job] = deque()          # jobs waiting for an actor, in order
+        self.open: dict[Job, Unit] = {}  # job -> the unit training it (queued or running)
+        self.pending: deque[Job] = deque()  # jobs waiting for an actor, in order
         self.retry_at: dict[Job, float] = {}
         self.next_attempt: dict[Job, int] = {}
         self.cause: dict[Job, str] = {}
         self.failures: dict[Job, int] = {}
-        self.killed: dict[Job, Incarnation] = {}    # the process of a job's last attempt, killed by the driver
-        self.settled: dict[Job, Settlement] = {}    # a job's lost attempt, until its next attempt reports what it resumed
+        self.killed: dict[Job, Incarnation] = {}  # the process of a job's last attempt, killed by the driver
+        self.settled: dict[Job, Settlement] = {}  # a job's lost attempt, until its next attempt reports what it resumed
         self.outcome: dict[Job, str] = {}
         self.bad_input: dict[Job, str] = {}
-        self.infra_since: dict[Job, float] = {}    # a job's first infrastructure failure since its last checkpoint
-        self.infra_tries: dict[Job, int] = {}      # and how many followed it (the backoff's exponent)
-        self.stopped: InfraStop | None = None      # set once: the campaign stops for its environment
-        self.seen: dict[Job, JobView] = {j: JobView() for j in self.jobs}   # what `soma status` shows of each job
+        self.infra_since: dict[Job, float] = {}  # a job's first infrastructure failure since its last checkpoint
+        self.infra_tries: dict[Job, int] = {}  # and how many followed it (the backoff's exponent)
+        self.stopped: InfraStop | None = None  # set once: the campaign stops for its environment
+        self.seen: dict[Job, JobView] = {j: JobView() for j in self.jobs}  # what `soma status` shows of each job
         self._ids = itertools.count()
         totals = self.ledger.totals()
-        self.spent = dict(totals.per_expert_gpu_seconds)   # kept in step with every record written
-        self.largest = dict(totals.per_expert_largest)      # each expert's largest single record, likewise
-        self.by_category = dict(totals.gpu_seconds)        # GPU-seconds per ledger category, likewise
-        self.by_device = dict(totals.devices)              # GPU-seconds per device ("cuda", "cpu"), likewise
+        self.spent = dict(totals.per_expert_gpu_seconds)  # kept in step with every record written
+        self.largest = dict(totals.per_expert_largest)  # each expert's largest single record, likewise
+        self.by_category = dict(totals.gpu_seconds)  # GPU-seconds per ledger category, likewise
+        self.by_device = dict(totals.devices)  # GPU-seconds per device ("cuda", "cpu"), likewise
         self.totals_at_start = totals
-        self.start_cost = StartCost(totals.least_startup)  # least start-up (and update) cost measured, for launch refusals
+        self.start_cost = StartCost(
+            totals.least_startup
+        )  # least start-up (and update) cost measured, for launch refusals
 
     @property
     def spent_total(self) -> float:
@@ -274,8 +289,19 @@ class Scheduler:
 
     # -- ledger and budgets ---------------------------------------------------------------------------
     def _record(self, category: str, u: Usage, c: Account, seq: int, note: str = "", step: int | None = None) -> None:
-        self.ledger.record(category, u.gpu_seconds, u.wall_seconds, expert=c.job.expert, attempt=c.attempt, seq=seq,
-                           forwards=u.forwards, tokens=u.tokens, step=c.step if step is None else step, note=note, device=c.device)
+        self.ledger.record(
+            category,
+            u.gpu_seconds,
+            u.wall_seconds,
+            expert=c.job.expert,
+            attempt=c.attempt,
+            seq=seq,
+            forwards=u.forwards,
+            tokens=u.tokens,
+            step=c.step if step is None else step,
+            note=note,
+            device=c.device,
+        )
         if c.job.expert is not None and category in EXPERT_SPEND:
             self.spent[c.job.expert] = self.spent.get(c.job.expert, 0.0) + u.gpu_seconds
             self.largest[c.job.expert] = max(self.largest.get(c.job.expert, 0.0), u.gpu_seconds)
@@ -342,14 +368,21 @@ class Scheduler:
             accounts[job] = Account(job, n, self.cause.get(job, "new"))
         previous = tuple(self.killed.pop(j) for j in jobs if j in self.killed)
         unit = Unit(next(self._ids), accounts, self.clock(), reused_from, previous)
-        unit.held_since = unit.requested if reused_from is not None else None    # an idle actor holds its share already
+        unit.held_since = unit.requested if reused_from is not None else None  # an idle actor holds its share already
         self.units[unit.id] = unit
         for c in accounts.values():
             self.open[c.job] = unit
             if c.cause == "retry":
                 self._event("retried", c.job, attempt=c.attempt)
-            self._event("queued", c.job, attempt=c.attempt, num_gpus=self.cfg.resources.num_gpus / len(jobs),
-                        actor=unit.name, reused=reused_from is not None, cause=c.cause)
+            self._event(
+                "queued",
+                c.job,
+                attempt=c.attempt,
+                num_gpus=self.cfg.resources.num_gpus / len(jobs),
+                actor=unit.name,
+                reused=reused_from is not None,
+                cause=c.cause,
+            )
         return unit
 
     def _unaffordable(self, job: Job) -> str | None:
@@ -366,15 +399,19 @@ class Scheduler:
         alone = self.book.left(job.expert, spent, self.spent_total)
         need = self.start_cost.need_s(min(self.cfg.train.chunk_updates, self.cfg.train.updates))
         if need is not None and alone is not None and alone < need:
-            return (f"budget cannot cover a start-up plus one chunk: {alone:.2f} GPU-s left, {need:.2f} needed "
-                    f"(the least start-up and update cost measured in this campaign)")
+            return (
+                f"budget cannot cover a start-up plus one chunk: {alone:.2f} GPU-s left, {need:.2f} needed "
+                f"(the least start-up and update cost measured in this campaign)"
+            )
         return None
 
     def _chunk(self, unit: Unit) -> Chunk:
         caps = {}
         for c in unit.live():
             left = self.left(c.job)
-            c.cap_s = None if left is None else left + c.reported.gpu_seconds   # the worker compares its own cumulative clock
+            c.cap_s = (
+                None if left is None else left + c.reported.gpu_seconds
+            )  # the worker compares its own cumulative clock
             caps[c.job.expert] = c.cap_s
         unit.last_beat = self.clock()
         return Chunk(unit, self.cfg.train.chunk_updates, caps)
@@ -399,11 +436,30 @@ class Scheduler:
             c.started, c.step, c.setup, c.reported, c.device = True, start.step, start.usage, start.usage, report.device
             view = self.seen.setdefault(c.job, JobView())
             view.step, view.node, view.device = start.step, report.node_ip or report.process.node, report.device
-            self._event("launched", c.job, t=report.held_from, attempt=c.attempt, actor=unit.name, reused=unit.reused_from is not None,
-                        num_gpus=self.cfg.resources.num_gpus / len(unit.accounts), device=report.device)
-            self._event("started", c.job, attempt=c.attempt, step=start.step, resumed=start.resumed, forwards=start.forwards,
-                        device=report.device, pid=report.process.pid, node=report.process.node, node_ip=report.node_ip,
-                        actor=unit.name, waited_s=report.waited_s)
+            self._event(
+                "launched",
+                c.job,
+                t=report.held_from,
+                attempt=c.attempt,
+                actor=unit.name,
+                reused=unit.reused_from is not None,
+                num_gpus=self.cfg.resources.num_gpus / len(unit.accounts),
+                device=report.device,
+            )
+            self._event(
+                "started",
+                c.job,
+                attempt=c.attempt,
+                step=start.step,
+                resumed=start.resumed,
+                forwards=start.forwards,
+                device=report.device,
+                pid=report.process.pid,
+                node=report.process.node,
+                node_ip=report.node_ip,
+                actor=unit.name,
+                waited_s=report.waited_s,
+            )
             note = "start-up: process, imports, data and model" + ("" if c.cause == "new" else f" (after {c.cause})")
             self._record(CAUSES[c.cause] or c.job.category, start.usage, c, 0, note)
             self.start_cost.observe_startup(start.usage.gpu_seconds)
@@ -429,8 +485,17 @@ class Scheduler:
         c.reported = hb.usage
         if hb.val is not None:
             c.improving = hb.best_val is not None and hb.val <= hb.best_val
-        self._event("heartbeat", c.job, attempt=c.attempt, step=hb.step, loss=hb.loss, val=hb.val,
-                    gpu_seconds=hb.usage.gpu_seconds, eps=hb.eps, lr=hb.lr)
+        self._event(
+            "heartbeat",
+            c.job,
+            attempt=c.attempt,
+            step=hb.step,
+            loss=hb.loss,
+            val=hb.val,
+            gpu_seconds=hb.usage.gpu_seconds,
+            eps=hb.eps,
+            lr=hb.lr,
+        )
         if hb.checkpoint:
             self._event("checkpointed", c.job, attempt=c.attempt, step=hb.checkpoint_step, checkpoint=hb.checkpoint)
             self._recovered(c.job)
@@ -457,7 +522,12 @@ class Scheduler:
         for c in live:
             self._end(c)
             why = lost.reason if len(live) == 1 else f"{lost.reason} (in pack {unit.name})"
-            self._lose(c, Lost(why, lost.kind, lost.traceback, lost.cause), unreported, "budget_exhausted" if c.job in stop else None)
+            self._lose(
+                c,
+                Lost(why, lost.kind, lost.traceback, lost.cause),
+                unreported,
+                "budget_exhausted" if c.job in stop else None,
+            )
             if unit.process is not None and lost.kind != LossKind.PREEMPTED:
                 self.killed[c.job] = unit.process
         return [Stop(unit)]
@@ -478,22 +548,37 @@ class Scheduler:
         """Settle an attempt that ended without finishing, then retry, reschedule or end its job."""
         settled = {}
         if c.started:
-            s = Settlement(c.attempt, c.setup, c.reported - c.setup, self._kept(c), unreported,
-                           "preempted" if lost.kind == LossKind.PREEMPTED else "wasted", c.device)
+            s = Settlement(
+                c.attempt,
+                c.setup,
+                c.reported - c.setup,
+                self._kept(c),
+                unreported,
+                "preempted" if lost.kind == LossKind.PREEMPTED else "wasted",
+                c.device,
+            )
             self._settle(c, s, lost.reason)
             settled = {"settled": s.to_json()}
         if lost.kind == LossKind.PREEMPTED:
             self._event("preempted", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled)
             self.cause[c.job] = "preempted"
-            self.pending.appendleft(c.job)              # not a failure: no retry spent, no backoff
+            self.pending.appendleft(c.job)  # not a failure: no retry spent, no backoff
             return
         infra = lost.kind == LossKind.INFRA and end is None
         if not infra:
             self.failures[c.job] = self.failures.get(c.job, 0) + 1
         self.seen.setdefault(c.job, JobView()).last_error = lost.reason
-        self._event("failed", c.job, attempt=c.attempt, step=c.step, reason=lost.reason, **settled,
-                    **({"cause": lost.cause} if lost.cause else {}), **({"counted": False} if infra else {}),
-                    **({"traceback": lost.traceback} if lost.traceback else {}))
+        self._event(
+            "failed",
+            c.job,
+            attempt=c.attempt,
+            step=c.step,
+            reason=lost.reason,
+            **settled,
+            **({"cause": lost.cause} if lost.cause else {}),
+            **({"counted": False} if infra else {}),
+            **({"traceback": lost.traceback} if lost.traceback else {}),
+        )
         if infra:
             self._wait_out(c.job, lost)
         elif end is not None or lost.kind == LossKind.BAD_INPUT:
@@ -520,11 +605,20 @@ class Scheduler:
                 self.stopped = InfraStop(lost.cause or Cause.NODE_LOST, lost.reason, job.name, now - since)
             return
         self.infra_tries[job] = self.infra_tries.get(job, 0) + 1
-        delay = min(backoff_s(r.backoff_s, r.backoff_max_s, self.infra_tries[job], self.rng), since + r.infra_wait_s - now)
+        delay = min(
+            backoff_s(r.backoff_s, r.backoff_max_s, self.infra_tries[job], self.rng), since + r.infra_wait_s - now
+        )
         self.retry_at[job] = now + delay
         self.cause[job] = "retry"
-        self._event("retry_scheduled", job, attempt=self.next_attempt[job], delay_s=delay, cause=lost.cause, counted=False,
-                    waited_s=now - since)
+        self._event(
+            "retry_scheduled",
+            job,
+            attempt=self.next_attempt[job],
+            delay_s=delay,
+            cause=lost.cause,
+            counted=False,
+            waited_s=now - since,
+        )
 
     def _recovered(self, job: Job) -> None:
         """The job wrote a checkpoint: whatever infrastructure failed it before is working again."""
@@ -557,7 +651,10 @@ class Scheduler:
         s = self.settled.pop(job, None)
         if s is None or kept_by != s.attempt or kept is None or kept - s.setup == s.kept:
             return
-        (fix0, gone0), (fix1, gone1) = settle(s.training, s.kept, s.unreported), settle(s.training, kept - s.setup, s.unreported)
+        (fix0, gone0), (fix1, gone1) = (
+            settle(s.training, s.kept, s.unreported),
+            settle(s.training, kept - s.setup, s.unreported),
+        )
         c = Account(job, s.attempt, "resumed", started=True, setup=s.setup, device=s.device, step=step)
         note = "settled again: the next attempt resumed from a checkpoint the attempt wrote after it was declared lost"
         if not (fix1 - fix0).is_zero:
@@ -573,8 +670,12 @@ class Scheduler:
 
     def _release(self, job: Job) -> None:
         """An expert that ended early returns its unspent budget to the pool (budget.pool_policy)."""
-        candidates = {u.accounts[j].job.expert: u.accounts[j].improving for j, u in self.open.items() if j.expert is not None}
-        candidates |= {j.expert: True for j in self.jobs if j.expert is not None and j not in self.outcome and j not in self.open}
+        candidates = {
+            u.accounts[j].job.expert: u.accounts[j].improving for j, u in self.open.items() if j.expert is not None
+        }
+        candidates |= {
+            j.expert: True for j in self.jobs if j.expert is not None and j not in self.outcome and j not in self.open
+        }
         for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
             emit(self.store, "budget_granted", expert_name(expert), expert=expert, gpu_seconds=s, source=job.name)
 
@@ -594,8 +695,11 @@ class Scheduler:
             silent = now - unit.last_beat
             live = unit.live()
             held = silent * self.cfg.resources.num_gpus / max(1, len(live))
-            over = tuple(c.job for c in live
-                         if c.cap_s is not None and c.reported.gpu_seconds + held > c.cap_s + self.cfg.budget.grace_gpu_seconds)
+            over = tuple(
+                c.job
+                for c in live
+                if c.cap_s is not None and c.reported.gpu_seconds + held > c.cap_s + self.cfg.budget.grace_gpu_seconds
+            )
             if silent > self.cfg.retry.heartbeat_timeout_s:
                 out += self.on_lost(unit.id, Lost(f"hang: no heartbeat for {silent:.0f} s"))
             elif over:
@@ -616,16 +720,27 @@ class Scheduler:
         live = unit.live()
         held = (now - unit.held_since) / max(1, len(live))
         grace = self.cfg.budget.grace_gpu_seconds
-        over = tuple(c.job for c in live if (left := self.left(c.job)) is not None and held * self.cfg.resources.num_gpus > left + grace)
+        over = tuple(
+            c.job
+            for c in live
+            if (left := self.left(c.job)) is not None and held * self.cfg.resources.num_gpus > left + grace
+        )
         if not over:
             return []
         usage = Usage(held * self.cfg.resources.num_gpus, held)
         for c in live:
             c.started, c.setup, c.reported = True, usage, usage
-            self._record(CAUSES[c.cause] or c.job.category, usage, c, 0,
-                         "start-up, hard-stopped by the driver before it reported (the driver's clock)")
-            self.start_cost.observe_startup(usage.gpu_seconds)         # a start-up costs at least this
-        return self.on_lost(unit.id, Lost(f"budget_exhausted: hard stop past the grace during start-up ({held:.1f} s held)"), stop=over)
+            self._record(
+                CAUSES[c.cause] or c.job.category,
+                usage,
+                c,
+                0,
+                "start-up, hard-stopped by the driver before it reported (the driver's clock)",
+            )
+            self.start_cost.observe_startup(usage.gpu_seconds)  # a start-up costs at least this
+        return self.on_lost(
+            unit.id, Lost(f"budget_exhausted: hard stop past the grace during start-up ({held:.1f} s held)"), stop=over
+        )
 
     def _cancel(self, unit: Unit) -> list[Action]:
         """A queued actor whose jobs the budget can no longer cover is withdrawn before it holds a GPU."""
@@ -660,7 +775,7 @@ class Scheduler:
             self.cause[job] = self._cause_after(h)
             last = h.attempts - 1
             if h.held(last) and h.ended(last) is None:
-                records = self.ledger.records() if records is None else records   # read once, not once per job
+                records = self.ledger.records() if records is None else records  # read once, not once per job
                 self._settle_interrupted(job, last, records)
             else:
                 # its last attempt that held a GPU ended lost and the next has not reported in: finish that on setup
@@ -681,12 +796,20 @@ class Scheduler:
         setup = sum((_usage(r) for r in mine if r["seq"] == 0), Usage())
         training = sum((_usage(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
         device = next((r.get("device") for r in mine if r.get("device")), None)
-        if any(r["seq"] < 0 for r in mine):         # settled by an earlier resume (that driver was lost too)
+        if any(r["seq"] < 0 for r in mine):  # settled by an earlier resume (that driver was lost too)
             fixes = sum((_usage(r) for r in mine if r["seq"] < 0 and r["category"] == job.category), Usage())
             self.settled[job] = Settlement(attempt, setup, training, training + fixes, Usage(), "wasted", device)
             return
-        c = Account(job, attempt, "resumed", started=True, setup=setup, reported=setup + training, device=device,
-                    step=max((r["step"] for r in mine if r["step"] is not None), default=0))
+        c = Account(
+            job,
+            attempt,
+            "resumed",
+            started=True,
+            setup=setup,
+            reported=setup + training,
+            device=device,
+            step=max((r["step"] for r in mine if r["step"] is not None), default=0),
+        )
         self._settle(c, Settlement(attempt, setup, training, self._kept(c), Usage(), "wasted", device), "driver lost")
 
 

@@ -4,6 +4,7 @@ fixed_size_binary column.
 Prepare writes them a corpus part at a time (every part's files are its own, so parts are written in
 parallel); readers memory-map the files and verify each file's checksum against the manifest before use.
 """
+
 from __future__ import annotations
 
 import logging
@@ -43,7 +44,7 @@ def rows_to_numpy(arr: pa.FixedSizeBinaryArray, seq_bytes: int) -> np.ndarray:
     """Zero-copy (rows, seq_bytes) uint8 view of a fixed_size_binary array."""
     buf = arr.buffers()[1]
     flat = np.frombuffer(buf, dtype=np.uint8)
-    return flat[arr.offset * seq_bytes:(arr.offset + len(arr)) * seq_bytes].reshape(len(arr), seq_bytes)
+    return flat[arr.offset * seq_bytes : (arr.offset + len(arr)) * seq_bytes].reshape(len(arr), seq_bytes)
 
 
 def write_rows(store: Store, rel: str, rows: pa.FixedSizeBinaryArray, scratch: str | None = None) -> dict:
@@ -54,42 +55,70 @@ def write_rows(store: Store, rel: str, rows: pa.FixedSizeBinaryArray, scratch: s
         with pa.OSFile(os.fsencode(staged.path), "wb") as sink, ipc.new_file(sink, schema(seq_bytes)) as writer:
             for a in range(0, len(rows), BATCH_ROWS):
                 writer.write_batch(pa.record_batch([rows.slice(a, BATCH_ROWS)], schema=schema(seq_bytes)))
-        entry = {"name": rel.rsplit("/", 1)[-1], "rows": len(rows), "bytes": os.path.getsize(staged.path), "sha256": file_sha256(staged.path)}
+        entry = {
+            "name": rel.rsplit("/", 1)[-1],
+            "rows": len(rows),
+            "bytes": os.path.getsize(staged.path),
+            "sha256": file_sha256(staged.path),
+        }
         staged.publish()
     return entry
 
 
-def write_part_shards(store: Store, part: int, seqs: pa.FixedSizeBinaryArray, labels: np.ndarray, before: np.ndarray,
-                      val_fraction: float, rows_per_file: int) -> dict[int, dict[str, list[dict]]]:
+def write_part_shards(
+    store: Store,
+    part: int,
+    seqs: pa.FixedSizeBinaryArray,
+    labels: np.ndarray,
+    before: np.ndarray,
+    val_fraction: float,
+    rows_per_file: int,
+) -> dict[int, dict[str, list[dict]]]:
     """A corpus part's sequences into each expert's shard: shards/expert-E/train-PPPPP-KK.arrow (at most
     rows_per_file rows each) and val-PPPPP.arrow. `before[e]` counts expert e's sequences in the parts before
     this one: an expert's sequences, in corpus order, are val at every val_every-th place. Returns
     {expert: {"train": entries, "val": entries}} for the experts with rows here."""
     every = val_every(val_fraction)
-    order = np.argsort(labels, kind="stable")                    # by expert, corpus order within each
+    order = np.argsort(labels, kind="stable")  # by expert, corpus order within each
     bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=len(before)))])
     out: dict[int, dict[str, list[dict]]] = {}
     with store.scratch() if not store.local else nullcontext() as tmp:
         for e in np.flatnonzero(np.diff(bounds)).tolist():
-            idx = order[bounds[e]:bounds[e + 1]]
+            idx = order[bounds[e] : bounds[e + 1]]
             val = (before[e] + np.arange(len(idx))) % every == every - 1
             base = f"shards/{expert_name(e)}"
             train = seqs.take(pa.array(idx[~val]))
-            files = {"train": [write_rows(store, f"{base}/train-{part:05d}-{k:02d}.arrow", train.slice(a, rows_per_file), tmp)
-                               for k, a in enumerate(range(0, len(train), rows_per_file))], "val": []}
+            files = {
+                "train": [
+                    write_rows(store, f"{base}/train-{part:05d}-{k:02d}.arrow", train.slice(a, rows_per_file), tmp)
+                    for k, a in enumerate(range(0, len(train), rows_per_file))
+                ],
+                "val": [],
+            }
             if val.any():
-                files["val"].append(write_rows(store, f"{base}/val-{part:05d}.arrow", seqs.take(pa.array(idx[val])), tmp))
+                files["val"].append(
+                    write_rows(store, f"{base}/val-{part:05d}.arrow", seqs.take(pa.array(idx[val])), tmp)
+                )
             out[e] = files
     return out
 
 
-def write_manifests(store: Store, n_experts: int, seq_bytes: int, written: list[dict[int, dict[str, list[dict]]]]) -> list[dict]:
+def write_manifests(
+    store: Store, n_experts: int, seq_bytes: int, written: list[dict[int, dict[str, list[dict]]]]
+) -> list[dict]:
     """Every expert's manifest.json from the parts' written files (in part order); returns the manifests."""
     manifests = []
     for e in range(n_experts):
-        files = {split: [entry for part in written for entry in part.get(e, {}).get(split, [])] for split in ("train", "val")}
-        m = {"expert": e, "seq_bytes": seq_bytes, **files, "train_rows": sum(x["rows"] for x in files["train"]),
-             "val_rows": sum(x["rows"] for x in files["val"])}
+        files = {
+            split: [entry for part in written for entry in part.get(e, {}).get(split, [])] for split in ("train", "val")
+        }
+        m = {
+            "expert": e,
+            "seq_bytes": seq_bytes,
+            **files,
+            "train_rows": sum(x["rows"] for x in files["train"]),
+            "val_rows": sum(x["rows"] for x in files["val"]),
+        }
         store.write_json(f"shards/{expert_name(e)}/manifest.json", m)
         manifests.append(m)
     return manifests
@@ -98,6 +127,7 @@ def write_manifests(store: Store, n_experts: int, seq_bytes: int, written: list[
 @dataclass
 class Shard:
     """An expert's sequences, memory-mapped: `train` and `val` are lists of (rows, seq_bytes) uint8 views."""
+
     expert: int
     seq_bytes: int
     train: list[np.ndarray]
@@ -112,14 +142,20 @@ class Shard:
         parts = self.train if split == "train" else self.val
         bounds = np.cumsum([0] + [len(a) for a in parts])
         f = np.searchsorted(bounds, rows, side="right") - 1
-        return np.stack([parts[fi][r - bounds[fi]] for fi, r in zip(f, rows)]) if len(rows) else np.zeros((0, self.seq_bytes), np.uint8)
+        return (
+            np.stack([parts[fi][r - bounds[fi]] for fi, r in zip(f, rows)])
+            if len(rows)
+            else np.zeros((0, self.seq_bytes), np.uint8)
+        )
 
 
 def _open_file(path: str, entry: dict, seq_bytes: int, where: str) -> np.ndarray:
     if not os.path.exists(path):
         raise SomaError(f"shard file {where} is missing; re-run soma prepare on a new campaign URL")
     if file_sha256(path) != entry["sha256"]:
-        raise ChecksumError(f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL")
+        raise ChecksumError(
+            f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL"
+        )
     return _rows(pa.memory_map(os.fsencode(path), "r"), entry, seq_bytes, where)
 
 
@@ -130,7 +166,9 @@ def _rows(source, entry: dict, seq_bytes: int, where: str) -> np.ndarray:
         raise ChecksumError(f"shard file {where} is not a readable Arrow IPC file; re-run soma prepare") from None
     col = table.column(COLUMN).combine_chunks()
     if len(col) != entry["rows"]:
-        raise ChecksumError(f"shard file {where} holds {len(col)} rows, manifest says {entry['rows']}; re-run soma prepare")
+        raise ChecksumError(
+            f"shard file {where} holds {len(col)} rows, manifest says {entry['rows']}; re-run soma prepare"
+        )
     return rows_to_numpy(col, seq_bytes)
 
 
@@ -146,7 +184,9 @@ def _open_cached(store: Store, rel: str, entry: dict, seq_bytes: int, cache: str
         log.warning("read cache %s unusable (%s): reading %s into memory", cache, condition_of(exc), where)
         data = store.read_bytes(rel)
         if sha256(data) != entry["sha256"]:
-            raise ChecksumError(f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL") from None
+            raise ChecksumError(
+                f"shard file {where} fails its checksum (corrupt); re-run soma prepare on a new campaign URL"
+            ) from None
         return _rows(pa.BufferReader(data), entry, seq_bytes, where)
     return _open_file(path, entry, seq_bytes, where)
 
@@ -156,6 +196,8 @@ def open_shard(store: Store, expert: int, cache_dir: str | None = None) -> Shard
     manifest = store.read_json(f"{base}/manifest.json")
     cache = cache_dir or os.path.join(tempfile.gettempdir(), "soma-cache")
     seq_bytes = manifest["seq_bytes"]
-    splits = {split: [_open_cached(store, f"{base}/{e['name']}", e, seq_bytes, cache) for e in manifest[split]]
-              for split in ("train", "val")}
+    splits = {
+        split: [_open_cached(store, f"{base}/{e['name']}", e, seq_bytes, cache) for e in manifest[split]]
+        for split in ("train", "val")
+    }
     return Shard(expert, seq_bytes, splits["train"], splits["val"])

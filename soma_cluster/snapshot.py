@@ -6,6 +6,7 @@ written before this file existed, from its events log and ledger.
 The schema (`schema: 1`) is part of the CLI's contract (`soma status --json` prints it; README, "JSON output");
 fields are only ever added.
 """
+
 from __future__ import annotations
 
 import time
@@ -43,12 +44,31 @@ def job_state(sched: Scheduler, job: Job) -> str:
     return "queued" if unit is not None else "pending"
 
 
-def _row(cfg: CampaignConfig, job: Job, state: str, view: JobView, spent_s: float, left_s: float | None, retries: int,
-         beat_age_s: float | None = None) -> dict:
-    return {"job": job.name, "expert": job.expert, "state": state, "step": view.step, "target": target(cfg, job),
-            "val": view.val, "gpu_hours": spent_s / 3600.0, "budget_left_gpu_hours": None if left_s is None else max(0.0, left_s) / 3600.0,
-            "retries": retries, "node": view.node, "device": view.device, "last_error": view.last_error,
-            "heartbeat_age_s": beat_age_s}
+def _row(
+    cfg: CampaignConfig,
+    job: Job,
+    state: str,
+    view: JobView,
+    spent_s: float,
+    left_s: float | None,
+    retries: int,
+    beat_age_s: float | None = None,
+) -> dict:
+    return {
+        "job": job.name,
+        "expert": job.expert,
+        "state": state,
+        "step": view.step,
+        "target": target(cfg, job),
+        "val": view.val,
+        "gpu_hours": spent_s / 3600.0,
+        "budget_left_gpu_hours": None if left_s is None else max(0.0, left_s) / 3600.0,
+        "retries": retries,
+        "node": view.node,
+        "device": view.device,
+        "last_error": view.last_error,
+        "heartbeat_age_s": beat_age_s,
+    }
 
 
 def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
@@ -60,11 +80,15 @@ def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
         left = None if state in TERMINAL else sched.left(job)
         unit = sched.open.get(job)
         age = sched.clock() - unit.last_beat if unit is not None and unit.phase == "running" else None
-        out[job.name] = _row(sched.cfg, job, state, sched.seen.get(job, JobView()), spent, left, sched.failures.get(job, 0), age)
+        out[job.name] = _row(
+            sched.cfg, job, state, sched.seen.get(job, JobView()), spent, left, sched.failures.get(job, 0), age
+        )
     return out
 
 
-def history_rows(cfg: CampaignConfig, hist: dict[str, JobHistory], totals: Totals, jobs: list[Job] | None = None) -> dict[str, dict]:
+def history_rows(
+    cfg: CampaignConfig, hist: dict[str, JobHistory], totals: Totals, jobs: list[Job] | None = None
+) -> dict[str, dict]:
     """job name -> row, from the events log: what a job's last state-changing event says (no driver is running)."""
     out = {}
     for job in jobs if jobs is not None else [SEED_JOB] + expert_jobs(cfg):
@@ -80,8 +104,14 @@ def _history_state(h: JobHistory | None) -> str:
         return "pending"
     if h.terminal:
         return h.state
-    return {"queued": "queued", "retried": "retrying", "retry_scheduled": "retrying", "failed": "retrying",
-            "preempted": "preempted", "reopened": "pending"}.get(h.state, "running" if h.state in ("launched", "started") else "pending")
+    return {
+        "queued": "queued",
+        "retried": "retrying",
+        "retry_scheduled": "retrying",
+        "failed": "retrying",
+        "preempted": "preempted",
+        "reopened": "pending",
+    }.get(h.state, "running" if h.state in ("launched", "started") else "pending")
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
@@ -96,9 +126,20 @@ def eta_s(rows: list[dict], rate: float | None) -> float | None:
     return left / rate if rate else None
 
 
-def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: dict[str, float], devices: dict[str, float],
-          *, started_at: float | None, rate: float | None, final: bool, source: str, running: set[str] | None = None,
-          driver: dict | None = None) -> dict:
+def build(
+    cfg: CampaignConfig,
+    url: str,
+    rows: dict[str, dict],
+    by_category_s: dict[str, float],
+    devices: dict[str, float],
+    *,
+    started_at: float | None,
+    rate: float | None,
+    final: bool,
+    source: str,
+    running: set[str] | None = None,
+    driver: dict | None = None,
+) -> dict:
     """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
     `running` (the driver's own; all by default) at `rate` updates per second. `driver` says who wrote it and whether
     it stopped before its jobs ended: then the jobs it had in flight are `interrupted`."""
@@ -107,12 +148,30 @@ def build(cfg: CampaignConfig, url: str, rows: dict[str, dict], by_category_s: d
     listed = [{**r, "state": "interrupted"} if stopped and r["state"] in IN_FLIGHT else r for r in rows.values()]
     elapsed = now - started_at if started_at is not None else 0.0
     hours = {c: by_category_s.get(c, 0.0) / 3600.0 for c in CATEGORIES}
-    return {"schema": SCHEMA, "source": source, "campaign": url, "name": cfg.name, "preset": cfg.preset, "written_at": now,
-            "driver_started_at": started_at, "elapsed_s": elapsed, "final": final,
-            "unit": hours_unit(devices), "counts": counts(listed), "gpu_hours": hours, "gpu_hours_total": sum(hours.values()),
-            "budget": {"expert_gpu_hours": cfg.budget.expert_gpu_hours, "campaign_gpu_hours": cfg.budget.campaign_gpu_hours},
-            "eta_s": None if final or stopped else eta_s([r for r in listed if running is None or r["job"] in running], rate),
-            "driver": driver, "jobs": listed}
+    return {
+        "schema": SCHEMA,
+        "source": source,
+        "campaign": url,
+        "name": cfg.name,
+        "preset": cfg.preset,
+        "written_at": now,
+        "driver_started_at": started_at,
+        "elapsed_s": elapsed,
+        "final": final,
+        "unit": hours_unit(devices),
+        "counts": counts(listed),
+        "gpu_hours": hours,
+        "gpu_hours_total": sum(hours.values()),
+        "budget": {
+            "expert_gpu_hours": cfg.budget.expert_gpu_hours,
+            "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
+        },
+        "eta_s": None
+        if final or stopped
+        else eta_s([r for r in listed if running is None or r["job"] in running], rate),
+        "driver": driver,
+        "jobs": listed,
+    }
 
 
 def summary_line(snap: dict) -> str:
@@ -121,8 +180,10 @@ def summary_line(snap: dict) -> str:
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0)
     eta = snap["eta_s"]
     eta_text = "-" if eta is None else fmt_duration(eta)
-    return (f"[soma {time.strftime('%H:%M:%S', time.localtime(snap['written_at']))}] {snap['name']}: {c} | "
-            f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}) | elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}")
+    return (
+        f"[soma {time.strftime('%H:%M:%S', time.localtime(snap['written_at']))}] {snap['name']}: {c} | "
+        f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}) | elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}"
+    )
 
 
 def fmt_duration(s: float) -> str:

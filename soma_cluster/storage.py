@@ -4,6 +4,7 @@ Object stores cannot append or rename, so every write here is a single whole-obj
 temp name + rename), and an "append-only log" is a local JSONL file or, on object stores, a sequence
 of small ordered objects that readers list and merge.
 """
+
 from __future__ import annotations
 
 import errno
@@ -12,10 +13,10 @@ import json
 import logging
 import math
 import os
-import shutil
-import socket
 import queue
 import re
+import shutil
+import socket
 import tempfile
 import threading
 import time
@@ -42,18 +43,23 @@ _PRIVATE = (".tmp-", ".soma-")
 # Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, SomaError)
 _TRANSIENT: tuple[type[BaseException], ...] | None = None
-SCRATCH = "soma-scratch-"        # Store.scratch's directories: <.>soma-scratch-<host>-<pid>-<random>
-_CAS_LOCK = threading.Lock()      # Store.write_if on a filesystem, between this process's threads
+SCRATCH = "soma-scratch-"  # Store.scratch's directories: <.>soma-scratch-<host>-<pid>-<random>
+_CAS_LOCK = threading.Lock()  # Store.write_if on a filesystem, between this process's threads
 # OSErrors (a local disk's, e.g. a download into a full temp dir) that a retry within seconds cannot fix
-_DISK_PERMANENT = (DiskCondition.FULL, DiskCondition.READ_ONLY, DiskCondition.NOT_A_DIRECTORY, DiskCondition.IS_A_DIRECTORY,
-                   DiskCondition.CROSS_DEVICE)
+_DISK_PERMANENT = (
+    DiskCondition.FULL,
+    DiskCondition.READ_ONLY,
+    DiskCondition.NOT_A_DIRECTORY,
+    DiskCondition.IS_A_DIRECTORY,
+    DiskCondition.CROSS_DEVICE,
+)
 
 # Where an s3:// endpoint may come from (first set wins); credentials are never read from here.
 ENDPOINT_ENV = ("SOMA_S3_ENDPOINT", "AWS_ENDPOINT_URL_S3", "AWS_ENDPOINT_URL")
 # How long one storage call may keep retrying an object store it cannot reach before it reports it (seconds).
 TIMEOUT_ENV = "SOMA_S3_TIMEOUT_S"
 DEFAULT_TIMEOUT_S = 15.0
-CONNECT_TIMEOUT_S = 5.0        # per attempt (s3fs's own default, stated so the deadline can count on it)
+CONNECT_TIMEOUT_S = 5.0  # per attempt (s3fs's own default, stated so the deadline can count on it)
 
 
 def transient_errors() -> tuple[type[BaseException], ...]:
@@ -68,16 +74,19 @@ def transient_errors() -> tuple[type[BaseException], ...]:
         try:
             from botocore.exceptions import ConnectionError as BotoConnectionError
             from botocore.exceptions import HTTPClientError
+
             found += [BotoConnectionError, HTTPClientError]
         except ImportError:  # pragma: no cover - s3fs pulls botocore in
             pass
         try:
             from aiohttp import ClientError
+
             found.append(ClientError)
         except ImportError:  # pragma: no cover
             pass
         try:
             from fsspec.exceptions import FSTimeoutError
+
             found.append(FSTimeoutError)
         except ImportError:  # pragma: no cover
             pass
@@ -110,13 +119,15 @@ def storage_timeout_s(environ: dict[str, str] | None = None) -> float:
     except ValueError:
         value = math.nan
     if not value > 0:
-        raise SomaError(f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; "
-                        f"set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}")
+        raise SomaError(
+            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}"
+        )
     return value
 
 
-def with_s3_defaults(url: str, options: dict[str, Any], botocore_attempts: int,
-                     connect_timeout_s: float = CONNECT_TIMEOUT_S) -> dict[str, Any]:
+def with_s3_defaults(
+    url: str, options: dict[str, Any], botocore_attempts: int, connect_timeout_s: float = CONNECT_TIMEOUT_S
+) -> dict[str, Any]:
     """fsspec options for `url` with botocore's timeouts and retry count stated, where the caller did not.
 
     There is one retry layer per reader: a Store retries in `retrying` (so botocore makes one attempt,
@@ -140,8 +151,15 @@ def endpoint_of(options: dict[str, Any]) -> str:
     return f"{parts.scheme}://{parts.hostname}" + (f":{parts.port}" if parts.port else "")
 
 
-def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float, hint: str,
-             max_tries: int | None = None, on_retry: Callable[[], None] = lambda: None) -> T:
+def retrying(
+    fn: Callable[[], T],
+    what: str,
+    timeout_s: float,
+    attempt_s: float,
+    hint: str,
+    max_tries: int | None = None,
+    on_retry: Callable[[], None] = lambda: None,
+) -> T:
     """fn(), with transient remote errors (an object store restarting, a dropped or refused connection)
     retried with backoff 0.2 s, 0.4 s, ... 5 s for at most `timeout_s` in all: an attempt starts only
     while it can still time out (`attempt_s`, the connect timeout) within that bound. Then one StorageUnreachable
@@ -156,12 +174,14 @@ def retrying(fn: Callable[[], T], what: str, timeout_s: float, attempt_s: float,
         except _PERMANENT:
             raise
         except transient_errors() as exc:  # refused/reset/timed-out connection, 5xx (OSError via s3fs)
-            if condition_of(exc) in _DISK_PERMANENT:        # a local disk condition: no retry fixes it in seconds
+            if condition_of(exc) in _DISK_PERMANENT:  # a local disk condition: no retry fixes it in seconds
                 raise
             now = time.monotonic()
             if now >= last_start or (max_tries is not None and tries >= max_tries):
                 n = f"{tries} tries" if tries > 1 else "1 try"
-                raise StorageUnreachable(f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}") from None
+                raise StorageUnreachable(
+                    f"{what} failed after {n} in {now - t0:.1f} s ({type(exc).__name__}); {hint}"
+                ) from None
             wait = min(delay, last_start - now)
             # the type only: messages and storage options are never logged (they can name credentials)
             log.warning("%s failed (%s), retry %d in %.1f s", what, type(exc).__name__, tries, wait)
@@ -194,12 +214,17 @@ class Store:
     """Reads and writes artifacts under one campaign root. `fence`, when set (the driver's lease check), is called
     before every write, so a driver that lost the campaign to another writes nothing more."""
 
-    def __init__(self, url: str, storage_options: dict[str, Any] | None = None, retries: int | None = None,
-                 timeout_s: float | None = None):
+    def __init__(
+        self,
+        url: str,
+        storage_options: dict[str, Any] | None = None,
+        retries: int | None = None,
+        timeout_s: float | None = None,
+    ):
         """`retries` caps the retries of one call (none: only the time bound); `timeout_s` is that bound
         (default: SOMA_S3_TIMEOUT_S, else 15 s). Both matter only for remote stores."""
         self.url = url.rstrip("/")
-        self.storage_options = dict(storage_options or {})     # as given: what workers are handed
+        self.storage_options = dict(storage_options or {})  # as given: what workers are handed
         remote = "://" in self.url and not self.url.startswith("file://")
         self.timeout_s = timeout_s if timeout_s is not None else storage_timeout_s() if remote else DEFAULT_TIMEOUT_S
         # a connect timeout of at most a third of the bound leaves room for retries within it
@@ -209,20 +234,20 @@ class Store:
         protocols = self.fs.protocol if isinstance(self.fs.protocol, tuple) else (self.fs.protocol,)
         self.local = "file" in protocols
         if "s3" in protocols:
-            self.fs.retries = 1      # s3fs's own loop (timeouts, resets) would stack under `retrying` too
+            self.fs.retries = 1  # s3fs's own loop (timeouts, resets) would stack under `retrying` too
         self.retries = retries
         self.connect_timeout_s = float((options.get("config_kwargs") or {}).get("connect_timeout", CONNECT_TIMEOUT_S))
         self._endpoint = endpoint_of(options)
-        self._log_cache: dict[str, dict[str, list[dict[str, Any]]]] = {}   # remote logs: object name -> its records
-        self._batch: dict[str, list[str]] | None = None    # appends held back inside `batch()`: log -> lines
-        self._writer: _LogWriter | None = None              # the background writer of a `batch(background=True)`
-        self._tails_checked: set[str] = set()              # local logs whose unterminated last record was cut off
+        self._log_cache: dict[str, dict[str, list[dict[str, Any]]]] = {}  # remote logs: object name -> its records
+        self._batch: dict[str, list[str]] | None = None  # appends held back inside `batch()`: log -> lines
+        self._writer: _LogWriter | None = None  # the background writer of a `batch(background=True)`
+        self._tails_checked: set[str] = set()  # local logs whose unterminated last record was cut off
         self.fence: Callable[[], None] | None = None
         # a local campaign directory seen to exist is never silently re-created: one that vanishes while a
         # command runs is an error (ENOENT naming it), not a fresh half-campaign
         self._root_seen = self.local and os.path.isdir(self.root)
 
-    def __repr__(self) -> str:          # never the storage options: they may hold credentials
+    def __repr__(self) -> str:  # never the storage options: they may hold credentials
         return f"Store({self.url!r})"
 
     # -- plumbing -----------------------------------------------------------------------------------------
@@ -254,8 +279,10 @@ class Store:
         try:
             self.write_bytes(probe, b"probe")
         except PermissionError:
-            raise SomaError(f"{self.url}: access denied writing there with these credentials; use credentials that may "
-                            f"write it (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE), or a writable campaign URL") from None
+            raise SomaError(
+                f"{self.url}: access denied writing there with these credentials; use credentials that may "
+                f"write it (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE), or a writable campaign URL"
+            ) from None
         self.remove(probe)
 
     @contextmanager
@@ -269,7 +296,9 @@ class Store:
         else:
             base = require_temp_dir(need_bytes)
         # the host and pid in its name tell a later command whether its maker is gone (sweep_scratch)
-        path = tempfile.mkdtemp(prefix=f"{'.' if self.local else ''}{SCRATCH}{socket.gethostname()}-{os.getpid()}-", dir=base)
+        path = tempfile.mkdtemp(
+            prefix=f"{'.' if self.local else ''}{SCRATCH}{socket.gethostname()}-{os.getpid()}-", dir=base
+        )
         try:
             yield path
         except OSError as exc:
@@ -303,11 +332,20 @@ class Store:
         """fn() through `retrying` (the only retry layer: botocore is told to make one attempt)."""
         if self.local:
             return fn()
-        hint = (f"check that {self._endpoint} is up and reachable from here (SOMA_S3_ENDPOINT), "
-                f"or allow longer with {TIMEOUT_ENV} (now {self.timeout_s:g})")
+        hint = (
+            f"check that {self._endpoint} is up and reachable from here (SOMA_S3_ENDPOINT), "
+            f"or allow longer with {TIMEOUT_ENV} (now {self.timeout_s:g})"
+        )
         # a listing cached before an outage may be stale after it
-        return retrying(fn, f"storage {self.url}: {what}", self.timeout_s, self.connect_timeout_s, hint,
-                        None if self.retries is None else self.retries + 1, self.fs.invalidate_cache)
+        return retrying(
+            fn,
+            f"storage {self.url}: {what}",
+            self.timeout_s,
+            self.connect_timeout_s,
+            hint,
+            None if self.retries is None else self.retries + 1,
+            self.fs.invalidate_cache,
+        )
 
     def require_bucket(self) -> None:
         """On s3://, the bucket exists and answers: checked before work that ends in writing to it."""
@@ -317,11 +355,15 @@ class Store:
         try:
             self._retry(f"check bucket {bucket}", lambda: self.fs.info(bucket, refresh=True))
         except FileNotFoundError:
-            raise SomaError(f"bucket {bucket} of {self.url} does not exist at {self._endpoint}; create it "
-                            f"(e.g. aws s3 mb s3://{bucket}) or choose a campaign URL in an existing bucket") from None
+            raise SomaError(
+                f"bucket {bucket} of {self.url} does not exist at {self._endpoint}; create it "
+                f"(e.g. aws s3 mb s3://{bucket}) or choose a campaign URL in an existing bucket"
+            ) from None
         except PermissionError:
-            raise SomaError(f"bucket {bucket} of {self.url}: access denied with these credentials; use credentials "
-                            f"that may write there (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)") from None
+            raise SomaError(
+                f"bucket {bucket} of {self.url}: access denied with these credentials; use credentials "
+                f"that may write there (AWS_ACCESS_KEY_ID/AWS_SECRET_ACCESS_KEY or AWS_PROFILE)"
+            ) from None
 
     # -- whole objects ------------------------------------------------------------------------------------
     def exists(self, rel: str) -> bool:
@@ -337,6 +379,7 @@ class Store:
                 return True
             except FileNotFoundError:
                 return False
+
         return self._retry(f"exists {rel}", probe)
 
     def read_bytes(self, rel: str) -> bytes:
@@ -377,12 +420,12 @@ class Store:
             if found is None or found[1] != version:
                 return False
             os.unlink(path)
-            os.unlink(lockpath)            # lockers check that the file they locked is still this path's
+            os.unlink(lockpath)  # lockers check that the file they locked is still this path's
         if rmdir:
             try:
                 os.rmdir(os.path.dirname(path))
             except OSError:
-                pass                       # not empty: someone else's now
+                pass  # not empty: someone else's now
         return True
 
     # -- compare-and-swap (the driver lease) ---------------------------------------------------------------
@@ -405,6 +448,7 @@ class Store:
                 return self.fs.cat_file(path), etag
             except FileNotFoundError:
                 return None
+
         return self._retry(f"read {rel}", get)
 
     def write_if(self, rel: str, data: bytes, version: str | None) -> str:
@@ -428,10 +472,11 @@ class Store:
             except (FileExistsError, OSError) as exc:
                 if not _precondition_failed(exc):
                     raise
-                found = self.read_versioned(rel)     # our own PUT may have landed before a retry: then it is ours
+                found = self.read_versioned(rel)  # our own PUT may have landed before a retry: then it is ours
                 if found is None or found[0] != data:
                     raise VersionConflict(rel) from None
             return self.fs.info(path, refresh=True)["ETag"]
+
         return self._retry(f"write {rel}", put)
 
     def write_new(self, rel: str, data: bytes) -> None:
@@ -457,6 +502,7 @@ class Store:
             except FileNotFoundError:
                 pass
             self.fs.invalidate_cache(path)
+
         self._retry(f"remove {rel}", rm)
 
     def remove_tree(self, rel: str) -> None:
@@ -477,6 +523,7 @@ class Store:
             except FileNotFoundError:
                 pass
             self.fs.invalidate_cache(path)
+
         self._retry(f"remove {rel}", rm)
 
     def write_json(self, rel: str, obj: dict[str, Any]) -> None:
@@ -498,10 +545,13 @@ class Store:
 
         def ls() -> list[str]:
             try:
-                names = (PurePosixPath(p).name for p in self.fs.ls(path, detail=False, refresh=True) if p.rstrip("/") != path)
+                names = (
+                    PurePosixPath(p).name for p in self.fs.ls(path, detail=False, refresh=True) if p.rstrip("/") != path
+                )
                 return sorted(n for n in names if not n.startswith(_PRIVATE))
             except FileNotFoundError:
                 return []
+
         return self._retry(f"list {rel}", ls)
 
     def walk(self, rel: str) -> list[str]:
@@ -511,10 +561,11 @@ class Store:
 
         def find() -> list[str]:
             try:
-                return sorted(self.fs.find(base))        # s3fs lists a whole prefix from the server, never its cache
+                return sorted(self.fs.find(base))  # s3fs lists a whole prefix from the server, never its cache
             except FileNotFoundError:
                 return []
-        paths = [p[len(self.root) + 1:] for p in self._retry(f"list {rel}", find)]
+
+        paths = [p[len(self.root) + 1 :] for p in self._retry(f"list {rel}", find)]
         return [p for p in paths if not any(part.startswith(_PRIVATE) for part in PurePosixPath(p).parts)]
 
     def local_copy(self, rel: str, cache_dir: str, sha: str | None = None) -> str:
@@ -556,7 +607,7 @@ class Store:
         inside see them (they are written first). The batch's end writes and waits for everything. A background
         write that fails for the disk or the store (full, read-only, unreachable: soma_cluster/failures.py) is
         retried, in order, for up to `wait_s` seconds before it counts as failed."""
-        if self._batch is not None:          # nested: the outer batch writes
+        if self._batch is not None:  # nested: the outer batch writes
             yield
             return
         self._batch = {}
@@ -630,7 +681,7 @@ class Store:
             names = [n for n in self.listdir(f"{log}.d") if not n.startswith(".")]
             missing = [n for n in names if n not in cache]
             for a in range(0, len(missing), 256):
-                batch = {self.full(f"{log}.d/{n}"): n for n in missing[a:a + 256]}
+                batch = {self.full(f"{log}.d/{n}"): n for n in missing[a : a + 256]}
                 blobs = self._retry(f"read {log}", lambda: self.fs.cat(list(batch), on_error="raise"))
                 for path, n in batch.items():
                     cache[n] = _parse_lines(blobs[path], f"{where}.d/{n}")
@@ -659,7 +710,7 @@ class _LogWriter:
                 if self.error is None:
                     for log, lines in held.items():
                         self._write_waiting(log, lines)
-            except BaseException as exc:     # kept for the caller: records are never dropped silently
+            except BaseException as exc:  # kept for the caller: records are never dropped silently
                 self.error = exc
             finally:
                 self.queue.task_done()
@@ -695,7 +746,7 @@ def _cut_torn_tail(path: str, where: str) -> None:
     with fh:
         size = fh.seek(0, os.SEEK_END)
         end, block = size, 1 << 16
-        while end > 0:                                  # the last newline, read backwards a block at a time
+        while end > 0:  # the last newline, read backwards a block at a time
             start = max(0, end - block)
             fh.seek(start)
             nl = fh.read(end - start).rfind(b"\n")
@@ -707,7 +758,9 @@ def _cut_torn_tail(path: str, where: str) -> None:
             fh.truncate(end)
             fh.flush()
             os.fsync(fh.fileno())
-            log.warning("%s: cut off an unterminated last record (%d bytes) left by an interrupted write", where, size - end)
+            log.warning(
+                "%s: cut off an unterminated last record (%d bytes) left by an interrupted write", where, size - end
+            )
 
 
 def _replace_local(path: str, data: bytes) -> None:
@@ -733,10 +786,11 @@ def _cas_locked(path: str, ensure_dir: Callable[[str], str]) -> Iterator[str]:
     locks are the process's, and closing any of its descriptors drops them), so threads of this one take _CAS_LOCK
     first. A lock file unlinked by remove_if while this waited is not the lock any more: take the new one."""
     import fcntl
+
     lockpath = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.lock")
     with _CAS_LOCK:
         while True:
-            ensure_dir(os.path.dirname(path))      # never re-creates a campaign directory removed under the command
+            ensure_dir(os.path.dirname(path))  # never re-creates a campaign directory removed under the command
             with open(lockpath, "a+b") as lock:
                 fcntl.lockf(lock, fcntl.LOCK_EX)
                 try:
@@ -763,7 +817,7 @@ def _append_whole(fd: int, data: bytes) -> None:
     view = memoryview(data)
     try:
         while view:
-            view = view[os.write(fd, view):]
+            view = view[os.write(fd, view) :]
         _datasync(fd)
     except OSError:
         os.ftruncate(fd, start)
@@ -778,7 +832,9 @@ def _datasync(fd: int) -> None:
 
 def _parse_lines(raw: bytes, where: str) -> list[dict[str, Any]]:
     """A remote log object: one record (older '.json' objects) or JSON lines, each with its own checksum."""
-    return [parse_checked_json(line, f"{where} line {i + 1}") for i, line in enumerate(raw.splitlines()) if line.strip()]
+    return [
+        parse_checked_json(line, f"{where} line {i + 1}") for i, line in enumerate(raw.splitlines()) if line.strip()
+    ]
 
 
 def parse_checked_json(raw: bytes, where: str) -> dict[str, Any]:
@@ -846,7 +902,7 @@ def put_file(store: Store, local_path: str, rel: str) -> None:
     another filesystem than the campaign is copied beside the target first, so the last step is still an
     atomic rename (StagedFile avoids the copy by writing there in the first place)."""
     if not store.local:
-        store._fenced()                 # (locally, StagedFile.publish fences the rename)
+        store._fenced()  # (locally, StagedFile.publish fences the rename)
         store._retry(f"upload {rel}", lambda: store.fs.put_file(local_path, store.full(rel)))
         os.unlink(local_path)
         return

@@ -3,6 +3,7 @@
 Everything an update depends on is either in `TrainState` (checkpointed) or regenerated from
 (campaign seed, expert, step), so a run resumed from a checkpoint continues bitwise identically.
 """
+
 from __future__ import annotations
 
 import math
@@ -42,17 +43,17 @@ def pick_device() -> torch.device:
 
 @dataclass
 class TrainState:
-    body: torch.Tensor                 # (M,) float32
-    head: torch.Tensor                 # (256, e) float32
+    body: torch.Tensor  # (M,) float32
+    head: torch.Tensor  # (256, e) float32
     body_opt: Adam
-    head_opt: Adam | None              # None when the head is shared and frozen
+    head_opt: Adam | None  # None when the head is shared and frozen
     schedule: Schedule
     step: int = 0
     epoch: int = 0
-    cursor: int = 0                    # next position in this epoch's permutation of train rows
-    forwards: int = 0                  # perturbed-copy forwards (B windows each) spent so far
-    tokens: int = 0                    # byte-tokens processed by those forwards
-    history: list[dict] = field(default_factory=list)   # (step, train, val) points for the curve
+    cursor: int = 0  # next position in this epoch's permutation of train rows
+    forwards: int = 0  # perturbed-copy forwards (B windows each) spent so far
+    tokens: int = 0  # byte-tokens processed by those forwards
+    history: list[dict] = field(default_factory=list)  # (step, train, val) points for the curve
 
     def tensors(self) -> dict[str, torch.Tensor]:
         out = {"body": self.body, "head": self.head, "body_m": self.body_opt.m, "body_v": self.body_opt.v}
@@ -62,36 +63,71 @@ class TrainState:
 
     def scalars(self) -> dict:
         s = self.schedule
-        return {"step": self.step, "epoch": self.epoch, "cursor": self.cursor, "forwards": self.forwards,
-                "tokens": self.tokens, "body_t": self.body_opt.t, "head_t": self.head_opt.t if self.head_opt else 0,
-                "eps": s.eps, "lr": s.lr, "best_val": s.best_val if math.isfinite(s.best_val) else None,
-                "since_best": s.since_best, "halvings": s.halvings, "history": self.history}
+        return {
+            "step": self.step,
+            "epoch": self.epoch,
+            "cursor": self.cursor,
+            "forwards": self.forwards,
+            "tokens": self.tokens,
+            "body_t": self.body_opt.t,
+            "head_t": self.head_opt.t if self.head_opt else 0,
+            "eps": s.eps,
+            "lr": s.lr,
+            "best_val": s.best_val if math.isfinite(s.best_val) else None,
+            "since_best": s.since_best,
+            "halvings": s.halvings,
+            "history": self.history,
+        }
 
     @classmethod
     def restore(cls, tensors: dict[str, torch.Tensor], scalars: dict, device: torch.device) -> "TrainState":
         t = {k: v.to(device) for k, v in tensors.items()}
         head_opt = Adam(t["head_m"], t["head_v"], scalars["head_t"]) if "head_m" in t else None
         best = scalars["best_val"]
-        sched = Schedule(scalars["eps"], scalars["lr"], float("inf") if best is None else best, scalars["since_best"], scalars["halvings"])
-        return cls(t["body"], t["head"], Adam(t["body_m"], t["body_v"], scalars["body_t"]), head_opt, sched,
-                   scalars["step"], scalars["epoch"], scalars["cursor"], scalars["forwards"], scalars["tokens"], list(scalars["history"]))
+        sched = Schedule(
+            scalars["eps"],
+            scalars["lr"],
+            float("inf") if best is None else best,
+            scalars["since_best"],
+            scalars["halvings"],
+        )
+        return cls(
+            t["body"],
+            t["head"],
+            Adam(t["body_m"], t["body_v"], scalars["body_t"]),
+            head_opt,
+            sched,
+            scalars["step"],
+            scalars["epoch"],
+            scalars["cursor"],
+            scalars["forwards"],
+            scalars["tokens"],
+            list(scalars["history"]),
+        )
 
     @classmethod
     def fresh(cls, body: torch.Tensor, head: torch.Tensor, train_head: bool, eps: float, lr: float) -> "TrainState":
-        return cls(body.clone(), head.clone(), Adam.zeros_like(body), Adam.zeros_like(head) if train_head else None, Schedule(eps, lr))
+        return cls(
+            body.clone(),
+            head.clone(),
+            Adam.zeros_like(body),
+            Adam.zeros_like(head) if train_head else None,
+            Schedule(eps, lr),
+        )
 
 
 @dataclass
 class UpdateStats:
     step: int
-    loss: float          # nats/byte on this update's batch (near theta)
+    loss: float  # nats/byte on this update's batch (near theta)
     forwards: int
 
 
 @dataclass(frozen=True)
 class Method:
     """How the body is trained: SOMA's SPSA (objective in SPSAConfig), or a baseline of SPEC section 8."""
-    name: str = "spsa"                         # "spsa", "eggroll" or "bptt"
+
+    name: str = "spsa"  # "spsa", "eggroll" or "bptt"
     eggroll: EggrollConfig = EggrollConfig()
     bptt: BPTTConfig = BPTTConfig()
 
@@ -99,15 +135,27 @@ class Method:
 class Trainer:
     """Trains one expert on one shard. `seed` and `expert` name the RNG streams."""
 
-    def __init__(self, model: ModelConfig, spsa: SPSAConfig, shard: Shard, state: TrainState, seed: int, expert: int,
-                 device: torch.device, val_rows: int, method: Method = Method()):
+    def __init__(
+        self,
+        model: ModelConfig,
+        spsa: SPSAConfig,
+        shard: Shard,
+        state: TrainState,
+        seed: int,
+        expert: int,
+        device: torch.device,
+        val_rows: int,
+        method: Method = Method(),
+    ):
         self.model, self.spsa, self.shard, self.state = model, spsa, shard, state
         self.seed, self.expert, self.device, self.method = seed, expert, device, method
         self.layout = Layout(model)
         self.gain_mask = self.layout.gain_mask(device)
         self._perm: tuple[int, np.ndarray] | None = None
         n_val = min(val_rows, sum(len(a) for a in shard.val))
-        self.val_x, self.val_y = self._xy(shard.gather(np.arange(n_val), "val")[:, : spsa.seq_len]) if n_val else (None, None)
+        self.val_x, self.val_y = (
+            self._xy(shard.gather(np.arange(n_val), "val")[:, : spsa.seq_len]) if n_val else (None, None)
+        )
 
     # -- data ---------------------------------------------------------------------------------------------
     def _permutation(self, epoch: int) -> np.ndarray:
@@ -120,7 +168,7 @@ class Trainer:
         st, rows = self.state, []
         while n > 0:
             perm = self._permutation(st.epoch)
-            take = perm[st.cursor: st.cursor + n]
+            take = perm[st.cursor : st.cursor + n]
             rows.append(take)
             n -= len(take)
             st.cursor += len(take)
@@ -138,13 +186,15 @@ class Trainer:
         span = self.shard.seq_bytes - self.spsa.seq_len
         rng = np.random.default_rng(derive_seed(self.seed, self.expert, "crop", self.state.step, micro))
         offs = rng.integers(0, span + 1, size=len(seqs))
-        return self._xy(np.stack([s[o:o + self.spsa.seq_len] for s, o in zip(seqs, offs)]))
+        return self._xy(np.stack([s[o : o + self.spsa.seq_len] for s, o in zip(seqs, offs)]))
 
     # -- one update ---------------------------------------------------------------------------------------
     def update(self) -> UpdateStats:
         return update_experts([self])[0]
 
-    def apply(self, grad: torch.Tensor, head_grad: torch.Tensor | None, loss: float, forwards: int, tokens: int) -> UpdateStats:
+    def apply(
+        self, grad: torch.Tensor, head_grad: torch.Tensor | None, loss: float, forwards: int, tokens: int
+    ) -> UpdateStats:
         """Coupled weight decay, then Adam on the body (and on the head when it trains); the same for every method."""
         st, cfg = self.state, self.spsa
         grad = grad + cfg.weight_decay * st.body
@@ -161,8 +211,13 @@ class Trainer:
         """Mean nats/byte on the expert-validation rows (fixed rows, offset 0)."""
         if self.val_x is None:
             return float("nan")
-        losses = [copy_losses(self.model, self.state.body[None], self.state.head, self.val_x[i:i + 64], self.val_y[i:i + 64]) * len(self.val_x[i:i + 64])
-                  for i in range(0, len(self.val_x), 64)]
+        losses = [
+            copy_losses(
+                self.model, self.state.body[None], self.state.head, self.val_x[i : i + 64], self.val_y[i : i + 64]
+            )
+            * len(self.val_x[i : i + 64])
+            for i in range(0, len(self.val_x), 64)
+        ]
         return float(torch.stack(losses).sum() / len(self.val_x))
 
     def observe_val(self, val: float, updates_since_last: int) -> bool:
@@ -191,11 +246,18 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
             est_grad, est_loss, fw, hg = _backprop(trainers, x, y, heads)
         else:
             theta = torch.stack([t.state.body for t in trainers])
-            est = _zo_estimate(trainers, theta, micro, lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block))
+            est = _zo_estimate(
+                trainers,
+                theta,
+                micro,
+                lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block),
+            )
             est_grad, est_loss, fw, hg = est.grad, est.loss, est.forwards, None
             if train_head:  # the decoder learns from h at theta itself: one more forward per expert
                 h = body_forward(model, theta, heads, x, cfg.compile)
-                hg = [decoder_gradient(h[i:i + 1], t.state.head, y if g == 1 else y[i]) for i, t in enumerate(trainers)]
+                hg = [
+                    decoder_gradient(h[i : i + 1], t.state.head, y if g == 1 else y[i]) for i, t in enumerate(trainers)
+                ]
                 fw += 1
         grad += est_grad / cfg.accum
         loss += est_loss.double() / cfg.accum
@@ -203,14 +265,17 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
         if train_head:
             for i in range(g):
                 head_grad[i] += hg[i] / cfg.accum
-    tokens = forwards * x.shape[-2] * x.shape[-1]          # byte-tokens per expert: forwards x B x T
+    tokens = forwards * x.shape[-2] * x.shape[-1]  # byte-tokens per expert: forwards x B x T
     bad = [i for i in range(g) if not math.isfinite(float(loss[i])) or not torch.isfinite(grad[i]).all()]
-    if bad:             # checked for all before any is applied, so a pack can drop the bad ones and redo the rest
+    if bad:  # checked for all before any is applied, so a pack can drop the bad ones and redo the rest
         for t, (epoch, cursor) in zip(trainers, cursors):
             t.state.epoch, t.state.cursor = epoch, cursor
         t = trainers[bad[0]]
         raise NonFiniteLoss(f"expert {t.expert}: non-finite loss {float(loss[bad[0]])} at step {t.state.step}", bad)
-    return [t.apply(grad[i], head_grad[i] if train_head else None, float(loss[i]), forwards, tokens) for i, t in enumerate(trainers)]
+    return [
+        t.apply(grad[i], head_grad[i] if train_head else None, float(loss[i]), forwards, tokens)
+        for i, t in enumerate(trainers)
+    ]
 
 
 def _packed_batch(trainers: list[Trainer], micro: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -218,8 +283,11 @@ def _packed_batch(trainers: list[Trainer], micro: int) -> tuple[torch.Tensor, to
     batches = [t.batch(micro) for t in trainers]
     if len(trainers) == 1:
         return batches[0][0], batches[0][1], trainers[0].state.head
-    return (torch.stack([b[0] for b in batches]), torch.stack([b[1] for b in batches]),
-            torch.stack([t.state.head for t in trainers]))
+    return (
+        torch.stack([b[0] for b in batches]),
+        torch.stack([b[1] for b in batches]),
+        torch.stack([t.state.head for t in trainers]),
+    )
 
 
 def _zo_estimate(trainers: list[Trainer], theta: torch.Tensor, micro: int, loss_fn):
@@ -227,12 +295,24 @@ def _zo_estimate(trainers: list[Trainer], theta: torch.Tensor, micro: int, loss_
     Probes/directions are regenerated from (campaign seed, expert, step, micro-batch)."""
     t0 = trainers[0]
     cfg, m = t0.spsa, t0.method
-    scale = [t.state.schedule.eps for t in trainers]          # SPSA's eps, or EGGROLL's sigma
+    scale = [t.state.schedule.eps for t in trainers]  # SPSA's eps, or EGGROLL's sigma
     if m.name == "eggroll":
-        e = torch.stack([directions(t.layout, cfg.n_pert, m.eggroll.rank, derive_seed(t.seed, t.expert, "eggroll", t.state.step, micro),
-                                    t.device) for t in trainers])
+        e = torch.stack(
+            [
+                directions(
+                    t.layout,
+                    cfg.n_pert,
+                    m.eggroll.rank,
+                    derive_seed(t.seed, t.expert, "eggroll", t.state.step, micro),
+                    t.device,
+                )
+                for t in trainers
+            ]
+        )
         return eggroll_estimate(theta, e, scale, loss_fn, cfg.pert_chunk)
-    z = torch.stack([probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers])
+    z = torch.stack(
+        [probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers]
+    )
     return spsa_estimate(theta, z, scale, loss_fn, cfg.pert_chunk, summed=cfg.objective == "summed")
 
 
@@ -244,8 +324,8 @@ def _backprop(trainers: list[Trainer], x: torch.Tensor, y: torch.Tensor, heads: 
     with torch.enable_grad():
         theta = torch.stack([t.state.body for t in trainers]).requires_grad_(True)
         h = heads.detach().clone().requires_grad_(True) if train_head else heads
-        losses = copy_losses(t0.model, theta, h, x, y, block=t0.spsa.time_block)        # (G,)
-        losses.sum().backward()                                                         # experts are independent
+        losses = copy_losses(t0.model, theta, h, x, y, block=t0.spsa.time_block)  # (G,)
+        losses.sum().backward()  # experts are independent
     grad = theta.grad
     head_grad = (h.grad if h.grad.dim() == 3 else h.grad[None]) if train_head else None
     clip = t0.method.bptt.grad_clip

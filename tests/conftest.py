@@ -1,4 +1,5 @@
 """Shared fixtures: Ray on loopback only, a small real-text corpus, a micro campaign config, the CLI runner."""
+
 from __future__ import annotations
 
 import os
@@ -8,7 +9,11 @@ import sys
 import tempfile
 from pathlib import Path
 
-for _k, _v in {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}.items():
+for _k, _v in {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+    "RAY_AUTH_MODE": "disabled",
+    "RAY_USAGE_STATS_ENABLED": "0",
+}.items():
     os.environ.setdefault(_k, _v)
 
 import pytest  # noqa: E402
@@ -44,7 +49,9 @@ def micro_config(**sections):
 
 def soma(*args, timeout=300):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env)
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+    )
 
 
 @pytest.fixture(scope="module")
@@ -57,8 +64,10 @@ def micro_yaml(tmp_path_factory) -> str:
 def copy_problem():
     """A d=16 model and a short repeated sentence: (cfg, theta, head, loss_fn) with loss_fn(bodies (C, M)) -> (C,)."""
     import torch
+
     from soma_cluster.config import ModelConfig
     from soma_cluster.model import copy_losses, init_body, init_head
+
     cfg = ModelConfig(d=16, embed_dim=16)
     g = torch.Generator().manual_seed(0)
     theta, head = init_body(cfg, g), init_head(cfg, g) * 20
@@ -70,7 +79,9 @@ def copy_problem():
 def assert_packed_equals_separate(alone, packed, updates=2):
     """Trainers updated one by one and the same trainers packed on the expert axis end up equal."""
     import torch
+
     from soma_cluster.trainer import update_experts
+
     for _ in range(updates):
         for t in alone:
             t.update()
@@ -99,7 +110,7 @@ def assert_one_line_error(proc, *needles):
     assert len(lines) == 1, proc.stderr
     for needle in needles:
         assert needle in lines[0], lines[0]
-    print(f"\n{lines[0]}")             # with -s: every refusal's wording, for review
+    print(f"\n{lines[0]}")  # with -s: every refusal's wording, for review
 
 
 @pytest.fixture(scope="session")
@@ -116,7 +127,9 @@ def ray_local():
     import ray
 
     tmp = tempfile.mkdtemp(prefix="soma-ray-t-", dir="/tmp")
-    ray.init(num_gpus=4, num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False, logging_level="WARNING")
+    ray.init(
+        num_gpus=4, num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False, logging_level="WARNING"
+    )
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)

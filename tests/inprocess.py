@@ -1,6 +1,7 @@
 """The driver's loop without Ray: real ExpertWorker objects in this process carry out a real Scheduler's
 actions, one call at a time, on a fake clock. Tests use it to kill attempts at exact moments (after a
 call ran but before its report arrived, or before it ran) and to lose the driver, with no timing luck."""
+
 from __future__ import annotations
 
 import time
@@ -24,8 +25,9 @@ class Clock:
 @dataclass
 class Attempt:
     """What one attempt of one job really did, seen from outside the scheduler."""
-    start_forwards: int | None = None     # the model's forward count when it loaded (None: it never loaded)
-    reported: int = 0                     # forwards its last delivered report said it had done
+
+    start_forwards: int | None = None  # the model's forward count when it loaded (None: it never loaded)
+    reported: int = 0  # forwards its last delivered report said it had done
 
 
 @dataclass
@@ -41,18 +43,21 @@ class InProcess:
 
     def driver_lost(self) -> None:
         """A new driver: a new scheduler restored from the campaign directory; every actor died with the old one."""
-        self.sched = Scheduler(self.store, self.cfg, self.jobs, clock=self.clock,
-                               latest=lambda job: latest_meta(self.store, job.model_dir))
+        self.sched = Scheduler(
+            self.store, self.cfg, self.jobs, clock=self.clock, latest=lambda job: latest_meta(self.store, job.model_dir)
+        )
         self.sched.restore(history(self.store))
         self.workers: dict[int, ExpertWorker] = {}
-        self.calls: dict[int, tuple] = {}          # unit id -> the call it is to run next
+        self.calls: dict[int, tuple] = {}  # unit id -> the call it is to run next
 
     def apply(self, actions) -> None:
         for a in actions:
             uid, unit = a.unit.id, a.unit
             if isinstance(a, Start):
                 experts, attempts = [j.expert for j in unit.jobs], [c.attempt for c in unit.accounts.values()]
-                self.workers[uid] = ExpertWorker(self.store.url, {}, experts, attempts, self.cfg.resources.num_gpus, time.time())
+                self.workers[uid] = ExpertWorker(
+                    self.store.url, {}, experts, attempts, self.cfg.resources.num_gpus, time.time()
+                )
                 self.calls[uid] = ("setup",)
             elif isinstance(a, Reuse):
                 self.workers[uid] = self.workers.pop(a.actor_of)
@@ -65,10 +70,10 @@ class InProcess:
 
     def next_call(self) -> int | None:
         """Start what the scheduler wants started; the unit whose call runs next (lowest id), or None when idle."""
-        self.apply(self.sched.requests(float("inf"), 10 ** 6))
+        self.apply(self.sched.requests(float("inf"), 10**6))
         if not self.calls and self.sched.retry_at:
-            self.clock.now = max(self.clock.now, min(self.sched.retry_at.values()))   # sleep until the next retry
-            self.apply(self.sched.requests(float("inf"), 10 ** 6))
+            self.clock.now = max(self.clock.now, min(self.sched.retry_at.values()))  # sleep until the next retry
+            self.apply(self.sched.requests(float("inf"), 10**6))
         return min(self.calls) if self.calls else None
 
     def run_call(self, uid: int):
@@ -103,7 +108,7 @@ class InProcess:
             worker.run_chunk(*call[1:])
 
     def run(self, max_calls: int = 10_000) -> dict[Job, str]:
-        for _ in range(max_calls):                 # bounded
+        for _ in range(max_calls):  # bounded
             uid = self.next_call()
             if uid is None:
                 return self.sched.outcome

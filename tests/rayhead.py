@@ -2,6 +2,7 @@
 only the processes it started: every one of them (the head's, and the nodes an autoscaler adds) carries a
 marker in its environment, which is how `stop` finds them. Never Ray's own stop command, which kills every Ray on the
 machine."""
+
 from __future__ import annotations
 
 import os
@@ -43,20 +44,39 @@ class RayHead:
         self.root = tempfile.mkdtemp(prefix="soma-head-", dir="/tmp")
         self.marker = uuid.uuid4().hex
         self.address = f"127.0.0.1:{self.port}"
-        self.env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0",
-                    "HOME": home or self.root, MARKER: self.marker, **(env or {})}
+        self.env = {
+            **os.environ,
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "HOME": home or self.root,
+            MARKER: self.marker,
+            **(env or {}),
+        }
         ray = os.path.join(os.path.dirname(sys.executable), "ray")
-        self.cmd = [ray, "start", "--head", f"--port={self.port}", f"--temp-dir={self.root}/ray", "--include-dashboard=false",
-                    "--dashboard-port=0", "--block", *args]
+        self.cmd = [
+            ray,
+            "start",
+            "--head",
+            f"--port={self.port}",
+            f"--temp-dir={self.root}/ray",
+            "--include-dashboard=false",
+            "--dashboard-port=0",
+            "--block",
+            *args,
+        ]
         self.proc: subprocess.Popen | None = None
 
     def __enter__(self) -> "RayHead":
         self.log = open(f"{self.root}/head.log", "w")
-        self.proc = subprocess.Popen(self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True)
+        self.proc = subprocess.Popen(
+            self.cmd, env=self.env, stdout=self.log, stderr=subprocess.STDOUT, start_new_session=True
+        )
         deadline = time.monotonic() + 90
-        while time.monotonic() < deadline:                     # bounded: the GCS port answers
+        while time.monotonic() < deadline:  # bounded: the GCS port answers
             if self.proc.poll() is not None:
-                raise RuntimeError(f"ray start exited {self.proc.returncode}: {Path(self.log.name).read_text()[-2000:]}")
+                raise RuntimeError(
+                    f"ray start exited {self.proc.returncode}: {Path(self.log.name).read_text()[-2000:]}"
+                )
             try:
                 with socket.create_connection(("127.0.0.1", self.port), timeout=1):
                     break
@@ -64,7 +84,7 @@ class RayHead:
                 time.sleep(0.5)
         else:
             raise RuntimeError("the Ray head did not come up in 90 s")
-        time.sleep(2)                                          # the raylet registers just after the GCS
+        time.sleep(2)  # the raylet registers just after the GCS
         return self
 
     def __exit__(self, *exc) -> None:
@@ -72,12 +92,12 @@ class RayHead:
 
     def stop(self) -> None:
         if self.proc is not None and self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGTERM)      # the GCS and raylet end at once; `ray start --block`
-            try:                                          # and one helper linger ~20 s: they are killed below
+            os.killpg(self.proc.pid, signal.SIGTERM)  # the GCS and raylet end at once; `ray start --block`
+            try:  # and one helper linger ~20 s: they are killed below
                 self.proc.wait(timeout=3)
             except subprocess.TimeoutExpired:
                 pass
-        for _ in range(20):                                    # bounded: whatever the head left, ours only
+        for _ in range(20):  # bounded: whatever the head left, ours only
             pids = marked_pids(self.marker)
             if not pids:
                 break

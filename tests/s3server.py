@@ -4,6 +4,7 @@ whose state lives only in memory, keeps the data.
 
 Import the fixtures into a test module: `from s3server import s3  # noqa: F401`.
 """
+
 from __future__ import annotations
 
 import os
@@ -31,7 +32,7 @@ def free_port() -> int:
 
 
 def _answers(port: int, timeout: float = 1.0) -> bool:
-    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))   # never an HTTP proxy
+    opener = urllib.request.build_opener(urllib.request.ProxyHandler({}))  # never an HTTP proxy
     try:
         opener.open(f"http://127.0.0.1:{port}/", timeout=timeout).read()
         return True
@@ -62,7 +63,7 @@ def _stop(proc: subprocess.Popen | None) -> None:
     if proc is None or proc.poll() is not None:
         return
     try:
-        proc.send_signal(signal.SIGCONT)         # a paused server cannot die otherwise
+        proc.send_signal(signal.SIGCONT)  # a paused server cannot die otherwise
         proc.kill()
     except ProcessLookupError:
         pass
@@ -77,8 +78,12 @@ class MotoServer:
         self.proc: subprocess.Popen | None = None
 
     def start(self) -> "MotoServer":
-        self.proc = subprocess.Popen([moto_server_bin(), "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL)
+        self.proc = subprocess.Popen(
+            [moto_server_bin(), "-H", "127.0.0.1", "-p", str(self.port)],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            stdin=subprocess.DEVNULL,
+        )
         _wait_until(lambda: _answers(self.port), f"moto_server on 127.0.0.1:{self.port}", self.proc)
         return self
 
@@ -102,9 +107,14 @@ class Proxy:
 
     def start(self) -> "Proxy":
         deadline = time.monotonic() + START_TIMEOUT_S
-        while True:                               # the port may take a moment to be free again after a kill
-            self.proc = subprocess.Popen([sys.executable, str(HERE / "tcpproxy.py"), str(self.port), str(self.target_port)],
-                                         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, stdin=subprocess.DEVNULL, text=True)
+        while True:  # the port may take a moment to be free again after a kill
+            self.proc = subprocess.Popen(
+                [sys.executable, str(HERE / "tcpproxy.py"), str(self.port), str(self.target_port)],
+                stdout=subprocess.PIPE,
+                stderr=subprocess.DEVNULL,
+                stdin=subprocess.DEVNULL,
+                text=True,
+            )
             line = self.proc.stdout.readline()
             if line.strip() == "ready":
                 return self
@@ -123,18 +133,23 @@ class Proxy:
 @dataclass
 class S3:
     """A running S3 endpoint with one bucket, and the options and environment that reach it."""
+
     server: MotoServer
     bucket: str
     key: str = "test"
-    secret: str = field(default_factory=lambda: f"soma-secret-{uuid.uuid4().hex}")   # moto accepts any
+    secret: str = field(default_factory=lambda: f"soma-secret-{uuid.uuid4().hex}")  # moto accepts any
 
     @property
     def endpoint(self) -> str:
         return f"http://127.0.0.1:{self.server.port}"
 
     def storage_options(self, endpoint: str | None = None, **config_kwargs) -> dict:
-        opts = {"key": self.key, "secret": self.secret, "client_kwargs": {"endpoint_url": endpoint or self.endpoint},
-                "skip_instance_cache": True}
+        opts = {
+            "key": self.key,
+            "secret": self.secret,
+            "client_kwargs": {"endpoint_url": endpoint or self.endpoint},
+            "skip_instance_cache": True,
+        }
         if config_kwargs:
             opts["config_kwargs"] = config_kwargs
         return opts
@@ -144,11 +159,17 @@ class S3:
 
     def env(self, endpoint: str | None = None) -> dict[str, str]:
         """Environment for a `soma` subprocess: standard AWS credentials, the endpoint in SOMA_S3_ENDPOINT."""
-        return {"AWS_ACCESS_KEY_ID": self.key, "AWS_SECRET_ACCESS_KEY": self.secret, "AWS_DEFAULT_REGION": "us-east-1",
-                "SOMA_S3_ENDPOINT": endpoint or self.endpoint, "AWS_EC2_METADATA_DISABLED": "true"}
+        return {
+            "AWS_ACCESS_KEY_ID": self.key,
+            "AWS_SECRET_ACCESS_KEY": self.secret,
+            "AWS_DEFAULT_REGION": "us-east-1",
+            "SOMA_S3_ENDPOINT": endpoint or self.endpoint,
+            "AWS_EC2_METADATA_DISABLED": "true",
+        }
 
     def fs(self):
         import s3fs
+
         return s3fs.S3FileSystem(**self.storage_options())
 
     def objects(self, prefix: str = "") -> dict[str, bytes]:
@@ -160,10 +181,10 @@ class S3:
 
 
 def start_s3() -> S3:
-    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")   # never ask 169.254.169.254 for anything
+    os.environ.setdefault("AWS_EC2_METADATA_DISABLED", "true")  # never ask 169.254.169.254 for anything
     server = MotoServer().start()
     s3 = S3(server, bucket=f"soma-{uuid.uuid4().hex[:8]}")
-    s3.fs().mkdir(s3.bucket)          # no region / location constraint: moto rejects it
+    s3.fs().mkdir(s3.bucket)  # no region / location constraint: moto rejects it
     return s3
 
 

@@ -4,6 +4,7 @@ The S3 outage tests put it between the clients and moto and SIGKILL / restart it
 the endpoint really goes away (in-flight connections reset, new ones refused) while moto, which
 keeps its state only in memory, stays up behind it.
 """
+
 from __future__ import annotations
 
 import socket

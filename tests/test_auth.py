@@ -1,6 +1,7 @@
 """A Ray head with token authentication on 127.0.0.1 (started and stopped by this test only): a campaign
 runs through `--address` with the token in the environment, and without it `soma` ends with one error line
 naming the address and the auth variables, instead of a 30-line traceback or a silent switch to no auth."""
+
 from __future__ import annotations
 
 import os
@@ -9,17 +10,19 @@ import sys
 import uuid
 
 import pytest
-
 from conftest import micro_config
-from pipelines.prepare import prepare
 from rayhead import RayHead, free_port
+
+from pipelines.prepare import prepare
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
 from soma_cluster.storage import Store
 
 
 def cli(*args, env):
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 def client_env(**auth) -> dict:
@@ -58,10 +61,10 @@ def test_without_the_token_one_line_names_the_address_and_the_variables(token_he
     head, _ = token_head
     store = Store(str(tmp_path / "camp"))
     store.write_new("campaign.yaml", to_yaml_text(micro_config()).encode())
-    for auth in ({}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "wrong"}):       # no token; a wrong one
+    for auth in ({}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "wrong"}):  # no token; a wrong one
         line = one_error(cli("seed", store.url, "--address", head.address, "--no-progress", env=client_env(**auth)))
         assert head.address in line and "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line, line
-    assert not store.exists("events.jsonl")                                           # nothing was started or written
+    assert not store.exists("events.jsonl")  # nothing was started or written
 
 
 def test_an_address_nothing_listens_at_fails_fast_in_one_line(tmp_path):

@@ -1,9 +1,10 @@
 """The baselines of SPEC section 8 on the real model: the summed-loss control, EGGROLL and BPTT."""
+
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_packed_equals_separate, copy_problem
+
 from soma_cluster.config import BPTTConfig, EggrollConfig, ModelConfig, SPSAConfig
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.eggroll import directions, eggroll_estimate, zscore
@@ -36,18 +37,18 @@ def test_summed_control_is_spsa_of_the_summed_loss_under_one_joint_probe():
     thetas, head, x, y = tiny_problem()
     g, n = thetas.shape[0], 5
     mask = Layout(SMALL).gain_mask()
-    z = torch.stack([probes(n, mask, seed=10 + i) for i in range(g)])             # (G, n, M)
-    loss_fn = lambda bodies: copy_losses(SMALL, bodies, head, x, y)                # noqa: E731  (G*2c,) per-expert losses
+    z = torch.stack([probes(n, mask, seed=10 + i) for i in range(g)])  # (G, n, M)
+    loss_fn = lambda bodies: copy_losses(SMALL, bodies, head, x, y)  # noqa: E731  (G*2c,) per-expert losses
     got = spsa_estimate(thetas, z, 1e-3, loss_fn, pert_chunk=2, summed=True).grad
 
-    def total(joint: torch.Tensor) -> float:        # the summed objective of the concatenated parameter vector
+    def total(joint: torch.Tensor) -> float:  # the summed objective of the concatenated parameter vector
         return sum(float(copy_losses(SMALL, part[None], head, x[i], y[i])) for i, part in enumerate(joint.view(g, -1)))
 
-    joint, zj = thetas.reshape(-1), z.transpose(0, 1).reshape(n, -1)              # probe j = concatenation of z_ij
+    joint, zj = thetas.reshape(-1), z.transpose(0, 1).reshape(n, -1)  # probe j = concatenation of z_ij
     want = sum((total(joint + 1e-3 * zj[j]) - total(joint - 1e-3 * zj[j])) / 2e-3 * zj[j] for j in range(n)) / n
     torch.testing.assert_close(got.reshape(-1), want, rtol=2e-3, atol=2e-3)
     indep = spsa_estimate(thetas, z, 1e-3, loss_fn, pert_chunk=2).grad
-    assert not torch.allclose(indep, got, atol=1e-3)                               # the control really differs
+    assert not torch.allclose(indep, got, atol=1e-3)  # the control really differs
 
 
 def test_eggroll_directions_are_low_rank_per_matrix_and_dense_on_gains():
@@ -70,7 +71,9 @@ def test_eggroll_directions_are_low_rank_per_matrix_and_dense_on_gains():
 def test_zscore_and_eggroll_estimate_descends_the_loss():
     f = torch.tensor([[1.0, 2.0, 3.0, 4.0], [2.0, 2.0, 2.0, 2.0]])
     zs = zscore(f)
-    torch.testing.assert_close(zs[0].mean(), torch.tensor(0.0)) and torch.testing.assert_close(zs[0].std(), torch.tensor(1.0))
+    torch.testing.assert_close(zs[0].mean(), torch.tensor(0.0)) and torch.testing.assert_close(
+        zs[0].std(), torch.tensor(1.0)
+    )
     assert torch.equal(zs[1], torch.zeros(4))
     cfg, theta, head, loss_fn = copy_problem()
     base = float(loss_fn(theta[None]))
@@ -94,7 +97,10 @@ def test_bptt_gradient_matches_finite_differences_in_float64():
     from soma_cluster.model import forward_blocks, target_logprobs
 
     def loss64(b: torch.Tensor) -> float:
-        total = sum(float(target_logprobs(h, head, y[:, t0:t1]).sum()) for t0, t1, h in forward_blocks(cfg, b[None], head, x, block=3))
+        total = sum(
+            float(target_logprobs(h, head, y[:, t0:t1]).sum())
+            for t0, t1, h in forward_blocks(cfg, b[None], head, x, block=3)
+        )
         return -total / y.numel()
 
     rng = np.random.default_rng(0)
@@ -110,7 +116,9 @@ def make(shard, method, model=SMALL, train_head=False):
     g = torch.Generator().manual_seed(7)
     state = TrainState.fresh(init_body(model, g), init_head(model, g) * 10, train_head, spsa.eps, spsa.lr)
     m = Method(method, EggrollConfig(sigma=1e-2), BPTTConfig(lr=1e-2))
-    return Trainer(model, spsa, shard, state, seed=11, expert=shard.expert, device=torch.device("cpu"), val_rows=8, method=m)
+    return Trainer(
+        model, spsa, shard, state, seed=11, expert=shard.expert, device=torch.device("cpu"), val_rows=8, method=m
+    )
 
 
 @pytest.mark.parametrize("method", ["eggroll", "bptt"])
@@ -121,10 +129,10 @@ def test_baseline_updates_are_reproducible_and_learn(shards, method):
     for _ in range(4):
         a.update(), b.update()
     assert torch.equal(a.state.body, b.state.body) and a.state.scalars() == b.state.scalars()
-    assert not torch.equal(a.state.head, head)                     # an own head trains under every method
+    assert not torch.equal(a.state.head, head)  # an own head trains under every method
     assert a.state.forwards == 4 * (1 if method == "bptt" else 2 * 4 + 1)
-    if method == "bptt":        # exact gradients learn steadily: 0.15 nats after 10 updates here, 0.04 after 4 on CI
-        for _ in range(6):      # (the built-in corpus holds the installed packages' licenses, so it differs by machine)
+    if method == "bptt":  # exact gradients learn steadily: 0.15 nats after 10 updates here, 0.04 after 4 on CI
+        for _ in range(6):  # (the built-in corpus holds the installed packages' licenses, so it differs by machine)
             a.update()
         assert a.validate() < before - 0.05
 

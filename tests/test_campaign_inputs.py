@@ -1,24 +1,31 @@
 """Bad input on the command line and in a campaign directory: each is one `error:` line (exit 2) naming
 the thing and a fix, nothing is written, and following the fix works."""
+
 import json
 import shutil
 
 import yaml
-
 from conftest import MICRO, assert_one_line_error, soma
 
 
 def test_zero_experts_and_an_empty_config_file_are_refused(tmp_path, text_corpus, micro_yaml):
     camp = tmp_path / "c"
-    assert_one_line_error(soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus), "-n", "0"),
-                          "--experts/-n 0", "at least 1 expert", "-n 4")
+    assert_one_line_error(
+        soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus), "-n", "0"),
+        "--experts/-n 0",
+        "at least 1 expert",
+        "-n 4",
+    )
     empty = tmp_path / "empty.yaml"
     empty.write_text("# nothing here yet\n")
-    assert_one_line_error(soma("prepare", str(camp), "--config", str(empty), "--corpus", str(text_corpus)),
-                          f"config file {empty} is empty", "leave out --config")
+    assert_one_line_error(
+        soma("prepare", str(camp), "--config", str(empty), "--corpus", str(text_corpus)),
+        f"config file {empty} is empty",
+        "leave out --config",
+    )
     assert_one_line_error(soma("prepare", str(camp), "--config", micro_yaml, "--corpus", ""), "--corpus is empty")
     assert not camp.exists()
-    empty.write_text(yaml.safe_dump(MICRO))                             # the fixes: settings in the file, N >= 1
+    empty.write_text(yaml.safe_dump(MICRO))  # the fixes: settings in the file, N >= 1
     proc = soma("prepare", str(camp), "--config", str(empty), "--corpus", str(text_corpus), "-n", "3")
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert yaml.safe_load((camp / "campaign.yaml").read_text())["n_experts"] == 3
@@ -30,8 +37,11 @@ def _events(camp, job=None):
 
 def test_edited_config_and_corrupt_final_checkpoint(tmp_path, text_corpus, micro_yaml):
     camp = tmp_path / "camp"
-    for args in (["prepare", camp, "--config", micro_yaml, "--corpus", text_corpus], ["seed", camp, "--no-progress"],
-                 ["launch", camp, "--no-progress"]):
+    for args in (
+        ["prepare", camp, "--config", micro_yaml, "--corpus", text_corpus],
+        ["seed", camp, "--no-progress"],
+        ["launch", camp, "--no-progress"],
+    ):
         proc = soma(*map(str, args))
         assert proc.returncode == 0, (args, proc.stderr[-3000:])
     cfg_file = camp / "campaign.yaml"
@@ -41,15 +51,17 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, text_corpus, micro
     # a hand edit of campaign.yaml is refused by every command, naming the file and what changed
     for n, args in ((1, ["eval", camp]), (4, ["launch", camp, "--no-progress"]), (4, ["status", camp])):
         cfg_file.write_text(original.replace("n_experts: 2", f"n_experts: {n}"))
-        assert_one_line_error(soma(*map(str, args)), f"{camp}/campaign.yaml was edited", "(n_experts changed)", "undo the edit")
+        assert_one_line_error(
+            soma(*map(str, args)), f"{camp}/campaign.yaml was edited", "(n_experts changed)", "undo the edit"
+        )
     n_events = len(_events(camp))
-    cfg_file.write_text(original.replace("# The resolved", "#   The resolved"))   # comments are not the config
+    cfg_file.write_text(original.replace("# The resolved", "#   The resolved"))  # comments are not the config
     assert soma("status", str(camp)).returncode == 0
-    cfg_file.write_text(original)                                       # the fix: undo the edit
+    cfg_file.write_text(original)  # the fix: undo the edit
     proc = soma("eval", str(camp))
     assert proc.returncode == 0, proc.stderr[-3000:]
     before = json.loads((camp / "eval" / "metrics.json").read_text())
-    assert len(_events(camp)) == n_events                               # the refused commands wrote nothing
+    assert len(_events(camp)) == n_events  # the refused commands wrote nothing
     # a campaign.yaml written before the digest existed (no digest lines) still loads
     cfg_file.write_text("".join(line for line in original.splitlines(True) if not line.startswith("#")))
     assert soma("status", str(camp)).returncode == 0
@@ -62,18 +74,23 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, text_corpus, micro
     (ck / f"{final}.safetensors").write_bytes(good[: len(good) // 2])
     proc = soma("eval", str(camp))
     assert_one_line_error(proc, f"{final}.safetensors fails its checksum", f"run soma resume {camp}", "falls back")
-    proc = soma("resume", str(camp), "--no-progress")                  # the fix
+    proc = soma("resume", str(camp), "--no-progress")  # the fix
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "expert-0001: step-000012: tensors fail their checksum" in " ".join((proc.stdout + proc.stderr).split())
     reopened = [e for e in _events(camp, "expert-0001") if e["event"] == "reopened"]
     assert len(reopened) == 1 and reopened[0]["step"] == 6 and reopened[0]["was"] == "finished"
     assert _events(camp, "expert-0001")[-1]["event"] == "finished"
-    assert not [e for e in _events(camp, "expert-0000") if e["event"] in ("reopened", "launched") and e["t"] > reopened[0]["t"]]
-    assert (ck / f"{final}.safetensors").read_bytes() == good          # retrained bitwise to what was lost
+    assert not [
+        e for e in _events(camp, "expert-0000") if e["event"] in ("reopened", "launched") and e["t"] > reopened[0]["t"]
+    ]
+    assert (ck / f"{final}.safetensors").read_bytes() == good  # retrained bitwise to what was lost
     led = [json.loads(line) for line in (camp / "ledger" / "ledger.jsonl").read_text().splitlines()]
-    per_update = 2 * 4                                                  # 2 signs x n_pert 4
-    forwards = {c: sum(r["forwards"] for r in led if r["expert"] == 1 and r["category"] == c) for c in ("expert_training", "wasted")}
-    assert forwards == {"expert_training": 12 * per_update, "wasted": 6 * per_update}   # steps 7-12 were lost, once
+    per_update = 2 * 4  # 2 signs x n_pert 4
+    forwards = {
+        c: sum(r["forwards"] for r in led if r["expert"] == 1 and r["category"] == c)
+        for c in ("expert_training", "wasted")
+    }
+    assert forwards == {"expert_training": 12 * per_update, "wasted": 6 * per_update}  # steps 7-12 were lost, once
     proc = soma("eval", str(camp))
     assert proc.returncode == 0, proc.stderr[-3000:]
     after = json.loads((camp / "eval" / "metrics.json").read_text())
@@ -84,7 +101,9 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, text_corpus, micro
     assert_one_line_error(soma("eval", str(camp)), "expert-0001 has no checkpoint", "soma resume")
     n_events = len(_events(camp))
     proc = soma("resume", str(camp), "--no-progress")
-    assert proc.returncode == 0 and "latest.json pointed again at step-000012" in proc.stdout + proc.stderr, proc.stderr[-3000:]
+    assert proc.returncode == 0 and "latest.json pointed again at step-000012" in proc.stdout + proc.stderr, (
+        proc.stderr[-3000:]
+    )
     assert len(_events(camp)) == n_events
     assert soma("eval", str(camp)).returncode == 0
 
@@ -93,7 +112,9 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, text_corpus, micro
         f.write_bytes(b"junk")
     proc = soma("resume", str(camp), "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "from the start (no checkpoint of it verifies): 12 updates to retrain" in " ".join((proc.stdout + proc.stderr).split())
+    assert "from the start (no checkpoint of it verifies): 12 updates to retrain" in " ".join(
+        (proc.stdout + proc.stderr).split()
+    )
     assert (ck / f"{final}.safetensors").read_bytes() == good
     shutil.rmtree(camp / "eval")
     assert soma("eval", str(camp)).returncode == 0

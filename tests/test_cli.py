@@ -1,7 +1,7 @@
 """The `soma` CLI end to end on a small real-text corpus, and its one-line errors (exit 2) on bad input."""
+
 import json
 import shutil
-
 
 from conftest import assert_one_line_error, soma
 
@@ -9,8 +9,13 @@ from conftest import assert_one_line_error, soma
 def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     camp = str(tmp_path / "camp")
     procs = {}
-    for args in (["prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)], ["seed", camp, "--no-progress"],
-                 ["launch", camp, "--no-progress"], ["eval", camp, "--json"], ["status", camp]):
+    for args in (
+        ["prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)],
+        ["seed", camp, "--no-progress"],
+        ["launch", camp, "--no-progress"],
+        ["eval", camp, "--json"],
+        ["status", camp],
+    ):
         proc = procs[args[0]] = soma(*args)
         assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
     metrics = json.loads((tmp_path / "camp" / "eval" / "metrics.json").read_text())
@@ -18,14 +23,22 @@ def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     assert metrics["scored_bytes"] == metrics["windows"] * 768
     # data on stdout, logs on stderr: the status table is on stdout; without a bar the driver logs summary lines
     assert "expert-0001" in proc.stdout and "finished" in proc.stdout and "expert-0001" not in proc.stderr
-    assert "| 3 finished" in procs["launch"].stderr.replace("\n", " ") or "3 finished |" in procs["launch"].stderr, procs["launch"].stderr
-    assert json.loads(procs["eval"].stdout)["ensemble"] == metrics["ensemble"]          # eval --json: one document
+    assert "| 3 finished" in procs["launch"].stderr.replace("\n", " ") or "3 finished |" in procs["launch"].stderr, (
+        procs["launch"].stderr
+    )
+    assert json.loads(procs["eval"].stdout)["ensemble"] == metrics["ensemble"]  # eval --json: one document
     snap = json.loads(soma("status", camp, "--json").stdout)
     assert snap["source"] == "driver" and snap["final"] and snap["counts"] == {"finished": 3}
-    assert [(r["job"], r["step"], r["target"]) for r in snap["jobs"]] == [("seed", 6, 6), ("expert-0000", 12, 12), ("expert-0001", 12, 12)]
+    assert [(r["job"], r["step"], r["target"]) for r in snap["jobs"]] == [
+        ("seed", 6, 6),
+        ("expert-0000", 12, 12),
+        ("expert-0001", 12, 12),
+    ]
     curve = (tmp_path / "camp" / "curves" / "expert-0001.csv").read_text().splitlines()
     assert curve[0] == "step,attempt,train_loss,val_loss,gpu_seconds,eps,lr,t" and curve[-1].startswith("12,0,")
-    assert (tmp_path / "camp" / "eval" / "curves.png").exists() and "curves.png" in (tmp_path / "camp" / "eval" / "report.md").read_text()
+    assert (tmp_path / "camp" / "eval" / "curves.png").exists() and "curves.png" in (
+        tmp_path / "camp" / "eval" / "report.md"
+    ).read_text()
     report = (tmp_path / "camp" / "eval" / "report.md").read_text()
     assert "not" in report and "backprop" in report
     # preparing again with the same config is a no-op; `resume` on a finished campaign retrains nothing
@@ -55,20 +68,27 @@ def test_end_to_end(tmp_path, text_corpus, micro_yaml):
 
 
 def test_missing_corpus_path(tmp_path, micro_yaml):
-    assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(tmp_path / "nope")),
-                          "corpus path", "not found")
+    assert_one_line_error(
+        soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(tmp_path / "nope")),
+        "corpus path",
+        "not found",
+    )
     assert not (tmp_path / "c").exists()
 
 
 def test_empty_corpus(tmp_path, micro_yaml):
     (tmp_path / "empty").mkdir()
     (tmp_path / "empty" / "a.txt").write_bytes(b"")
-    assert_one_line_error(soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(tmp_path / "empty")),
-                          "holds no text")
+    assert_one_line_error(
+        soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(tmp_path / "empty")),
+        "holds no text",
+    )
 
 
 def test_more_experts_than_sequences(tmp_path, text_corpus, micro_yaml):
-    proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(text_corpus), "--experts", "5000")
+    proc = soma(
+        "prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(text_corpus), "--experts", "5000"
+    )
     assert_one_line_error(proc, "n_experts=5000", "lower n_experts")
     assert not (tmp_path / "c").exists() or not any((tmp_path / "c").iterdir())
 
@@ -86,7 +106,9 @@ def test_foreign_directory_and_bad_config(tmp_path, text_corpus, micro_yaml):
     foreign = tmp_path / "mine"
     foreign.mkdir()
     (foreign / "notes.txt").write_text("keep me")
-    assert_one_line_error(soma("prepare", str(foreign), "--config", micro_yaml, "--corpus", str(text_corpus)), "not empty")
+    assert_one_line_error(
+        soma("prepare", str(foreign), "--config", micro_yaml, "--corpus", str(text_corpus)), "not empty"
+    )
     assert (foreign / "notes.txt").read_text() == "keep me" and len(list(foreign.iterdir())) == 1
     bad = tmp_path / "bad.yaml"
     bad.write_text("spsa: {n_pert: -3}\n")
@@ -97,19 +119,22 @@ def test_foreign_directory_and_bad_config(tmp_path, text_corpus, micro_yaml):
 
 def test_corrupt_shard_stops_that_expert_at_once_with_its_name(tmp_path, text_corpus, micro_yaml):
     camp = tmp_path / "camp"
-    for args in (["prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)], ["seed", str(camp), "--no-progress"]):
+    for args in (
+        ["prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)],
+        ["seed", str(camp), "--no-progress"],
+    ):
         assert soma(*args).returncode == 0
     shard = sorted((camp / "shards" / "expert-0001").glob("train-*.arrow"))[0]
     raw = bytearray(shard.read_bytes())
-    raw[len(raw) // 2] ^= 0xFF                                          # one flipped byte
+    raw[len(raw) // 2] ^= 0xFF  # one flipped byte
     shard.write_bytes(bytes(raw))
     proc = soma("launch", str(camp), "--no-progress")
     assert_one_line_error(proc, "expert-0001", shard.name, "checksum")
     events = [json.loads(line) for line in (camp / "events.jsonl").read_text().splitlines()]
     failed = [e for e in events if e["job"] == "expert-0001" and e["event"] == "failed"]
-    assert len(failed) == 1                                             # not retried: no retry can fix bad input
-    assert any(e["job"] == "expert-0000" and e["event"] == "finished" for e in events)   # the other expert trained on
-    assert bytes(raw) == shard.read_bytes()                             # and nothing was rewritten
+    assert len(failed) == 1  # not retried: no retry can fix bad input
+    assert any(e["job"] == "expert-0000" and e["event"] == "finished" for e in events)  # the other expert trained on
+    assert bytes(raw) == shard.read_bytes()  # and nothing was rewritten
 
 
 def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro_yaml):
@@ -123,7 +148,7 @@ def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro
     shutil.copytree(text_corpus, corpus)
     rng = random.Random(0)
     # (names sort before doc-*.txt: the micro corpus's max_bytes stops the reading at about the copied corpus)
-    for name in ("a-photo.jpg", "a-archive.txt"):                       # random bytes, whatever the name says
+    for name in ("a-photo.jpg", "a-archive.txt"):  # random bytes, whatever the name says
         (corpus / name).write_bytes(rng.randbytes(50_000))
     latin1 = "Café crème brûlée, déjà vu à la française: naïve façade. ".encode("latin-1") * 40
     (corpus / "a-latin1.txt").write_bytes(latin1)
@@ -131,10 +156,10 @@ def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro
     os.mkfifo(corpus / "queue")
     t0 = time.monotonic()
     proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(corpus), timeout=120)
-    assert time.monotonic() - t0 < 60                                   # refused at once, not read forever
+    assert time.monotonic() - t0 < 60  # refused at once, not read forever
     assert_one_line_error(proc, f"{corpus / 'queue'} is a FIFO", "remove it")
     assert not (tmp_path / "c").exists()
-    (corpus / "queue").unlink()                                         # the suggested fix
+    (corpus / "queue").unlink()  # the suggested fix
     proc = soma("prepare", str(tmp_path / "c"), "--config", micro_yaml, "--corpus", str(corpus))
     assert proc.returncode == 0, proc.stderr[-3000:]
     out = " ".join((proc.stdout + proc.stderr).split())
@@ -143,8 +168,9 @@ def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro
     assert manifest["corpus"]["skipped_files"] == {"not text (NUL bytes)": 2, "empty": 1}
     from soma_cluster.config import CorpusConfig
     from soma_cluster.corpus import user_documents
+
     docs = {d.doc_id: d.data for d in user_documents(CorpusConfig(source=str(corpus), max_bytes=10**9))}
-    assert docs["a-latin1.txt"] == latin1                               # bytes kept as they are
+    assert docs["a-latin1.txt"] == latin1  # bytes kept as they are
     assert not {"a-photo.jpg", "a-archive.txt", "a-empty.txt"} & set(docs)
     # nothing but binary files: refused, naming them, and nothing written
     junk = tmp_path / "junk"
@@ -152,35 +178,51 @@ def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro
     for i in range(5):
         (junk / f"blob-{i}.dat").write_bytes(rng.randbytes(20_000))
     proc = soma("prepare", str(tmp_path / "d"), "--config", micro_yaml, "--corpus", str(junk))
-    assert_one_line_error(proc, "holds no text", "not text (NUL bytes) 5 (blob-0.dat, blob-1.dat, blob-2.dat, ...)",
-                          "point corpus.source at text files")
+    assert_one_line_error(
+        proc,
+        "holds no text",
+        "not text (NUL bytes) 5 (blob-0.dat, blob-1.dat, blob-2.dat, ...)",
+        "point corpus.source at text files",
+    )
     assert not (tmp_path / "d").exists()
     # a FIFO as the corpus path itself, or as the config file: refused without opening it
     os.mkfifo(tmp_path / "fifo")
-    assert_one_line_error(soma("prepare", str(tmp_path / "d"), "--config", micro_yaml, "--corpus", str(tmp_path / "fifo"), timeout=60),
-                          "is a FIFO", "pass a text file or a directory")
-    assert_one_line_error(soma("prepare", str(tmp_path / "d"), "--config", str(tmp_path / "fifo"), timeout=60),
-                          "not a regular file")
+    assert_one_line_error(
+        soma("prepare", str(tmp_path / "d"), "--config", micro_yaml, "--corpus", str(tmp_path / "fifo"), timeout=60),
+        "is a FIFO",
+        "pass a text file or a directory",
+    )
+    assert_one_line_error(
+        soma("prepare", str(tmp_path / "d"), "--config", str(tmp_path / "fifo"), timeout=60), "not a regular file"
+    )
     assert not (tmp_path / "d").exists()
 
 
 def test_checked_options_version_and_json_on_stdout(tmp_path):
     """--version and presets print data on stdout only; bad option values are one `error:` line (exit 2) naming the option."""
     proc = soma("--version")
-    assert proc.returncode == 0 and proc.stdout.startswith("soma-cluster ") and "torch" in proc.stdout and proc.stderr == ""
+    assert (
+        proc.returncode == 0
+        and proc.stdout.startswith("soma-cluster ")
+        and "torch" in proc.stdout
+        and proc.stderr == ""
+    )
     doc = json.loads(soma("presets", "--json").stdout)
     assert doc["schema"] == 1 and "tiny" in [p["name"] for p in doc["presets"]] and "variance" in doc["experiments"]
     assert "tiny" in soma("presets").stdout.split()
     camp = str(tmp_path / "c")
     assert_one_line_error(soma("prepare", camp, "--preset", "tinyy"), "--preset 'tinyy'", "choose one of", "tiny")
     assert_one_line_error(soma("prepare", camp, "-n", "0"), "--experts/-n 0", "pass e.g. -n 4")
-    assert_one_line_error(soma("experiment", "variance", str(tmp_path / "e"), "--scale", "big"), "--scale 'big'", "small, paper")
+    assert_one_line_error(
+        soma("experiment", "variance", str(tmp_path / "e"), "--scale", "big"), "--scale 'big'", "small, paper"
+    )
     assert_one_line_error(soma("launch", camp, "--log-every", "0"), "--log-every 0", "positive")
     assert not (tmp_path / "c").exists() and not (tmp_path / "e").exists()
 
 
 def test_campaign_yaml_records_the_versions(tmp_path, text_corpus, micro_yaml):
     from soma_cluster.config import recorded_versions, versions
+
     camp = tmp_path / "c"
     assert soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
     got = recorded_versions((camp / "campaign.yaml").read_text())

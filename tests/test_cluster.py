@@ -1,19 +1,20 @@
 """A campaign on a real multi-node Ray cluster (head + 2 GPU worker nodes, `ray.cluster_utils.Cluster`,
 loopback only), driven through the same code path as `soma seed/launch --address`."""
+
 import os
 import shutil
 import tempfile
 
 import pytest
 import ray
+from conftest import micro_config
 from ray.cluster_utils import Cluster
 from typer.testing import CliRunner
 
-from conftest import micro_config
 from pipelines.cli import app
-from soma_cluster.events import history
 from pipelines.prepare import prepare
 from pipelines.raysession import ray_session
+from soma_cluster.events import history
 from soma_cluster.storage import Store
 
 GPUS_PER_NODE = 2

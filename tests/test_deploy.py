@@ -1,5 +1,6 @@
 """deploy/ manifests parse and carry what KubeRay, the Ray cluster launcher and Docker need, and every
 `soma ...` command line in deploy/ and the docs names commands and options the CLI really has."""
+
 import re
 import shlex
 import tomllib
@@ -21,7 +22,7 @@ RAY_VERSION = version("ray")
 
 def pinned(name: str) -> str:
     deps = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]
-    return next(d.split("==")[1] for d in deps if d.split("==")[0].split("[")[0] == name)     # "ray[data]==x": ray
+    return next(d.split("==")[1] for d in deps if d.split("==")[0].split("[")[0] == name)  # "ray[data]==x": ray
 
 
 def load(path: Path) -> list[dict]:
@@ -40,7 +41,9 @@ def test_every_yaml_parses(path):
 def check_ray_cluster_spec(spec: dict, where: str) -> None:
     assert spec["rayVersion"] == RAY_VERSION, where
     head = spec["headGroupSpec"]
-    assert all(isinstance(v, str) for v in head["rayStartParams"].values()), f"{where}: rayStartParams values must be strings"
+    assert all(isinstance(v, str) for v in head["rayStartParams"].values()), (
+        f"{where}: rayStartParams values must be strings"
+    )
     assert head["template"]["spec"]["containers"][0]["image"], where
     groups = spec["workerGroupSpecs"]
     assert groups, f"{where}: no worker group"
@@ -84,8 +87,15 @@ def test_rayjob_runs_soma_launch_on_a_cluster():
 
 def test_cluster_launcher_yaml():
     [cfg] = load(DEPLOY / "cluster.yaml")
-    for key in ("cluster_name", "max_workers", "provider", "head_node_type", "available_node_types",
-                "head_start_ray_commands", "worker_start_ray_commands"):
+    for key in (
+        "cluster_name",
+        "max_workers",
+        "provider",
+        "head_node_type",
+        "available_node_types",
+        "head_start_ray_commands",
+        "worker_start_ray_commands",
+    ):
         assert key in cfg, key
     types = cfg["available_node_types"]
     assert cfg["head_node_type"] in types and cfg["provider"]["type"]
@@ -104,9 +114,13 @@ def test_dockerfile_builds_both_variants_from_the_pins():
     # the pinned dependencies are installed in a layer of their own, before any code is copied in
     deps, code = text.index("pip install -r /tmp/requirements.txt"), text.index("COPY --chown=ray:users soma_cluster")
     assert text.index("COPY --chown=ray:users pyproject.toml") < deps < code < text.index("pip install --no-deps .")
-    assert re.search(r"apt-get install .*\bgcc\b", text)                  # soma_cluster/fused.py builds its kernels at first use
-    images = {c["image"] for _, d in by_kind("RayCluster") for g in [d["spec"]["headGroupSpec"], *d["spec"]["workerGroupSpecs"]]
-              for c in g["template"]["spec"]["containers"]}
+    assert re.search(r"apt-get install .*\bgcc\b", text)  # soma_cluster/fused.py builds its kernels at first use
+    images = {
+        c["image"]
+        for _, d in by_kind("RayCluster")
+        for g in [d["spec"]["headGroupSpec"], *d["spec"]["workerGroupSpecs"]]
+        for c in g["template"]["spec"]["containers"]
+    }
     assert {i.rsplit(":", 1)[1] for i in images} == {"cpu", "gpu"}
 
 
@@ -130,7 +144,9 @@ def command_contexts(path: Path) -> list[str]:
     if path.suffix == ".md":
         blocks = re.findall(r"```[^\n]*\n(.*?)```", text, flags=re.S)
         rest = re.sub(r"```.*?```", "", text, flags=re.S)
-        return [line.split(" # ")[0] for b in blocks for line in b.splitlines()] + [span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", rest)]
+        return [line.split(" # ")[0] for b in blocks for line in b.splitlines()] + [
+            span.replace("\n", " ") for span in re.findall(r"`([^`]+)`", rest)
+        ]
     lines = text.splitlines()
     out = [line.lstrip()[1:] for line in lines if line.lstrip().startswith("#  ")]
     if path.suffix == ".yaml":
@@ -164,7 +180,7 @@ def check_command(line: str, group) -> None:
             opt = tok.split("=", 1)[0]
             assert opt in options or opt == "--help", f"{line!r}: {name} has no option {opt} (have {sorted(options)})"
             if opt != "--help" and not options[opt].is_flag and "=" not in tok:
-                i += 1                              # the option's value
+                i += 1  # the option's value
         else:
             positional += 1
         i += 1
@@ -186,8 +202,12 @@ def test_every_soma_command_line_exists_in_the_cli():
 def test_the_checker_catches_a_wrong_command_or_option():
     group = typer.main.get_command(app)
     check_command("soma launch s3://b/c --address auto --no-progress", group)
-    for bad in ("soma start s3://b/c", "soma launch s3://b/c --adress auto", "soma status s3://b/c extra",
-                "soma prepare s3://b/c --presets tiny"):
+    for bad in (
+        "soma start s3://b/c",
+        "soma launch s3://b/c --adress auto",
+        "soma status s3://b/c extra",
+        "soma prepare s3://b/c --presets tiny",
+    ):
         with pytest.raises(AssertionError):
             check_command(bad, group)
 
@@ -206,19 +226,22 @@ def token_from_secret(container: dict) -> bool:
 
 
 def test_kuberay_clusters_use_token_auth_everywhere_and_start_with_no_gpu_workers():
-    specs = [(p, d["spec"]) for p, d in by_kind("RayCluster")] + [(p, d["spec"]["rayClusterSpec"]) for p, d in by_kind("RayJob")
-                                                                   if "rayClusterSpec" in d["spec"]]
+    specs = [(p, d["spec"]) for p, d in by_kind("RayCluster")] + [
+        (p, d["spec"]["rayClusterSpec"]) for p, d in by_kind("RayJob") if "rayClusterSpec" in d["spec"]
+    ]
     assert specs
     for path, spec in specs:
         assert all(token_from_secret(c) for c in containers(spec)), f"{path}: a Ray container without the token"
-        assert token_from_secret({"env": spec["autoscalerOptions"]["env"]}), f"{path}: the autoscaler needs the token too"
+        assert token_from_secret({"env": spec["autoscalerOptions"]["env"]}), (
+            f"{path}: the autoscaler needs the token too"
+        )
         assert spec["enableInTreeAutoscaling"] is True
         for g in spec["workerGroupSpecs"]:
             assert g["minReplicas"] == 0 and g["replicas"] == 0, f"{path}: GPU workers start at zero and grow on demand"
         for g in [spec["headGroupSpec"], *spec["workerGroupSpecs"]]:
             store = int(g["rayStartParams"]["object-store-memory"])
             shm = [v for v in g["template"]["spec"]["volumes"] if v["name"] == "dshm"][0]["emptyDir"]["sizeLimit"]
-            assert store < int(shm.removesuffix("Gi")) * 2 ** 30, f"{path}: the object store must fit in /dev/shm"
+            assert store < int(shm.removesuffix("Gi")) * 2**30, f"{path}: the object store must fit in /dev/shm"
     for path, doc in by_kind("RayJob"):
         submitter = doc["spec"]["submitterPodTemplate"]["spec"]["containers"][0]
         assert token_from_secret(submitter), f"{path}: the job submitter needs the token"
@@ -229,19 +252,29 @@ def test_every_service_account_named_is_defined_with_a_cloud_role():
     named = {s for p in YAMLS for doc in load(p) for s in re.findall(r"'serviceAccountName': '([\w-]+)'", str(doc))}
     assert named and named <= set(accounts), (named, set(accounts))
     for name in named:
-        assert any(k.endswith("role-arn") or k.endswith("gcp-service-account") for k in accounts[name]["metadata"]["annotations"])
+        assert any(
+            k.endswith("role-arn") or k.endswith("gcp-service-account")
+            for k in accounts[name]["metadata"]["annotations"]
+        )
 
 
 def test_launcher_cluster_ships_the_token_and_starts_ray_with_it():
     [cfg] = load(DEPLOY / "cluster.yaml")
     assert "~/.ray/auth_token" in cfg["file_mounts"]
     assert any("RAY_AUTH_MODE=token" in o for o in cfg["docker"]["run_options"])
-    assert all("RAY_AUTH_MODE=token ray start" in c for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
-               if "ray start" in c)
-    assert all(t.get("min_workers", 0) == 0 for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"])
+    assert all(
+        "RAY_AUTH_MODE=token ray start" in c
+        for c in cfg["head_start_ray_commands"] + cfg["worker_start_ray_commands"]
+        if "ray start" in c
+    )
+    assert all(
+        t.get("min_workers", 0) == 0 for name, t in cfg["available_node_types"].items() if name != cfg["head_node_type"]
+    )
 
 
 def test_docs_submit_the_driver_as_a_ray_job():
     text = (ROOT / "docs" / "cluster.md").read_text() + (DEPLOY / "cluster.yaml").read_text()
-    assert re.search(r"ray job submit[^\n]*-- soma launch", text) and re.search(r"ray job submit[^\n]*-- soma resume", text)
+    assert re.search(r"ray job submit[^\n]*-- soma launch", text) and re.search(
+        r"ray job submit[^\n]*-- soma resume", text
+    )
     assert "--tmux" not in text and "ray://" not in text.replace("Not as a `ray://` client", "")

@@ -2,6 +2,7 @@
 resume while a launch trains is refused; SIGTERM leaves a final snapshot, the lease released and no local Ray
 behind; a SIGKILLed driver's leftovers go with the next command, which takes over at once; a SIGSTOPped driver
 whose lease expired is replaced, and once SIGCONTed writes nothing."""
+
 from __future__ import annotations
 
 import glob
@@ -17,20 +18,33 @@ from pathlib import Path
 
 import pytest
 import yaml
-
 from conftest import MICRO, assert_one_line_error, soma
 
 # long enough to be caught training (a few seconds of updates after the actors start), short enough to finish
-LONG = {**MICRO, "train": {**MICRO["train"], "updates": 240, "chunk_updates": 4, "checkpoint_every": 40, "val_every": 40}}
+LONG = {
+    **MICRO,
+    "train": {**MICRO["train"], "updates": 240, "chunk_updates": 4, "checkpoint_every": 40, "val_every": 40},
+}
 
 
 def env(**extra) -> dict:
-    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200", **extra}
+    return {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "COLUMNS": "200",
+        **extra,
+    }
 
 
 def start(*args, **extra) -> subprocess.Popen:
-    return subprocess.Popen([sys.executable, "-m", "pipelines.cli", *args], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True, env=env(**extra))
+    return subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env(**extra),
+    )
 
 
 def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]:
@@ -64,8 +78,11 @@ def lease(camp: Path) -> dict:
 
 
 def tree_digest(camp: Path) -> dict[str, str]:
-    return {str(p.relative_to(camp)): hashlib.sha256(p.read_bytes()).hexdigest()
-            for p in sorted(camp.rglob("*")) if p.is_file() and not p.name.startswith(".")}
+    return {
+        str(p.relative_to(camp)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(camp.rglob("*"))
+        if p.is_file() and not p.name.startswith(".")
+    }
 
 
 def finished_once(camp: Path, n: int) -> None:
@@ -77,7 +94,7 @@ def ray_dirs_of(pid: int) -> list[str]:
     found = []
     for d in glob.glob("/tmp/soma-ray-*"):
         try:
-            if json.loads(Path(d, "soma-owner.json").read_text()).get("pid") == pid:     # (a kept one names none)
+            if json.loads(Path(d, "soma-owner.json").read_text()).get("pid") == pid:  # (a kept one names none)
                 found.append(d)
         except (OSError, ValueError):
             continue
@@ -89,7 +106,10 @@ def seeded(tmp_path_factory, text_corpus) -> Path:
     cfg = tmp_path_factory.mktemp("cfg") / "long.yaml"
     cfg.write_text(yaml.safe_dump(LONG))
     camp = tmp_path_factory.mktemp("seeded") / "c"
-    for args in (["prepare", str(camp), "--config", str(cfg), "--corpus", str(text_corpus)], ["seed", str(camp), "--no-progress"]):
+    for args in (
+        ["prepare", str(camp), "--config", str(cfg), "--corpus", str(text_corpus)],
+        ["seed", str(camp), "--no-progress"],
+    ):
         proc = soma(*args)
         assert proc.returncode == 0, proc.stderr[-3000:]
     return camp
@@ -113,9 +133,11 @@ def assert_as_if_never_stopped(camp: Path, reference: Path) -> None:
     """Bitwise the experts of the run that was never stopped, and the same training forwards in the ledger (what was
     lost to the stop is `wasted`, never counted twice)."""
     import torch
+
     from soma_cluster.checkpoint import load_checkpoint
     from soma_cluster.ledger import Ledger
     from soma_cluster.storage import Store
+
     mine, ref = Store(str(camp)), Store(str(reference))
     for e in range(2):
         a, b = (load_checkpoint(s, f"experts/expert-{e:04d}").tensors for s in (mine, ref))
@@ -145,7 +167,7 @@ def test_second_driver_refused_while_one_trains(seeded, tmp_path):
             os.kill(first.pid, signal.SIGCONT)
         first.kill()
     finished_once(camp, 2)
-    assert lease(camp)["released"] and lease(camp)["generation"] == 3      # prepare, seed, this launch
+    assert lease(camp)["released"] and lease(camp)["generation"] == 3  # prepare, seed, this launch
 
 
 def test_sigterm_stops_cleanly_and_resume_finishes(seeded, reference, tmp_path):
@@ -191,7 +213,7 @@ def test_sigkilled_driver_is_replaced_at_once_and_its_leftovers_cleaned(seeded, 
         driver.kill()
     assert dirs and os.path.exists(dirs[0]) and not lease(camp)["released"]
     t0 = time.monotonic()
-    proc = soma("resume", str(camp), "--no-progress")       # the lease's holder is gone on this host: no wait for expiry
+    proc = soma("resume", str(camp), "--no-progress")  # the lease's holder is gone on this host: no wait for expiry
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "took over" in proc.stderr and "was left by a process that is gone" in proc.stderr
     assert not os.path.exists(dirs[0])
@@ -212,14 +234,24 @@ def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seede
         paused_at = time.time()
         last_renewal = wait_for(lambda: lease(camp)["renewed_at"], "the lease")
         timeline.append(("SIGSTOP old driver", 0.0))
-        refused = subprocess.run([sys.executable, "-m", "pipelines.cli", "resume", str(camp), "--no-progress"],
-                                 capture_output=True, text=True, timeout=300, env=env(**ttl))
+        refused = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "resume", str(camp), "--no-progress"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env(**ttl),
+        )
         assert time.time() - lease(camp)["renewed_at"] < 10, "the host is too slow for this test's 10 s lease"
         assert_one_line_error(refused, f"pid {old.pid}")
         timeline.append(("resume refused (lease live)", time.monotonic() - t0))
         # --take-over waits for the lease to lapse (it is not renewed while its holder is stopped), then takes over
-        new = subprocess.run([sys.executable, "-m", "pipelines.cli", "resume", str(camp), "--no-progress", "--take-over"],
-                             capture_output=True, text=True, timeout=300, env=env(**ttl))
+        new = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", "resume", str(camp), "--no-progress", "--take-over"],
+            capture_output=True,
+            text=True,
+            timeout=300,
+            env=env(**ttl),
+        )
         timeline.append(("resume --take-over took over and finished", time.monotonic() - t0))
         assert new.returncode == 0 and "its lease had expired" in new.stderr, new.stderr[-3000:]
         assert lease(camp)["generation"] == 4 and lease(camp)["released"]
@@ -239,7 +271,7 @@ def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seede
     print("\n" + "\n".join(f"  {t:6.1f} s  {what}" for what, t in timeline))
     assert rc == 4, err[-3000:]
     first_new = min(e["t"] for e in events(camp) if e["t"] > paused_at)
-    assert first_new >= last_renewal + 10, (first_new, last_renewal)       # taken over only once the lease had lapsed
+    assert first_new >= last_renewal + 10, (first_new, last_renewal)  # taken over only once the lease had lapsed
     assert "lost" in err and "Traceback" not in err, err[-3000:]
     assert tree_digest(camp) == before, "the paused driver wrote after another driver took the campaign over"
     assert_as_if_never_stopped(camp, reference)
@@ -249,8 +281,13 @@ def test_campaign_whose_path_is_not_utf8(seeded, tmp_path):
     """Ray sends the driver's command line as UTF-8 and pyarrow encodes str paths as UTF-8: a campaign directory whose
     name is not (kept by Python as surrogate escapes) trains all the same."""
     camp = clone(seeded, Path(os.fsdecode(bytes(tmp_path) + b"/camp-\xff\xfe")))
-    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "launch", os.fsencode(str(camp)), "--no-progress"],
-                          capture_output=True, text=True, timeout=300, env=env())
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "launch", os.fsencode(str(camp)), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=300,
+        env=env(),
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     finished_once(camp, 2)
 

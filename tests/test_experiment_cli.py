@@ -1,15 +1,32 @@
 """`soma experiment` end to end at micro size: every arm a real campaign on a local Ray (prepare or fork, seed,
 launch under a GPU-hour budget, eval with its curve), then the report, its figures and the README section."""
+
 import json
 from pathlib import Path
 
 from conftest import assert_one_line_error, soma
 
-MICRO_SETS = ["corpus.max_bytes=1500000", "router.max_features=5000", "router.min_df=3", "router.svd_dim=16",
-              "router.sample_chunks=2000", "router.kmeans_iters=10", "shards.min_train_seqs=16",
-              "spsa.n_pert=4", "spsa.batch=4", "spsa.seq_len=64", "spsa.pert_chunk=4", "seed_stage.updates=6",
-              "train.chunk_updates=3", "train.checkpoint_every=6", "train.val_every=6", "train.val_batches=1",
-              "eval.max_windows=24", "eval.bootstrap=200", "eval.batch=8"]
+MICRO_SETS = [
+    "corpus.max_bytes=1500000",
+    "router.max_features=5000",
+    "router.min_df=3",
+    "router.svd_dim=16",
+    "router.sample_chunks=2000",
+    "router.kmeans_iters=10",
+    "shards.min_train_seqs=16",
+    "spsa.n_pert=4",
+    "spsa.batch=4",
+    "spsa.seq_len=64",
+    "spsa.pert_chunk=4",
+    "seed_stage.updates=6",
+    "train.chunk_updates=3",
+    "train.checkpoint_every=6",
+    "train.val_every=6",
+    "train.val_batches=1",
+    "eval.max_windows=24",
+    "eval.bootstrap=200",
+    "eval.batch=8",
+]
 
 
 def sets(*extra):
@@ -18,13 +35,18 @@ def sets(*extra):
 
 def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path):
     out = tmp_path / "zo"
-    proc = soma("experiment", "zo-compare", str(out), "--no-progress", *sets("budget.campaign_gpu_hours=0.003"), timeout=900)
+    proc = soma(
+        "experiment", "zo-compare", str(out), "--no-progress", *sets("budget.campaign_gpu_hours=0.003"), timeout=900
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
     res = json.loads((out / "results.json").read_text())
     arms = res["seeds"]["0"]
     assert set(arms) == {"soma", "bptt", "mono-spsa", "eggroll"}
     assert [arms[a]["method"] for a in ("soma", "bptt", "mono-spsa", "eggroll")] == ["spsa", "bptt", "spsa", "eggroll"]
-    assert arms["mono-spsa"]["n_experts"] == 1 and abs(arms["mono-spsa"]["parameters"] / arms["soma"]["parameters"] - 1) < 0.01
+    assert (
+        arms["mono-spsa"]["n_experts"] == 1
+        and abs(arms["mono-spsa"]["parameters"] / arms["soma"]["parameters"] - 1) < 0.01
+    )
     for name, r in arms.items():
         # matched GPU-hours: each arm's campaign budget bound it (seed included), within the stated overrun bound;
         # a job stops once its next chunk (its cost measured on this host, under its load) no longer fits its share
@@ -35,13 +57,25 @@ def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path)
         assert steps[0] == 0 and steps == sorted(steps) and len(steps) >= 3
         fw = [p["forwards"] for p in r["curve"]]
         assert fw == sorted(fw) and fw[-1] == r["forwards"]
-        if name != "soma":      # paired against SOMA on the same test windows
+        if name != "soma":  # paired against SOMA on the same test windows
             assert r["vs_reference"] is not None
-            assert abs(r["vs_reference"]["nats_per_byte"] - (r["ensemble"]["nats_per_byte"] - arms["soma"]["ensemble"]["nats_per_byte"])) < 1e-9
+            assert (
+                abs(
+                    r["vs_reference"]["nats_per_byte"]
+                    - (r["ensemble"]["nats_per_byte"] - arms["soma"]["ensemble"]["nats_per_byte"])
+                )
+                < 1e-9
+            )
     # forks share the parent's data and seed model byte for byte, and carry its seed cost
     for child, parent in (("bptt", "soma"), ("eggroll", "mono-spsa")):
         c, p = out / "s0" / child, out / "s0" / parent
-        for rel in ("seed/latest.json", "test/part-00000.arrow", "test/manifest.json", "shards/expert-0000/val-00000.arrow", "router/router.json"):
+        for rel in (
+            "seed/latest.json",
+            "test/part-00000.arrow",
+            "test/manifest.json",
+            "shards/expert-0000/val-00000.arrow",
+            "router/router.json",
+        ):
             if (p / rel).exists():
                 assert (c / rel).read_bytes() == (p / rel).read_bytes(), (child, rel)
         assert arms[child]["gpu_hours_by_category"]["seed"] == arms[parent]["gpu_hours_by_category"]["seed"] > 0
@@ -52,11 +86,16 @@ def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path)
         assert (out / png).read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     # the same command again resumes: nothing is retrained, the results are the same campaigns
     events = (out / "s0" / "soma" / "events.jsonl").read_text()
-    again = soma("experiment", "zo-compare", str(out), "--no-progress", *sets("budget.campaign_gpu_hours=0.003"), timeout=600)
+    again = soma(
+        "experiment", "zo-compare", str(out), "--no-progress", *sets("budget.campaign_gpu_hours=0.003"), timeout=600
+    )
     assert again.returncode == 0, again.stderr[-3000:]
     assert (out / "s0" / "soma" / "events.jsonl").read_text() == events
     # another experiment (or other overrides) in the same directory is refused, nothing touched
-    assert_one_line_error(soma("experiment", "zo-compare", str(out), *sets("budget.campaign_gpu_hours=0.004")), "holds experiment zo-compare")
+    assert_one_line_error(
+        soma("experiment", "zo-compare", str(out), *sets("budget.campaign_gpu_hours=0.004")),
+        "holds experiment zo-compare",
+    )
     assert (out / "s0" / "soma" / "events.jsonl").read_text() == events
 
 
@@ -67,7 +106,7 @@ def test_variance_experiment_and_readme_section(tmp_path):
     v = json.loads((out / "results.json").read_text())["seeds"]["0"]
     for r in v["fixed"]:
         assert abs(r["reduction"] / r["predicted_reduction"] - 1) < 0.15, r
-    assert v["model"]["n_blocks"] == 4 and v["model"]["reduction"] > 1.5      # real experts: far less variance alone
+    assert v["model"]["n_blocks"] == 4 and v["model"]["reduction"] > 1.5  # real experts: far less variance alone
     readme = tmp_path / "README.md"
     readme.write_text("# soma\n\n## Layout\n")
     proc = soma("report", str(out), "--readme", str(readme))
@@ -79,8 +118,14 @@ def test_variance_experiment_and_readme_section(tmp_path):
 
 def test_experiment_bad_input_is_one_line(tmp_path):
     assert_one_line_error(soma("experiment", "nope", str(tmp_path / "x")), "unknown experiment 'nope'")
-    assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--scale", "huge"), "--scale 'huge'", "choose one of small, paper")
-    assert_one_line_error(soma("experiment", "summed", str(tmp_path / "x"), "--set", "spsa.objective=bogus"), "spsa.objective")
+    assert_one_line_error(
+        soma("experiment", "summed", str(tmp_path / "x"), "--scale", "huge"),
+        "--scale 'huge'",
+        "choose one of small, paper",
+    )
+    assert_one_line_error(
+        soma("experiment", "summed", str(tmp_path / "x"), "--set", "spsa.objective=bogus"), "spsa.objective"
+    )
     foreign = tmp_path / "foreign"
     foreign.mkdir()
     (foreign / "keep.txt").write_text("mine")
@@ -97,13 +142,17 @@ def test_fork_cli_shares_data_and_seed_and_refuses_what_it_cannot_share(tmp_path
     assert_one_line_error(soma("fork", parent, child, "--set", "model.depth=3"), "cannot change model")
     proc = soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6")
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6").returncode == 0   # no-op
+    assert (
+        soma("fork", parent, child, "--set", "train.method=bptt", "--set", "train.updates=6").returncode == 0
+    )  # no-op
     assert_one_line_error(soma("fork", parent, child, "--set", "train.method=eggroll"), "different campaign")
     proc = soma("launch", child, "--no-progress")
     assert proc.returncode == 0, proc.stderr[-3000:]
     events = [json.loads(line) for line in (tmp_path / "child" / "events.jsonl").read_text().splitlines()]
     assert [e["event"] for e in events if e["job"] == "expert-0000"][-1] == "finished"
     assert any(e["event"] == "forked" for e in events)
-    assert not (tmp_path / "parent" / "experts").exists()          # the parent is untouched
+    assert not (tmp_path / "parent" / "experts").exists()  # the parent is untouched
     ledger = [json.loads(line) for line in (tmp_path / "child" / "ledger" / "ledger.jsonl").read_text().splitlines()]
-    assert any(r["category"] == "seed" for r in ledger) and any(r["category"] == "expert_training" and r["forwards"] > 0 for r in ledger)
+    assert any(r["category"] == "seed" for r in ledger) and any(
+        r["category"] == "expert_training" and r["forwards"] > 0 for r in ledger
+    )

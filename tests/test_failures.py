@@ -1,6 +1,7 @@
 """Whose failure is it (soma_cluster/failures.py), and what the Scheduler does about each, on a fake clock without
 Ray: the expert's own failures spend its retries; the infrastructure's are waited out for retry.infra_wait_s and
 then stop the campaign, spending none; --retry-failed gives a failed job its retries back."""
+
 from __future__ import annotations
 
 import errno
@@ -8,6 +9,7 @@ import os
 import pickle
 
 import pytest
+from test_schedule import PER_UPDATE, beat, by, scheduler, started
 
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 from soma_cluster.events import RETRY_FAILED, emit, history
@@ -17,7 +19,6 @@ from soma_cluster.messages import ChunkReport
 from soma_cluster.schedule import Chunk, Job, LossKind, Lost, Stop
 from soma_cluster.storage import retrying
 from soma_cluster.trainer import NonFiniteLoss
-from test_schedule import PER_UPDATE, beat, by, scheduler, started
 
 
 def oserror(code: int, path: str = "/c/experts/expert-0000/.tmp-x") -> OSError:
@@ -25,26 +26,35 @@ def oserror(code: int, path: str = "/c/experts/expert-0000/.tmp-x") -> OSError:
 
 
 # -- classification ---------------------------------------------------------------------------------------
-@pytest.mark.parametrize("exc,cause", [
-    (oserror(errno.ENOSPC), Cause.DISK_FULL),
-    (oserror(errno.EDQUOT), Cause.DISK_FULL),
-    (oserror(errno.EROFS), Cause.READ_ONLY),
-    (PermissionError(errno.EACCES, "Permission denied", "/c/ledger"), Cause.PERMISSION),
-    (oserror(errno.EPERM), Cause.PERMISSION),
-    (StorageUnreachable("storage s3://b/c: write x failed after 4 tries in 15.0 s (ConnectionError); ..."), Cause.STORAGE_UNREACHABLE),
-    (OSError("IOError: No space left on device"), Cause.DISK_FULL),             # pyarrow's: text only, no errno
-    (RuntimeError("write failed: [Errno 30] Read-only file system"), Cause.READ_ONLY),
-    (ChecksumError("shard x fails its checksum"), Cause.BAD_INPUT),
-    (SomaError("checkpoint y is missing"), Cause.BAD_INPUT),
-    (NonFiniteLoss("loss is nan", [0]), Cause.NON_FINITE),
-    (RuntimeError("boom"), Cause.EXCEPTION),
-    (FileNotFoundError(errno.ENOENT, "No such file", "/c/x"), Cause.EXCEPTION),   # a vanished file: not a condition to wait out
-    (MemoryError(), Cause.EXCEPTION),                                           # the expert's own allocation
-    (oserror(errno.EIO), Cause.EXCEPTION),
-])
+@pytest.mark.parametrize(
+    "exc,cause",
+    [
+        (oserror(errno.ENOSPC), Cause.DISK_FULL),
+        (oserror(errno.EDQUOT), Cause.DISK_FULL),
+        (oserror(errno.EROFS), Cause.READ_ONLY),
+        (PermissionError(errno.EACCES, "Permission denied", "/c/ledger"), Cause.PERMISSION),
+        (oserror(errno.EPERM), Cause.PERMISSION),
+        (
+            StorageUnreachable("storage s3://b/c: write x failed after 4 tries in 15.0 s (ConnectionError); ..."),
+            Cause.STORAGE_UNREACHABLE,
+        ),
+        (OSError("IOError: No space left on device"), Cause.DISK_FULL),  # pyarrow's: text only, no errno
+        (RuntimeError("write failed: [Errno 30] Read-only file system"), Cause.READ_ONLY),
+        (ChecksumError("shard x fails its checksum"), Cause.BAD_INPUT),
+        (SomaError("checkpoint y is missing"), Cause.BAD_INPUT),
+        (NonFiniteLoss("loss is nan", [0]), Cause.NON_FINITE),
+        (RuntimeError("boom"), Cause.EXCEPTION),
+        (
+            FileNotFoundError(errno.ENOENT, "No such file", "/c/x"),
+            Cause.EXCEPTION,
+        ),  # a vanished file: not a condition to wait out
+        (MemoryError(), Cause.EXCEPTION),  # the expert's own allocation
+        (oserror(errno.EIO), Cause.EXCEPTION),
+    ],
+)
 def test_exceptions_are_classified_by_errno_type_and_text(exc, cause):
     assert exception_cause(exc) == cause
-    assert exception_cause(pickle.loads(pickle.dumps(exc))) == cause              # as it crosses Ray (pickled)
+    assert exception_cause(pickle.loads(pickle.dumps(exc))) == cause  # as it crosses Ray (pickled)
     assert cause.infra == (cause in INFRA)
 
 
@@ -60,7 +70,7 @@ def test_a_wrapped_errno_is_found_along_the_chain():
         try:
             raise oserror(errno.EROFS)
         except OSError:
-            raise ValueError("during handling")                                 # implicit context
+            raise ValueError("during handling")  # implicit context
     except ValueError as outer:
         assert exception_cause(outer) == Cause.READ_ONLY
 
@@ -68,16 +78,21 @@ def test_a_wrapped_errno_is_found_along_the_chain():
 def test_storage_retrying_raises_storage_unreachable_a_soma_error():
     def refuse():
         raise ConnectionRefusedError(errno.ECONNREFUSED, "refused")
+
     with pytest.raises(StorageUnreachable) as info:
         retrying(refuse, "storage s3://b/c: read x", 0.3, 0.1, "check the endpoint", max_tries=2)
     assert isinstance(info.value, SomaError) and exception_cause(info.value) == Cause.STORAGE_UNREACHABLE
 
 
 def test_actor_death_node_died_is_infrastructure_a_killed_process_is_not():
-    node = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ExpertWorker\n"
-            "The actor died because its node has died. Node Id: 3f2a...")
-    killed = ("The actor died unexpectedly before finishing this task.\n\tclass_name: ExpertWorker\n\tpid: 4242\n"
-              "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR")
+    node = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ExpertWorker\n"
+        "The actor died because its node has died. Node Id: 3f2a..."
+    )
+    killed = (
+        "The actor died unexpectedly before finishing this task.\n\tclass_name: ExpertWorker\n\tpid: 4242\n"
+        "The actor is dead because its worker process has died. Worker exit type: SYSTEM_ERROR"
+    )
     assert actor_death_cause(node) == Cause.NODE_LOST
     assert actor_death_cause(killed) == Cause.CRASH and not Cause.CRASH.infra
     assert actor_death_cause("The actor is dead because it was killed by `ray.kill`.") == Cause.CRASH
@@ -107,8 +122,11 @@ def test_select_failed_all_or_named():
 
 # -- the scheduler's decisions ----------------------------------------------------------------------------
 def disk_full(job="expert-0000") -> Lost:
-    return Lost(f"disk_full: exception: OSError: [Errno 28] No space left on device: '/c/experts/{job}/.tmp-x'",
-                LossKind.INFRA, cause=Cause.DISK_FULL)
+    return Lost(
+        f"disk_full: exception: OSError: [Errno 28] No space left on device: '/c/experts/{job}/.tmp-x'",
+        LossKind.INFRA,
+        cause=Cause.DISK_FULL,
+    )
 
 
 def run_one(s, clock, gpu_s=1.0):
@@ -122,11 +140,15 @@ def run_one(s, clock, gpu_s=1.0):
 
 def test_infrastructure_failures_spend_no_retry_and_stop_the_campaign_after_the_bound(tmp_path):
     clock = [0.0]
-    s = scheduler(tmp_path, clock, n_experts=1, retry={"max_retries": 1, "backoff_s": 1.0, "backoff_max_s": 4.0,
-                                                       "infra_wait_s": 20.0})
+    s = scheduler(
+        tmp_path,
+        clock,
+        n_experts=1,
+        retry={"max_retries": 1, "backoff_s": 1.0, "backoff_max_s": 4.0, "infra_wait_s": 20.0},
+    )
     s.restore({})
     tries = []
-    for _ in range(50):                                                         # bounded: ~7 tries fit in 20 s
+    for _ in range(50):  # bounded: ~7 tries fit in 20 s
         unit = run_one(s, clock)
         clock[0] += 0.5
         s.on_lost(unit.id, disk_full())
@@ -134,14 +156,17 @@ def test_infrastructure_failures_spend_no_retry_and_stop_the_campaign_after_the_
         if s.stopped:
             break
     assert s.stopped is not None and s.stopped.cause == Cause.DISK_FULL and s.stopped.job == "expert-0000"
-    assert len(tries) >= 5 and Job(0) not in s.outcome                         # max_retries 1: an expert failure would have ended it
-    assert 20.0 <= s.stopped.waited_s <= 20.0 + 0.5 + 1e-9                       # the bound plus one try, never later
+    assert len(tries) >= 5 and Job(0) not in s.outcome  # max_retries 1: an expert failure would have ended it
+    assert 20.0 <= s.stopped.waited_s <= 20.0 + 0.5 + 1e-9  # the bound plus one try, never later
     assert s.failures.get(Job(0), 0) == 0 and history(s.store)["expert-0000"].failures == 0
     delays = [e["delay_s"] for e in s.store.read_log("events.jsonl") if e["event"] == "retry_scheduled"]
-    assert all(e["counted"] is False and e["cause"] == "disk_full" for e in s.store.read_log("events.jsonl")
-               if e["event"] in ("retry_scheduled", "failed"))
-    assert delays[2] > delays[0] and max(delays) <= 4.0                          # backed off, capped at backoff_max_s
-    assert s.requests(4) == [] and s.finished                                   # stopped: nothing more is started
+    assert all(
+        e["counted"] is False and e["cause"] == "disk_full"
+        for e in s.store.read_log("events.jsonl")
+        if e["event"] in ("retry_scheduled", "failed")
+    )
+    assert delays[2] > delays[0] and max(delays) <= 4.0  # backed off, capped at backoff_max_s
+    assert s.requests(4) == [] and s.finished  # stopped: nothing more is started
     wasted = Ledger(s.store).totals().gpu_seconds["wasted"]
     # every retry's start-up (the first start is the job's own cost) and every try's unreported 0.5 s
     assert wasted == pytest.approx((len(tries) - 1) * 1.0 + len(tries) * 0.5)
@@ -155,19 +180,21 @@ def test_a_checkpoint_clears_the_condition_and_expert_failures_still_count(tmp_p
     s.restore({})
     unit = run_one(s, clock)
     clock[0] += 4.0
-    s.on_lost(unit.id, disk_full())                                             # streak starts at t = 4
+    s.on_lost(unit.id, disk_full())  # streak starts at t = 4
     unit = run_one(s, clock)
-    acts = s.on_chunk(unit.id, ChunkReport({0: beat(6, 3.0, 6 * PER_UPDATE, checkpoint="step-000006", ckpt_step=6)}, 3.0))
-    assert by(acts, Chunk) and Job(0) not in s.infra_since                     # space came back: a checkpoint was written
+    acts = s.on_chunk(
+        unit.id, ChunkReport({0: beat(6, 3.0, 6 * PER_UPDATE, checkpoint="step-000006", ckpt_step=6)}, 3.0)
+    )
+    assert by(acts, Chunk) and Job(0) not in s.infra_since  # space came back: a checkpoint was written
     clock[0] += 30.0
-    s.on_lost(unit.id, disk_full())                                             # a new streak, not 30 s old
+    s.on_lost(unit.id, disk_full())  # a new streak, not 30 s old
     assert s.stopped is None and Job(0) in s.retry_at
     unit = run_one(s, clock)
     s.on_lost(unit.id, Lost("exception: RuntimeError: boom", cause=Cause.EXCEPTION))
-    assert s.failures[Job(0)] == 1 and s.stopped is None                       # the expert's own: counted
+    assert s.failures[Job(0)] == 1 and s.stopped is None  # the expert's own: counted
     unit = run_one(s, clock)
     s.on_lost(unit.id, Lost("actor_died: ActorDiedError: worker died", cause=Cause.CRASH))
-    assert s.outcome == {Job(0): "failed_permanently"}                          # max_retries 1: the second one ends it
+    assert s.outcome == {Job(0): "failed_permanently"}  # max_retries 1: the second one ends it
     failed = [e for e in s.store.read_log("events.jsonl") if e["event"] == "failed"]
     assert [e.get("counted", True) for e in failed] == [False, False, True, True]
     assert history(s.store)["expert-0000"].failures == 2
@@ -187,7 +214,7 @@ def test_zero_wait_stops_at_the_first_and_the_stop_settles_every_open_attempt(tm
     assert sorted(x.unit.id for x in by(acts, Stop)) == sorted([b.unit.id, c.unit.id]) and s.finished
     ev = s.store.read_log("events.jsonl")
     assert [e["job"] for e in ev if e["event"] == "preempted"] == ["expert-0001", "expert-0002"]
-    assert not s.outcome                                                        # nothing ended: `soma resume` goes on
+    assert not s.outcome  # nothing ended: `soma resume` goes on
     again = scheduler(tmp_path, [0.0], n_experts=3)
     again.restore(history(again.store))
     assert sorted(j.expert for j in again.pending) == [0, 1, 2] and not again.failures.get(Job(0))
@@ -217,8 +244,13 @@ def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_pat
     from pipelines.reopen import reopen_failed
     from soma_cluster.schedule import SEED_JOB
     from soma_cluster.storage import Store
+
     store = Store(str(tmp_path / "c"))
-    for job, end in (("seed", "failed_permanently"), ("expert-0000", "finished"), ("expert-0001", "failed_permanently")):
+    for job, end in (
+        ("seed", "failed_permanently"),
+        ("expert-0000", "finished"),
+        ("expert-0001", "failed_permanently"),
+    ):
         emit(store, "queued", job, attempt=0)
         emit(store, "failed", job, attempt=0, reason="exception: RuntimeError: boom")
         emit(store, end, job, attempt=0)
@@ -226,13 +258,13 @@ def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_pat
     before = len(store.read_log("events.jsonl"))
     with pytest.raises(SomaError, match="expert-0000 is finished"):
         reopen_failed(store, jobs, ["1", "0"])
-    assert len(store.read_log("events.jsonl")) == before                       # refused before anything was written
+    assert len(store.read_log("events.jsonl")) == before  # refused before anything was written
     assert reopen_failed(store, jobs, []) == ["expert-0001"]
     assert reopen_failed(store, [SEED_JOB], []) == ["seed"]
     h = history(store)
     assert (h["seed"].state, h["seed"].failures) == ("reopened", 0) and h["expert-0000"].state == "finished"
     assert (h["expert-0001"].state, h["expert-0001"].failures) == ("reopened", 0)
-    assert reopen_failed(store, jobs, []) == []                                 # nothing failed any more
+    assert reopen_failed(store, jobs, []) == []  # nothing failed any more
 
 
 def test_ray_errors_map_to_losses_without_a_running_ray():
@@ -243,38 +275,57 @@ def test_ray_errors_map_to_losses_without_a_running_ray():
 
     def task_error(cause):
         return RayTaskError("ExpertWorker.run_chunk", "Traceback (most recent call last):\n  ...", cause)
-    for cause, kind, why in ((oserror(errno.ENOSPC), LossKind.INFRA, Cause.DISK_FULL),
-                             (StorageUnreachable("storage s3://b/c: write x failed after 3 tries"), LossKind.INFRA, Cause.STORAGE_UNREACHABLE),
-                             (ChecksumError("shard file x fails its checksum"), LossKind.BAD_INPUT, Cause.BAD_INPUT),
-                             (RuntimeError("boom"), LossKind.FAILURE, Cause.EXCEPTION),
-                             (NonFiniteLoss("loss is nan"), LossKind.FAILURE, Cause.NON_FINITE)):
+
+    for cause, kind, why in (
+        (oserror(errno.ENOSPC), LossKind.INFRA, Cause.DISK_FULL),
+        (
+            StorageUnreachable("storage s3://b/c: write x failed after 3 tries"),
+            LossKind.INFRA,
+            Cause.STORAGE_UNREACHABLE,
+        ),
+        (ChecksumError("shard file x fails its checksum"), LossKind.BAD_INPUT, Cause.BAD_INPUT),
+        (RuntimeError("boom"), LossKind.FAILURE, Cause.EXCEPTION),
+        (NonFiniteLoss("loss is nan"), LossKind.FAILURE, Cause.NON_FINITE),
+    ):
         lost = lost_task(task_error(cause))
         assert (lost.kind, lost.cause) == (kind, why), cause
         assert lost.reason.startswith(f"{why}: exception: " if kind == LossKind.INFRA else "exception: "), lost.reason
-    for exc, kind, why in ((OutOfMemoryError("Task was killed due to the node running low on memory."), LossKind.INFRA, Cause.OUT_OF_MEMORY),
-                           (NodeDiedError("node 3f2a died"), LossKind.INFRA, Cause.NODE_LOST),
-                           (ActorUnavailableError("connection lost", None), LossKind.INFRA, Cause.NODE_LOST),
-                           (ActorDiedError(), LossKind.FAILURE, Cause.CRASH)):
+    for exc, kind, why in (
+        (
+            OutOfMemoryError("Task was killed due to the node running low on memory."),
+            LossKind.INFRA,
+            Cause.OUT_OF_MEMORY,
+        ),
+        (NodeDiedError("node 3f2a died"), LossKind.INFRA, Cause.NODE_LOST),
+        (ActorUnavailableError("connection lost", None), LossKind.INFRA, Cause.NODE_LOST),
+        (ActorDiedError(), LossKind.FAILURE, Cause.CRASH),
+    ):
         lost = lost_actor(exc)
         assert (lost.kind, lost.cause) == (kind, why), exc
-    assert lost_actor(ActorDiedError()).reason.startswith("actor_died")    # the expert's crash reads as it always did
+    assert lost_actor(ActorDiedError()).reason.startswith("actor_died")  # the expert's crash reads as it always did
 
 
 def test_a_packed_actor_lost_to_the_infrastructure_spends_no_retry_of_either_expert(tmp_path):
     clock = [0.0]
-    s = scheduler(tmp_path, clock, n_experts=2, resources={"experts_per_actor": 2}, retry={"max_retries": 0, "infra_wait_s": 30.0})
+    s = scheduler(
+        tmp_path, clock, n_experts=2, resources={"experts_per_actor": 2}, retry={"max_retries": 0, "infra_wait_s": 30.0}
+    )
     s.restore({})
     (start,) = s.requests(1)
     s.on_setup(start.unit.id, started([0, 1]))
     clock[0] = 1.0
-    s.on_lost(start.unit.id, Lost("node_lost: ActorDiedError: its node has died", LossKind.INFRA, cause=Cause.NODE_LOST))
+    s.on_lost(
+        start.unit.id, Lost("node_lost: ActorDiedError: its node has died", LossKind.INFRA, cause=Cause.NODE_LOST)
+    )
     assert sorted(j.expert for j in s.retry_at) == [0, 1] and not s.outcome and not s.failures
     clock[0] = max(s.retry_at.values())
     (again,) = s.requests(1)
-    assert sorted(j.expert for j in again.unit.jobs) == [0, 1]                  # retried together, as a pack again
+    assert sorted(j.expert for j in again.unit.jobs) == [0, 1]  # retried together, as a pack again
     failed = [e for e in s.store.read_log("events.jsonl") if e["event"] == "failed"]
-    assert [(e["job"], e["cause"], e["counted"]) for e in failed] == [("expert-0000", "node_lost", False),
-                                                                       ("expert-0001", "node_lost", False)]
+    assert [(e["job"], e["cause"], e["counted"]) for e in failed] == [
+        ("expert-0000", "node_lost", False),
+        ("expert-0001", "node_lost", False),
+    ]
 
 
 def test_a_storage_error_from_a_check_is_classified_by_its_condition():
@@ -282,6 +333,7 @@ def test_a_storage_error_from_a_check_is_classified_by_its_condition():
     are the infrastructure's, a file where a directory must be is not."""
     from soma_cluster.diskerrors import DiskCondition, StorageError
     from soma_cluster.failures import Cause, exception_cause
+
     assert exception_cause(StorageError("/c", DiskCondition.FULL)) is Cause.DISK_FULL
     assert exception_cause(StorageError("/c", DiskCondition.READ_ONLY)) is Cause.READ_ONLY
     assert exception_cause(StorageError("/c", DiskCondition.DENIED)) is Cause.PERMISSION

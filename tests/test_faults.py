@@ -1,5 +1,6 @@
 """Chaos on a real local Ray: SIGKILL, ray.kill, NaN, a hang (SIGSTOP), budgets. Each expert is
 independent; a retried expert must end bitwise identical to the same expert trained without a fault."""
+
 from __future__ import annotations
 
 import json
@@ -12,22 +13,24 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import micro_config
+
 from pipelines.campaign import Driver, Job, expert_jobs
-from soma_cluster.events import history
 from pipelines.prepare import prepare
 from soma_cluster.budget import BudgetBook
 from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
+from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
 from workers import NAMESPACE, actor_name
 
 # 96 updates (about 2 s of training on 2 cores) so a fault aimed after an expert's first checkpoint lands
 # before it finishes: with 24 (0.3 s after the first checkpoint) a loaded CI host saw experts end unharmed
-CHAOS = dict(spsa={"n_pert": 4, "batch": 6, "seq_len": 160, "pert_chunk": 4},
-             train={"updates": 96, "chunk_updates": 3, "checkpoint_every": 6, "val_every": 6, "val_batches": 1},
-             retry={"max_retries": 2, "backoff_s": 0.2, "heartbeat_timeout_s": 60})
+CHAOS = dict(
+    spsa={"n_pert": 4, "batch": 6, "seq_len": 160, "pert_chunk": 4},
+    train={"updates": 96, "chunk_updates": 3, "checkpoint_every": 6, "val_every": 6, "val_batches": 1},
+    retry={"max_retries": 2, "backoff_s": 0.2, "heartbeat_timeout_s": 60},
+)
 
 
 def config(**extra):
@@ -52,8 +55,9 @@ def clone(seeded, dest: Path, cfg=None):
     root, base = seeded
     shutil.copytree(root, dest)
     cfg = cfg or base
-    if cfg is not base:                      # a test's own budget/retry settings: rewrite the resolved config
+    if cfg is not base:  # a test's own budget/retry settings: rewrite the resolved config
         from soma_cluster.config import to_yaml_text
+
         (dest / "campaign.yaml").write_text(to_yaml_text(cfg))
     return Store(str(dest)), cfg
 
@@ -65,7 +69,7 @@ def events(store, job=None, kind=None):
 
 def wait_for(pred, timeout=120.0, what="condition"):
     deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:           # bounded in time
+    while time.monotonic() < deadline:  # bounded in time
         value = pred()
         if value:
             return value
@@ -75,7 +79,9 @@ def wait_for(pred, timeout=120.0, what="condition"):
 
 def run_in_thread(store, cfg):
     result = {}
-    t = threading.Thread(target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True)
+    t = threading.Thread(
+        target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True
+    )
     t.start()
     return t, result
 
@@ -104,13 +110,20 @@ def test_sigkill_and_ray_kill_are_retried_bitwise(seeded, reference, tmp_path, r
     thread, result = run_in_thread(store, cfg)
     # both run at once: each is killed as soon as its own first checkpoint is seen, whichever comes first
     # (waiting for one before watching the other lets a fast host finish the other meanwhile)
-    kills = {"expert-0000": lambda: os.kill(events(store, "expert-0000", "started")[0]["pid"], signal.SIGKILL),   # a real SIGKILL
-             "expert-0001": lambda: ray_local.kill(ray_local.get_actor(actor_name(cfg.digest()[:8], "expert-0001", 0), namespace=NAMESPACE))}
+    kills = {
+        "expert-0000": lambda: os.kill(
+            events(store, "expert-0000", "started")[0]["pid"], signal.SIGKILL
+        ),  # a real SIGKILL
+        "expert-0001": lambda: ray_local.kill(
+            ray_local.get_actor(actor_name(cfg.digest()[:8], "expert-0001", 0), namespace=NAMESPACE)
+        ),
+    }
 
     def kill_checkpointed():
         for job in [j for j in kills if any(x["attempt"] == 0 for x in events(store, j, "checkpointed"))]:
             kills.pop(job)()
         return not kills
+
     wait_for(kill_checkpointed, what="both experts' first checkpoints")
     thread.join(timeout=300)
     assert not thread.is_alive()
@@ -121,11 +134,15 @@ def test_sigkill_and_ray_kill_are_retried_bitwise(seeded, reference, tmp_path, r
         assert events(store, f"expert-{e:04d}", "started")[-1]["resumed"] is True
     assert_bitwise(store, reference, [0, 1])
     mine, ref = Ledger(store).totals(), Ledger(reference).totals()
-    assert mine.forwards["expert_training"] == ref.forwards["expert_training"]    # lost work moved to wasted
+    assert mine.forwards["expert_training"] == ref.forwards["expert_training"]  # lost work moved to wasted
     # work billed (a heartbeat) past the checkpoint a retry resumed from is wasted; a kill that lands before the
     # next heartbeat after a checkpoint loses none (seen on a fast host), so the test asks for exactly that
-    lost = [hb for e in (0, 1) for hb in events(store, f"expert-{e:04d}", "heartbeat")
-            if hb["attempt"] == 0 and hb["step"] > events(store, f"expert-{e:04d}", "started")[-1]["step"]]
+    lost = [
+        hb
+        for e in (0, 1)
+        for hb in events(store, f"expert-{e:04d}", "heartbeat")
+        if hb["attempt"] == 0 and hb["step"] > events(store, f"expert-{e:04d}", "started")[-1]["step"]
+    ]
     assert (mine.forwards["wasted"] > 0) == (mine.gpu_seconds["wasted"] > 0) == bool(lost)
 
 
@@ -133,7 +150,7 @@ def test_nan_expert_fails_after_retries_while_others_finish(seeded, tmp_path, ra
     store, cfg = clone(seeded, tmp_path / "c")
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     state.body.fill_(float("nan"))
-    save_checkpoint(store, "experts/expert-0001", state)                 # a valid checkpoint of NaN weights
+    save_checkpoint(store, "experts/expert-0001", state)  # a valid checkpoint of NaN weights
     result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
     assert result == {"expert-0000": "finished", "expert-0001": "failed_permanently"}
     failed = events(store, "expert-0001", "failed")
@@ -160,7 +177,7 @@ def test_hung_expert_is_killed_and_retried(seeded, reference, tmp_path, ray_loca
     store, cfg = clone(seeded, tmp_path / "c", config(retry={"heartbeat_timeout_s": 3.0}))
     thread, result = run_in_thread(store, cfg)
     wait_for(lambda: [x for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0], what="checkpoint")
-    freeze_until_driver_ends(store, thread, 300)                        # alive but silent: a hang
+    freeze_until_driver_ends(store, thread, 300)  # alive but silent: a hang
     assert result == {"expert-0000": "finished", "expert-0001": "finished"}
     assert events(store, "expert-0000", "failed")[0]["reason"].startswith("hang")
     assert not events(store, "expert-0001", "failed")
@@ -168,21 +185,26 @@ def test_hung_expert_is_killed_and_retried(seeded, reference, tmp_path, ray_loca
 
 
 def test_expert_budget_stops_cleanly_within_the_bound(seeded, tmp_path, ray_local):
-    cap_s = 10.0                 # the actor's start-up (2-7 s on a loaded 2-core host) is part of what it spends
-    store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0},
-                                                      train={"updates": 100000}))
+    cap_s = 10.0  # the actor's start-up (2-7 s on a loaded 2-core host) is part of what it spends
+    store, cfg = clone(
+        seeded,
+        tmp_path / "c",
+        config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0}, train={"updates": 100000}),
+    )
     result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
     assert set(result.values()) == {"budget_exhausted"}
     totals = Ledger(store).totals()
-    hard = cfg.budget.grace_gpu_seconds + 0.5 * cfg.resources.num_gpus          # the driver's hard stop
+    hard = cfg.budget.grace_gpu_seconds + 0.5 * cfg.resources.num_gpus  # the driver's hard stop
     over = BudgetBook(cfg.budget).overruns(totals.per_expert_gpu_seconds, totals.per_expert_largest)
     for e in range(cfg.n_experts):
         spent = totals.per_expert_gpu_seconds[e]
-        print(f"\nexpert budget: expert {e} spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {over[e].gpu_s:+.2f}, "
-              f"derived bound {over[e].bound_s:.2f}: its largest chunk or start-up; hard stop {hard:.2f})")
+        print(
+            f"\nexpert budget: expert {e} spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {over[e].gpu_s:+.2f}, "
+            f"derived bound {over[e].bound_s:.2f}: its largest chunk or start-up; hard stop {hard:.2f})"
+        )
         assert over[e].gpu_s == pytest.approx(spent - cap_s)
         assert cap_s * 0.5 < spent and over[e].within, (e, spent, over[e])
-        ck = load_checkpoint(store, f"experts/expert-{e:04d}")          # the clean stop left a checkpoint
+        ck = load_checkpoint(store, f"experts/expert-{e:04d}")  # the clean stop left a checkpoint
         assert ck.meta["state"]["step"] == history(store)[f"expert-{e:04d}"].step
 
 
@@ -190,12 +212,16 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
     root, base = seeded
     seed_s = Ledger(Store(str(root))).totals().gpu_hours * 3600
     extra_s = 5.0
-    cfg = config(budget={"campaign_gpu_hours": (seed_s + extra_s) / 3600, "grace_gpu_seconds": 2.0}, train={"updates": 100000})
+    cfg = config(
+        budget={"campaign_gpu_hours": (seed_s + extra_s) / 3600, "grace_gpu_seconds": 2.0}, train={"updates": 100000}
+    )
     store, cfg = clone(seeded, tmp_path / "c", cfg)
     assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"budget_exhausted"}
     spent = Ledger(store).totals().gpu_hours * 3600
     bound = (cfg.budget.grace_gpu_seconds + 0.5) * cfg.n_experts
-    print(f"\ncampaign budget: spent {spent - seed_s:.2f} GPU-s of {extra_s} after the seed (overrun {spent - seed_s - extra_s:+.2f}, bound {bound:.2f})")
+    print(
+        f"\ncampaign budget: spent {spent - seed_s:.2f} GPU-s of {extra_s} after the seed (overrun {spent - seed_s - extra_s:+.2f}, bound {bound:.2f})"
+    )
     assert seed_s + extra_s * 0.5 < spent <= seed_s + extra_s + bound
     # the budget is now spent: nothing more is launched
     launched = len(events(store, kind="launched"))
@@ -208,37 +234,49 @@ def test_driver_sigkill_then_resume_finishes_without_double_counting(seeded, ref
     """The driver (with the local Ray it started) is SIGKILLed mid-campaign; `soma resume` finishes it."""
     import subprocess
     import sys
+
     store, cfg = clone(seeded, tmp_path / "c")
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
     cmd = [sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"]
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, start_new_session=True)
     try:
-        wait_for(lambda: events(store, "expert-0000", "checkpointed") or proc.poll() is not None, what="first checkpoint")
+        wait_for(
+            lambda: events(store, "expert-0000", "checkpointed") or proc.poll() is not None, what="first checkpoint"
+        )
         assert proc.poll() is None, "driver ended before it could be killed"
-        os.killpg(proc.pid, signal.SIGKILL)                               # driver and its local Ray, at once
+        os.killpg(proc.pid, signal.SIGKILL)  # driver and its local Ray, at once
         proc.wait(timeout=30)
     finally:
         if proc.poll() is None:
             os.killpg(proc.pid, signal.SIGKILL)
     before = {e["job"] for e in events(store) if e["event"] == "finished"}
-    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "resume", str(tmp_path / "c"), "--no-progress"],
-                         env=env, capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "resume", str(tmp_path / "c"), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 0, out.stderr[-3000:]
     hist = history(store)
     assert all(hist[f"expert-{e:04d}"].state == "finished" for e in range(cfg.n_experts))
-    for job in before:                                                    # finished experts were not retrained
+    for job in before:  # finished experts were not retrained
         assert hist[job].attempts == 1
     raw = [json.loads(line)["id"] for line in Path(store.full("ledger/ledger.jsonl")).read_text().splitlines()]
-    assert len(raw) == len(set(raw))                                      # no GPU-second record written twice
+    assert len(raw) == len(set(raw))  # no GPU-second record written twice
     assert_bitwise(store, reference, range(cfg.n_experts))
     mine, ref = Ledger(store).totals(), Ledger(reference).totals()
-    assert mine.forwards["expert_training"] <= ref.forwards["expert_training"] + 2 * cfg.spsa.n_pert * cfg.train.chunk_updates * cfg.n_experts
+    assert (
+        mine.forwards["expert_training"]
+        <= ref.forwards["expert_training"] + 2 * cfg.spsa.n_pert * cfg.train.chunk_updates * cfg.n_experts
+    )
 
 
 def test_launch_refuses_a_budget_already_spent(seeded, tmp_path):
     from pipelines.campaign import launch
     from soma_cluster.errors import SomaError
+
     root, _ = seeded
     seed_h = Ledger(Store(str(root))).totals().gpu_hours
     store, cfg = clone(seeded, tmp_path / "c", config(budget={"campaign_gpu_hours": seed_h / 2}))
@@ -248,10 +286,16 @@ def test_launch_refuses_a_budget_already_spent(seeded, tmp_path):
 
 
 def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_path, ray_local):
-    cap_s = 15.0        # expert-0001 must get past its start-up (billed from the grant; 2-10 s on a loaded host) to fail
-    store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0,
-                                                              "pool_policy": "even"}, train={"updates": 100000},
-                                                      retry={"max_retries": 0}))
+    cap_s = 15.0  # expert-0001 must get past its start-up (billed from the grant; 2-10 s on a loaded host) to fail
+    store, cfg = clone(
+        seeded,
+        tmp_path / "c",
+        config(
+            budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0, "pool_policy": "even"},
+            train={"updates": 100000},
+            retry={"max_retries": 0},
+        ),
+    )
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     state.body.fill_(float("nan"))
     save_checkpoint(store, "experts/expert-0001", state)
@@ -266,9 +310,16 @@ def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_
 
 def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_path, ray_local):
     """A worker that stops reporting while holding its GPU (SIGSTOP) cannot spend past cap + grace."""
-    cap_s, grace = 10.0, 1.0     # room for the actor's start-up, so it is still training when it is frozen
-    store, cfg = clone(seeded, tmp_path / "c", config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": grace},
-                                                      train={"updates": 100000}, retry={"heartbeat_timeout_s": 120}))
+    cap_s, grace = 10.0, 1.0  # room for the actor's start-up, so it is still training when it is frozen
+    store, cfg = clone(
+        seeded,
+        tmp_path / "c",
+        config(
+            budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": grace},
+            train={"updates": 100000},
+            retry={"heartbeat_timeout_s": 120},
+        ),
+    )
     thread, result = run_in_thread(store, cfg)
     wait_for(lambda: events(store, "expert-0000", "checkpointed"), what="checkpoint")
     freeze_until_driver_ends(store, thread, 120)
@@ -276,7 +327,9 @@ def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_pat
     assert events(store, "expert-0000", "failed")[0]["reason"].startswith("budget_exhausted: hard stop")
     spent = Ledger(store).totals().per_expert_gpu_seconds[0]
     bound = grace + 0.5 * cfg.resources.num_gpus
-    print(f"\nhard stop: expert-0000 spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {spent - cap_s:+.2f}, bound {bound:.2f})")
+    print(
+        f"\nhard stop: expert-0000 spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {spent - cap_s:+.2f}, bound {bound:.2f})"
+    )
     assert spent <= cap_s + bound + 0.1
 
 
@@ -285,22 +338,27 @@ def test_sigterm_is_a_preemption_checkpointed_and_rescheduled_bitwise(seeded, re
     `preempted` (not a failure, no retry spent), and the expert ends bitwise equal to an undisturbed run."""
     store, cfg = clone(seeded, tmp_path / "c", config(retry={"max_retries": 0}))
     thread, result = run_in_thread(store, cfg)
-    wait_for(lambda: [x for x in events(store, "expert-0000", "heartbeat") if x["attempt"] == 0 and x["step"] >= 4], what="training")
+    wait_for(
+        lambda: [x for x in events(store, "expert-0000", "heartbeat") if x["attempt"] == 0 and x["step"] >= 4],
+        what="training",
+    )
     os.kill(events(store, "expert-0000", "started")[0]["pid"], signal.SIGTERM)
     thread.join(timeout=300)
     assert not thread.is_alive()
-    assert result == {"expert-0000": "finished", "expert-0001": "finished"}          # max_retries 0, yet it came back
+    assert result == {"expert-0000": "finished", "expert-0001": "finished"}  # max_retries 0, yet it came back
     pre = events(store, "expert-0000", "preempted")
     assert len(pre) == 1 and not events(store, "expert-0000", "failed") and history(store)["expert-0000"].failures == 0
     ckpts = [x["step"] for x in events(store, "expert-0000", "checkpointed") if x["attempt"] == 0]
     again = events(store, "expert-0000", "started")[-1]
-    assert again["attempt"] == 1 and again["resumed"] and again["step"] == ckpts[-1] == pre[0]["step"]   # nothing lost
+    assert again["attempt"] == 1 and again["resumed"] and again["step"] == ckpts[-1] == pre[0]["step"]  # nothing lost
     assert_bitwise(store, reference, [0, 1])
     mine, ref = Ledger(store).totals(), Ledger(reference).totals()
     assert mine.forwards["expert_training"] == ref.forwards["expert_training"]
     assert mine.gpu_seconds["preempted"] > 0 and mine.gpu_seconds["wasted"] == 0 and mine.forwards["wasted"] == 0
-    print(f"\npreempted at step {pre[0]['step']} (checkpoint {ckpts[-1]}); preempted {mine.gpu_seconds['preempted']:.2f} GPU-s, "
-          f"wasted {mine.gpu_seconds['wasted']:.2f}, training forwards {mine.forwards['expert_training']} = fault-free")
+    print(
+        f"\npreempted at step {pre[0]['step']} (checkpoint {ckpts[-1]}); preempted {mine.gpu_seconds['preempted']:.2f} GPU-s, "
+        f"wasted {mine.gpu_seconds['wasted']:.2f}, training forwards {mine.forwards['expert_training']} = fault-free"
+    )
 
 
 def test_a_gpu_share_without_cuda_is_an_error_naming_the_node(seeded, tmp_path, ray_local):
@@ -309,26 +367,32 @@ def test_a_gpu_share_without_cuda_is_an_error_naming_the_node(seeded, tmp_path, 
     assert set(driver.run().values()) == {"failed_permanently"}
     why = driver.bad_input["expert-0000"]
     assert "node 127.0.0.1" in why and "no CUDA device" in why and "resources.allow_cpu=true" in why
-    assert len(events(store, "expert-0000", "failed")) == 1                            # no retry can fix the node
+    assert len(events(store, "expert-0000", "failed")) == 1  # no retry can fix the node
 
 
 def test_launch_exits_3_when_an_expert_fails_permanently_and_its_traceback_reaches_the_driver(seeded, tmp_path):
     import subprocess
     import sys
+
     store, cfg = clone(seeded, tmp_path / "c")
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     name = save_checkpoint(store, "experts/expert-0001", state)
     meta = store.read_json(f"experts/expert-0001/{name}.json")
-    del meta["state"]["history"]                                                          # a metadata file a bug could write
+    del meta["state"]["history"]  # a metadata file a bug could write
     store.write_json(f"experts/expert-0001/{name}.json", meta)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     env.pop("RAY_ADDRESS", None)
-    out = subprocess.run([sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"], env=env,
-                         capture_output=True, text=True, timeout=300)
+    out = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert out.returncode == 3, out.stderr[-3000:]
     errors = [line for line in out.stderr.splitlines() if line.startswith("error:")]
     assert len(errors) == 1 and "expert-0001" in errors[0] and "KeyError" in errors[0], errors
-    assert "Traceback" in out.stderr and "expert_worker.py" in out.stderr                 # the worker's traceback, in the driver's log
+    assert "Traceback" in out.stderr and "expert_worker.py" in out.stderr  # the worker's traceback, in the driver's log
     failed = events(store, "expert-0001", "failed")
     assert len(failed) == cfg.retry.max_retries + 1 and all("KeyError" in f["traceback"] for f in failed)
     assert history(store)["expert-0000"].state == "finished"

@@ -1,9 +1,10 @@
 """The trainer is the SOMA estimator of SPEC section 5, and a checkpoint continues it bitwise."""
+
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_packed_equals_separate
+
 from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
 from soma_cluster.config import ModelConfig, SPSAConfig, resolve
 from soma_cluster.corpus import builtin_documents
@@ -64,7 +65,12 @@ def test_checkpoint_continues_bitwise(tmp_path, shards, train_head):
     for _ in range(3):
         resumed.update()
     a, b = snapshot(straight), snapshot(resumed)
-    a["scalars"].pop("best_val"), b["scalars"].pop("best_val"), a["scalars"].pop("since_best"), b["scalars"].pop("since_best")
+    (
+        a["scalars"].pop("best_val"),
+        b["scalars"].pop("best_val"),
+        a["scalars"].pop("since_best"),
+        b["scalars"].pop("since_best"),
+    )
     same(a, b)
 
 
@@ -86,7 +92,7 @@ def test_coupled_weight_decay_with_zero_signal(shards):
     tr = make(shards[0], weight_decay=1e-4, lr=1e-3)
     before = tr.state.body.clone()
     tr.apply(torch.zeros_like(before), None, 1.0, 0, 0)
-    moved = before - tr.state.body                    # first Adam step: lr * g / (|g| + eps), g = wd * theta
+    moved = before - tr.state.body  # first Adam step: lr * g / (|g| + eps), g = wd * theta
     g = 1e-4 * before
     torch.testing.assert_close(moved, 1e-3 * g / (g.abs() + 1e-8), rtol=1e-3, atol=1e-9)
 
@@ -104,11 +110,15 @@ def test_estimate_cosine_with_true_gradient_grows_with_n_pert():
     f = lambda bodies: copy_losses(cfg, bodies, head, x, y)  # noqa: E731
     means = []
     for n in (4, 32, 256):
-        cos = [torch.nn.functional.cosine_similarity(spsa_estimate(theta, probes(n, mask, s), 1e-3, f, 64).grad, true, dim=0)
-               for s in range(6)]
+        cos = [
+            torch.nn.functional.cosine_similarity(
+                spsa_estimate(theta, probes(n, mask, s), 1e-3, f, 64).grad, true, dim=0
+            )
+            for s in range(6)
+        ]
         means.append(float(torch.stack(cos).mean()))
     assert 0 < means[0] < means[1] < means[2], means
-    m = Layout(cfg).size                              # theory for unit-variance probes: ~ sqrt(n / (n + M))
+    m = Layout(cfg).size  # theory for unit-variance probes: ~ sqrt(n / (n + M))
     assert means[2] > 0.5 * (256 / (256 + m)) ** 0.5, means
 
 

@@ -1,4 +1,5 @@
 """The fused CPU kernels (soma_cluster/fused.py, csrc/kernels.c) against the plain torch path they replace."""
+
 from __future__ import annotations
 
 import logging
@@ -15,13 +16,16 @@ from soma_cluster.config import ModelConfig
 from soma_cluster.ensemble import packed_logprobs
 from soma_cluster.model import Layout, LSTMState, copy_losses, init_body, init_head, target_logprobs
 
-pytestmark = pytest.mark.skipif(not fused.available(), reason="no C compiler: the fused kernels are off on this machine")
+pytestmark = pytest.mark.skipif(
+    not fused.available(), reason="no C compiler: the fused kernels are off on this machine"
+)
 CPU = torch.device("cpu")
 
 
 @pytest.fixture
 def torch_only(monkeypatch):
     """A context in which the kernels are switched off (SOMA_FUSED=0), so the same call takes the torch path."""
+
     @contextmanager
     def off():
         monkeypatch.setenv("SOMA_FUSED", "0")
@@ -31,6 +35,7 @@ def torch_only(monkeypatch):
         finally:
             monkeypatch.delenv("SOMA_FUSED")
             fused._library.cache_clear()
+
     yield off()
     fused._library.cache_clear()
 
@@ -44,6 +49,7 @@ def expert_calls(monkeypatch):
     def counted(*args, **kwargs):
         calls.append(args[0].cfg.d)
         return real(*args, **kwargs)
+
     monkeypatch.setattr(fused, "_expert_forward", counted)
     return calls
 
@@ -57,17 +63,17 @@ def run_blocks(w_ih, w_hh, x, cuts):
 
 @pytest.mark.parametrize("p,t,b,d", [(3, 17, 5, 8), (1, 9, 37, 20), (4, 33, 16, 32), (2, 6, 9, 64), (1, 4, 3, 100)])
 def test_recurrence_kernel_equals_torch_steps(torch_only, p, t, b, d):
-    assert d <= fused.MAX_RECURRENT_D                                  # LSTMState takes the kernel at these widths
+    assert d <= fused.MAX_RECURRENT_D  # LSTMState takes the kernel at these widths
     g = torch.Generator().manual_seed(d)
     x = torch.randn(p, t, b, d, generator=g)
-    w_ih, w_hh = torch.randn(p, 4 * d, d, generator=g) / d ** 0.5, torch.randn(p, 4 * d, d, generator=g) / d ** 0.5
-    out, state = run_blocks(w_ih, w_hh, x, [t // 3, t // 2])          # B not a multiple of the tile, state carried
+    w_ih, w_hh = torch.randn(p, 4 * d, d, generator=g) / d**0.5, torch.randn(p, 4 * d, d, generator=g) / d**0.5
+    out, state = run_blocks(w_ih, w_hh, x, [t // 3, t // 2])  # B not a multiple of the tile, state carried
     with torch_only:
         ref, ref_state = run_blocks(w_ih, w_hh, x, [t // 3, t // 2])
     assert fused.available()
     torch.testing.assert_close(out, ref, rtol=0, atol=2e-6)
     torch.testing.assert_close(state.c, ref_state.c, rtol=0, atol=2e-6)
-    assert torch.equal(out, run_blocks(w_ih, w_hh, x, [t // 3, t // 2])[0])   # deterministic, whatever the thread split
+    assert torch.equal(out, run_blocks(w_ih, w_hh, x, [t // 3, t // 2])[0])  # deterministic, whatever the thread split
 
 
 def test_results_do_not_depend_on_threads():
@@ -113,7 +119,7 @@ def test_extreme_logits_stay_finite(torch_only):
     torch.testing.assert_close(got, ref, rtol=1e-5, atol=1e-4)
 
 
-EXPERTS = {   # name: ModelConfig fields, copies, batch rows, time steps
+EXPERTS = {  # name: ModelConfig fields, copies, batch rows, time steps
     "paper width d=32, shared head": (dict(d=32, head="shared_frozen"), 4, 37, 23),
     "d=20, one block (padded lanes)": (dict(d=20, embed_dim=20, depth=1, head="shared_frozen"), 2, 5, 30),
     "wide d=43, e=32, own heads, three blocks": (dict(d=43, depth=3, head="own"), 4, 9, 17),
@@ -129,18 +135,24 @@ def test_expert_kernel_equals_torch(torch_only, expert_calls, name):
     assert cfg.d <= fused.MAX_EXPERT_D
     g = torch.Generator().manual_seed(11)
     bodies = torch.stack([init_body(cfg, g) for _ in range(copies)])
-    bodies += torch.randn(bodies.shape, generator=g) * 0.05               # gains away from 1
+    bodies += torch.randn(bodies.shape, generator=g) * 0.05  # gains away from 1
     head, heads = init_head(cfg, g) * 40, torch.stack([init_head(cfg, g) * 30 for _ in range(copies)])
     x, y = torch.randint(0, 256, (b, t), generator=g), torch.randint(0, 256, (b, t), generator=g)
     windows = np.random.default_rng(0).integers(0, 256, size=(copies, b, t + 1), dtype=np.uint8)
     xs, ys = torch.randint(0, 256, (2, b, t), generator=g), torch.randint(0, 256, (2, b, t), generator=g)
-    own = heads[::copies // 2] if cfg.head == "own" else head                 # expert axis: 2 groups of copies
-    got = (copy_losses(cfg, bodies, head, x, y), packed_logprobs(cfg, bodies, heads, windows, t // 3, CPU),
-           copy_losses(cfg, bodies, own, xs, ys))
+    own = heads[:: copies // 2] if cfg.head == "own" else head  # expert axis: 2 groups of copies
+    got = (
+        copy_losses(cfg, bodies, head, x, y),
+        packed_logprobs(cfg, bodies, heads, windows, t // 3, CPU),
+        copy_losses(cfg, bodies, own, xs, ys),
+    )
     assert len(expert_calls) == 3
     with torch_only:
-        ref = (copy_losses(cfg, bodies, head, x, y), packed_logprobs(cfg, bodies, heads, windows, t // 3, CPU),
-               copy_losses(cfg, bodies, own, xs, ys))
+        ref = (
+            copy_losses(cfg, bodies, head, x, y),
+            packed_logprobs(cfg, bodies, heads, windows, t // 3, CPU),
+            copy_losses(cfg, bodies, own, xs, ys),
+        )
     assert len(expert_calls) == 3
     torch.testing.assert_close(got[0], ref[0], rtol=0, atol=1e-5)
     assert got[1].shape == ref[1].shape == (copies, b, t - t // 3)
@@ -173,8 +185,15 @@ def test_padding_rows_are_not_computed_and_score_zero(torch_only, expert_calls):
         with pytest.raises(ValueError, match="sizes"):
             packed_logprobs(cfg, bodies, heads, windows, 5, CPU, bad)
         with pytest.raises(ValueError, match="sizes"):
-            fused.expert_logprobs(Layout(cfg), bodies, heads, torch.from_numpy(windows[..., :-1]),
-                                  torch.from_numpy(windows[..., 1:]), 5, bad)
+            fused.expert_logprobs(
+                Layout(cfg),
+                bodies,
+                heads,
+                torch.from_numpy(windows[..., :-1]),
+                torch.from_numpy(windows[..., 1:]),
+                5,
+                bad,
+            )
 
 
 def test_wider_experts_keep_the_composed_path(expert_calls):
@@ -193,7 +212,7 @@ def test_pointwise_functions_are_exact_to_float32(kind):
     if kind == "gelu":
         ref = xd * 0.5 * (1 + torch.special.erf(xd / math.sqrt(2)))
         assert ((got - ref).abs() / xd.abs().clamp_min(1e-30)).max() < 3e-7
-        assert (got - ref).abs().max() < 1.2e-6                      # torch's own F.gelu: 1.15e-6
+        assert (got - ref).abs().max() < 1.2e-6  # torch's own F.gelu: 1.15e-6
     else:
         ref = xd.exp() if kind == "exp" else torch.sigmoid(xd)
         assert ((got - ref).abs() / ref).max() < 2e-7
@@ -203,7 +222,7 @@ def test_autograd_and_float64_keep_the_torch_path(expert_calls):
     d = 8
     w = torch.randn(1, 4 * d, d, requires_grad=True)
     out = LSTMState(w, w, 2, compiled=False).run(torch.randn(1, 5, 2, d))
-    assert out.grad_fn is not None                                    # BPTT still differentiates through the LSTM
+    assert out.grad_fn is not None  # BPTT still differentiates through the LSTM
     out.sum().backward()
     assert w.grad is not None and torch.isfinite(w.grad).all()
     cfg = ModelConfig(d=8, embed_dim=8)
@@ -228,7 +247,7 @@ def test_kernels_off_without_a_compiler(monkeypatch, tmp_path, caplog):
         cfg = ModelConfig()
         g = torch.Generator().manual_seed(3)
         assert torch.isfinite(copy_losses(cfg, init_body(cfg, g)[None], init_head(cfg, g), x, x)).all()
-        assert list(tmp_path.iterdir()) == []                         # nothing half-built left behind
+        assert list(tmp_path.iterdir()) == []  # nothing half-built left behind
     finally:
         fused._library.cache_clear()
 
@@ -239,5 +258,5 @@ def test_build_is_cached_per_source_and_cpu(monkeypatch, tmp_path):
     first = fused._build(cc)
     stamp = first.stat().st_mtime_ns
     assert first.parent == tmp_path / "kernels" and first.name.startswith("soma-kernels-")
-    assert fused._build(cc) == first and first.stat().st_mtime_ns == stamp      # reused, not rebuilt
-    assert [p.name for p in first.parent.iterdir()] == [first.name]           # no temporary files left
+    assert fused._build(cc) == first and first.stat().st_mtime_ns == stamp  # reused, not rebuilt
+    assert [p.name for p in first.parent.iterdir()] == [first.name]  # no temporary files left

@@ -8,6 +8,7 @@ refused cells, the same command succeeding once the condition is lifted. Conditi
 
 Needs root for the mounts (tmpfs, read-only bind); skipped with the reason where mounting is refused.
 """
+
 from __future__ import annotations
 
 import hashlib
@@ -23,17 +24,23 @@ from typing import Callable, Iterator
 import pytest
 import typer.main
 import yaml
-
 from conftest import MICRO, assert_one_line_error, fill_up
 
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
 
 
-def run(*args: str, env: dict | None = None, timeout: int = 300, drop: tuple[str, ...] = ()) -> subprocess.CompletedProcess:
+def run(
+    *args: str, env: dict | None = None, timeout: int = 300, drop: tuple[str, ...] = ()
+) -> subprocess.CompletedProcess:
     """The CLI in a subprocess; `drop`: prefixes of variables left out of this process's environment."""
     base = {k: v for k, v in os.environ.items() if not k.startswith(drop)} if drop else dict(os.environ)
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout,
-                          env={**base, **ENV, **(env or {})})
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**base, **ENV, **(env or {})},
+    )
 
 
 def micro_sets() -> list[str]:
@@ -75,9 +82,9 @@ def tree_hash(root: Path) -> str:
 @dataclass
 class World:
     root: Path
-    config: Path            # MICRO as YAML
-    camp: Path              # prepared, seeded, launched
-    experiment: Path        # an experiment directory with results.json (for report)
+    config: Path  # MICRO as YAML
+    camp: Path  # prepared, seeded, launched
+    experiment: Path  # an experiment directory with results.json (for report)
 
 
 @pytest.fixture(scope="module")
@@ -86,8 +93,11 @@ def world(tmp_path_factory) -> World:
     config = root / "micro.yaml"
     config.write_text(yaml.safe_dump(MICRO))
     camp = root / "camp"
-    for args in (["prepare", str(camp), "--config", str(config)], ["seed", str(camp), "--no-progress"],
-                 ["launch", str(camp), "--no-progress"]):
+    for args in (
+        ["prepare", str(camp), "--config", str(config)],
+        ["seed", str(camp), "--no-progress"],
+        ["launch", str(camp), "--no-progress"],
+    ):
         proc = run(*args)
         assert proc.returncode == 0, (args, proc.stderr[-3000:])
     return World(root, config, camp, _experiment_dir(root / "exp"))
@@ -100,11 +110,21 @@ def _experiment_dir(path: Path) -> Path:
     from soma_cluster.experiments import load_spec
     from soma_cluster.storage import Store
     from soma_cluster.variance import separable_ratio
+
     spec = load_spec("variance")
     fixed = [separable_ratio(256, n, 200, probe, 0).as_dict() for probe in ("rademacher", "ternary") for n in (2, 4)]
-    res = {"experiment": spec.name, "title": spec.title, "question": spec.question, "kind": spec.kind, "scale": "small",
-           "overrides": [], "reference": spec.reference, "seeds": {"0": {"fixed": fixed, "fixed_seconds": 0.0}},
-           "expect": [e.model_dump() for e in spec.expect], "wall_seconds": 0.0}
+    res = {
+        "experiment": spec.name,
+        "title": spec.title,
+        "question": spec.question,
+        "kind": spec.kind,
+        "scale": "small",
+        "overrides": [],
+        "reference": spec.reference,
+        "seeds": {"0": {"fixed": fixed, "fixed_seconds": 0.0}},
+        "expect": [e.model_dump() for e in spec.expect],
+        "wall_seconds": 0.0,
+    }
     store = Store(str(path))
     store.write_json("results.json", res)
     write_report(store, res)
@@ -114,12 +134,12 @@ def _experiment_dir(path: Path) -> Path:
 # -- places: where a cell's campaign lives, under one condition -----------------------------------------------
 @dataclass
 class Place:
-    dir: Path                                   # holds camp/ and exp/ (copies); new campaigns go to dir/new
+    dir: Path  # holds camp/ and exp/ (copies); new campaigns go to dir/new
     env: dict = field(default_factory=dict)
-    fix: Callable[[], None] = lambda: None      # lifts the condition
-    refuses_writes: bool = False                # writing commands must be refused (one line, exit 2)
-    refuses_drivers: bool = False               # commands that take the campaign's driver lease must be refused
-    needle: str = ""                            # what the refusal says
+    fix: Callable[[], None] = lambda: None  # lifts the condition
+    refuses_writes: bool = False  # writing commands must be refused (one line, exit 2)
+    refuses_drivers: bool = False  # commands that take the campaign's driver lease must be refused
+    needle: str = ""  # what the refusal says
 
     @property
     def camp(self) -> str:
@@ -210,7 +230,9 @@ time.sleep(900)
 def hold_elsewhere(*urls: str) -> subprocess.Popen:
     """Another live driver (its own process) holding the leases of `urls`; a long ttl, so it renews none while a cell
     runs and the tree hash holds."""
-    proc = subprocess.Popen([sys.executable, "-c", HOLDER, *urls], stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV})
+    proc = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, *urls], stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV}
+    )
     if proc.stdout.readline().strip() != "held":
         proc.kill()
         raise AssertionError("the holder process did not take the leases")
@@ -229,6 +251,7 @@ def second_driver(world: World, cell: Path) -> Iterator[Place]:
     def fix() -> None:
         holder.kill()
         holder.wait(30)
+
     try:
         yield Place(home, fix=fix, refuses_drivers=True, needle="another driver")
     finally:
@@ -237,7 +260,10 @@ def second_driver(world: World, cell: Path) -> Iterator[Place]:
 
 
 CONDITIONS: dict[str, Callable[[World, Path], contextmanager]] = {
-    "separate_fs": separate_fs, "full_disk": full_disk, "read_only": read_only, "full_tmp": full_tmp,
+    "separate_fs": separate_fs,
+    "full_disk": full_disk,
+    "read_only": read_only,
+    "full_tmp": full_tmp,
     "second_driver": second_driver,
 }
 
@@ -246,9 +272,9 @@ CONDITIONS: dict[str, Callable[[World, Path], contextmanager]] = {
 @dataclass(frozen=True)
 class Invocation:
     args: Callable[[Place, World], list[str]]
-    writes: bool                        # a command that writes is refused where writes are (reading ones run)
-    slow: bool = False                  # a successful run takes minutes here: only with SOMA_SLOW=1
-    drives: bool = False                # takes the campaign's driver lease: refused while another driver holds it
+    writes: bool  # a command that writes is refused where writes are (reading ones run)
+    slow: bool = False  # a successful run takes minutes here: only with SOMA_SLOW=1
+    drives: bool = False  # takes the campaign's driver lease: refused while another driver holds it
 
 
 COMMANDS: dict[str, Invocation] = {
@@ -260,9 +286,14 @@ COMMANDS: dict[str, Invocation] = {
     "status": Invocation(lambda p, w: ["status", p.camp], False),
     "plan": Invocation(lambda p, w: ["plan", p.camp, "--gpus", "2"], True),
     "demo": Invocation(lambda p, w: ["demo", p.new, *micro_sets()], True, drives=True),
-    "fork": Invocation(lambda p, w: ["fork", p.camp, p.new, "--set", "train.method=bptt", "--set", "train.updates=6"], True,
-                       drives=True),
-    "experiment": Invocation(lambda p, w: ["experiment", "variance", p.new, "--no-progress", *micro_sets()], True, slow=True),
+    "fork": Invocation(
+        lambda p, w: ["fork", p.camp, p.new, "--set", "train.method=bptt", "--set", "train.updates=6"],
+        True,
+        drives=True,
+    ),
+    "experiment": Invocation(
+        lambda p, w: ["experiment", "variance", p.new, "--no-progress", *micro_sets()], True, slow=True
+    ),
     "report": Invocation(lambda p, w: ["report", p.exp], True),
     "presets": Invocation(lambda p, w: ["presets"], False),
 }
@@ -271,12 +302,21 @@ FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("fork", "read_
 # Successful runs that cost the most and add least to the file's 4-minute budget, run with SOMA_SLOW=1: a demo is
 # a whole campaign (~40 s loaded; its prepare is prepare's, run for real on the tmpfs); seed/resume start a Ray
 # (~15 s loaded) to find nothing to do, as launch (kept in both columns) does
-SLOW_CELLS = {("demo", "separate_fs"), ("demo", "full_tmp"), ("seed", "separate_fs"), ("seed", "full_tmp"), ("resume", "separate_fs"),
-              ("resume", "full_tmp"), ("eval", "second_driver"), ("plan", "second_driver")}
+SLOW_CELLS = {
+    ("demo", "separate_fs"),
+    ("demo", "full_tmp"),
+    ("seed", "separate_fs"),
+    ("seed", "full_tmp"),
+    ("resume", "separate_fs"),
+    ("resume", "full_tmp"),
+    ("eval", "second_driver"),
+    ("plan", "second_driver"),
+}
 
 
 def cli_commands() -> set[str]:
     import pipelines.cli
+
     return set(typer.main.get_command(pipelines.cli.app).commands)
 
 
@@ -289,8 +329,10 @@ def _cells():
         for condition in CONDITIONS:
             marks = []
             inv = COMMANDS.get(command)
-            if inv is not None and ((inv.slow and condition in ("separate_fs", "full_tmp", "second_driver"))
-                                    or (command, condition) in SLOW_CELLS):
+            if inv is not None and (
+                (inv.slow and condition in ("separate_fs", "full_tmp", "second_driver"))
+                or (command, condition) in SLOW_CELLS
+            ):
                 marks.append(pytest.mark.slow)
             yield pytest.param(command, condition, marks=marks, id=f"{command}-{condition}")
 
@@ -332,6 +374,7 @@ def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
 
     def s3run(*args, **kw):
         return run(*args, env={**env, **kw}, drop=("AWS_", "SOMA_S3_"))
+
     try:
         fill_up(tmp)
         refused = s3run("prepare", camp, "--config", str(world.config))
@@ -339,11 +382,15 @@ def test_s3_campaign_with_a_full_temp_dir(world, tmp_path, s3):  # noqa: F811
         assert "Traceback" not in refused.stderr and not s3.objects("hostile/camp")
         roomy = tmp_path / "roomy"
         roomy.mkdir()
-        proc = s3run("prepare", camp, "--config", str(world.config), TMPDIR=str(roomy))     # fixed: TMPDIR with room
+        proc = s3run("prepare", camp, "--config", str(world.config), TMPDIR=str(roomy))  # fixed: TMPDIR with room
         assert proc.returncode == 0, proc.stderr[-3000:]
         proc = s3run("status", camp)
-        assert proc.returncode == 0 and "expert-0001" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[-3000:]
-        missing = s3run("prepare", s3.url("hostile/other"), "--config", str(world.config), TMPDIR=str(tmp_path / "absent"))
+        assert proc.returncode == 0 and "expert-0001" in proc.stdout and "Traceback" not in proc.stderr, proc.stderr[
+            -3000:
+        ]
+        missing = s3run(
+            "prepare", s3.url("hostile/other"), "--config", str(world.config), TMPDIR=str(tmp_path / "absent")
+        )
         assert_one_line_error(missing, str(tmp_path / "absent"), "TMPDIR")
         assert not s3.objects("hostile/other")
     finally:
@@ -356,8 +403,9 @@ def test_s3_campaign_held_by_another_driver(world, s3):  # noqa: F811
     camp = s3.url("hostile/held")
     s3.fs().pipe_file(f"{s3.bucket}/hostile/held/campaign.yaml", (world.camp / "campaign.yaml").read_bytes())
     env = s3.env()
-    holder = subprocess.Popen([sys.executable, "-c", HOLDER, camp], stdout=subprocess.PIPE, text=True,
-                              env={**os.environ, **ENV, **env})
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, camp], stdout=subprocess.PIPE, text=True, env={**os.environ, **ENV, **env}
+    )
     try:
         assert holder.stdout.readline().strip() == "held"
         before = s3.objects("hostile/held")

@@ -3,6 +3,7 @@ fills mid-launch spends no expert's retries, stops with exit 4 after retry.infra
 finishes it once space is freed; an expert that failed permanently for its own reason (a corrupt shard) is
 reopened by `soma resume --retry-failed` once the shard is restored. Both end bitwise identical to a
 fault-free run, with an exact ledger. Mounting needs root: skipped with the reason where it is refused."""
+
 from __future__ import annotations
 
 import errno
@@ -16,9 +17,10 @@ from pathlib import Path
 
 import pytest
 import torch
-
 from conftest import assert_one_line_error, soma
 from inprocess import InProcess
+from test_faults import config, events, wait_for
+
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
@@ -26,15 +28,17 @@ from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
 from soma_cluster.schedule import SEED_JOB, expert_jobs
 from soma_cluster.storage import Store
-from test_faults import config, events, wait_for
 
-PER_UPDATE = 2 * 4              # forwards per update: 2 signs x n_pert 4 (test_faults.CHAOS)
+PER_UPDATE = 2 * 4  # forwards per update: 2 signs x n_pert 4 (test_faults.CHAOS)
 
 
 def infra_config(text_corpus, **retry):
     # checkpoints every 12 of 96 updates (~0.4 MB each): the campaign fits a 24 MB tmpfs
-    return config(corpus={"source": str(text_corpus)}, train={"checkpoint_every": 12},
-                  retry={"max_retries": 1, "backoff_s": 0.2, "backoff_max_s": 1.0, **retry})
+    return config(
+        corpus={"source": str(text_corpus)},
+        train={"checkpoint_every": 12},
+        retry={"max_retries": 1, "backoff_s": 0.2, "backoff_max_s": 1.0, **retry},
+    )
 
 
 @pytest.fixture(scope="module")
@@ -59,14 +63,16 @@ def clone(seeded, dest: Path, cfg) -> Store:
 
 def mount_tmpfs(where: Path, size: str) -> None:
     where.mkdir(parents=True)
-    r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True)
+    r = subprocess.run(
+        ["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(where)], capture_output=True, text=True
+    )
     if r.returncode != 0:
         pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}): needs root")
 
 
 def unmount(where: Path) -> None:
     if subprocess.run(["umount", str(where)], capture_output=True).returncode != 0:
-        subprocess.run(["umount", "-l", str(where)], capture_output=True)     # a process still inside: detach it
+        subprocess.run(["umount", "-l", str(where)], capture_output=True)  # a process still inside: detach it
 
 
 def fill(where: Path, leave: int) -> Path:
@@ -100,7 +106,9 @@ def assert_exact_training(store: Store, cfg) -> None:
     records = Ledger(store).records()
     for e in range(cfg.n_experts):
         mine = [r for r in records if r["expert"] == e]
-        assert sum(r["forwards"] for r in mine if r["category"] == "expert_training") == cfg.train.updates * PER_UPDATE, e
+        assert (
+            sum(r["forwards"] for r in mine if r["category"] == "expert_training") == cfg.train.updates * PER_UPDATE
+        ), e
         assert all(r["category"] in ("expert_training", "wasted", "preempted") for r in mine)
 
 
@@ -112,13 +120,12 @@ def test_log_appends_are_whole_and_wait_out_a_full_disk(tmp_path):
         store = Store(str(mnt / "c"))
         store.append("events.jsonl", {"event": "first"})
         filler = fill(mnt, 0)
-        with pytest.raises(OSError) as info:
-            with store.batch():
-                for i in range(200):                                            # > one page of records
-                    store.append("events.jsonl", {"event": "x" * 100, "i": i})
+        with pytest.raises(OSError) as info, store.batch():
+            for i in range(200):  # > one page of records
+                store.append("events.jsonl", {"event": "x" * 100, "i": i})
         assert info.value.errno == errno.ENOSPC
-        assert [r["event"] for r in store.read_log("events.jsonl")] == ["first"]   # nothing half written
-        threading.Timer(0.5, filler.unlink).start()                             # space comes back in 0.5 s
+        assert [r["event"] for r in store.read_log("events.jsonl")] == ["first"]  # nothing half written
+        threading.Timer(0.5, filler.unlink).start()  # space comes back in 0.5 s
         t0 = time.monotonic()
         with store.batch(background=True, wait_s=10.0):
             for i in range(200):
@@ -136,13 +143,19 @@ def test_full_disk_mid_launch_spends_no_retry_stops_with_4_and_resume_finishes(s
     mount_tmpfs(mnt, "24m")
     try:
         store = clone(seeded, mnt / "c", cfg)
-        proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "launch", store.url, "--no-progress", "--log-every", "2"],
-                                stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                                env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"})
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "pipelines.cli", "launch", store.url, "--no-progress", "--log-every", "2"],
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+        )
         try:
             for e in range(cfg.n_experts):
-                wait_for(lambda: events(store, f"expert-{e:04d}", "checkpointed"), what=f"expert {e}'s first checkpoint")
-            filler = fill(mnt, 160 * 1024)                                      # under one checkpoint (~0.4 MB) free
+                wait_for(
+                    lambda: events(store, f"expert-{e:04d}", "checkpointed"), what=f"expert {e}'s first checkpoint"
+                )
+            filler = fill(mnt, 160 * 1024)  # under one checkpoint (~0.4 MB) free
             t_full = time.monotonic()
             _, err = proc.communicate(timeout=240)
             stopped_after = time.monotonic() - t_full
@@ -156,16 +169,23 @@ def test_full_disk_mid_launch_spends_no_retry_stops_with_4_and_resume_finishes(s
         failed = events(store, kind="failed")
         assert failed and all(f["cause"] == "disk_full" and f["counted"] is False for f in failed), failed
         hist = history(store)
-        assert all(h.failures == 0 and not h.terminal for n, h in hist.items() if n != "seed")   # no retry spent, none ended
+        assert all(
+            h.failures == 0 and not h.terminal for n, h in hist.items() if n != "seed"
+        )  # no retry spent, none ended
         tries = len(failed)
-        print(f"\nfull disk: {tries} uncounted failed attempts (max_retries {cfg.retry.max_retries}); "
-              f"stopped {stopped_after:.1f} s after the disk filled (infra_wait_s {cfg.retry.infra_wait_s:g}); {lines[0]}")
-        assert stopped_after < cfg.retry.infra_wait_s + 60                      # the bound, one try, the driver's exit
+        print(
+            f"\nfull disk: {tries} uncounted failed attempts (max_retries {cfg.retry.max_retries}); "
+            f"stopped {stopped_after:.1f} s after the disk filled (infra_wait_s {cfg.retry.infra_wait_s:g}); {lines[0]}"
+        )
+        assert stopped_after < cfg.retry.infra_wait_s + 60  # the bound, one try, the driver's exit
 
-        filler.unlink()                                                         # space is back
+        filler.unlink()  # space is back
         r = soma("resume", store.url, "--no-progress", timeout=240)
         assert r.returncode == 0, r.stderr[-3000:]
-        assert {n: h.state for n, h in history(store).items() if n != "seed"} == {"expert-0000": "finished", "expert-0001": "finished"}
+        assert {n: h.state for n, h in history(store).items() if n != "seed"} == {
+            "expert-0000": "finished",
+            "expert-0001": "finished",
+        }
         assert_exact_training(store, cfg)
         assert Ledger(store).totals().gpu_seconds["wasted"] > 0
         assert_bitwise(store, seeded[1], cfg.n_experts)
@@ -179,15 +199,19 @@ def test_retry_failed_reopens_an_expert_that_failed_for_its_own_reason(seeded, t
     shard = tmp_path / "c" / "shards" / "expert-0001"
     train = sorted(shard.glob("train-*.arrow"))[0]
     good = train.read_bytes()
-    proc = subprocess.Popen([sys.executable, "-m", "pipelines.cli", "launch", store.url, "--no-progress"],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
-                            env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"})
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "launch", store.url, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+    )
     try:
         wait_for(lambda: events(store, "expert-0001", "checkpointed"), what="expert 1's first checkpoint")
-        bad = train.with_name("bad.tmp")                # replaced, not edited: the running worker's mapping stays intact
+        bad = train.with_name("bad.tmp")  # replaced, not edited: the running worker's mapping stays intact
         bad.write_bytes(good[:100] + bytes(b ^ 0xFF for b in good[100:200]) + good[200:])
         os.replace(bad, train)
-        os.kill(events(store, "expert-0001", "started")[0]["pid"], 9)          # its retry meets the corrupt shard
+        os.kill(events(store, "expert-0001", "started")[0]["pid"], 9)  # its retry meets the corrupt shard
         _, err = proc.communicate(timeout=240)
     finally:
         if proc.poll() is None:
@@ -200,7 +224,7 @@ def test_retry_failed_reopens_an_expert_that_failed_for_its_own_reason(seeded, t
 
     assert_one_line_error(soma("resume", store.url, "--retry-failed", "0"), "expert-0000 is finished", "expert-0001")
     assert_one_line_error(soma("resume", store.url, "3"), "--retry-failed")
-    train.write_bytes(good)                                                     # the operator restores the shard
+    train.write_bytes(good)  # the operator restores the shard
     r = soma("resume", store.url, "--retry-failed", "expert-0001", "--no-progress", timeout=240)
     assert r.returncode == 0, r.stderr[-3000:]
     assert "reopened from step-" in r.stderr
@@ -210,7 +234,7 @@ def test_retry_failed_reopens_an_expert_that_failed_for_its_own_reason(seeded, t
     assert [e for e in ev if e["event"] == "started"][-1]["resumed"] is True
     assert history(store)["expert-0001"].state == "finished"
     after = Ledger(store).records()
-    assert after[: len(before)] == before                                      # the failed attempts' records stay as they were
-    assert all(r["expert"] == 1 and r["attempt"] >= attempts for r in after[len(before):])
+    assert after[: len(before)] == before  # the failed attempts' records stay as they were
+    assert all(r["expert"] == 1 and r["attempt"] >= attempts for r in after[len(before) :])
     assert_exact_training(store, cfg)
     assert_bitwise(store, seeded[1], cfg.n_experts)

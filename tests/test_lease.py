@@ -1,5 +1,6 @@
 """The driver lease without Ray: who may take a campaign, compare-and-swap on a filesystem and on a real S3 server
 process (moto), expiry and take-over, the fence on every write, and a dead holder replaced at once."""
+
 from __future__ import annotations
 
 import os
@@ -10,11 +11,22 @@ import threading
 from dataclasses import replace
 
 import pytest
-
 from s3server import s3  # noqa: F401
-from soma_cluster.lease import (LEASE, Holder, Lease, LeaseHeld, LeaseLost, LeaseRecord, Verdict, WorkerFence, judge,
-                                lease_ttl_s, process_alive)
+
 from soma_cluster.errors import SomaError
+from soma_cluster.lease import (
+    LEASE,
+    Holder,
+    Lease,
+    LeaseHeld,
+    LeaseLost,
+    LeaseRecord,
+    Verdict,
+    WorkerFence,
+    judge,
+    lease_ttl_s,
+    process_alive,
+)
 from soma_cluster.storage import Store, VersionConflict
 
 HERE = Holder("host-a", 100, 1000.0, "boot-1", "soma launch")
@@ -35,6 +47,7 @@ def record(holder=HERE, renewed_at=1000.0, ttl_s=30.0, released=False) -> LeaseR
 def test_judge_every_verdict():
     def alive(pid, started):
         return pid == 100
+
     assert judge(None, 1000.0, HERE, alive) is Verdict.FREE
     assert judge(record(released=True), 1000.0, HERE, alive) is Verdict.RELEASED
     assert judge(record(), 1010.0, HERE, alive) is Verdict.HELD
@@ -50,7 +63,7 @@ def test_process_alive_tells_a_reused_pid_from_the_holder():
     me = Holder.here("x")
     assert process_alive(me.pid, me.started)
     assert not process_alive(me.pid, me.started - 100.0)
-    assert not process_alive(2 ** 22 + 7, 0.0)
+    assert not process_alive(2**22 + 7, 0.0)
 
 
 @pytest.mark.parametrize("raw", ["", "abc", "nan", "-1", "2", "1e9"])
@@ -66,10 +79,10 @@ def test_write_if_is_compare_and_swap_on_a_filesystem(tmp_path):
     store = Store(str(tmp_path / "c"))
     v1 = store.write_if("x.json", b"1", None)
     with pytest.raises(VersionConflict):
-        store.write_if("x.json", b"2", None)             # create-only: it exists
+        store.write_if("x.json", b"2", None)  # create-only: it exists
     v2 = store.write_if("x.json", b"2", v1)
     with pytest.raises(VersionConflict):
-        store.write_if("x.json", b"3", v1)               # stale version
+        store.write_if("x.json", b"3", v1)  # stale version
     assert store.read_versioned("x.json") == (b"2", v2)
 
 
@@ -84,6 +97,7 @@ def test_write_if_has_one_winner_among_racing_threads(tmp_path):
             wins.append(i)
         except VersionConflict:
             pass
+
     threads = [threading.Thread(target=race, args=(i,)) for i in range(1, 9)]
     for t in threads:
         t.start()
@@ -103,24 +117,24 @@ def test_second_driver_refused_then_takes_over_after_expiry_and_fences_the_first
     with pytest.raises(LeaseHeld, match=f"pid {os.getpid()} on .*--take-over"):
         b.acquire()
     wall.t += 25.0
-    mono_a.t += 25.0                      # a renews (past ttl - margin = 20 s, its fence renews first)
+    mono_a.t += 25.0  # a renews (past ttl - margin = 20 s, its fence renews first)
     store_a.write_bytes("a.txt", b"2")
     assert a.record.renewed_at == 1025.0
-    wall.t += 31.0                        # a is paused: no renewal for longer than the ttl
+    wall.t += 31.0  # a is paused: no renewal for longer than the ttl
     assert b.acquire().generation == 2
-    mono_a.t += 31.0                      # a wakes up: its fence renews, finds generation 2, and writes nothing
+    mono_a.t += 31.0  # a wakes up: its fence renews, finds generation 2, and writes nothing
     with pytest.raises(LeaseLost, match=r"lost .*\(generation 2\)"):
         store_a.write_bytes("a.txt", b"3")
     with pytest.raises(LeaseLost):
         store_a.append("events.jsonl", {"event": "x"})
     assert (tmp_path / "c" / "a.txt").read_bytes() == b"2" and not (tmp_path / "c" / "events.jsonl").exists()
-    a.release()                           # a lost lease is left to its new holder
+    a.release()  # a lost lease is left to its new holder
     assert LeaseRecord.from_bytes(store_b.read_versioned(LEASE)[0], "").generation == 2
     b.release()
     rec = LeaseRecord.from_bytes(store_b.read_versioned(LEASE)[0], "")
     assert rec.released and rec.generation == 2
     c = Lease(Store(str(tmp_path / "c")), "soma launch", ttl_s=30.0)
-    assert c.acquire().generation == 3    # a released lease is taken at once
+    assert c.acquire().generation == 3  # a released lease is taken at once
 
 
 def test_worker_fence_stops_writes_of_an_older_generation(tmp_path):
@@ -139,8 +153,10 @@ def test_worker_fence_stops_writes_of_an_older_generation(tmp_path):
 
 
 def test_a_killed_holder_on_this_host_is_replaced_at_once(tmp_path):
-    code = ("import sys, time; from soma_cluster.storage import Store; from soma_cluster.lease import Lease;"
-            "Lease(Store(sys.argv[1]), 'soma launch', ttl_s=3600.0).acquire(); print('held', flush=True); time.sleep(600)")
+    code = (
+        "import sys, time; from soma_cluster.storage import Store; from soma_cluster.lease import Lease;"
+        "Lease(Store(sys.argv[1]), 'soma launch', ttl_s=3600.0).acquire(); print('held', flush=True); time.sleep(600)"
+    )
     proc = subprocess.Popen([sys.executable, "-c", code, str(tmp_path / "c")], stdout=subprocess.PIPE, text=True)
     try:
         assert proc.stdout.readline().strip() == "held"
@@ -190,19 +206,20 @@ def test_lease_on_a_real_s3_server(s3):  # noqa: F811
 
 def test_a_refused_command_leaves_no_directory_behind(tmp_path):
     from pipelines.campaign_lease import hold
+
     store = Store(str(tmp_path / "new"))
-    with pytest.raises(SomaError):
-        with hold(store, "soma prepare"):
-            raise SomaError("refused")
+    with pytest.raises(SomaError), hold(store, "soma prepare"):
+        raise SomaError("refused")
     assert not (tmp_path / "new").exists()
     (tmp_path / "old").mkdir()
     with hold(Store(str(tmp_path / "old")), "soma prepare"):
         pass
-    assert not list((tmp_path / "old").iterdir())        # it was empty and nothing was made in it
+    assert not list((tmp_path / "old").iterdir())  # it was empty and nothing was made in it
 
 
 def test_a_lease_is_never_put_among_foreign_files(tmp_path):
     from pipelines.campaign_lease import hold
+
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "thesis.txt").write_text("mine")
     with pytest.raises(SomaError, match="not empty and holds no campaign.yaml"):
@@ -213,7 +230,9 @@ def test_a_lease_is_never_put_among_foreign_files(tmp_path):
 
 def test_a_new_driver_sweeps_scratch_left_by_a_killed_command_of_this_host(tmp_path):
     import socket
+
     from pipelines.campaign_lease import hold
+
     camp = tmp_path / "c"
     camp.mkdir()
     (camp / "campaign.yaml").write_text("x")
@@ -236,14 +255,13 @@ def test_a_new_driver_sweeps_scratch_left_by_a_killed_command_of_this_host(tmp_p
 
 def test_a_refused_command_leaves_an_empty_directory_empty_and_an_s3_prefix_bare(tmp_path, s3):  # noqa: F811
     from pipelines.campaign_lease import hold
+
     (tmp_path / "empty").mkdir()
-    with pytest.raises(SomaError):
-        with hold(Store(str(tmp_path / "empty")), "soma prepare"):
-            raise SomaError("refused")
+    with pytest.raises(SomaError), hold(Store(str(tmp_path / "empty")), "soma prepare"):
+        raise SomaError("refused")
     assert (tmp_path / "empty").is_dir() and not list((tmp_path / "empty").iterdir())
-    with pytest.raises(SomaError):
-        with hold(Store(s3.url("bare"), s3.storage_options()), "soma prepare"):
-            raise SomaError("refused")
+    with pytest.raises(SomaError), hold(Store(s3.url("bare"), s3.storage_options()), "soma prepare"):
+        raise SomaError("refused")
     assert not s3.objects("bare")
 
 
@@ -258,12 +276,14 @@ def test_take_over_waits_for_a_silent_holder_and_never_displaces_a_renewing_one(
             wall.t += s
             if renew:
                 holder.renew()
+
         return sleep
+
     alive = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=5.0, clock=mono, wall=wall, sleep=passes(True))
     with pytest.raises(LeaseHeld, match="renewed its lease within the 35 s this command waited"):
         alive.acquire(take_over=True)
     assert "waiting up to 35 s" in capsys.readouterr().err
     t0 = wall.t
     silent = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=5.0, clock=mono, wall=wall, sleep=passes(False))
-    assert silent.acquire(take_over=True).generation == 2           # the holder's own ttl (30 s), not the taker's
+    assert silent.acquire(take_over=True).generation == 2  # the holder's own ttl (30 s), not the taker's
     assert 30.0 < wall.t - t0 <= 31.0

@@ -2,14 +2,30 @@ import pytest
 import torch
 
 from soma_cluster.config import ModelConfig
-from soma_cluster.model import (Layout, body_forward, campaign_param_count, copy_losses, decoder_gradient,
-                                init_body, init_head, lstm, target_logprobs)
+from soma_cluster.model import (
+    Layout,
+    body_forward,
+    campaign_param_count,
+    copy_losses,
+    decoder_gradient,
+    init_body,
+    init_head,
+    lstm,
+    target_logprobs,
+)
 
 
-@pytest.mark.parametrize("n,d,head,expected", [
-    (8, 32, "shared_frozen", 271_616), (4, 32, "shared_frozen", 139_904), (256, 32, "shared_frozen", 8_437_760),
-    (2, 361, "own", 8_406_746), (1, 509, "own", 8_333_905), (8, 181, "own", 8_552_264),
-])
+@pytest.mark.parametrize(
+    "n,d,head,expected",
+    [
+        (8, 32, "shared_frozen", 271_616),
+        (4, 32, "shared_frozen", 139_904),
+        (256, 32, "shared_frozen", 8_437_760),
+        (2, 361, "own", 8_406_746),
+        (1, 509, "own", 8_333_905),
+        (8, 181, "own", 8_552_264),
+    ],
+)
 def test_parameter_counts_match_spec(n, d, head, expected):
     assert campaign_param_count(ModelConfig(d=d, head=head), n) == expected
 
@@ -44,7 +60,7 @@ def test_batched_copies_equal_separate_forwards(d):
     x = torch.randint(0, 256, (2, 17), generator=g)
     y = torch.randint(0, 256, (2, 17), generator=g)
     together = copy_losses(cfg, bodies, head, x, y)
-    apart = torch.cat([copy_losses(cfg, bodies[i:i + 1], head, x, y) for i in range(3)])
+    apart = torch.cat([copy_losses(cfg, bodies[i : i + 1], head, x, y) for i in range(3)])
     torch.testing.assert_close(together, apart, rtol=1e-5, atol=1e-6)
     assert together.shape == (3,)
 
@@ -65,5 +81,7 @@ def test_decoder_rule_equals_autograd_with_body_detached():
 def test_initial_loss_is_near_uniform():
     cfg = ModelConfig()
     g = torch.Generator().manual_seed(3)
-    loss = copy_losses(cfg, init_body(cfg, g)[None], init_head(cfg, g), torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9)))
+    loss = copy_losses(
+        cfg, init_body(cfg, g)[None], init_head(cfg, g), torch.randint(0, 256, (2, 9)), torch.randint(0, 256, (2, 9))
+    )
     assert abs(float(loss) - 5.545) < 0.05

@@ -1,6 +1,7 @@
 """Node loss on a real multi-node Ray (ray.cluster_utils.Cluster): the experts on the removed node
 are retried elsewhere from their checkpoints, without spending a retry (a dead node is the
 infrastructure's failure), and end bitwise identical to an undisturbed run."""
+
 from __future__ import annotations
 
 import shutil
@@ -8,14 +9,14 @@ import threading
 
 import pytest
 import torch
-
 from conftest import micro_config
+from test_faults import CHAOS, events, wait_for
+
 from pipelines.campaign import Driver, Job, expert_jobs
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.events import history
 from soma_cluster.storage import Store
-from test_faults import CHAOS, events, wait_for
 
 
 @pytest.fixture(scope="module")
@@ -34,6 +35,7 @@ def cluster():
 
 def test_node_removal_retries_its_experts_bitwise(cluster, tmp_path, text_corpus):
     import ray
+
     c, nodes = cluster
     cfg = micro_config(corpus={"source": str(text_corpus)}, **{k: dict(v) for k, v in CHAOS.items()})
     ref = Store(str(tmp_path / "ref"))
@@ -44,11 +46,13 @@ def test_node_removal_retries_its_experts_bitwise(cluster, tmp_path, text_corpus
 
     hit = Store(str(tmp_path / "hit"))
     result = {}
-    t = threading.Thread(target=lambda: result.update(Driver(hit, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True)
+    t = threading.Thread(
+        target=lambda: result.update(Driver(hit, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True
+    )
     t.start()
     for e in range(cfg.n_experts):
         wait_for(lambda: events(hit, f"expert-{e:04d}", "checkpointed"), what=f"expert {e} checkpoint")
-    c.remove_node(nodes[0])                                     # one GPU node gone, with whatever ran on it
+    c.remove_node(nodes[0])  # one GPU node gone, with whatever ran on it
     t.join(timeout=300)
     assert not t.is_alive()
     assert result == {"expert-0000": "finished", "expert-0001": "finished"}

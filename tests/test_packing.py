@@ -1,6 +1,7 @@
 """G experts packed into one actor (resources.experts_per_actor) on a real local Ray: the same per-expert
 accounting, checkpoints and retries as one actor per expert; a failure of one packed expert leaves the
 other untouched, and an actor killed mid-pack is retried bitwise."""
+
 from __future__ import annotations
 
 import os
@@ -8,19 +9,23 @@ import signal
 
 import pytest
 import torch
+from test_faults import clone, config, events, final_tensors, run_in_thread, wait_for
 
 from pipelines.campaign import Driver, Job, expert_jobs
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
-from test_faults import clone, config, events, final_tensors, run_in_thread, wait_for
 
 N = 4
 
 
 def packed(pack: int, resources: dict | None = None, **extra):
-    return config(n_experts=N, resources={"experts_per_actor": pack, "num_gpus": 1.0, "num_cpus": 0.0, **(resources or {})}, **extra)
+    return config(
+        n_experts=N,
+        resources={"experts_per_actor": pack, "num_gpus": 1.0, "num_cpus": 0.0, **(resources or {})},
+        **extra,
+    )
 
 
 @pytest.fixture(scope="module")
@@ -43,7 +48,7 @@ def packed_reference(seeded4, tmp_path_factory, ray_local):
 def test_packed_campaign_accounts_per_expert_and_matches_unpacked(seeded4, packed_reference, tmp_path, ray_local):
     store, cfg = packed_reference
     actors = {e["actor"] for e in events(store, kind="launched") if e["job"] != "seed"}
-    assert actors == {"expert-0000+1", "expert-0002+1"}                 # two actors, two experts each
+    assert actors == {"expert-0000+1", "expert-0002+1"}  # two actors, two experts each
     assert {e["num_gpus"] for e in events(store, kind="launched") if e["job"] != "seed"} == {0.5}
     totals = Ledger(store).totals()
     assert totals.forwards["expert_training"] == N * cfg.train.updates * 2 * cfg.spsa.n_pert
@@ -67,7 +72,7 @@ def test_killed_pack_is_retried_bitwise(seeded4, packed_reference, tmp_path, ray
     os.kill(events(store, "expert-0000", "started")[0]["pid"], signal.SIGKILL)
     thread.join(timeout=300)
     assert not thread.is_alive() and set(result.values()) == {"finished"}
-    for job in ("expert-0000", "expert-0001"):                          # both packed experts failed and came back
+    for job in ("expert-0000", "expert-0001"):  # both packed experts failed and came back
         failed = events(store, job, "failed")
         assert len(failed) == 1 and failed[0]["reason"].startswith("actor_died")
         assert events(store, job, "started")[-1]["resumed"] is True
@@ -84,11 +89,15 @@ def test_nan_expert_in_a_pack_fails_alone(seeded4, tmp_path, ray_local):
     state.body.fill_(float("nan"))
     save_checkpoint(store, "experts/expert-0001", state)
     result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
-    assert result == {"expert-0000": "finished", "expert-0001": "failed_permanently",
-                      "expert-0002": "finished", "expert-0003": "finished"}
+    assert result == {
+        "expert-0000": "finished",
+        "expert-0001": "failed_permanently",
+        "expert-0002": "finished",
+        "expert-0003": "finished",
+    }
     failed = events(store, "expert-0001", "failed")
     assert len(failed) == cfg.retry.max_retries + 1 and all("NonFiniteLoss" in f["reason"] for f in failed)
-    assert not events(store, "expert-0000", "failed")                   # its pack-mate trained on, untouched
+    assert not events(store, "expert-0000", "failed")  # its pack-mate trained on, untouched
     assert len(events(store, "expert-0000", "launched")) == 1
     assert load_checkpoint(store, "experts/expert-0000").meta["state"]["step"] == cfg.train.updates
 
@@ -100,8 +109,10 @@ def test_reused_actor_takes_the_next_pack_and_accounts_every_second(seeded4, pac
     assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
     launched = [e for e in events(store, kind="launched")]
     assert [e["reused"] for e in launched if e["job"] != "seed"] == [False, False, True, True]
-    assert len({e["pid"] for e in events(store, kind="started") if e["job"] != "seed"}) == 1   # one process did both packs
-    for e in range(N):                      # same probes, data and pack composition: the same bits
+    assert (
+        len({e["pid"] for e in events(store, kind="started") if e["job"] != "seed"}) == 1
+    )  # one process did both packs
+    for e in range(N):  # same probes, data and pack composition: the same bits
         a, b = final_tensors(store, e), final_tensors(ref, e)
         for k in a:
             assert torch.equal(a[k], b[k]), (e, k)
@@ -112,4 +123,4 @@ def test_reused_actor_takes_the_next_pack_and_accounts_every_second(seeded4, pac
     spent = sum(totals.per_expert_gpu_seconds[e] for e in range(N))
     # (the events' timestamps are taken a moment after the clocks they bracket: a few ms of slack)
     assert spent <= (end - start + 0.02) * 4.0
-    assert spent >= (end - start) * 4.0 * 0.8                          # the actor start is counted as held, too
+    assert spent >= (end - start) * 4.0 * 0.8  # the actor start is counted as held, too

@@ -1,6 +1,7 @@
 """Partial campaigns on a real local Ray and the real CLI: an expert without a checkpoint does not block
 `soma eval` (the seed model stands in for it and the report lists it; --require-all refuses), and a slow
 start-up under a tiny budget is hard-stopped within the bound the launch prints."""
+
 from __future__ import annotations
 
 import json
@@ -14,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-
 from conftest import assert_one_line_error, micro_config, soma
+
 from pipelines.campaign import Driver
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
@@ -46,37 +47,49 @@ def clone(seeded, dest: Path, **sections):
     root, base = seeded
     shutil.copytree(root, dest)
     cfg = micro_config(corpus={"source": base.corpus.source}, **sections) if sections else base
-    if sections:                      # a test's own budget/resources settings: rewrite the resolved config
+    if sections:  # a test's own budget/resources settings: rewrite the resolved config
         (dest / "campaign.yaml").write_text(to_yaml_text(cfg))
     return Store(str(dest)), cfg
 
 
-def test_a_partial_campaign_evaluates_with_the_seed_in_place_of_a_missing_expert(seeded, tmp_path, text_corpus, ray_local):
+def test_a_partial_campaign_evaluates_with_the_seed_in_place_of_a_missing_expert(
+    seeded, tmp_path, text_corpus, ray_local
+):
     store, cfg = clone(seeded, tmp_path / "c")
     camp = tmp_path / "c"
-    assert Driver(store, cfg, [Job(0)], show_progress=False).run() == {"expert-0000": "finished"}   # expert-0001 never launched
+    assert Driver(store, cfg, [Job(0)], show_progress=False).run() == {
+        "expert-0000": "finished"
+    }  # expert-0001 never launched
     proc = soma("eval", str(camp))
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "seed model stands in for 1 expert(s) with no checkpoint: expert-0001 (never_launched" in proc.stdout
     m = json.loads((camp / "eval" / "metrics.json").read_text())
     (sub,) = m["substituted"]
     assert sub["expert"] == "expert-0001" and sub["end"] == "never_launched" and sub["routed_windows"] == m["windows"]
-    assert list(m["per_expert"]) == ["expert-0000"] and m["seed_substitute_windows"] == m["windows"]   # top-2 of N = 2
+    assert list(m["per_expert"]) == ["expert-0000"] and m["seed_substitute_windows"] == m["windows"]  # top-2 of N = 2
     report = (camp / "eval" / "report.md").read_text()
     assert "Partial campaign: 1 expert(s) have no checkpoint" in report and "| expert-0001 | never_launched |" in report
     # the number is the routed mixture with expert-0001's probabilities replaced by the seed model's
     seed = load_checkpoint(store, "seed").tensors
     e0 = load_checkpoint(store, "experts/expert-0000").tensors
     win = load_windows(store, cfg.eval.max_windows)
-    want = evaluate_ensemble(load_router(store), cfg.model, {0: (e0["body"], e0["head"]), 1: (seed["body"], seed["head"])}, win,
-                             cfg.eval.context_bytes, cfg.eval.batch, CPU)
+    want = evaluate_ensemble(
+        load_router(store),
+        cfg.model,
+        {0: (e0["body"], e0["head"]), 1: (seed["body"], seed["head"])},
+        win,
+        cfg.eval.context_bytes,
+        cfg.eval.batch,
+        CPU,
+    )
     assert m["ensemble"]["nats_per_byte"] == pytest.approx(float(np.mean(want.nats)), abs=1e-6)
 
     # --require-all: one error line naming the expert and soma resume; nothing written
     before = {p.name: p.read_bytes() for p in (camp / "eval").iterdir()}
     ledger = (camp / "ledger" / "ledger.jsonl").read_bytes()
-    assert_one_line_error(soma("eval", str(camp), "--require-all"), "expert-0001 (never_launched)", f"soma resume {camp}",
-                          "--require-all")
+    assert_one_line_error(
+        soma("eval", str(camp), "--require-all"), "expert-0001 (never_launched)", f"soma resume {camp}", "--require-all"
+    )
     assert {p.name: p.read_bytes() for p in (camp / "eval").iterdir()} == before
     assert (camp / "ledger" / "ledger.jsonl").read_bytes() == ledger
 
@@ -86,9 +99,15 @@ def test_a_partial_campaign_evaluates_with_the_seed_in_place_of_a_missing_expert
     proc = soma("eval", str(camp), "--compare", str(other), "--json")
     assert proc.returncode == 0, proc.stderr[-3000:]
     doc = json.loads(proc.stdout)
-    assert [s["expert"] for s in doc["substituted"]] == [s["expert"] for s in doc["compare"]["substituted"]] == ["expert-0001"]
+    assert (
+        [s["expert"] for s in doc["substituted"]]
+        == [s["expert"] for s in doc["compare"]["substituted"]]
+        == ["expert-0001"]
+    )
     assert doc["compare"]["this_minus_other"]["nats_per_byte"] == 0.0
-    assert "seed model stands in for" in (camp / "eval" / "report.md").read_text().split("Compared on the same windows")[1]
+    assert (
+        "seed model stands in for" in (camp / "eval" / "report.md").read_text().split("Compared on the same windows")[1]
+    )
 
     # --text: long-document mode on a partial campaign lists the substitute too
     docs = tmp_path / "docs"
@@ -112,12 +131,27 @@ def test_a_slow_start_up_is_hard_stopped_within_the_printed_bound(seeded, tmp_pa
     stopped in its start-up; expert-0001, whose cap cannot cover the start-up just measured, is never started.
     queued-in-ray: expert-0001 waits in Ray's queue, and its start-up is counted from Ray's placement."""
     cap_s = 1.5
-    store, cfg = clone(seeded, tmp_path / "c", budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 1.0},
-                       resources={"local_gpus": 1, "max_pending": max_pending})
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200", SETUP_DELAY_ENV: "6"}
+    store, cfg = clone(
+        seeded,
+        tmp_path / "c",
+        budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 1.0},
+        resources={"local_gpus": 1, "max_pending": max_pending},
+    )
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "COLUMNS": "200",
+        SETUP_DELAY_ENV: "6",
+    }
     env.pop("RAY_ADDRESS", None)
-    proc = subprocess.run([sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"],
-                          env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "launch", str(tmp_path / "c"), "--no-progress"],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     said = " ".join((proc.stdout + proc.stderr).split())
     printed = float(re.search(r"hard-stopped within ([\d.]+) GPU-s per expert", said).group(1))
@@ -126,8 +160,10 @@ def test_a_slow_start_up_is_hard_stopped_within_the_printed_bound(seeded, tmp_pa
     assert {h.state for h in hist.values() if h.job != "seed"} == {"budget_exhausted"}
     started = [e for e in range(cfg.n_experts) if e in spent]
     over = {e: spent[e] - cap_s for e in started}
-    print(f"\nslow start-up ({max_pending=}): cap {cap_s} GPU-s, printed bound {printed} GPU-s, overruns "
-          + ", ".join(f"expert-{e:04d} {o:+.2f}" for e, o in over.items()))
+    print(
+        f"\nslow start-up ({max_pending=}): cap {cap_s} GPU-s, printed bound {printed} GPU-s, overruns "
+        + ", ".join(f"expert-{e:04d} {o:+.2f}" for e, o in over.items())
+    )
     assert printed == 1.5 and started and max(over.values()) <= printed
     for e in started:
         assert "hard stop past the grace during start-up" in hist[f"expert-{e:04d}"].last_error
@@ -140,8 +176,10 @@ def test_a_slow_start_up_is_hard_stopped_within_the_printed_bound(seeded, tmp_pa
         proc = soma("eval", str(tmp_path / "c"), "--json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         doc = json.loads(proc.stdout)
-        assert [(s["expert"], s["end"], s["step"]) for s in doc["substituted"]] == [("expert-0000", "budget_exhausted", 0),
-                                                                                     ("expert-0001", "budget_exhausted", 0)]
+        assert [(s["expert"], s["end"], s["step"]) for s in doc["substituted"]] == [
+            ("expert-0000", "budget_exhausted", 0),
+            ("expert-0001", "budget_exhausted", 0),
+        ]
         assert doc["ensemble"]["nats_per_byte"] == pytest.approx(doc["seed"]["nats_per_byte"], abs=1e-6)
     else:
         assert started == [0, 1]

@@ -1,22 +1,36 @@
 """`soma plan`: the cost model's arithmetic (no Ray, no clocks), and the command on a prepared micro campaign."""
+
 from __future__ import annotations
 
 import json
 
 from conftest import micro_config, soma
+
 from soma_cluster.plan import _list_schedule, predict, stop_step
 
-CAL = {"device": "cuda", "threads": None, "experts_per_actor": 1, "updates_timed": 3, "packed_update_s": 0.1, "val_s": 0.0,
-       "checkpoint_s": 0.0, "load_s": 1.0, "startup_s": 4.0, "poll_s": 0.5, "seed_load_s": 2.0, "seed_update_s": 0.2}
+CAL = {
+    "device": "cuda",
+    "threads": None,
+    "experts_per_actor": 1,
+    "updates_timed": 3,
+    "packed_update_s": 0.1,
+    "val_s": 0.0,
+    "checkpoint_s": 0.0,
+    "load_s": 1.0,
+    "startup_s": 4.0,
+    "poll_s": 0.5,
+    "seed_load_s": 2.0,
+    "seed_update_s": 0.2,
+}
 
 
 def test_stop_step_follows_the_workers_rule():
-    cost = lambda s: 10.0 + s * 1.0          # noqa: E731  10 GPU-s start-up, 1 GPU-s per update
+    cost = lambda s: 10.0 + s * 1.0  # noqa: E731  10 GPU-s start-up, 1 GPU-s per update
     assert stop_step(100, 10, cost, 1.0, None) == 100
     # first chunk is one update; then chunks of 10 while the next one fits: 11 + 10 <= 40 ... 21 + 10 <= 40, 31 + 10 > 40
     assert stop_step(100, 10, cost, 1.0, 40.0) == 21
-    assert stop_step(100, 10, cost, 1.0, 5.0) == 0            # start-up alone is past the cap
-    assert stop_step(15, 10, cost, 1.0, 1e9) == 15             # the last chunk is cut at the target
+    assert stop_step(100, 10, cost, 1.0, 5.0) == 0  # start-up alone is past the cap
+    assert stop_step(15, 10, cost, 1.0, 1e9) == 15  # the last chunk is cut at the target
 
 
 def test_list_schedule():
@@ -24,26 +38,34 @@ def test_list_schedule():
 
 
 def test_prediction_gpu_hours_wall_and_budget():
-    cfg = micro_config(n_experts=4, train={"updates": 100, "chunk_updates": 10, "val_every": 50, "checkpoint_every": 50})
+    cfg = micro_config(
+        n_experts=4, train={"updates": 100, "chunk_updates": 10, "val_every": 50, "checkpoint_every": 50}
+    )
     p = predict(cfg, CAL, gpus=2, cores=2, spent={"preprocessing": 36.0}, seed_done=False)
-    per_expert_s = 4.0 + 1.0 + 100 * 0.1                        # start-up + load + updates, one GPU each
+    per_expert_s = 4.0 + 1.0 + 100 * 0.1  # start-up + load + updates, one GPU each
     assert abs(p["gpu_hours"]["expert_training"] - 4 * per_expert_s / 3600) < 1e-12
     assert abs(p["gpu_hours"]["seed"] - (4.0 + 2.0 + 6 * 0.2) / 3600) < 1e-12
     assert p["gpu_hours"]["preprocessing"] == 0.01 and p["slots"] == 2
-    assert abs(p["wall_seconds"]["experts"] - 2 * per_expert_s) < 1e-9       # two waves of two actors
+    assert abs(p["wall_seconds"]["experts"] - 2 * per_expert_s) < 1e-9  # two waves of two actors
     assert p["budget"]["experts_stopped"] == 0 and p["budget"]["worst_overrun_gpu_seconds"] is None
     # a per-expert budget of 10 GPU-s: start-up 5 s, then 0.1 s per update -> stops before passing 10
-    capped = micro_config(n_experts=4, train={"updates": 100, "chunk_updates": 10, "val_every": 50, "checkpoint_every": 50},
-                          budget={"expert_gpu_hours": 10 / 3600, "grace_gpu_seconds": 2.0})
+    capped = micro_config(
+        n_experts=4,
+        train={"updates": 100, "chunk_updates": 10, "val_every": 50, "checkpoint_every": 50},
+        budget={"expert_gpu_hours": 10 / 3600, "grace_gpu_seconds": 2.0},
+    )
     p = predict(capped, CAL, gpus=4, cores=2, spent={}, seed_done=True)
     assert p["budget"]["experts_stopped"] == 4 and {x["step"] for x in p["experts"]} == {41}
     assert p["budget"]["worst_overrun_gpu_seconds"] == {"per_expert": 2.5, "campaign": 10.0}
     # packed: two experts per actor share its start-up and its updates; logical GPUs on a CPU share its cores
-    packed = micro_config(n_experts=4, resources={"experts_per_actor": 2, "num_gpus": 1.0},
-                          train={"updates": 100, "chunk_updates": 10, "val_every": 50, "checkpoint_every": 50, "threads": 1})
+    packed = micro_config(
+        n_experts=4,
+        resources={"experts_per_actor": 2, "num_gpus": 1.0},
+        train={"updates": 100, "chunk_updates": 10, "val_every": 50, "checkpoint_every": 50, "threads": 1},
+    )
     p = predict(packed, {**CAL, "device": "cpu", "experts_per_actor": 2}, gpus=4, cores=1, spent={}, seed_done=True)
     assert p["actors"] == 2 and p["slots"] == 4 and p["cpu_contention"] == 2.0
-    assert abs(p["wall_seconds"]["experts"] - (5.0 + 100 * 0.1) * 2.0) < 1e-9             # start-up contends too
+    assert abs(p["wall_seconds"]["experts"] - (5.0 + 100 * 0.1) * 2.0) < 1e-9  # start-up contends too
 
 
 def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
@@ -54,8 +76,10 @@ def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
     p = json.loads(proc.stdout)
     assert p["schema"] == 1 and p["gpus"] == 2 and p["calibration"]["packed_update_s"] > 0 and not p["seed_trained"]
     assert {"seed", "expert_training", "training_total"} <= set(p["gpu_hours"]) and p["wall_seconds"]["total"] > 0
-    assert (tmp_path / "camp" / "plan" / "calibration.json").exists() and (tmp_path / "camp" / "plan" / "plan.json").exists()
-    text = soma("plan", camp)                                   # reuses the calibration; human lines on stdout
+    assert (tmp_path / "camp" / "plan" / "calibration.json").exists() and (
+        tmp_path / "camp" / "plan" / "plan.json"
+    ).exists()
+    text = soma("plan", camp)  # reuses the calibration; human lines on stdout
     assert text.returncode == 0 and "wall time" in text.stdout and "worst-case" not in text.stdout
     bad = soma("plan", camp, "--gpus", "0.5")
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpus 0.5")
@@ -65,30 +89,57 @@ def test_soma_plan_calibrates_on_a_worker_of_the_cluster(tmp_path, text_corpus, 
     """With --address the calibration is a Ray task holding an actor's resources (a KubeRay head has no GPU to
     time), reused only for cluster plans; GPUs default to the cluster's; a cluster without them is an error."""
     from rayhead import RayHead
+
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     camp, strict = str(tmp_path / "camp"), str(tmp_path / "strict")
     assert soma("prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
-    assert soma("prepare", strict, "--config", micro_yaml, "--corpus", str(text_corpus), "--set", "resources.allow_cpu=false").returncode == 0
+    assert (
+        soma(
+            "prepare",
+            strict,
+            "--config",
+            micro_yaml,
+            "--corpus",
+            str(text_corpus),
+            "--set",
+            "resources.allow_cpu=false",
+        ).returncode
+        == 0
+    )
     cal_path = tmp_path / "camp" / "plan" / "calibration.json"
     with RayHead(args=("--num-cpus=2", "--num-gpus=2")) as head:
         proc = soma("plan", camp, "--address", head.address, "--json")
         assert proc.returncode == 0, proc.stderr[-3000:]
         p = json.loads(proc.stdout)
         c = p["calibration"]
-        assert p["gpus"] == 2 and c["where"] == "cluster" and c["node"] == "127.0.0.1" and c["cores"] >= 1 and c["packed_update_s"] > 0
+        assert (
+            p["gpus"] == 2
+            and c["where"] == "cluster"
+            and c["node"] == "127.0.0.1"
+            and c["cores"] >= 1
+            and c["packed_update_s"] > 0
+        )
         measured = json.loads(cal_path.read_text())["measured_at"]
-        text = soma("plan", camp, "--address", head.address, "--gpus", "4")             # reuses the cluster's calibration
-        assert text.returncode == 0 and "on 4 GPUs" in text.stdout and "on 127.0.0.1" in text.stdout, text.stderr[-2000:]
+        text = soma("plan", camp, "--address", head.address, "--gpus", "4")  # reuses the cluster's calibration
+        assert text.returncode == 0 and "on 4 GPUs" in text.stdout and "on 127.0.0.1" in text.stdout, text.stderr[
+            -2000:
+        ]
         assert json.loads(cal_path.read_text())["measured_at"] == measured
-        no_cuda = soma("plan", strict, "--address", head.address)                        # a GPU share without CUDA
-        assert no_cuda.returncode == 2 and no_cuda.stderr.startswith("error: node 127.0.0.1 gave the calibration 1 GPU"), no_cuda.stderr[-2000:]
+        no_cuda = soma("plan", strict, "--address", head.address)  # a GPU share without CUDA
+        assert no_cuda.returncode == 2 and no_cuda.stderr.startswith(
+            "error: node 127.0.0.1 gave the calibration 1 GPU"
+        ), no_cuda.stderr[-2000:]
         assert "resources.allow_cpu=true" in no_cuda.stderr and "Traceback" not in no_cuda.stderr
-    local = soma("plan", camp, "--json")                                                 # here again: measured here
+    local = soma("plan", camp, "--json")  # here again: measured here
     assert local.returncode == 0 and json.loads(local.stdout)["calibration"]["where"] == "local"
     assert "node" not in json.loads(cal_path.read_text())
-    with RayHead(args=("--num-cpus=2", "--num-gpus=0")) as head:                         # scales from zero GPUs
+    with RayHead(args=("--num-cpus=2", "--num-gpus=0")) as head:  # scales from zero GPUs
         none = soma("plan", camp, "--address", head.address)
-        assert none.returncode == 2 and none.stderr.startswith(f"error: the cluster at {head.address} has 0 GPUs now"), none.stderr[-2000:]
+        assert none.returncode == 2 and none.stderr.startswith(
+            f"error: the cluster at {head.address} has 0 GPUs now"
+        ), none.stderr[-2000:]
         assert "--gpus K" in none.stderr
         stuck = soma("plan", camp, "--address", head.address, "--gpus", "2", "--wait", "3", "--recalibrate")
-        assert stuck.returncode == 2 and stuck.stderr.startswith("error: no Ray worker could hold an expert actor's resources"), stuck.stderr[-2000:]
+        assert stuck.returncode == 2 and stuck.stderr.startswith(
+            "error: no Ray worker could hold an expert actor's resources"
+        ), stuck.stderr[-2000:]

@@ -3,6 +3,7 @@
 the local engine: the same router, shards and test windows, file for file. Bad input found by a worker is
 one error naming the file, and a failed prepare leaves nothing behind. The keyed sample is uniform over the
 parts and reproducible from the seed."""
+
 from __future__ import annotations
 
 import gzip
@@ -17,18 +18,18 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
-
 from conftest import micro_config, soma
 from s3server import s3  # noqa: F401
+
+from pipelines.common import contents
+from soma_cluster.config import CorpusConfig
 from soma_cluster.corpus import builtin_documents, plan_parts
 from soma_cluster.errors import SomaError
 from soma_cluster.parts import lowest, row_keys, threshold
-from soma_cluster.config import CorpusConfig
 from soma_cluster.shards import open_shard
-from pipelines.common import contents
 from soma_cluster.storage import Store
 
-SKIP = ("campaign.yaml",)      # the engine is in the config (the ledger, holding wall time, is left out too)
+SKIP = ("campaign.yaml",)  # the engine is in the config (the ledger, holding wall time, is left out too)
 
 
 def write_mixed_corpus(root: Path, max_bytes: int = 2_400_000) -> Path:
@@ -37,7 +38,7 @@ def write_mixed_corpus(root: Path, max_bytes: int = 2_400_000) -> Path:
     root.mkdir(parents=True, exist_ok=True)
     docs = list(builtin_documents(max_bytes))
     for g in range(0, len(docs), 30):
-        chunk, kind = docs[g:g + 30], (g // 30) % 4
+        chunk, kind = docs[g : g + 30], (g // 30) % 4
         texts = [d.data.decode("utf-8", "ignore") for d in chunk]
         if kind == 0:
             (root / f"a{g:05d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
@@ -69,7 +70,9 @@ def campaign_digests(store: Store) -> dict[str, str]:
 
 
 def engine_config(source: str, engine: str, part_bytes: int = 300_000):
-    return micro_config(n_experts=6, corpus={"source": source, "max_bytes": 10**9}, prepare={"engine": engine, "part_bytes": part_bytes})
+    return micro_config(
+        n_experts=6, corpus={"source": source, "max_bytes": 10**9}, prepare={"engine": engine, "part_bytes": part_bytes}
+    )
 
 
 @pytest.fixture(scope="module")
@@ -106,18 +109,20 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
     for engine, store in stores.items():
         summaries[engine] = prepare(store, engine_config(source, engine), cluster.address if engine == "ray" else None)
     read = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("read ") and " parts on " in ln]
-    assert read and int(read[0].split(" on ")[1].split()[0]) >= 2, read          # the parts were read on several nodes
+    assert read and int(read[0].split(" on ")[1].split()[0]) >= 2, read  # the parts were read on several nodes
     a, b = (campaign_digests(s) for s in stores.values())
-    assert a == b and len(a) > 20                                                 # router, every shard file, test parts
+    assert a == b and len(a) > 20  # router, every shard file, test parts
     info = summaries["ray"]["corpus"]
     assert info["parts"] >= 5 and set(info["sources"]) == {"jsonl", "parquet", "txt", "txt.gz"}
     assert summaries["ray"]["train_rows"] == summaries["local"]["train_rows"]
-    assert not stores["ray"].exists(".soma-staging")                              # staging removed, directory and all
-    print(f"identical: {len(a)} files ({sum(r.startswith('shards/') for r in a)} shard files and manifests, "
-          f"{sum(r.startswith('test/') for r in a)} test, {sum(r.startswith('router/') for r in a)} router); {info['parts']} parts, "
-          f"{info['documents']} documents, {info['train_sequences']} train sequences, {info['test_windows']} test windows; "
-          f"train rows {summaries['ray']['train_rows']}")
-    shard = open_shard(stores["ray"], 3, str(tmp_path / "cache"))                   # what launch opens
+    assert not stores["ray"].exists(".soma-staging")  # staging removed, directory and all
+    print(
+        f"identical: {len(a)} files ({sum(r.startswith('shards/') for r in a)} shard files and manifests, "
+        f"{sum(r.startswith('test/') for r in a)} test, {sum(r.startswith('router/') for r in a)} router); {info['parts']} parts, "
+        f"{info['documents']} documents, {info['train_sequences']} train sequences, {info['test_windows']} test windows; "
+        f"train rows {summaries['ray']['train_rows']}"
+    )
+    shard = open_shard(stores["ray"], 3, str(tmp_path / "cache"))  # what launch opens
     assert shard.n_train == summaries["ray"]["train_rows"][3]
 
 
@@ -143,19 +148,27 @@ def _bad_corpora(root: Path) -> dict[str, tuple[Path, str]]:
         shutil.copytree(good, d)
         write(d)
         return d
-    out["json"] = (variant("json", lambda d: (d / "z-broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')),
-                   r"z-broken\.jsonl line 2 is not JSON")
-    out["column"] = (variant("column", lambda d: pq.write_table(pa.table({"body": ["x" * 500]}), d / "z-nocol.parquet")),
-                     r"z-nocol\.parquet has no column 'text'")
+
+    out["json"] = (
+        variant("json", lambda d: (d / "z-broken.jsonl").write_text('{"text": "fine"}\n{"text": "cut\n')),
+        r"z-broken\.jsonl line 2 is not JSON",
+    )
+    out["column"] = (
+        variant("column", lambda d: pq.write_table(pa.table({"body": ["x" * 500]}), d / "z-nocol.parquet")),
+        r"z-nocol\.parquet has no column 'text'",
+    )
 
     def corrupt(d: Path) -> None:
         path = d / "z-corrupt.parquet"
-        pq.write_table(pa.table({"text": [f"row {i} " * 200 for i in range(40)]}), path, row_group_size=10, compression="snappy")
+        pq.write_table(
+            pa.table({"text": [f"row {i} " * 200 for i in range(40)]}), path, row_group_size=10, compression="snappy"
+        )
         meta = pq.ParquetFile(path).metadata
-        start = meta.row_group(2).column(0).data_page_offset       # garble the third row group's data page
+        start = meta.row_group(2).column(0).data_page_offset  # garble the third row group's data page
         data = bytearray(path.read_bytes())
-        data[start + 8:start + 120] = os.urandom(112)
+        data[start + 8 : start + 120] = os.urandom(112)
         path.write_bytes(bytes(data))
+
     out["parquet"] = (variant("parquet", corrupt), r"z-corrupt\.parquet row group 2 of 4 is not readable")
     return out
 
@@ -175,10 +188,25 @@ def test_bad_input_is_one_error_naming_the_file_and_leaves_nothing(ray_local, tm
 def test_cli_prepare_on_ray_bad_input_exits_2_with_one_error_line(tmp_path):
     corpus, _ = _bad_corpora(tmp_path / "corpora")["json"]
     camp = tmp_path / "camp"
-    res = soma("prepare", str(camp), "--corpus", str(corpus), "--set", "prepare.engine=ray", "--set", "prepare.part_bytes=100000",
-               "--set", "router.min_df=2", "-n", "2", timeout=300)
+    res = soma(
+        "prepare",
+        str(camp),
+        "--corpus",
+        str(corpus),
+        "--set",
+        "prepare.engine=ray",
+        "--set",
+        "prepare.part_bytes=100000",
+        "--set",
+        "router.min_df=2",
+        "-n",
+        "2",
+        timeout=300,
+    )
     errors = [ln for ln in res.stderr.splitlines() if ln.startswith("error:")]
-    assert res.returncode == 2 and len(errors) == 1 and "z-broken.jsonl line 2 is not JSON" in errors[0], res.stderr[-2000:]
+    assert res.returncode == 2 and len(errors) == 1 and "z-broken.jsonl line 2 is not JSON" in errors[0], res.stderr[
+        -2000:
+    ]
     assert not camp.exists() or not any(camp.iterdir())
 
 
@@ -189,18 +217,25 @@ def test_parts_group_files_in_order_and_the_cap_is_the_same_everywhere(tmp_path)
     for i in range(10):
         (root / f"f{i}.txt").write_bytes(b"x" * 1000)
     parts = plan_parts(CorpusConfig(source=str(root), max_bytes=10**9), part_bytes=2500)
-    assert [[f.name for f in p.files] for p in parts] == [["f0.txt", "f1.txt", "f2.txt"], ["f3.txt", "f4.txt", "f5.txt"],
-                                                         ["f6.txt", "f7.txt", "f8.txt"], ["f9.txt"]]
+    assert [[f.name for f in p.files] for p in parts] == [
+        ["f0.txt", "f1.txt", "f2.txt"],
+        ["f3.txt", "f4.txt", "f5.txt"],
+        ["f6.txt", "f7.txt", "f8.txt"],
+        ["f9.txt"],
+    ]
     capped = plan_parts(CorpusConfig(source=str(root), max_bytes=4500), part_bytes=2500)
     files = [f for p in capped for f in p.files]
     assert [f.name for f in files] == ["f0.txt", "f1.txt", "f2.txt", "f3.txt", "f4.txt"]
-    assert files[-1].budget == 500                                # the last file gives what the cap leaves
+    assert files[-1].budget == 500  # the last file gives what the cap leaves
     from soma_cluster.corpus import documents
-    assert sum(len(d.data) for d in documents(CorpusConfig(source=str(root), max_bytes=4500))) == 5000   # f4.txt is one document
+
+    assert (
+        sum(len(d.data) for d in documents(CorpusConfig(source=str(root), max_bytes=4500))) == 5000
+    )  # f4.txt is one document
 
 
 def test_the_keyed_sample_is_uniform_over_parts_and_follows_the_seed():
-    sizes = [5000, 20000, 1000, 14000, 10000]                      # rows per part
+    sizes = [5000, 20000, 1000, 14000, 10000]  # rows per part
     k = 5000
     for seed in (0, 1):
         keys = [row_keys(seed, p, 0, n) for p, n in enumerate(sizes)]
@@ -208,9 +243,9 @@ def test_the_keyed_sample_is_uniform_over_parts_and_follows_the_seed():
         taken = np.array([(kk <= np.uint64(below)).sum() for kk in keys])
         assert taken.sum() == k
         expect = k * np.array(sizes) / sum(sizes)
-        assert np.all(np.abs(taken - expect) <= 4 * np.sqrt(expect) + 1), (taken, expect)   # binomial, 4 sigma
+        assert np.all(np.abs(taken - expect) <= 4 * np.sqrt(expect) + 1), (taken, expect)  # binomial, 4 sigma
         first, second = row_keys(seed, 1, 0, 100), row_keys(seed, 1, 40, 60)
-        np.testing.assert_array_equal(first[40:], second)           # a row's key depends on its place only
+        np.testing.assert_array_equal(first[40:], second)  # a row's key depends on its place only
     assert not np.array_equal(row_keys(0, 0, 0, 50), row_keys(1, 0, 0, 50))
 
 
@@ -229,4 +264,4 @@ def test_a_worker_process_reloads_the_router_when_another_is_staged_at_the_same_
         save_router(Store(f"{stage.url}/router"), router)
         routers.append(_router(stage.url, {}, "router"))
         assert routers[-1].n_experts == n
-    assert _router(stage.url, {}, "router") is routers[-1]                 # loaded once, then reused
+    assert _router(stage.url, {}, "router") is routers[-1]  # loaded once, then reused

@@ -1,5 +1,6 @@
 """A local Ray's leftovers and signals, without starting Ray: the owner file names who may clean a directory, a
 full /tmp is one line, a signal inside the driver's loop only asks it to stop, elsewhere it stops at once."""
+
 from __future__ import annotations
 
 import json
@@ -10,10 +11,10 @@ import sys
 import time
 
 import pytest
-
 from conftest import fill_up
+
 import pipelines.raysession as rs
-from pipelines.stopping import StopSignals, Stopped
+from pipelines.stopping import Stopped, StopSignals
 from soma_cluster.diskerrors import StorageError
 
 
@@ -26,13 +27,14 @@ def owned(root, name: str, pid: int, started: float):
 
 def test_leftovers_of_a_dead_owner_go_the_living_and_the_young_stay(tmp_path):
     import psutil
+
     dead = subprocess.Popen([sys.executable, "-c", "pass"])
     dead.wait(30)
     me = psutil.Process()
     gone = owned(tmp_path, "gone", dead.pid, time.time() - 5)
     mine = owned(tmp_path, "mine", me.pid, me.create_time())
-    reused = owned(tmp_path, "reused", me.pid, me.create_time() - 100)          # my pid, another process's start
-    young = tmp_path / f"{rs.PREFIX}young"                                        # no owner file (an older soma's)
+    reused = owned(tmp_path, "reused", me.pid, me.create_time() - 100)  # my pid, another process's start
+    young = tmp_path / f"{rs.PREFIX}young"  # no owner file (an older soma's)
     young.mkdir()
     old = tmp_path / f"{rs.PREFIX}old"
     old.mkdir()
@@ -68,11 +70,10 @@ def test_a_signal_inside_the_loop_asks_outside_it_stops(monkeypatch):
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     try:
         stop.install()
-        with pytest.raises(Stopped) as got:
-            with stop.cooperative():
-                os.kill(os.getpid(), signal.SIGTERM)
-                time.sleep(0.05)                          # the handler runs here and only sets `requested`
-                assert stop.requested == signal.SIGTERM
+        with pytest.raises(Stopped) as got, stop.cooperative():
+            os.kill(os.getpid(), signal.SIGTERM)
+            time.sleep(0.05)  # the handler runs here and only sets `requested`
+            assert stop.requested == signal.SIGTERM
         assert got.value.exit_code == 143 and got.value.name == "SIGTERM"
         fresh = StopSignals()
         fresh.install()
@@ -80,7 +81,7 @@ def test_a_signal_inside_the_loop_asks_outside_it_stops(monkeypatch):
             os.kill(os.getpid(), signal.SIGINT)
             time.sleep(0.05)
         assert got.value.exit_code == 130
-        os.kill(os.getpid(), signal.SIGINT)                 # a second signal while stopping is noted, not raised
+        os.kill(os.getpid(), signal.SIGINT)  # a second signal while stopping is noted, not raised
         time.sleep(0.05)
     finally:
         for s, handler in saved.items():
@@ -99,17 +100,26 @@ def test_sigterm_stays_caught_while_a_local_ray_starts_and_stops():
     before it released its lease. Watched every 2 ms from a thread, the default action now lasts milliseconds at most
     (between Ray's reset and the start of its processes' stop, where ours are installed again; was ~1 s)."""
     import inspect
-    code = ("import sys; sys.path.insert(0, sys.argv[1])\nimport threading, time\n"
-            + inspect.getsource(_sigterm_disposition) + "d = _sigterm_disposition\n"
-            "from pipelines.stopping import STOP\nSTOP.install()\nfrom pipelines.raysession import ray_session\n"
-            "from soma_cluster.config import resolve\nlog, done = [], False\n"
-            "def watch():\n    while not done:\n        log.append((time.monotonic(), d())); time.sleep(0.002)\n"
-            "threading.Thread(target=watch, daemon=True).start()\n"
-            "with ray_session(resolve('tiny')):\n    pass\ndone = True\ntime.sleep(0.01)\n"
-            "print(sum(b[0] - a[0] for a, b in zip(log, log[1:]) if a[1] == 'default'), sorted({s for _, s in log}))\n")
+
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\nimport threading, time\n"
+        + inspect.getsource(_sigterm_disposition)
+        + "d = _sigterm_disposition\n"
+        "from pipelines.stopping import STOP\nSTOP.install()\nfrom pipelines.raysession import ray_session\n"
+        "from soma_cluster.config import resolve\nlog, done = [], False\n"
+        "def watch():\n    while not done:\n        log.append((time.monotonic(), d())); time.sleep(0.002)\n"
+        "threading.Thread(target=watch, daemon=True).start()\n"
+        "with ray_session(resolve('tiny')):\n    pass\ndone = True\ntime.sleep(0.01)\n"
+        "print(sum(b[0] - a[0] for a, b in zip(log, log[1:]) if a[1] == 'default'), sorted({s for _, s in log}))\n"
+    )
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    proc = subprocess.run([sys.executable, "-c", code, root], capture_output=True, text=True, timeout=180,
-                          env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"})
+    proc = subprocess.run(
+        [sys.executable, "-c", code, root],
+        capture_output=True,
+        text=True,
+        timeout=180,
+        env={**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"},
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     default_s, states = proc.stdout.strip().splitlines()[-1].split(" ", 1)
     print(f"\nSIGTERM at its default action for {float(default_s) * 1000:.1f} ms of the session; states seen {states}")

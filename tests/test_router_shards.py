@@ -1,5 +1,6 @@
 """The router (features, balanced k-means, the balanced rule and its offsets, persistence, the bytes-to-text
 decoding) and the per-expert Arrow shards, including N = 256 prepared on the built-in corpus."""
+
 import json
 import re
 
@@ -12,8 +13,18 @@ from safetensors.numpy import save as st_save
 from soma_cluster.config import RouterConfig, resolve
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.router import (TIE_SCALE, Router, assign, balanced_kmeans, cluster_spread, fit_offsets, fit_router, load_router,
-                                 router_text, save_router)
+from soma_cluster.router import (
+    TIE_SCALE,
+    Router,
+    assign,
+    balanced_kmeans,
+    cluster_spread,
+    fit_offsets,
+    fit_router,
+    load_router,
+    router_text,
+    save_router,
+)
 from soma_cluster.shards import open_shard, write_manifests, write_part_shards
 from soma_cluster.storage import Store, sha256
 
@@ -37,10 +48,10 @@ def skewed(n: int, seed: int, dim: int = 16) -> np.ndarray:
 @pytest.mark.parametrize("n_clusters", [2, 16, 64])
 def test_balanced_rule_splits_the_fit_set_equally_where_nearest_does_not(n_clusters):
     x = skewed(20_000, seed=1)
-    centroids = x[np.linspace(0, len(x) - 1, n_clusters).astype(int)]          # data points: nearest is lopsided
+    centroids = x[np.linspace(0, len(x) - 1, n_clusters).astype(int)]  # data points: nearest is lopsided
     assert cluster_spread(assign(x, centroids, np.zeros(n_clusters)), n_clusters) > 0.3
     offsets = fit_offsets(x, centroids)
-    assert equal_shares(assign(x, centroids, offsets), n_clusters)               # to the row: the last ones settled
+    assert equal_shares(assign(x, centroids, offsets), n_clusters)  # to the row: the last ones settled
     # new rows from the same distribution: the deviation expected of a sample, about sqrt(N / n) per cluster
     fresh = assign(skewed(20_000, seed=2), centroids, offsets)
     assert cluster_spread(fresh, n_clusters) < 5 * np.sqrt(n_clusters / len(x))
@@ -53,10 +64,11 @@ def test_one_cluster_and_candidate_fit_beyond_the_dense_limit(monkeypatch):
     x = skewed(3000, seed=3)
     assert fit_offsets(x, x[:1]).tolist() == [0.0]
     import soma_cluster.router as router_mod
-    monkeypatch.setattr(router_mod, "DENSE_ENTRIES", 3000 * 40 // 4)       # cold fit on a subsample, then candidates
+
+    monkeypatch.setattr(router_mod, "DENSE_ENTRIES", 3000 * 40 // 4)  # cold fit on a subsample, then candidates
     monkeypatch.setattr(router_mod, "CANDIDATES", 6)
     centroids = x[np.linspace(0, 2999, 40).astype(int)]
-    assert equal_shares(assign(x, centroids, fit_offsets(x, centroids)), 40)                # 75 rows a cluster
+    assert equal_shares(assign(x, centroids, fit_offsets(x, centroids)), 40)  # 75 rows a cluster
 
 
 def tight_topics(n: int, seed: int, dim: int = 24, topics: int = 12) -> np.ndarray:
@@ -73,11 +85,12 @@ def test_balanced_kmeans_stays_balanced_on_tight_unequal_topics_past_the_dense_l
     """k-means iterations warm-start the offsets from centroids that have moved; fitted on candidate clusters
     only, that fit walked the offsets off (fit-sample shards of 0 to thousands at N = 256 on real features)."""
     import soma_cluster.router as router_mod
+
     x = tight_topics(6000, seed=1)
-    monkeypatch.setattr(router_mod, "DENSE_ENTRIES", 6000 * 64 // 2)      # the candidate fit past a 3,000-row subsample
+    monkeypatch.setattr(router_mod, "DENSE_ENTRIES", 6000 * 64 // 2)  # the candidate fit past a 3,000-row subsample
     centroids, offsets, labels = balanced_kmeans(x, 64, 10, seed=0)
-    sizes = np.bincount(labels, minlength=64)                               # share 93.75 (before: 0 to 3,498 rows)
-    assert sizes.min() >= 92 and sizes.max() <= 95                          # candidates only: within a row of exact
+    sizes = np.bincount(labels, minlength=64)  # share 93.75 (before: 0 to 3,498 rows)
+    assert sizes.min() >= 92 and sizes.max() <= 95  # candidates only: within a row of exact
     np.testing.assert_array_equal(labels, assign(x, centroids, offsets))
 
 
@@ -86,6 +99,7 @@ def test_offsets_a_little_off_are_settled_to_the_row(monkeypatch, n_clusters, de
     """The rows Newton leaves within a tie fall with float rounding (another CPU's BLAS, a float32 cast): offsets
     fitted, then moved by up to about 1e-4, are settled back to shares exact to the row."""
     import soma_cluster.router as router_mod
+
     x = skewed(12_000, seed=4)
     if not dense:
         monkeypatch.setattr(router_mod, "DENSE_ENTRIES", len(x) * n_clusters // 3)
@@ -96,7 +110,7 @@ def test_offsets_a_little_off_are_settled_to_the_row(monkeypatch, n_clusters, de
     m = n_clusters if dense else router_mod.CANDIDATES
     settled = router_mod._settle(x, centroids, off, router_mod._caps(len(x), n_clusters), m)
     assert equal_shares(assign(x, centroids, settled), n_clusters)
-    assert np.abs(settled - off).max() < 1e-3                               # the rule hardly moves
+    assert np.abs(settled - off).max() < 1e-3  # the rule hardly moves
     assert np.mean(assign(x, centroids, settled) == assign(x, centroids, offsets)) > 0.995
 
 
@@ -104,12 +118,12 @@ def test_identical_rows_stay_together_and_the_rest_share_what_is_left():
     """Identical rows (a boilerplate chunk repeated) score alike under any offsets, so no rule can split them:
     their cluster keeps them all and the other clusters split the remaining rows as equally as they can."""
     x = skewed(2000, seed=1)
-    x[:50] = x[0]                                                           # 50 copies, a share is 31.25
+    x[:50] = x[0]  # 50 copies, a share is 31.25
     centroids, offsets, labels = balanced_kmeans(x, 64, 10, seed=0)
     sizes = np.bincount(labels, minlength=64)
     assert len(set(labels[:50])) == 1 and sizes[labels[0]] == 50
     rest = np.delete(sizes, labels[0])
-    assert rest.sum() == 1950 and rest.max() - rest.min() <= 1             # 30 or 31 each
+    assert rest.sum() == 1950 and rest.max() - rest.min() <= 1  # 30 or 31 each
     np.testing.assert_array_equal(labels, assign(x, centroids, offsets))
 
 
@@ -120,7 +134,7 @@ def test_balanced_kmeans_recovers_separated_clusters():
     x /= np.linalg.norm(x, axis=1, keepdims=True)
     centroids, offsets, labels = balanced_kmeans(x.astype(np.float32), 4, 10, seed=0)
     for block in range(4):
-        assert len(set(labels[block * 50:(block + 1) * 50])) == 1
+        assert len(set(labels[block * 50 : (block + 1) * 50])) == 1
     np.testing.assert_array_equal(labels, assign(x.astype(np.float32), centroids, offsets))
 
 
@@ -128,7 +142,7 @@ def test_balanced_kmeans_recovers_separated_clusters():
 def texts():
     out = []
     for doc in builtin_documents(800_000):
-        out += [router_text(doc.data[i:i + 1024]) for i in range(0, len(doc.data) - 1023, 1024)]
+        out += [router_text(doc.data[i : i + 1024]) for i in range(0, len(doc.data) - 1023, 1024)]
     return out
 
 
@@ -157,10 +171,10 @@ def test_routing_ranks_by_the_rules_scores(texts):
     router, _ = fit_router(texts, 8, RouterConfig(max_features=3000, min_df=3, svd_dim=16, weighting="softmax"), seed=0)
     emb = router.embed(texts[:200])
     top, w = router.route(emb)
-    np.testing.assert_array_equal(top[:, 0], router.assign(emb))              # a window's first expert: its shard's
+    np.testing.assert_array_equal(top[:, 0], router.assign(emb))  # a window's first expert: its shard's
     assert (np.diff(w, axis=1) <= 1e-12).all() and np.allclose(w.sum(1), 1.0)  # weights fall along the ranking
     nearest = fit_router(texts, 8, RouterConfig(max_features=3000, min_df=3, svd_dim=16, rule="nearest"), seed=0)[0]
-    np.testing.assert_array_equal(nearest.centroids, router.centroids)       # same k-means, only the rule differs
+    np.testing.assert_array_equal(nearest.centroids, router.centroids)  # same k-means, only the rule differs
     assert not nearest.offsets.any()
     np.testing.assert_array_equal(nearest.assign(emb), np.argmax(emb @ nearest.centroids.T, axis=1))
 
@@ -170,7 +184,7 @@ def test_router_saved_before_offsets_existed_loads_as_nearest(tmp_path, texts):
     store = Store(str(tmp_path / "c"))
     save_router(store, router)
     arrays = st_load(store.read_bytes("router/arrays.safetensors"))
-    old = st_save({k: v for k, v in arrays.items() if k != "offsets"})      # the layout written before this change
+    old = st_save({k: v for k, v in arrays.items() if k != "offsets"})  # the layout written before this change
     store.write_bytes("router/arrays.safetensors", old)
     meta = store.read_json("router/router.json")
     del meta["config"]["rule"], meta["config"]["tokens"]
@@ -178,7 +192,7 @@ def test_router_saved_before_offsets_existed_loads_as_nearest(tmp_path, texts):
     store.write_json("router/router.json", meta)
     loaded = load_router(store)
     assert loaded.cfg.rule == "nearest" and not loaded.offsets.any()
-    assert loaded.cfg.tokens == "words"                                        # the terms it was fitted with
+    assert loaded.cfg.tokens == "words"  # the terms it was fitted with
     emb = loaded.embed(texts[:50])
     np.testing.assert_array_equal(loaded.assign(emb), np.argmax(emb @ loaded.centroids.T, axis=1))
 
@@ -186,11 +200,18 @@ def test_router_saved_before_offsets_existed_loads_as_nearest(tmp_path, texts):
 def test_router_saved_before_the_hashed_coordinates_embeds_without_them(texts):
     router, _ = fit_router(texts[:400], 4, RouterConfig(max_features=3000, min_df=3, svd_dim=16), seed=0)
     k = router.mean.shape[0]
-    old = Router(router.cfg, router.vocabulary, router.idf, router.components, router.mean,
-                 router.centroids[:, :k] / np.linalg.norm(router.centroids[:, :k], axis=1, keepdims=True), router.offsets)
+    old = Router(
+        router.cfg,
+        router.vocabulary,
+        router.idf,
+        router.components,
+        router.mean,
+        router.centroids[:, :k] / np.linalg.norm(router.centroids[:, :k], axis=1, keepdims=True),
+        router.offsets,
+    )
     emb = old.embed(texts[:50])
-    assert emb.shape == (50, k)                                                # the columns its centroids were fit on
-    np.testing.assert_allclose(emb, router.embed(texts[:50])[:, :k] * np.sqrt(1 + TIE_SCALE ** 2), atol=1e-6)
+    assert emb.shape == (50, k)  # the columns its centroids were fit on
+    np.testing.assert_allclose(emb, router.embed(texts[:50])[:, :k] * np.sqrt(1 + TIE_SCALE**2), atol=1e-6)
 
 
 def test_layout_tokens_see_indentation_and_punctuation_that_words_drop(tmp_path, texts):
@@ -198,33 +219,37 @@ def test_layout_tokens_see_indentation_and_punctuation_that_words_drop(tmp_path,
     layout, _ = fit_router(texts[:400], 4, RouterConfig(max_features=3000, min_df=3, svd_dim=16), seed=0)
     assert layout.cfg.tokens == "layout"
     assert all(re.fullmatch(r"\w\w+", t) for t in words.vocabulary)
-    assert any(re.fullmatch(r"\n +", t) for t in layout.vocabulary) and any(re.fullmatch(r"[^\w\s]+", t) for t in layout.vocabulary)
+    assert any(re.fullmatch(r"\n +", t) for t in layout.vocabulary) and any(
+        re.fullmatch(r"[^\w\s]+", t) for t in layout.vocabulary
+    )
     store = Store(str(tmp_path / "c"))
     save_router(store, layout)
     again = load_router(store)
     assert again.cfg.tokens == "layout"
-    np.testing.assert_array_equal(again.embed(texts[:50]), layout.embed(texts[:50]))   # same terms after a reload
+    np.testing.assert_array_equal(again.embed(texts[:50]), layout.embed(texts[:50]))  # same terms after a reload
 
 
 def test_router_text_keeps_every_letter():
-    assert router_text("naïve café".encode()) == "naïve café"                 # UTF-8 as UTF-8
-    assert router_text("fïle naïve".encode("latin-1")) == "fïle naïve"        # Latin-1 letters stay letters
-    assert router_text("x café".encode()[:-1]) == "x caf"                      # a character cut at the chunk's end
-    assert router_text("é is".encode()[1:]) == " is"                           # and at its start
+    assert router_text("naïve café".encode()) == "naïve café"  # UTF-8 as UTF-8
+    assert router_text("fïle naïve".encode("latin-1")) == "fïle naïve"  # Latin-1 letters stay letters
+    assert router_text("x café".encode()[:-1]) == "x caf"  # a character cut at the chunk's end
+    assert router_text("é is".encode()[1:]) == " is"  # and at its start
     assert router_text(b"a\xff\xfeb") == "a\xff\xfeb"
-    words = "fïle système über naïve déjà crème garçon château river stone cloud paper".split()
+    words = ["fïle", "système", "über", "naïve", "déjà", "crème", "garçon", "château", "river", "stone", "cloud", "paper"]
     rng = np.random.default_rng(0)
-    latin = [" ".join(rng.choice(words, 12)).encode("latin-1") for _ in range(120)]      # a Latin-1 corpus
-    router, _ = fit_router([router_text(t) for t in latin], 2, RouterConfig(max_features=100, min_df=2, svd_dim=4), seed=0)
+    latin = [" ".join(rng.choice(words, 12)).encode("latin-1") for _ in range(120)]  # a Latin-1 corpus
+    router, _ = fit_router(
+        [router_text(t) for t in latin], 2, RouterConfig(max_features=100, min_df=2, svd_dim=4), seed=0
+    )
     assert {"fïle", "système", "über", "garçon"} <= set(router.vocabulary)
 
 
 def test_fit_sample_is_balanced_down_to_a_few_rows_per_cluster(texts):
     cfg = RouterConfig(max_features=3000, min_df=3, svd_dim=16)
-    _, labels = fit_router(texts[:400], 8, cfg, seed=0)                        # 50 per cluster
+    _, labels = fit_router(texts[:400], 8, cfg, seed=0)  # 50 per cluster
     assert cluster_spread(labels, 8) <= 0.05
-    distinct = list(dict.fromkeys(texts))[:403]               # identical chunks (licences) share a cluster: their own test
-    _, labels = fit_router(distinct, 100, cfg.model_copy(update={"min_df": 2}), seed=0)   # 4 or 5 per cluster
+    distinct = list(dict.fromkeys(texts))[:403]  # identical chunks (licences) share a cluster: their own test
+    _, labels = fit_router(distinct, 100, cfg.model_copy(update={"min_df": 2}), seed=0)  # 4 or 5 per cluster
     # to the row on every machine (before the settling step, rows within the last temperature of a tie fell with
     # the CPU's float rounding: 3 to 5 rows on one); before the hashed coordinates, 8 chunks the SVD part could
     # not tell apart shared one cluster and left another empty
@@ -239,9 +264,9 @@ def test_chunks_without_vocabulary_are_split_by_their_hash(texts):
     numbers = [" ".join(str(x) for x in rng.integers(0, 10**6, 150)) for _ in range(200)]
     router, labels = fit_router(texts[:800] + numbers, 8, RouterConfig(max_features=3000, min_df=3, svd_dim=16), seed=0)
     assert cluster_spread(labels, 8) <= 0.02
-    assert (np.bincount(labels[800:], minlength=8) >= 20).sum() >= 2            # the numbers fill more than one expert
+    assert (np.bincount(labels[800:], minlength=8) >= 20).sum() >= 2  # the numbers fill more than one expert
     emb = router.embed(numbers[:2] + numbers[:1])
-    np.testing.assert_array_equal(emb[0], emb[2])                              # identical text, identical embedding
+    np.testing.assert_array_equal(emb[0], emb[2])  # identical text, identical embedding
     assert emb.shape == (3, 16 + 8) and np.allclose(np.linalg.norm(emb, axis=1), 1.0)
     assert np.allclose(emb[0, :16], emb[1, :16]) and not np.allclose(emb[0, 16:], emb[1, 16:])
 
@@ -253,18 +278,22 @@ def test_router_needs_enough_chunks():
 
 def test_size_errors_name_the_setting_to_change():
     from pipelines.prepare import _check_sizes
+
     cfg = resolve("tiny", {"n_experts": 4, "shards": {"min_train_seqs": 16, "val_fraction": 0.01}})
     with pytest.raises(SomaError, match="shards.min_train_seqs") as err:
         _check_sizes(cfg, np.array([300, 300, 10, 300]))
     assert "expert-0002" in str(err.value)
-    with pytest.raises(SomaError, match="shards.val_fraction") as err:           # train rows fine, no val row
+    with pytest.raises(SomaError, match="shards.val_fraction") as err:  # train rows fine, no val row
         _check_sizes(cfg, np.array([60, 60, 60, 60]))
     fix = float(str(err.value).split("raise shards.val_fraction to ")[1].split()[0])
-    _check_sizes(cfg.model_copy(update={"shards": cfg.shards.model_copy(update={"val_fraction": fix})}), np.array([60, 60, 60, 60]))
+    _check_sizes(
+        cfg.model_copy(update={"shards": cfg.shards.model_copy(update={"val_fraction": fix})}),
+        np.array([60, 60, 60, 60]),
+    )
     with pytest.raises(SomaError, match="balance_tolerance"):
         _check_sizes(cfg, np.array([300, 300, 200, 400]))
     nearest = cfg.model_copy(update={"router": cfg.router.model_copy(update={"rule": "nearest"})})
-    _check_sizes(nearest, np.array([300, 300, 200, 400]))                     # the paper's rule is not held to it
+    _check_sizes(nearest, np.array([300, 300, 200, 400]))  # the paper's rule is not held to it
 
 
 def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
@@ -276,7 +305,9 @@ def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
     store = Store(str(tmp_path / "c"))
     before, written = np.zeros(3, np.int64), []
     for i, (seqs, lab) in enumerate(zip(parts, labels)):
-        written.append(write_part_shards(store, i, pa.array(seqs, pa.binary(64)), lab, before, val_fraction=0.1, rows_per_file=20))
+        written.append(
+            write_part_shards(store, i, pa.array(seqs, pa.binary(64)), lab, before, val_fraction=0.1, rows_per_file=20)
+        )
         before = before + np.bincount(lab, minlength=3)
     manifests = write_manifests(store, 3, 64, written)
     for e in range(3):
@@ -285,7 +316,7 @@ def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
         assert [bytes(r) for part in shard.val for r in part] == want[9::10]
         assert [bytes(r) for part in shard.train for r in part] == [s for i, s in enumerate(want) if i % 10 != 9]
         assert manifests[e]["train_rows"] + manifests[e]["val_rows"] == len(want)
-        assert max(len(f) for f in shard.train) <= 20 and len(shard.train) > 3      # rows_per_file rotation happened
+        assert max(len(f) for f in shard.train) <= 20 and len(shard.train) > 3  # rows_per_file rotation happened
     victim = tmp_path / "c" / "shards" / "expert-0001" / "val-00001.arrow"
     data = bytearray(victim.read_bytes())
     data[-100] ^= 0xFF
@@ -305,7 +336,9 @@ def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule):
     route() to its own shard first; balanced shards are within router.balance_tolerance over all
     sequences, nearest shards are each sequence's nearest centroid (zero offsets, saved as such)."""
     from conftest import micro_config
+
     from pipelines.prepare import prepare
+
     cfg = micro_config(n_experts=8, corpus={"max_bytes": 3_000_000}, router={"rule": rule})
     store = Store(str(tmp_path / "c"))
     summary = prepare(store, cfg)
@@ -317,11 +350,11 @@ def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule):
     emb = router.embed([router_text(r) for part in rows for r in part])
     shard = np.repeat(np.arange(8), sizes)
     top, _ = router.route(emb)
-    np.testing.assert_array_equal(top[:, 0], shard)                           # test routing agrees with the shards
+    np.testing.assert_array_equal(top[:, 0], shard)  # test routing agrees with the shards
     cosine = np.argmax(emb @ router.centroids.T, axis=1)
     if rule == "balanced":
         assert np.abs(sizes / sizes.mean() - 1).max() <= cfg.router.balance_tolerance
-        assert np.mean(cosine != shard) > 0.01                                # the offsets do move sequences
+        assert np.mean(cosine != shard) > 0.01  # the offsets do move sequences
     else:
         assert not router.offsets.any()
         np.testing.assert_array_equal(cosine, shard)
@@ -332,8 +365,16 @@ def test_n256_prepare_on_the_builtin_corpus_gives_every_shard_an_equal_share(tmp
     paper's nearest-centroid rule leaves some experts with a handful here; the balanced rule's shards are
     all within router.balance_tolerance, and the saved router routes a shard's sequences back to it."""
     from pipelines.prepare import prepare
-    cfg = resolve("tiny", {"n_experts": 256, "corpus": {"max_bytes": 64_000_000},
-                           "router": {"kmeans_iters": 10}, "shards": {"min_train_seqs": 64}})
+
+    cfg = resolve(
+        "tiny",
+        {
+            "n_experts": 256,
+            "corpus": {"max_bytes": 64_000_000},
+            "router": {"kmeans_iters": 10},
+            "shards": {"min_train_seqs": 64},
+        },
+    )
     store = Store(str(tmp_path / "c"))
     summary = prepare(store, cfg)
     sizes = np.array(summary["train_rows"]) + np.array(summary["val_rows"])
@@ -343,7 +384,7 @@ def test_n256_prepare_on_the_builtin_corpus_gives_every_shard_an_equal_share(tmp
     assert min(summary["val_rows"]) >= 1 and summary["rule"] == "balanced"
     router = load_router(store)
     assert json.loads((tmp_path / "c" / "router" / "router.json").read_text())["config"]["rule"] == "balanced"
-    rows = [shard_rows(store, e)[:12] for e in range(256)]                  # 12 sequences of every shard
+    rows = [shard_rows(store, e)[:12] for e in range(256)]  # 12 sequences of every shard
     emb = router.embed([router_text(r) for part in rows for r in part])
     top, _ = router.route(emb)
     np.testing.assert_array_equal(top[:, 0], np.repeat(np.arange(256), [len(r) for r in rows]))

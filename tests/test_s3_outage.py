@@ -5,19 +5,20 @@ clients use is therefore a forwarding process (tests/tcpproxy.py) in front of mo
 (SIGKILL) resets in-flight connections and refuses new ones, and it restarts on the same port. A
 second kind of outage pauses moto itself (SIGSTOP/SIGCONT): connections hang until a read timeout.
 """
+
 import logging
 import threading
 import time
 
 import pytest
-
 from conftest import micro_config
+from s3server import Proxy, s3  # noqa: F401  (fixture)
+
 from pipelines.campaign import Driver, Job
-from soma_cluster.events import history
 from pipelines.evaluate import evaluate
 from pipelines.prepare import prepare
-from s3server import Proxy, s3  # noqa: F401  (fixture)
 from soma_cluster.checkpoint import load_checkpoint
+from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
 
@@ -59,7 +60,7 @@ class Outages(threading.Thread):
             time.sleep(OUTAGE_S)
             self.s3.server.resume()
             self.windows.append(("moto paused", t0, time.monotonic()))
-        except BaseException as exc:    # reported by the test
+        except BaseException as exc:  # reported by the test
             self.error = exc
             self.s3.server.resume()
         finally:
@@ -68,7 +69,9 @@ class Outages(threading.Thread):
 
 def _fast_fail_options(s3, proxy):  # noqa: F811
     """botocore gives up at once, so the retrying is Store._retry's; short timeouts turn a hang into an error."""
-    return s3.storage_options(f"http://127.0.0.1:{proxy.port}", connect_timeout=1, read_timeout=1, retries={"max_attempts": 1})
+    return s3.storage_options(
+        f"http://127.0.0.1:{proxy.port}", connect_timeout=1, read_timeout=1, retries={"max_attempts": 1}
+    )
 
 
 def test_driver_like_loop_survives_endpoint_restart_and_pause(s3, proxy, caplog):  # noqa: F811
@@ -80,7 +83,7 @@ def test_driver_like_loop_survives_endpoint_restart_and_pause(s3, proxy, caplog)
     outages = Outages(s3, proxy, lambda: time.monotonic() - started > 0.5)
     outages.start()
     slow_ops, i = [], 0
-    while i < 2000 and time.monotonic() - started < 60:            # bounded in count and time
+    while i < 2000 and time.monotonic() - started < 60:  # bounded in count and time
         t = time.monotonic()
         store.append("events.jsonl", {"i": i})
         store.write_json(f"ckpt/step-{i:06d}.json", {"i": i})
@@ -108,10 +111,14 @@ def test_driver_like_loop_survives_endpoint_restart_and_pause(s3, proxy, caplog)
 
 
 def test_campaign_with_ray_workers_survives_endpoint_restart_and_pause(s3, proxy, text_corpus, ray_local):  # noqa: F811
-    cfg = micro_config(corpus={"source": str(text_corpus)},
-                       train={"updates": 36, "chunk_updates": 3, "checkpoint_every": 3, "val_every": 6})
+    cfg = micro_config(
+        corpus={"source": str(text_corpus)},
+        train={"updates": 36, "chunk_updates": 3, "checkpoint_every": 3, "val_every": 6},
+    )
     url = s3.url("outage/camp")
-    opts = s3.storage_options(f"http://127.0.0.1:{proxy.port}", connect_timeout=1, read_timeout=2, retries={"max_attempts": 2})
+    opts = s3.storage_options(
+        f"http://127.0.0.1:{proxy.port}", connect_timeout=1, read_timeout=2, retries={"max_attempts": 2}
+    )
     store = Store(url, opts)
     t0 = time.monotonic()
     prepare(store, cfg)
@@ -120,9 +127,12 @@ def test_campaign_with_ray_workers_survives_endpoint_restart_and_pause(s3, proxy
     direct = s3.fs()
     root = f"{s3.bucket}/outage/camp"
 
-    def first_expert_checkpoint() -> bool:            # looked up on moto itself, not through the proxy
+    def first_expert_checkpoint() -> bool:  # looked up on moto itself, not through the proxy
         direct.invalidate_cache()
-        return bool(direct.exists(f"{root}/experts/expert-0000/latest.json") or direct.exists(f"{root}/experts/expert-0001/latest.json"))
+        return bool(
+            direct.exists(f"{root}/experts/expert-0000/latest.json")
+            or direct.exists(f"{root}/experts/expert-0001/latest.json")
+        )
 
     print(f"seed done {time.monotonic() - t0:.1f} s")
     outages = Outages(s3, proxy, first_expert_checkpoint)
@@ -130,35 +140,46 @@ def test_campaign_with_ray_workers_survives_endpoint_restart_and_pause(s3, proxy
     jobs = [Job(e) for e in range(cfg.n_experts)]
     outcome = Driver(store, cfg, jobs, show_progress=False).run()
     ended = time.monotonic()
-    print(f"experts done {ended - t0:.1f} s, outages {[(w, round(a - t0, 1), round(b - t0, 1)) for w, a, b in outages.windows]}")
+    print(
+        f"experts done {ended - t0:.1f} s, outages {[(w, round(a - t0, 1), round(b - t0, 1)) for w, a, b in outages.windows]}"
+    )
     outages.join(timeout=60)
     assert outages.error is None, outages.error
-    assert outages.windows and outages.windows[0][2] < ended, ("the campaign ended before the endpoint came back", outages.windows)
+    assert outages.windows and outages.windows[0][2] < ended, (
+        "the campaign ended before the endpoint came back",
+        outages.windows,
+    )
     assert outcome == {"expert-0000": "finished", "expert-0001": "finished"}
 
     fresh = Store(url, s3.storage_options())
     hist = history(fresh)
-    assert not [ev for h in hist.values() for ev in h.events if ev["event"] in ("failed", "retried")], "an outage cost a retry"
+    assert not [ev for h in hist.values() for ev in h.events if ev["event"] in ("failed", "retried")], (
+        "an outage cost a retry"
+    )
     updates, per_chunk = cfg.train.updates, cfg.train.chunk_updates
     for job in jobs:
         h = hist[job.name]
         assert h.state == "finished" and h.step == updates and h.attempts == 1
         beats = [ev["step"] for ev in h.events if ev["event"] == "heartbeat"]
-        assert beats == [1] + list(range(1 + per_chunk, updates, per_chunk)) + [updates]     # every heartbeat, once, in order
-        ck = load_checkpoint(fresh, f"experts/{job.name}")                                  # checksums verified
+        assert beats == [1] + list(range(1 + per_chunk, updates, per_chunk)) + [
+            updates
+        ]  # every heartbeat, once, in order
+        ck = load_checkpoint(fresh, f"experts/{job.name}")  # checksums verified
         assert ck.meta["state"]["step"] == updates
         saved = sorted(n for n in fresh.listdir(f"experts/{job.name}") if n.endswith(".safetensors"))
         assert len(saved) == len({ev["checkpoint"] for ev in h.events if ev["event"] == "checkpointed"})
         for name in saved:
             load_checkpoint(fresh, f"experts/{job.name}", name.removesuffix(".safetensors"))
     totals = Ledger(fresh).totals()
-    assert totals.forwards["expert_training"] == cfg.n_experts * updates * 2 * cfg.spsa.n_pert     # no record lost or doubled
+    assert (
+        totals.forwards["expert_training"] == cfg.n_experts * updates * 2 * cfg.spsa.n_pert
+    )  # no record lost or doubled
     heartbeats = sum(ev["event"] == "heartbeat" for h in hist.values() for ev in h.events)
     records = [r for r in Ledger(fresh).records() if r["category"] in ("seed", "expert_training")]
     assert len([r for r in records if r["seq"] > 0]) == heartbeats
-    assert len([r for r in records if r["seq"] == 0]) <= len(hist)     # at most one actor-start record per job
+    assert len([r for r in records if r["seq"] == 0]) <= len(hist)  # at most one actor-start record per job
     assert totals.gpu_seconds["wasted"] == 0
-    metrics = evaluate(store, cfg)                                                   # and the campaign evaluates
+    metrics = evaluate(store, cfg)  # and the campaign evaluates
     assert metrics["ensemble"]["nats_per_byte"] < metrics["uniform"]["nats_per_byte"]
     leaks = [p for p, data in s3.objects("outage").items() if s3.secret.encode() in data]
     assert not leaks, leaks

@@ -1,15 +1,16 @@
 """Fractional GPUs on a real local Ray: 0.5 GPU per expert on 2 logical GPUs runs 4 experts at once and
 queues the rest; resources.placement maps to Ray's scheduling strategy."""
+
 import shutil
 import tempfile
 
 import pytest
-
 from conftest import micro_config
+
 from pipelines.campaign import Driver, Job, expert_jobs
-from soma_cluster.events import history
 from pipelines.prepare import prepare
 from soma_cluster.errors import SomaError
+from soma_cluster.events import history
 from soma_cluster.storage import Store
 from workers import SCHEDULING
 
@@ -22,7 +23,9 @@ def ray_two_gpus():
     import ray
 
     tmp = tempfile.mkdtemp(prefix="soma-ray-s-", dir="/tmp")
-    ray.init(num_gpus=GPUS, num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False, logging_level="WARNING")
+    ray.init(
+        num_gpus=GPUS, num_cpus=2, include_dashboard=False, _temp_dir=tmp, log_to_driver=False, logging_level="WARNING"
+    )
     yield ray
     ray.shutdown()
     shutil.rmtree(tmp, ignore_errors=True)
@@ -42,7 +45,12 @@ def intervals(hist, names, start_event):
     out = []
     for name in names:
         evs = hist[name].events
-        out.append((next(e["t"] for e in evs if e["event"] == start_event), next(e["t"] for e in evs if e["event"] == "finished")))
+        out.append(
+            (
+                next(e["t"] for e in evs if e["event"] == start_event),
+                next(e["t"] for e in evs if e["event"] == "finished"),
+            )
+        )
     return out
 
 
@@ -55,12 +63,12 @@ def test_half_gpu_experts_run_four_at_a_time_and_the_rest_queue(ray_two_gpus, tm
     assert set(outcome.values()) == {"finished"} and len(outcome) == N_EXPERTS
     hist = history(store)
     names = sorted(outcome)
-    held = intervals(hist, names, "launched")      # from asking Ray for the GPU share to the end
+    held = intervals(hist, names, "launched")  # from asking Ray for the GPU share to the end
     running = intervals(hist, names, "started")
-    assert max_overlap(held) == SLOTS              # fractional shares: 4 experts on 2 GPUs at once ...
-    assert max_overlap(running) <= SLOTS           # ... never more
+    assert max_overlap(held) == SLOTS  # fractional shares: 4 experts on 2 GPUs at once ...
+    assert max_overlap(running) <= SLOTS  # ... never more
     first_end = min(end for _, end in held)
-    assert sum(start >= first_end for start, _ in held) == N_EXPERTS - SLOTS   # the extra two waited for a slot
+    assert sum(start >= first_end for start, _ in held) == N_EXPERTS - SLOTS  # the extra two waited for a slot
     assert all(e["num_gpus"] == SHARE for n in names for e in hist[n].events if e["event"] == "launched")
 
 

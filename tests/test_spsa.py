@@ -1,6 +1,6 @@
 import torch
-
 from conftest import copy_problem
+
 from soma_cluster.config import ModelConfig, SPSAConfig
 from soma_cluster.model import Layout, copy_losses, init_body, init_head
 from soma_cluster.spsa import Adam, Schedule, probes, spsa_estimate

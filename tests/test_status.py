@@ -1,32 +1,56 @@
 """`soma status` without Ray: job states derived from the scheduler (not the last event), the snapshot's schema,
 the fallback to the events log for a campaign without status.json, and a piped table that cuts nothing."""
+
 from __future__ import annotations
 
 import io
 import json
 
-from rich.console import Console
-
 from conftest import micro_config, soma
+from rich.console import Console
+from test_schedule import beat, by, scheduler, started
+
 from pipelines.status import load_status, print_full, render
 from soma_cluster.config import to_yaml_text
 from soma_cluster.ledger import CATEGORIES
 from soma_cluster.schedule import Lost, Start
 from soma_cluster.snapshot import SNAPSHOT, STATES, build, eta_s, scheduler_rows, summary_line
-from test_schedule import beat, by, scheduler, started
 
-ROW_KEYS = {"job", "expert", "state", "step", "target", "val", "gpu_hours", "budget_left_gpu_hours", "retries", "node", "device",
-            "last_error", "heartbeat_age_s"}
+ROW_KEYS = {
+    "job",
+    "expert",
+    "state",
+    "step",
+    "target",
+    "val",
+    "gpu_hours",
+    "budget_left_gpu_hours",
+    "retries",
+    "node",
+    "device",
+    "last_error",
+    "heartbeat_age_s",
+}
 
 
 def test_states_come_from_the_scheduler_not_the_last_event(tmp_path):
     now = [0.0]
-    s = scheduler(tmp_path, clock=now, n_experts=4, budget={"expert_gpu_hours": 1.0, "pool_policy": "even"},
-                  retry={"max_retries": 1, "backoff_s": 10.0})
+    s = scheduler(
+        tmp_path,
+        clock=now,
+        n_experts=4,
+        budget={"expert_gpu_hours": 1.0, "pool_policy": "even"},
+        retry={"max_retries": 1, "backoff_s": 10.0},
+    )
     s.restore({})
     units = [a.unit for a in by(s.requests(2, 2), Start)]
-    state = lambda: {r["job"]: r["state"] for r in scheduler_rows(s).values()}   # noqa: E731
-    assert state() == {"expert-0000": "queued", "expert-0001": "queued", "expert-0002": "pending", "expert-0003": "pending"}
+    state = lambda: {r["job"]: r["state"] for r in scheduler_rows(s).values()}  # noqa: E731
+    assert state() == {
+        "expert-0000": "queued",
+        "expert-0001": "queued",
+        "expert-0002": "pending",
+        "expert-0003": "pending",
+    }
     s.on_setup(units[0].id, started([0]))
     s.on_chunk(units[0].id, _report(0, beat(3, 2.0, 24)))
     s.on_setup(units[1].id, started([1]))
@@ -42,7 +66,11 @@ def test_states_come_from_the_scheduler_not_the_last_event(tmp_path):
     rows = scheduler_rows(s)
     assert set(rows["expert-0001"]) == ROW_KEYS
     assert rows["expert-0001"]["retries"] == 1 and rows["expert-0001"]["last_error"] == "actor_died: boom"
-    assert rows["expert-0000"]["step"] == 6 and rows["expert-0000"]["node"] == "127.0.0.1" and rows["expert-0000"]["device"] == "cpu"
+    assert (
+        rows["expert-0000"]["step"] == 6
+        and rows["expert-0000"]["node"] == "127.0.0.1"
+        and rows["expert-0000"]["device"] == "cpu"
+    )
     assert rows["expert-0002"]["budget_left_gpu_hours"] > 1.0 and rows["expert-0000"]["budget_left_gpu_hours"] is None
     # (expert 2 got a third of expert 0's unspent hour from the pool: budget left is what it may really spend)
     # after the backoff it is queued again, still a retry
@@ -53,6 +81,7 @@ def test_states_come_from_the_scheduler_not_the_last_event(tmp_path):
 
 def _report(expert, hb):
     from soma_cluster.messages import ChunkReport
+
     return ChunkReport({expert: hb}, 1.0)
 
 
@@ -60,10 +89,35 @@ def test_snapshot_schema_eta_and_summary_line(tmp_path):
     s = scheduler(tmp_path, n_experts=2)
     s.restore({})
     rows = scheduler_rows(s)
-    snap = build(s.cfg, s.store.url, rows, {"seed": 36.0, "expert_training": 72.0}, {"cpu": 108.0}, started_at=0.0,
-                 rate=None, final=False, source="driver")
-    assert {"schema", "source", "campaign", "name", "preset", "written_at", "driver_started_at", "elapsed_s", "final", "unit",
-            "counts", "gpu_hours", "gpu_hours_total", "budget", "eta_s", "jobs"} <= set(snap)
+    snap = build(
+        s.cfg,
+        s.store.url,
+        rows,
+        {"seed": 36.0, "expert_training": 72.0},
+        {"cpu": 108.0},
+        started_at=0.0,
+        rate=None,
+        final=False,
+        source="driver",
+    )
+    assert {
+        "schema",
+        "source",
+        "campaign",
+        "name",
+        "preset",
+        "written_at",
+        "driver_started_at",
+        "elapsed_s",
+        "final",
+        "unit",
+        "counts",
+        "gpu_hours",
+        "gpu_hours_total",
+        "budget",
+        "eta_s",
+        "jobs",
+    } <= set(snap)
     assert snap["schema"] == 1 and set(snap["gpu_hours"]) == set(CATEGORIES) and set(snap["counts"]) <= set(STATES)
     assert abs(snap["gpu_hours_total"] - 0.03) < 1e-12 and snap["unit"] == "logical GPU-hours on cpu"
     line = summary_line(snap)
@@ -79,6 +133,7 @@ def test_status_without_a_snapshot_reads_the_events_log_and_cuts_nothing_when_pi
     (camp / "campaign.yaml").write_text(to_yaml_text(cfg))
     from soma_cluster.events import emit
     from soma_cluster.storage import Store
+
     store = Store(str(camp))
     emit(store, "queued", "expert-0001", attempt=0)
     emit(store, "started", "expert-0001", attempt=0, step=0, device="cpu", node_ip="10.0.0.7")
@@ -94,12 +149,18 @@ def test_status_without_a_snapshot_reads_the_events_log_and_cuts_nothing_when_pi
     proc = soma("status", str(camp))
     assert proc.returncode == 0 and "expert-0002" in proc.stdout and "10.0.0.7" in proc.stdout and proc.stderr == ""
     doc = json.loads(soma("status", str(camp), "--json").stdout)
-    assert doc["schema"] == 1 and [r["job"] for r in doc["jobs"]] == ["seed", "expert-0000", "expert-0001", "expert-0002"]
+    assert doc["schema"] == 1 and [r["job"] for r in doc["jobs"]] == [
+        "seed",
+        "expert-0000",
+        "expert-0001",
+        "expert-0002",
+    ]
     assert doc["jobs"][2]["retries"] == 1 and doc["jobs"][2]["node"] == "10.0.0.7"
 
 
 def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
     from soma_cluster.storage import Store
+
     s = scheduler(tmp_path, n_experts=2)
     s.restore({})
     (tmp_path / "c").mkdir(exist_ok=True)
@@ -108,7 +169,7 @@ def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
     Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
     proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2", "--count", "3")
     assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 3, proc.stdout
-    snap["written_at"] -= 3600                                   # a driver silent for an hour: shown once, as STALE
+    snap["written_at"] -= 3600  # a driver silent for an hour: shown once, as STALE
     Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
     proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2")
     assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 1 and "STALE" in proc.stdout
@@ -119,19 +180,27 @@ def test_plan_against_actual_once_every_job_ended(tmp_path):
     from pipelines.status import PLAN, plan_vs_actual
     from soma_cluster.ledger import Ledger
     from soma_cluster.storage import Store
+
     store = Store(str(tmp_path / "c"))
     for job, t0, t1 in (("seed", 0.0, 100.0), ("expert-0000", 200.0, 400.0)):
         store.append("events.jsonl", {"event": "queued", "job": job, "t": t0, "attempt": 0})
         store.append("events.jsonl", {"event": "finished", "job": job, "t": t1, "attempt": 0})
     Ledger(store).record("seed", 360.0, 100.0)
     Ledger(store).record("expert_training", 720.0, 200.0, expert=0)
-    plan = {"gpus": 1, "seed_trained": False, "gpu_hours": {"seed": 0.11, "expert_training": 0.18, "wasted": 0.0, "training_total": 0.29},
-            "wall_seconds": {"seed": 110.0, "experts": 180.0}}
+    plan = {
+        "gpus": 1,
+        "seed_trained": False,
+        "gpu_hours": {"seed": 0.11, "expert_training": 0.18, "wasted": 0.0, "training_total": 0.29},
+        "wall_seconds": {"seed": 110.0, "experts": 180.0},
+    }
     store.write_json(PLAN, plan)
     ended = {"jobs": [{"state": "finished"}, {"state": "finished"}]}
     rows = {r["what"]: r for r in plan_vs_actual(store, ended)["rows"]}
-    assert abs(rows["GPU-hours, seed"]["error"] - 0.1) < 1e-9 and abs(rows["GPU-hours, expert training"]["error"] + 0.1) < 1e-9
+    assert (
+        abs(rows["GPU-hours, seed"]["error"] - 0.1) < 1e-9
+        and abs(rows["GPU-hours, expert training"]["error"] + 0.1) < 1e-9
+    )
     assert rows["wall seconds, seed"]["actual"] == 100.0 and rows["wall seconds, experts"]["actual"] == 200.0
-    assert plan_vs_actual(store, {"jobs": [{"state": "finished"}, {"state": "running"}]}) is None     # not before the end
-    store.write_json(PLAN, {**plan, "seed_trained": True})          # a seed trained before the plan is not a prediction
+    assert plan_vs_actual(store, {"jobs": [{"state": "finished"}, {"state": "running"}]}) is None  # not before the end
+    store.write_json(PLAN, {**plan, "seed_trained": True})  # a seed trained before the plan is not a prediction
     assert not [r for r in plan_vs_actual(store, ended)["rows"] if "seed" in r["what"]]

@@ -1,6 +1,7 @@
 """A driver killed mid-append can leave a log (events, ledger) ending in a partial line. Readers skip it; the
 first append after cuts it off (as a write-ahead log does) instead of gluing a record onto it, so status and
 resume keep working. Checked at every byte offset of the last record, then through the CLI."""
+
 from __future__ import annotations
 
 import json
@@ -11,9 +12,9 @@ import sys
 from pathlib import Path
 
 import pytest
-
 from conftest import micro_config
 from inprocess import InProcess
+
 from pipelines.prepare import prepare
 from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
@@ -36,18 +37,21 @@ def test_every_truncation_of_the_last_record_is_cut_off_before_the_next_append(t
     for i in range(3):
         store.append(log, {"event": "heartbeat", "job": "expert-0000", "i": i, "note": "x" * 40})
     whole, last = records_and_last(root / log)
-    for offset in range(len(last)):                       # every byte of the last record, its newline included
+    for offset in range(len(last)):  # every byte of the last record, its newline included
         (root / log).write_bytes(whole + last[:offset])
         fresh = Store(str(root))
-        assert [r["i"] for r in fresh.read_log(log)] == [0, 1]            # readers skip the fragment
+        assert [r["i"] for r in fresh.read_log(log)] == [0, 1]  # readers skip the fragment
         fresh.append(log, {"event": "heartbeat", "job": "expert-0000", "i": 9, "note": ""})
         for _ in range(2):
             assert [r["i"] for r in Store(str(root)).read_log(log)] == [0, 1, 9], offset
-        assert (root / log).read_bytes() == whole + (root / log).read_bytes()[len(whole):]   # nothing before was touched
+        assert (root / log).read_bytes() == whole + (root / log).read_bytes()[
+            len(whole) :
+        ]  # nothing before was touched
 
 
 def test_a_corrupt_record_before_the_last_is_still_refused(tmp_path):
     from soma_cluster.errors import ChecksumError
+
     root = tmp_path / "c"
     store = Store(str(root))
     for i in range(3):
@@ -73,7 +77,9 @@ def finished(tmp_path_factory, text_corpus):
 def cli(*args):
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
     env.pop("RAY_ADDRESS", None)
-    return subprocess.run([sys.executable, "-m", "pipelines.cli", *args], env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", *args], env=env, capture_output=True, text=True, timeout=300
+    )
 
 
 @pytest.mark.parametrize("log", LOGS)
@@ -85,7 +91,7 @@ def test_resume_and_status_after_a_torn_last_line(finished, tmp_path, log, where
     (root / log).write_bytes(whole + last[: len(last) // 2 if where == "middle" else len(last) - 1])
     out = cli("resume", str(root), "--no-progress")
     assert out.returncode == 0, out.stderr[-3000:]
-    if log == "ledger/ledger.jsonl":                      # resume had nothing to write: eval is the next append
+    if log == "ledger/ledger.jsonl":  # resume had nothing to write: eval is the next append
         out = cli("eval", str(root))
         assert out.returncode == 0, out.stderr[-3000:]
     assert "unterminated last record" in out.stderr

@@ -1,15 +1,16 @@
 """An ExpertWorker actor on a real local Ray (4 logical GPUs) trains, checkpoints and reports GPU-seconds."""
+
 import time
 
 import pytest
 import torch
-
 from conftest import micro_config
+
 from pipelines.campaign import Driver, Job
 from pipelines.common import claim_campaign
-from soma_cluster.events import history
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
+from soma_cluster.events import history
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
 from workers import start_worker
@@ -30,19 +31,21 @@ def test_actor_trains_checkpoints_and_reports_gpu_seconds(ray_local, prepared):
     report = ray_local.get(actor.setup.remote(), timeout=120)
     info = report.experts[None]
     assert info.step == 0 and not info.resumed and info.n_train > 0
-    assert report.device == "cpu" and report.held_from >= t0_wall      # not granted at the request: held from its first instruction
+    assert (
+        report.device == "cpu" and report.held_from >= t0_wall
+    )  # not granted at the request: held from its first instruction
     beats = []
-    for _ in range(10):                                       # bounded: 6 updates in chunks of <= 3
+    for _ in range(10):  # bounded: 6 updates in chunks of <= 3
         beats.append(ray_local.get(actor.run_chunk.remote(3), timeout=120).experts[None])
         if beats[-1].done:
             break
-    assert [b.updates for b in beats] == [1, 3, 2]            # the first chunk measures one update
+    assert [b.updates for b in beats] == [1, 3, 2]  # the first chunk measures one update
     wall = time.time() - report.held_from
     ray_local.kill(actor)
     assert beats[-1].done and beats[-1].step == cfg.seed_stage.updates
     assert beats[-1].checkpoint == "step-000006"
     gpu_s = beats[-1].usage.gpu_seconds
-    assert 0 < gpu_s <= wall * 0.5 + 1e-6                     # half a GPU held, never more than wall x 0.5
+    assert 0 < gpu_s <= wall * 0.5 + 1e-6  # half a GPU held, never more than wall x 0.5
     assert gpu_s == pytest.approx(beats[-1].usage.wall_seconds * 0.5)
     assert beats[-1].usage.forwards == cfg.seed_stage.updates * (2 * cfg.spsa.n_pert + 1)
     ck = load_checkpoint(store, "seed")
@@ -78,5 +81,6 @@ def test_claim_refuses_a_different_campaign(prepared):
     store, cfg = prepared
     other = cfg.model_copy(update={"n_experts": 3})
     from soma_cluster.errors import SomaError
+
     with pytest.raises(SomaError, match="different campaign"):
         claim_campaign(store, other)

@@ -1,4 +1,5 @@
 """Ray actors. `workers` imports `soma_cluster`; nothing here imports `pipelines`."""
+
 from __future__ import annotations
 
 import ray
@@ -19,20 +20,37 @@ def actor_name(campaign_id: str, job: str, attempt: int) -> str:
     return f"{campaign_id}/{job}/{attempt}"
 
 
-def start_worker(campaign_url: str, storage_options: dict, experts: list[int | None], attempts: list[int],
-                 num_gpus: float, num_cpus: float, name: str | None = None, placement: str = "pack",
-                 requested_at: float | None = None, granted: bool = False, previous: tuple[Incarnation, ...] = (),
-                 lease_generation: int | None = None):
+def start_worker(
+    campaign_url: str,
+    storage_options: dict,
+    experts: list[int | None],
+    attempts: list[int],
+    num_gpus: float,
+    num_cpus: float,
+    name: str | None = None,
+    placement: str = "pack",
+    requested_at: float | None = None,
+    granted: bool = False,
+    previous: tuple[Incarnation, ...] = (),
+    lease_generation: int | None = None,
+):
     """One actor per job (or per pack of experts): its own GPU share, an explicit CPU share (Ray defaults to
     1 CPU), no restarts (the driver owns retries, from the checkpoint). `requested_at` (wall clock) and
     `granted` (the GPUs present had room for it then) tell the actor when it began holding its share;
     `previous` are killed processes of the same jobs it must outlive on its node. `name` lets operators
     (and tests) find it. `lease_generation`: the starting driver's lease (soma_cluster/lease.py); the actor writes
     nothing once another driver holds the campaign."""
-    return RemoteExpertWorker.options(num_gpus=num_gpus, num_cpus=num_cpus, max_restarts=0, max_task_retries=0,
-                                      scheduling_strategy=SCHEDULING[placement],
-                                      name=name, namespace=NAMESPACE if name else None).remote(
-        campaign_url, storage_options, experts, attempts, num_gpus, requested_at, granted, previous, lease_generation)
+    return RemoteExpertWorker.options(
+        num_gpus=num_gpus,
+        num_cpus=num_cpus,
+        max_restarts=0,
+        max_task_retries=0,
+        scheduling_strategy=SCHEDULING[placement],
+        name=name,
+        namespace=NAMESPACE if name else None,
+    ).remote(
+        campaign_url, storage_options, experts, attempts, num_gpus, requested_at, granted, previous, lease_generation
+    )
 
 
 __all__ = ["NAMESPACE", "SCHEDULING", "ExpertWorker", "RemoteExpertWorker", "actor_name", "start_worker"]

@@ -11,6 +11,7 @@ SIGTERM (a spot notice, a node drain, a KubeRay scale-down) is a preemption, not
 finishes the update in flight, checkpoints every job it trains, reports `preempted` and exits; if it
 has not left within retry.preemption_grace_s of the signal, it exits anyway.
 """
+
 from __future__ import annotations
 
 import logging
@@ -38,7 +39,7 @@ from soma_cluster.storage import Store
 from soma_cluster.trainer import Method, NonFiniteLoss, Trainer, TrainState, pick_device, update_experts
 
 log = logging.getLogger(__name__)
-SEED_STREAM = -1           # the seed model's RNG stream id (probes, data order), as it has always been
+SEED_STREAM = -1  # the seed model's RNG stream id (probes, data order), as it has always been
 # tests only: seconds every setup() sleeps first, a slow start-up (a loaded host, an image pull, a cold S3 read)
 SETUP_DELAY_ENV = "SOMA_TEST_SETUP_DELAY_S"
 
@@ -62,7 +63,7 @@ def start_state(store: Store, cfg: CampaignConfig, job: Job, device: torch.devic
 def expert_start(cfg: CampaignConfig, body: torch.Tensor, head: torch.Tensor) -> TrainState:
     """An expert's fresh state from a starting body and head, with train.method's perturbation scale and lr."""
     method = cfg.train.method
-    eps = cfg.eggroll.sigma if method == "eggroll" else cfg.spsa.eps      # the perturbation scale the schedule halves
+    eps = cfg.eggroll.sigma if method == "eggroll" else cfg.spsa.eps  # the perturbation scale the schedule halves
     lr = cfg.bptt.lr if method == "bptt" else cfg.spsa.lr
     return TrainState.fresh(body, head, cfg.model.head == "own", eps, lr)
 
@@ -113,6 +114,7 @@ class Preemption:
 @dataclass
 class Member:
     """One job inside an actor: its trainer, where it checkpoints, and what it has reported."""
+
     job: Job
     attempt: int
     trainer: Trainer
@@ -122,11 +124,11 @@ class Member:
     start_forwards: int
     start_tokens: int
     last_ckpt_step: int
-    kept_by: int | None = None        # resumed: the attempt that wrote the loaded checkpoint, and its usage then
+    kept_by: int | None = None  # resumed: the attempt that wrote the loaded checkpoint, and its usage then
     kept: Usage | None = None
-    reason: str | None = None         # set once it stops: finished, converged, budget_exhausted, preempted, or a failure
+    reason: str | None = None  # set once it stops: finished, converged, budget_exhausted, preempted, or a failure
     failed: bool = False
-    told: bool = False                # its last heartbeat (done) has gone to the driver
+    told: bool = False  # its last heartbeat (done) has gone to the driver
 
 
 class ExpertWorker:
@@ -136,22 +138,34 @@ class ExpertWorker:
     optimizer, schedule, budget and checkpoints, and stops on its own. The actor's held time is split
     evenly among the jobs it is training at each moment, so their GPU-seconds add up to the actor's."""
 
-    def __init__(self, campaign_url: str, storage_options: dict, experts: list[int | None], attempts: list[int],
-                 num_gpus: float, requested_at: float | None = None, granted: bool = False,
-                 previous: tuple[Incarnation, ...] = (), lease_generation: int | None = None):
+    def __init__(
+        self,
+        campaign_url: str,
+        storage_options: dict,
+        experts: list[int | None],
+        attempts: list[int],
+        num_gpus: float,
+        requested_at: float | None = None,
+        granted: bool = False,
+        previous: tuple[Incarnation, ...] = (),
+        lease_generation: int | None = None,
+    ):
         now_wall, now = time.time(), time.monotonic()
         self.held_from = held_from(requested_at, granted, now_wall)
         self.t0 = self._tick_at = now - (now_wall - self.held_from)
-        self.process = Incarnation(ray.get_runtime_context().get_node_id() if ray.is_initialized() else None, os.getpid(),
-                                   psutil.Process().create_time())
+        self.process = Incarnation(
+            ray.get_runtime_context().get_node_id() if ray.is_initialized() else None,
+            os.getpid(),
+            psutil.Process().create_time(),
+        )
         self.store = Store(campaign_url, storage_options)
-        if lease_generation is not None:        # a checkpoint of a driver that lost the campaign is never written
+        if lease_generation is not None:  # a checkpoint of a driver that lost the campaign is never written
             self.store.fence = WorkerFence(self.store, lease_generation)
         self.jobs, self.attempts, self.previous = [Job(e) for e in experts], list(attempts), tuple(previous)
         self.num_gpus = num_gpus
-        self.held = dict.fromkeys(self.jobs, 0.0)       # wall seconds attributed to each job
+        self.held = dict.fromkeys(self.jobs, 0.0)  # wall seconds attributed to each job
         self.members: dict[Job, Member] = {}
-        self.sec_per_update: float | None = None        # one packed update of every live member
+        self.sec_per_update: float | None = None  # one packed update of every live member
         self.preemption = Preemption(20.0)
 
     def pid(self) -> int:
@@ -176,7 +190,12 @@ class ExpertWorker:
 
     def _usage(self, m: Member) -> Usage:
         st = m.trainer.state
-        return Usage(self.held[m.job] * self.num_gpus, self.held[m.job], st.forwards - m.start_forwards, st.tokens - m.start_tokens)
+        return Usage(
+            self.held[m.job] * self.num_gpus,
+            self.held[m.job],
+            st.forwards - m.start_forwards,
+            st.tokens - m.start_tokens,
+        )
 
     def setup(self, experts: list[int | None] | None = None, attempts: list[int] | None = None) -> SetupReport:
         """Load the jobs (their checkpoints, or the seed). With `experts`, an actor whose jobs have all ended
@@ -198,9 +217,19 @@ class ExpertWorker:
         for job, attempt in zip(self.jobs, self.attempts):
             self.members[job] = self._member(cfg, job, attempt, device, cache)
         self._tick()
-        starts = {m.job.expert: ExpertStart(m.start_step, m.target, m.resumed, m.start_forwards, m.trainer.shard.n_train, self._usage(m),
-                                             m.kept_by, m.kept)
-                  for m in self.members.values()}
+        starts = {
+            m.job.expert: ExpertStart(
+                m.start_step,
+                m.target,
+                m.resumed,
+                m.start_forwards,
+                m.trainer.shard.n_train,
+                self._usage(m),
+                m.kept_by,
+                m.kept,
+            )
+            for m in self.members.values()
+        }
         node_ip = ray.util.get_node_ip_address() if ray.is_initialized() else None
         return SetupReport(device.type, node_ip, self.process, held_from, waited, starts)
 
@@ -221,9 +250,11 @@ class ExpertWorker:
         if device.type == "cpu":
             if self.num_gpus > 0 and not cfg.resources.allow_cpu:
                 node = ray.util.get_node_ip_address() if ray.is_initialized() else "this machine"
-                raise DeviceError(f"node {node} (Ray node {str(self.process.node)[:12]}) gave this actor {self.num_gpus} GPU but torch "
-                                  f"finds no CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
-                                  f"fix that node's GPU driver or image, or set resources.allow_cpu=true to train on CPU")
+                raise DeviceError(
+                    f"node {node} (Ray node {str(self.process.node)[:12]}) gave this actor {self.num_gpus} GPU but torch "
+                    f"finds no CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                    f"fix that node's GPU driver or image, or set resources.allow_cpu=true to train on CPU"
+                )
             torch.set_num_threads(cfg.train.threads)
         return device
 
@@ -235,17 +266,46 @@ class ExpertWorker:
         state = ckpt.state(device) if ckpt else start_state(self.store, cfg, job, device)
         kept = ckpt.meta.get("usage") if ckpt else None
         target = cfg.seed_stage.updates if seed_job else cfg.train.updates
-        trainer = Trainer(cfg.model, cfg.spsa, shard, state, cfg.seed, SEED_STREAM if seed_job else job.expert, device,
-                          cfg.train.val_batches * cfg.spsa.batch, training_method(cfg, job))
-        return Member(job, attempt, trainer, target, resumed, state.step, state.forwards, state.tokens,
-                      state.step if resumed else -1, ckpt.meta.get("attempt") if kept else None, Usage(**kept) if kept else None)
+        trainer = Trainer(
+            cfg.model,
+            cfg.spsa,
+            shard,
+            state,
+            cfg.seed,
+            SEED_STREAM if seed_job else job.expert,
+            device,
+            cfg.train.val_batches * cfg.spsa.batch,
+            training_method(cfg, job),
+        )
+        return Member(
+            job,
+            attempt,
+            trainer,
+            target,
+            resumed,
+            state.step,
+            state.forwards,
+            state.tokens,
+            state.step if resumed else -1,
+            ckpt.meta.get("attempt") if kept else None,
+            Usage(**kept) if kept else None,
+        )
 
     def _checkpoint(self, m: Member) -> str:
         self._tick()
         m.last_ckpt_step = m.trainer.state.step
-        return save_checkpoint(self.store, m.job.model_dir, m.trainer.state,
-                               {"role": m.job.role, "expert": m.job.expert, "attempt": m.attempt,
-                                "config_digest": self.cfg.digest(), "usage": asdict(self._usage(m))})
+        return save_checkpoint(
+            self.store,
+            m.job.model_dir,
+            m.trainer.state,
+            {
+                "role": m.job.role,
+                "expert": m.job.expert,
+                "attempt": m.attempt,
+                "config_digest": self.cfg.digest(),
+                "usage": asdict(self._usage(m)),
+            },
+        )
 
     def _update(self, members: list[Member]) -> list[tuple[Member, float]]:
         """One packed update -> (member, loss); an expert whose loss goes non-finite is dropped (it fails
@@ -274,7 +334,7 @@ class ExpertWorker:
         caps = caps or {}
         todo = min(max_updates, max((m.target - m.trainer.state.step for m in self._live()), default=0))
         if self.sec_per_update is None:
-            todo = min(todo, 1)                              # measure one update before promising a chunk
+            todo = min(todo, 1)  # measure one update before promising a chunk
         self._tick()
         self._stop_over_budget(todo, caps)
         losses = {m.job: [] for m in self.members.values()}
@@ -294,7 +354,11 @@ class ExpertWorker:
         for m in self.members.values():
             self._maybe_stop(m, ckpt)
         self._tick()
-        beats = {m.job.expert: self._beat(m, losses[m.job], val.get(m.job), ckpt.get(m.job)) for m in self.members.values() if not m.told}
+        beats = {
+            m.job.expert: self._beat(m, losses[m.job], val.get(m.job), ckpt.get(m.job))
+            for m in self.members.values()
+            if not m.told
+        }
         for m in self.members.values():
             m.told = m.reason is not None
         return ChunkReport(beats, time.monotonic() - self.t0)
@@ -305,7 +369,7 @@ class ExpertWorker:
         if st.step % cfg.train.val_every == 0 or st.step == m.target:
             val[m.job] = tr.validate()
             tr.observe_val(val[m.job], cfg.train.val_every)
-            recent = losses[-cfg.train.val_every:]
+            recent = losses[-cfg.train.val_every :]
             st.history.append({"step": st.step, "train": sum(recent) / len(recent), "val": val[m.job]})
         if st.step % cfg.train.checkpoint_every == 0 or st.step == m.target:
             ckpt[m.job] = self._checkpoint(m)
@@ -323,12 +387,25 @@ class ExpertWorker:
         if m.reason is None and self.preemption.requested:
             m.reason = "preempted"
         moved = m.last_ckpt_step != st.step and (m.reason != "preempted" or st.step > m.start_step)
-        if m.reason and moved:          # a clean stop always leaves a checkpoint; a preempted one, of any new work
+        if m.reason and moved:  # a clean stop always leaves a checkpoint; a preempted one, of any new work
             ckpt[m.job] = self._checkpoint(m)
 
     def _beat(self, m: Member, losses: list, val: float | None, ckpt: str | None) -> Heartbeat:
         st = m.trainer.state
         sched = st.schedule
-        return Heartbeat(st.step, m.target, len(losses), sum(losses) / len(losses) if losses else None, val,
-                         sched.best_val if sched.best_val != float("inf") else None, sched.eps, sched.lr, ckpt,
-                         m.last_ckpt_step, self._usage(m), self.sec_per_update, m.reason, m.failed)
+        return Heartbeat(
+            st.step,
+            m.target,
+            len(losses),
+            sum(losses) / len(losses) if losses else None,
+            val,
+            sched.best_val if sched.best_val != float("inf") else None,
+            sched.eps,
+            sched.lr,
+            ckpt,
+            m.last_ckpt_step,
+            self._usage(m),
+            self.sec_per_update,
+            m.reason,
+            m.failed,
+        )
