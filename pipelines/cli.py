@@ -455,7 +455,8 @@ def plan(
         store.check_writable(training_bytes(cfg, 1))  # plan/ is written; the calibration writes a checkpoint
         if gpus is not None and gpus < cfg.resources.num_gpus:
             raise SomaError(
-                f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that"
+                f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; "
+                "pass at least that"
             )
         remote = address or os.environ.get("RAY_ADDRESS")
         if remote:
@@ -551,7 +552,8 @@ def experiment(
         open_store(directory).check_writable()  # before any arm is prepared or Ray starts
         res = run_experiment(name, directory, scale, set or [], address, not no_progress)
         out.print(
-            f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; report: {directory.rstrip('/')}/report.md"
+            f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; "
+            f"report: {directory.rstrip('/')}/report.md"
         )
 
     _run(go)

@@ -50,7 +50,8 @@ def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> boo
         existing = load_config(store)
         if existing.digest() != cfg.digest():
             raise SomaError(
-                f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); use a new campaign URL"
+                f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); "
+                "use a new campaign URL"
             )
         return True
     if contents(store):

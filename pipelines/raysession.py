@@ -33,8 +33,8 @@ RAY_TMP = "/tmp"  # not $TMPDIR: Ray's socket paths must stay under the 107-byte
 PREFIX = "soma-ray-"
 OWNER = "soma-owner.json"  # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
 RAY_PROGRAMS = ("gcs_server", "raylet")  # besides Python processes (its agents, workers): what reap may kill
-REAP_GRACE_S = 5.0
-KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays after the command, for debugging      # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
+REAP_GRACE_S = 5.0  # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
+KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays after the command, for debugging
 PROBE_S = 10.0  # an address nothing answers at fails in this long (Ray itself retries for minutes)
 
 

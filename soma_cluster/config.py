@@ -258,7 +258,8 @@ class CampaignConfig(_Section):
                 raise ValueError("spsa.objective summed is the SPSA control; set train.method spsa")
             if self.resources.experts_per_actor != self.n_experts:
                 raise ValueError(
-                    f"spsa.objective summed couples all experts: set resources.experts_per_actor={self.n_experts} (= n_experts)"
+                    "spsa.objective summed couples all experts: "
+                    f"set resources.experts_per_actor={self.n_experts} (= n_experts)"
                 )
         return self
 

@@ -70,14 +70,16 @@ def load_windows(store: Store, max_windows: int) -> Windows:
         table = _window_file(store, f"test/{f['name']}", f["sha256"])
         if len(table) != f["rows"]:
             raise ChecksumError(
-                f"{store.url}/test/{f['name']} holds {len(table)} windows, its manifest says {f['rows']}; re-run soma prepare"
+                f"{store.url}/test/{f['name']} holds {len(table)} windows, its manifest says {f['rows']}; "
+                "re-run soma prepare"
             )
         data.append(rows_to_numpy(table.column("window").combine_chunks(), meta["window_bytes"])[mine])
         docs.append(table.column("doc").to_numpy()[mine])
     return Windows(np.ascontiguousarray(np.concatenate(data)), np.concatenate(docs))
 
 
-TIME_BLOCK = 32  # time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)
+# time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)
+TIME_BLOCK = 32
 
 
 def bmm_logprobs(h: torch.Tensor, heads: torch.Tensor, y: torch.Tensor) -> torch.Tensor:

@@ -36,8 +36,8 @@ LEASE_FILES = (LEASE, f".{LEASE}.lock")  # the lease and its lock file (Store.wr
 TTL_ENV = "SOMA_LEASE_TTL_S"
 DEFAULT_TTL_S = 30.0
 RENEWALS_PER_TTL = 6  # a renewal every ttl_s / 6 (5 s by default): five may fail before the lease lapses
-WORKER_CHECK_S = 1.0
-TAKE_OVER_SLACK_S = 5.0  # --take-over waits the holder's ttl and this long for its lease to lapse            # a worker re-reads the lease at most this often (once per checkpoint in practice)
+WORKER_CHECK_S = 1.0  # a worker re-reads the lease at most this often (once per checkpoint in practice)
+TAKE_OVER_SLACK_S = 5.0  # --take-over waits the holder's ttl and this long for its lease to lapse
 
 
 class LeaseHeld(SomaError):
@@ -201,8 +201,9 @@ class Lease:
                 waited_s = rec.ttl_s + TAKE_OVER_SLACK_S
                 deadline = self.clock() + waited_s
                 print(
-                    f"soma: {self.store.url} is held by {rec.holder.describe()}; waiting up to {waited_s:.0f} s for its "
-                    f"lease to lapse (it lapses {rec.ttl_s:.0f} s after its last renewal)",
+                    f"soma: {self.store.url} is held by {rec.holder.describe()}; "
+                    f"waiting up to {waited_s:.0f} s for its lease to lapse "
+                    f"(it lapses {rec.ttl_s:.0f} s after its last renewal)",
                     file=sys.stderr,
                     flush=True,
                 )
@@ -221,10 +222,11 @@ class Lease:
                 f"(kill {rec.holder.pid} on {rec.holder.host})"
             )
         return (
-            f"{self.store.url} is being run by another driver: {rec.holder.describe()}, lease renewed {age:.0f} s ago; "
-            f"wait for it to end, or stop it (kill {rec.holder.pid} on {rec.holder.host}); if that driver is stuck or its "
-            f"host is gone, run this command again with --take-over (it waits for the lease to lapse, {lapse:.0f} s "
-            f"from now, and never displaces a driver that still renews it)"
+            f"{self.store.url} is being run by another driver: {rec.holder.describe()}, "
+            f"lease renewed {age:.0f} s ago; wait for it to end, or stop it (kill {rec.holder.pid} on "
+            f"{rec.holder.host}); if that driver is stuck or its host is gone, run this command again with "
+            f"--take-over (it waits for the lease to lapse, {lapse:.0f} s from now, and never displaces a driver "
+            "that still renews it)"
         )
 
     def renew(self) -> None:
@@ -251,7 +253,8 @@ class Lease:
         after = (
             f"follow that driver with soma status {self.store.url}"
             if rec is not None and not rec.released
-            else f"once no other driver runs on it, soma resume {self.store.url} continues (delete a damaged {LEASE} first)"
+            else f"once no other driver runs on it, soma resume {self.store.url} continues "
+            f"(delete a damaged {LEASE} first)"
         )
         self._lost = (
             f"this driver lost {self.store.url} to {who}{gen}: it stopped without writing anything more; {after}"

@@ -105,7 +105,7 @@ class _Staged:
         self.rows = 0
 
     def add(self, *values) -> None:
-        for col, v in zip(self.cols, values):
+        for col, v in zip(self.cols, values, strict=True):
             col.append(v)
         if len(self.cols[0]) >= WRITE_ROWS:
             self.flush()
@@ -113,7 +113,9 @@ class _Staged:
     def flush(self) -> None:
         if self.cols[0]:
             self.writer.write_batch(
-                pa.record_batch([pa.array(c, type=f.type) for c, f in zip(self.cols, self.schema)], schema=self.schema)
+                pa.record_batch(
+                    [pa.array(c, type=f.type) for c, f in zip(self.cols, self.schema, strict=True)], schema=self.schema
+                )
             )
             self.rows += len(self.cols[0])
             self.cols = [[] for _ in self.schema]

@@ -1,5 +1,5 @@
-"""Router: TF-IDF (router.tokens) -> TruncatedSVD -> mean removal -> L2 norm (plus a few coordinates hashed from the text,
-see _tie_break), balanced spherical k-means centroids, and the rule that sends training sequences to
+"""Router: TF-IDF (router.tokens) -> TruncatedSVD -> mean removal -> L2 norm (plus a few coordinates hashed from
+the text, see _tie_break), balanced spherical k-means centroids, and the rule that sends training sequences to
 shards and test windows to experts.
 
 The rule. A chunk's score for expert j is its cosine similarity to centroid j minus a per-expert
@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import codecs
 import hashlib
+import itertools
 import json
 from dataclasses import dataclass, field
 
@@ -456,7 +457,7 @@ def _settle(emb: np.ndarray, centroids: np.ndarray, b32: np.ndarray, caps: np.nd
         path = [d]
         while pred[path[-1]] >= 0:
             path.append(pred[path[-1]])
-        for k, j in zip(path[:-1], path[1:]):  # the cheapest movable member of j moves to k
+        for k, j in itertools.pairwise(path):  # the cheapest movable member of j moves to k
             r = who[j, k]
             slot[r] = np.flatnonzero(cols[r] == k)[0]
             groups[j], groups[k] = groups[j][groups[j] != r], np.append(groups[k], r)
@@ -582,7 +583,8 @@ def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) 
         tfidf = vec.fit_transform(texts)
     except ValueError:
         raise SomaError(
-            f"router: no word occurs in >= {cfg.min_df} chunks (corpus too small or not text); add text or lower router.min_df"
+            f"router: no word occurs in >= {cfg.min_df} chunks (corpus too small or not text); "
+            "add text or lower router.min_df"
         ) from None
     vocabulary = [t for t, _ in sorted(vec.vocabulary_.items(), key=lambda kv: kv[1])]
     dim = min(cfg.svd_dim, len(vocabulary) - 1, len(texts) - 1)

@@ -143,7 +143,7 @@ class Shard:
         bounds = np.cumsum([0] + [len(a) for a in parts])
         f = np.searchsorted(bounds, rows, side="right") - 1
         return (
-            np.stack([parts[fi][r - bounds[fi]] for fi, r in zip(f, rows)])
+            np.stack([parts[fi][r - bounds[fi]] for fi, r in zip(f, rows, strict=True)])
             if len(rows)
             else np.zeros((0, self.seq_bytes), np.uint8)
         )

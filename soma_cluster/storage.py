@@ -22,6 +22,7 @@ import threading
 import time
 import uuid
 from contextlib import contextmanager
+from functools import partial
 from pathlib import Path, PurePosixPath
 from typing import Any, Callable, Iterator, TypeVar
 from urllib.parse import urlsplit
@@ -258,9 +259,8 @@ class Store:
     def ensure_dir(self, directory: str) -> str:
         """Make `directory` (an absolute local path under the root) and its parents, but never the root again
         once it was seen: a campaign removed while the command runs raises FileNotFoundError naming it."""
-        if not os.path.isdir(self.root):
-            if self._root_seen:
-                raise FileNotFoundError(errno.ENOENT, "campaign directory removed while the command ran", self.root)
+        if not os.path.isdir(self.root) and self._root_seen:
+            raise FileNotFoundError(errno.ENOENT, "campaign directory removed while the command ran", self.root)
         try:
             os.makedirs(directory, exist_ok=True)
         except OSError as exc:
@@ -291,10 +291,7 @@ class Store:
         is hidden inside it (".soma-scratch-*", left out of listings): on the campaign's own filesystem, so a
         file moves into place with an atomic rename, and never in a temp dir the campaign does not need. A
         remote campaign's is in the temp dir (uploads start from a local file), checked for need_bytes first."""
-        if self.local:
-            base = self.ensure_dir(self.root)
-        else:
-            base = require_temp_dir(need_bytes)
+        base = self.ensure_dir(self.root) if self.local else require_temp_dir(need_bytes)
         # the host and pid in its name tell a later command whether its maker is gone (sweep_scratch)
         path = tempfile.mkdtemp(
             prefix=f"{'.' if self.local else ''}{SCRATCH}{socket.gethostname()}-{os.getpid()}-", dir=base
@@ -682,7 +679,7 @@ class Store:
             missing = [n for n in names if n not in cache]
             for a in range(0, len(missing), 256):
                 batch = {self.full(f"{log}.d/{n}"): n for n in missing[a : a + 256]}
-                blobs = self._retry(f"read {log}", lambda: self.fs.cat(list(batch), on_error="raise"))
+                blobs = self._retry(f"read {log}", partial(self.fs.cat, list(batch), on_error="raise"))
                 for path, n in batch.items():
                     cache[n] = _parse_lines(blobs[path], f"{where}.d/{n}")
             for n in names:
@@ -740,7 +737,7 @@ def _cut_torn_tail(path: str, where: str) -> None:
     interrupted, never acknowledged (readers already skip it). As a write-ahead log does, so the next
     record starts on a line of its own instead of being glued onto the fragment."""
     try:
-        fh = open(path, "rb+")
+        fh = open(path, "rb+")  # noqa: SIM115 (a missing log is not an error: only the open is guarded; `with fh` below)
     except FileNotFoundError:
         return
     with fh:

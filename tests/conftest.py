@@ -86,7 +86,7 @@ def assert_packed_equals_separate(alone, packed, updates=2):
         for t in alone:
             t.update()
         update_experts(packed)
-    for a, b in zip(alone, packed):
+    for a, b in zip(alone, packed, strict=True):
         torch.testing.assert_close(a.state.body, b.state.body, rtol=0, atol=1e-6)
         assert a.state.scalars() == b.state.scalars()
 

@@ -199,7 +199,8 @@ def test_binary_special_and_empty_files_in_a_corpus(tmp_path, text_corpus, micro
 
 
 def test_checked_options_version_and_json_on_stdout(tmp_path):
-    """--version and presets print data on stdout only; bad option values are one `error:` line (exit 2) naming the option."""
+    """--version and presets print data on stdout only; bad option values are one `error:` line (exit 2) naming
+    the option."""
     proc = soma("--version")
     assert (
         proc.returncode == 0

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 import math
 import os
@@ -58,7 +59,7 @@ def run_blocks(w_ih, w_hh, x, cuts):
     """The LSTM over x (P, T, B, d) in time blocks cut at `cuts`, the state carried across them."""
     state = LSTMState(w_ih, w_hh, x.shape[2], compiled=False)
     edges = [0, *cuts, x.shape[1]]
-    return torch.cat([state.run(x[:, a:b]) for a, b in zip(edges, edges[1:])], dim=1), state
+    return torch.cat([state.run(x[:, a:b]) for a, b in itertools.pairwise(edges)], dim=1), state
 
 
 @pytest.mark.parametrize("p,t,b,d", [(3, 17, 5, 8), (1, 9, 37, 20), (4, 33, 16, 32), (2, 6, 9, 64), (1, 4, 3, 100)])
@@ -206,7 +207,8 @@ def test_wider_experts_keep_the_composed_path(expert_calls):
 
 @pytest.mark.parametrize("kind", ["exp", "sigmoid", "gelu"])
 def test_pointwise_functions_are_exact_to_float32(kind):
-    """exp and sigmoid within a few float32 ulps of float64; GELU the exact (erf) form, at least as accurate as torch's own."""
+    """exp and sigmoid within a few float32 ulps of float64; GELU the exact (erf) form, at least as accurate as
+    torch's own."""
     x = torch.linspace(-87, 88, 200_001) if kind != "gelu" else torch.linspace(-30, 30, 200_001)
     got, xd = fused.pointwise(kind, x).double(), x.double()
     if kind == "gelu":

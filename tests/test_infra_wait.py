@@ -13,6 +13,7 @@ import subprocess
 import sys
 import threading
 import time
+from functools import partial
 from pathlib import Path
 
 import pytest
@@ -153,7 +154,7 @@ def test_full_disk_mid_launch_spends_no_retry_stops_with_4_and_resume_finishes(s
         try:
             for e in range(cfg.n_experts):
                 wait_for(
-                    lambda: events(store, f"expert-{e:04d}", "checkpointed"), what=f"expert {e}'s first checkpoint"
+                    partial(events, store, f"expert-{e:04d}", "checkpointed"), what=f"expert {e}'s first checkpoint"
                 )
             filler = fill(mnt, 160 * 1024)  # under one checkpoint (~0.4 MB) free
             t_full = time.monotonic()

@@ -222,9 +222,11 @@ def test_a_lease_is_never_put_among_foreign_files(tmp_path):
 
     (tmp_path / "docs").mkdir()
     (tmp_path / "docs" / "thesis.txt").write_text("mine")
-    with pytest.raises(SomaError, match="not empty and holds no campaign.yaml"):
-        with hold(Store(str(tmp_path / "docs")), "soma prepare"):
-            pass
+    with (
+        pytest.raises(SomaError, match="not empty and holds no campaign.yaml"),
+        hold(Store(str(tmp_path / "docs")), "soma prepare"),
+    ):
+        pass
     assert [p.name for p in (tmp_path / "docs").iterdir()] == ["thesis.txt"]
 
 

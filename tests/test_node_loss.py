@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import shutil
 import threading
+from functools import partial
 
 import pytest
 import torch
@@ -51,7 +52,7 @@ def test_node_removal_retries_its_experts_bitwise(cluster, tmp_path, text_corpus
     )
     t.start()
     for e in range(cfg.n_experts):
-        wait_for(lambda: events(hit, f"expert-{e:04d}", "checkpointed"), what=f"expert {e} checkpoint")
+        wait_for(partial(events, hit, f"expert-{e:04d}", "checkpointed"), what=f"expert {e} checkpoint")
     c.remove_node(nodes[0])  # one GPU node gone, with whatever ran on it
     t.join(timeout=300)
     assert not t.is_alive()

@@ -235,7 +235,20 @@ def test_router_text_keeps_every_letter():
     assert router_text("x café".encode()[:-1]) == "x caf"  # a character cut at the chunk's end
     assert router_text("é is".encode()[1:]) == " is"  # and at its start
     assert router_text(b"a\xff\xfeb") == "a\xff\xfeb"
-    words = ["fïle", "système", "über", "naïve", "déjà", "crème", "garçon", "château", "river", "stone", "cloud", "paper"]
+    words = [
+        "fïle",
+        "système",
+        "über",
+        "naïve",
+        "déjà",
+        "crème",
+        "garçon",
+        "château",
+        "river",
+        "stone",
+        "cloud",
+        "paper",
+    ]
     rng = np.random.default_rng(0)
     latin = [" ".join(rng.choice(words, 12)).encode("latin-1") for _ in range(120)]  # a Latin-1 corpus
     router, _ = fit_router(
@@ -304,14 +317,14 @@ def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
     labels = [rng.integers(0, 3, len(p)) for p in parts]
     store = Store(str(tmp_path / "c"))
     before, written = np.zeros(3, np.int64), []
-    for i, (seqs, lab) in enumerate(zip(parts, labels)):
+    for i, (seqs, lab) in enumerate(zip(parts, labels, strict=True)):
         written.append(
             write_part_shards(store, i, pa.array(seqs, pa.binary(64)), lab, before, val_fraction=0.1, rows_per_file=20)
         )
         before = before + np.bincount(lab, minlength=3)
     manifests = write_manifests(store, 3, 64, written)
     for e in range(3):
-        want = [s for seqs, lab in zip(parts, labels) for s, x in zip(seqs, lab) if x == e]
+        want = [s for seqs, lab in zip(parts, labels, strict=True) for s, x in zip(seqs, lab, strict=True) if x == e]
         shard = open_shard(store, e)
         assert [bytes(r) for part in shard.val for r in part] == want[9::10]
         assert [bytes(r) for part in shard.train for r in part] == [s for i, s in enumerate(want) if i % 10 != 9]
@@ -346,7 +359,7 @@ def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule):
     assert summary["rule"] == router.cfg.rule == rule
     rows = [shard_rows(store, e) for e in range(8)]
     sizes = np.array([len(r) for r in rows])
-    assert sizes.tolist() == [t + v for t, v in zip(summary["train_rows"], summary["val_rows"])]
+    assert sizes.tolist() == [t + v for t, v in zip(summary["train_rows"], summary["val_rows"], strict=True)]
     emb = router.embed([router_text(r) for part in rows for r in part])
     shard = np.repeat(np.arange(8), sizes)
     top, _ = router.route(emb)

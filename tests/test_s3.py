@@ -7,6 +7,7 @@ import re
 import shutil
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 import yaml
@@ -51,12 +52,10 @@ def test_store_basics_on_s3(s3, tmp_path):  # noqa: F811
     assert not src.exists() and other.exists("shards/expert-0000/train-00000.arrow")
     want = sha256(b"x" * 100_000)
     path = other.local_copy("shards/expert-0000/train-00000.arrow", str(tmp_path / "cache"), want)
-    assert open(path, "rb").read() == b"x" * 100_000
-    open(path, "wb").write(b"stale")  # a stale cache entry is fetched again
-    assert (
-        open(other.local_copy("shards/expert-0000/train-00000.arrow", str(tmp_path / "cache"), want), "rb").read()
-        == b"x" * 100_000
-    )
+    assert Path(path).read_bytes() == b"x" * 100_000
+    Path(path).write_bytes(b"stale")  # a stale cache entry is fetched again
+    again = other.local_copy("shards/expert-0000/train-00000.arrow", str(tmp_path / "cache"), want)
+    assert Path(again).read_bytes() == b"x" * 100_000
     with pytest.raises(FileNotFoundError):
         other.read_bytes("nope.bin")
     assert s3.secret not in repr(store)

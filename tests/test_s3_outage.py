@@ -140,9 +140,8 @@ def test_campaign_with_ray_workers_survives_endpoint_restart_and_pause(s3, proxy
     jobs = [Job(e) for e in range(cfg.n_experts)]
     outcome = Driver(store, cfg, jobs, show_progress=False).run()
     ended = time.monotonic()
-    print(
-        f"experts done {ended - t0:.1f} s, outages {[(w, round(a - t0, 1), round(b - t0, 1)) for w, a, b in outages.windows]}"
-    )
+    windows = [(w, round(a - t0, 1), round(b - t0, 1)) for w, a, b in outages.windows]
+    print(f"experts done {ended - t0:.1f} s, outages {windows}")
     outages.join(timeout=60)
     assert outages.error is None, outages.error
     assert outages.windows and outages.windows[0][2] < ended, (
