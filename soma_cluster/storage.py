@@ -40,6 +40,7 @@ _SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
 # Names the store itself makes beside artifacts: in-flight writes (".tmp-*") and private scratch and probes
 # (".soma-*"). Listings leave them out, so a campaign that holds only them is still an empty one.
 _PRIVATE = (".tmp-", ".soma-")
+_UMASK_LOCK = threading.Lock()
 
 # Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, SomaError)
@@ -641,7 +642,7 @@ class Store:
             if log not in self._tails_checked:
                 _cut_torn_tail(path, f"{self.url}/{log}")
                 self._tails_checked.add(log)
-            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644)
+            fd = os.open(path, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o666)  # the umask decides, as for open()
             try:
                 _append_whole(fd, data)
             except OSError as exc:
@@ -760,12 +761,30 @@ def _cut_torn_tail(path: str, where: str) -> None:
             )
 
 
+def file_mode() -> int:
+    """The mode open() gives a new file under this process's umask (0666 & ~umask). Files written whole go through
+    mkstemp, which makes them 0600 whatever the umask: a teammate on a shared disk could not read the campaign.
+    The umask is read from /proc (reading it with os.umask means setting it, racing other threads)."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as fh:
+            for line in fh:
+                if line.startswith("Umask:"):
+                    return 0o666 & ~int(line.split()[1], 8)
+    except (OSError, ValueError):
+        pass
+    with _UMASK_LOCK:
+        mask = os.umask(0o022)
+        os.umask(mask)
+    return 0o666 & ~mask
+
+
 def _replace_local(path: str, data: bytes) -> None:
     """Write `path` whole: a temporary name beside it, fsync, rename (readers see the old file or the new one). Its
     directory exists already (Store.ensure_dir)."""
     directory = os.path.dirname(path)
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
     try:
+        os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
@@ -875,6 +894,7 @@ class StagedFile:
     def publish(self) -> None:
         self.store._fenced()
         if self.store.local:
+            os.chmod(self.path, file_mode())
             os.replace(self.path, self.target)
         else:
             self.store._retry(f"upload {self.rel}", lambda: self.store.fs.put_file(self.path, self.target))
