@@ -25,9 +25,10 @@ quality   The built-in corpus (real text on this machine) carries labels: every 
 campaign  A tiny campaign per rule and N through the CLI, prepare -> seed -> launch -> eval, experts packed
           in two actors (resources.experts_per_actor = N / 2), few updates; each stage timed, the routed
           ensemble's test loss reported. The nearest arm starts from the balanced arm's seed model and is
-          evaluated on the same test windows with `soma eval --compare`: a paired difference. At N = 256 the nearest rule leaves experts too small for the tiny
-          preset's shards (prepare refuses, naming the expert); that arm runs with shards.min_train_seqs = 1
-          and shards.val_fraction = 0.05 (one val row from 20 sequences on) and is marked.
+          evaluated on the same test windows with `soma eval --compare`: a paired difference. At N = 256 the
+          nearest rule leaves experts too small for the tiny preset's shards (prepare refuses, naming the
+          expert); that arm runs with shards.min_train_seqs = 1 and shards.val_fraction = 0.05 (one val row
+          from 20 sequences on) and is marked.
 scale     `soma prepare` on a >= 1 GB JSONL corpus generated from random lines of the built-in text: throughput
           (MB/s), peak RSS (bounded by the sample, not the corpus) and shard sizes.
 settle    The balanced rule's offsets fit with and without its exact last step (router._settle), on prepare's fit
@@ -37,138 +38,7 @@ settle    The balanced rule's offsets fit with and without its exact last step (
   PYTHONPATH=. python benchmarks/bench_clustering.py --part scale --gb 1.0 --experts 16 [--rule balanced nearest]
   PYTHONPATH=. python benchmarks/bench_clustering.py --part settle --mb 190 --experts 16 256 [--repeats 2]
 
-Measured 2026-12-04 on the 2-core host, quiet, with router.tokens layout (the default since this run; the
-baselines on word terms, their recipe) and the offsets fit that starts every fit on all clusters (2 minutes):
-
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part quality --mb 64 --experts 16 256 --seeds 3
-
-  | N | method | spread (min-max) | spread, new half | NMI | NMI, 3 seeds: mean (min-max) | I(C;S) nats | H(C) | prefix: own shard 1st / in top 4 |
-  |---|---|---|---|---|---|---|---|---|
-  | 16 | balanced | 0.000 (3741-3743) | 0.049 | 0.4958 | 0.4760 (0.4609-0.4958) | 1.018 | 2.773 | 75.2% / 94.7% |
-  | 16 | nearest | 0.230 (2887-4602) | 0.230 | 0.4956 | 0.4812 (0.4703-0.4956) | 1.016 | 2.767 | 75.8% / 95.8% |
-  | 16 | k-means, router features | 1.408 (983-9013) | - | 0.5003 | 0.4924 (0.4570-0.5197) | 0.991 | 2.628 | - |
-  | 16 | c-BTM k-means | 1.081 (994-7789) | - | 0.4170 | 0.4210 (0.4136-0.4323) | 0.828 | 2.636 | - |
-  | 16 | greedy-balanced k-means | 0.000 (3742-3743) | - | 0.3858 | 0.3773 (0.3673-0.3858) | 0.792 | 2.773 | - |
-  | 16 | router before issue 19 | 0.417 (2181-5256) | - | 0.4141 | 0.4184 (0.4141-0.4233) | 0.845 | 2.746 | - |
-  | 256 | balanced | 0.012 (231-235) | 0.334 | 0.3291 | 0.3293 (0.3291-0.3296) | 1.132 | 5.545 | 40.5% / 68.3% |
-  | 256 | nearest | 0.675 (76-353) | 0.675 | 0.3329 | 0.3328 (0.3326-0.3329) | 1.142 | 5.527 | 42.8% / 69.8% |
-  | 256 | k-means, router features | 3.686 (17-1096) | - | 0.3453 | 0.3435 (0.3425-0.3453) | 1.159 | 5.382 | - |
-  | 256 | c-BTM k-means | 2.425 (43-801) | - | 0.3020 | 0.3017 (0.3012-0.3020) | 1.019 | 5.413 | - |
-  | 256 | greedy-balanced k-means | 0.004 (233-234) | - | 0.2882 | 0.2887 (0.2882-0.2893) | 0.991 | 5.545 | - |
-  | 256 | router before issue 19 | 0.979 (5-414) | - | 0.2946 | 0.2952 (0.2946-0.2957) | 1.007 | 5.505 | - |
-
-  The balanced rule on layout terms is above both baselines at both N, every seed (N = 16: lowest 0.4609 vs the
-  c-BTM recipe's highest 0.4323; N = 256: 0.3291 vs 0.3020), and routes a sequence's first 256 bytes to its own
-  shard more often (75% / 41% first, was 62% / 36% on words). On the same layout features plain k-means is
-  still above it (equal shares split the large sources).
-
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part campaign --mb 64 --experts 16 --updates 40
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part campaign --mb 64 --experts 256 --updates 40
-
-  The tiny campaigns again with layout terms, same settings as below, quiet host (the N = 256 balanced arm was
-  also run alone just before: 114 s, the same test loss to the last digit):
-
-  | rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s | test nats/byte | seed model | ensemble - seed | nearest - balanced, paired [95% CI] |
-  |---|---|---|---|---|---|---|---|---|---|---|---|
-  | balanced | 16 | 3704-3706 | 13 | 9 | 12 | 6 | 40 | 3.4083 | 3.4449 | -0.0366 | - |
-  | nearest | 16 | 2859-4556 | 13 | shared | 11 | 6 | 31 | 3.4078 | 3.4449 | -0.0371 | -0.0005 [-0.0011, +0.0000] |
-  | balanced | 256 | 229-233 | 43 | 9 | 57 | 6 | 115 | 3.4265 | 3.4750 | -0.0485 | - |
-  | nearest * | 256 | 73-336 | 32 | shared | 57 | 7 | 96 | 3.4260 | 3.4750 | -0.0490 | -0.0005 [-0.0012, +0.0001] |
-
-  * "expert-0111 would get 76 sequences and 0 val: shards.val_fraction=0.01 puts one in every 100 in val; raise
-    shards.val_fraction to 0.014 or more": that arm ran with shards.min_train_seqs = 1, shards.val_fraction = 0.05.
-
-  The N = 256 campaign runs end to end (prepare -> seed -> launch -> eval) in under 2 minutes on this quiet host
-  (21 minutes on the loaded host of the run below, whose other jobs took most of it). The rules' ensembles are
-  again within a thousandth of a nat on the same windows (no difference resolved at either N). The tables below
-  were measured with word terms (`--tokens words`) and the offsets fit before this change.
-
-(The router's fit sample is now the sequences of lowest key (soma_cluster.parts), no longer a reservoir sample;
-prepare_sample below follows it. The tables were measured with the reservoir sample, a different uniform sample of
-the same size.)
-
-Measured 2026-12-04 on the 2-core CPU host, quiet (load < 1), after the router's hashed tie-break coordinates
-(soma_cluster/router.py: _tie_break; the baselines run on the SVD part alone, their own recipes). 64 MB of the
-built-in corpus: 59,879 train sequences from 7 sources (pydoc-topics, python-stdlib, licenses, common-licenses,
-man-pages, info-pages, package-docs; H(S) = 1.334 nats), router features fit on prepare's 20,000-sequence sample
-(tiny preset: TF-IDF 20k features, SVD 64). 2.5 minutes in all.
-
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part quality --mb 64 --experts 16 256 --seeds 3
-
-  | N | method | spread (min-max) | spread, new half | NMI | NMI, 3 seeds: mean (min-max) | I(C;S) nats | H(C) | prefix: own shard 1st / in top 4 |
-  |---|---|---|---|---|---|---|---|---|
-  | 16 | balanced | 0.000 (3741-3744) | 0.073 | 0.3977 | 0.3979 (0.3873-0.4086) | 0.816 | 2.773 | 62.4% / 89.6% |
-  | 16 | nearest | 0.314 (2566-4737) | 0.314 | 0.4121 | 0.4116 (0.4027-0.4200) | 0.844 | 2.761 | 65.7% / 91.0% |
-  | 16 | c-BTM k-means | 0.742 (1058-6520) | - | 0.4186 | 0.4203 (0.4186-0.4221) | 0.838 | 2.671 | - |
-  | 16 | greedy-balanced k-means | 0.000 (3742-3743) | - | 0.3875 | 0.3767 (0.3631-0.3875) | 0.796 | 2.773 | - |
-  | 16 | router before issue 19 | 0.548 (1693-5502) | - | 0.4097 | 0.4076 (0.4033-0.4098) | 0.836 | 2.748 | - |
-  | 256 | balanced | 0.008 (232-235) | 0.299 | 0.2910 | 0.2912 (0.2910-0.2915) | 1.001 | 5.545 | 35.8% / 63.3% |
-  | 256 | nearest | 0.572 (100-363) | 0.572 | 0.2944 | 0.2945 (0.2940-0.2949) | 1.010 | 5.524 | 37.5% / 64.6% |
-  | 256 | c-BTM k-means | 3.656 (37-1089) | - | 0.3031 | 0.3021 (0.3007-0.3031) | 1.022 | 5.408 | - |
-  | 256 | greedy-balanced k-means | 0.004 (233-234) | - | 0.2896 | 0.2887 (0.2878-0.2896) | 0.996 | 5.545 | - |
-  | 256 | router before issue 19 | 0.907 (22-446) | - | 0.2959 | 0.2957 (0.2956-0.2959) | 1.012 | 5.507 | - |
-
-  The same command before the tie-break coordinates (2026-12-03, loaded host, 59,891 sequences): balanced NMI
-  0.3957 (N = 16) and 0.2893 (N = 256), c-BTM 0.4183 and 0.3005, greedy-balanced 0.3861 and 0.2857, nearest's
-  spread at N = 256 1.107 (37-493): the hashed coordinates cost the topics nothing measurable (+0.002 NMI) and
-  let the rules split the chunks the SVD part cannot tell apart (nearest's smallest N = 256 shard 37 -> 100).
-
-  NMI: the balanced rule is above the greedy-balanced baseline at both N (mean over seeds +0.021 at N = 16,
-  +0.003 at N = 256) but below plain c-BTM k-means (-0.022 and -0.011): the issue's bar (match both) is met
-  for greedy-balanced only, on this corpus. The gap is the balance itself: NMI = 2 I / (H(C) + H(S)), and
-  balanced clusters have the largest H(C) (ln N); to reach c-BTM's 0.4203 at N = 16 the balanced rule would
-  need I(C;S) >= 0.863 nats, more source information than unconstrained k-means finds (0.838), where it has
-  0.816. The built-in sources are unequal (H(S) = 1.334 nats of ln 7 = 1.946), so equal clusters must split
-  the large sources and mix the small ones with others; the same centroids under rule nearest (unequal shards)
-  score between the two. Balanced shards are what the rule is for (spread 0.000 / 0.008 over all sequences,
-  tolerance 0.05; nearest 0.314 / 0.572, an N = 256 expert with 100 sequences); text the offsets were not
-  fitted on lands within ~sqrt(2 ln N * N / n) of an equal share (0.073 at N = 16, 0.299 at N = 256 with n =
-  30k per half), as the README says. Routing a sequence by its first 256 bytes (as a test window is) finds its
-  own shard first about as often under either rule.
-
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part campaign --mb 64 --experts 256 16 --updates 40
-  PYTHONPATH=. python benchmarks/bench_clustering.py --part campaign --mb 64 --experts 16 --updates 40
-
-  (the first run was stopped after its N = 256 arms, whose lines and metrics it had printed and written, to
-  fit the session; N = 16 comes from the second, run alongside it, so both loaded the host.) Tiny
-  campaigns on the same 64 MB: CAMPAIGN_SETS (n_pert 4, batch 4, seq_len 128, eps = lr = 2.5e-3), seed model
-  80 updates, 40 updates per expert, N / 2 experts packed in each of two actors on two logical GPUs, 256 test
-  windows (10k-resample paired bootstrap). Wall seconds per stage; the nearest arm's eval also evaluates the
-  balanced campaign (`soma eval --compare`), and its seed model is the balanced arm's (copied, "shared").
-
-  | rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s | test nats/byte [95% CI] | seed model | ensemble - seed | nearest - balanced, paired [95% CI] |
-  |---|---|---|---|---|---|---|---|---|---|---|---|
-  | balanced | 256 | 231-234 | 123 | 95 | 731 | 306 | 1255 | 3.3898 [3.3455, 3.4366] | 3.4504 | -0.0606 | - |
-  | nearest * | 256 | 36-469 | 230 | shared | 1099 | 1065 | 2394 | 3.3894 [3.3454, 3.4358] | 3.4504 | -0.0609 | -0.0003 [-0.0011, +0.0005] |
-  | balanced | 16 | 3704-3708 | 69 | 49 | 91 | 39 | 247 | 3.4179 | 3.5011 | -0.0832 | - |
-  | nearest | 16 | 3066-4888 | 23 | shared | 45 | 263 | 332 | 3.4171 | 3.5011 | -0.0840 | -0.0008 [-0.0013, -0.0001] |
-
-  * At N = 256 the nearest rule's shards do not pass the tiny preset's settings: prepare stops with "expert-0007
-    would get 37 sequences (0 val), below shards.min_train_seqs=64 train; lower n_experts or add data"; that arm
-    ran with shards.min_train_seqs = 1 and shards.val_fraction = 0.05.
-
-  The N = 256 campaign (prepare -> seed -> launch -> eval, 128 experts per actor) runs end to end in about 21
-  minutes on this loaded host (the relaxed nearest arm, run while the host was busier, 40); launch (256 x 40
-  updates) is most of it. After 40 updates the two rules' ensembles are within a thousandth of a nat of each
-  other on the same windows (N = 256: no difference resolved; N = 16: nearest 0.0008 lower, CI excluding 0):
-  equal shards cost no test loss worth the name here, and the experts have moved the ensemble 0.06-0.08 nats
-  below the seed model. Differences this small say nothing about long campaigns; what the balanced rule
-  changes is that every expert gets its share and prepare passes.
-
-Measured 2026-12-05 on the 2-core host, quiet: the settling step (router._settle), --part settle --mb 190
---experts 16 256 --repeats 2 (173,629 train sequences; 1,453 of them in 585 groups of identical sequences, up to
-6 copies: licences). Sizes over the same rows; excess = rows above ceil(n / N) in all:
-
-  | N | rows | Newton only: s | sizes (excess) | with the settling step: s | sizes (excess) | sequences moved |
-  |---|---|---|---|---|---|---|
-  | 16 | fit sample, 20,000 | 0.09 | 1249-1251 (1) | 0.12 | 1249-1251 (1) | 0 |
-  | 16 | all sequences, 173,629 | 0.87 | 10850-10853 (7) | 1.31 | 10851-10852 (0) | 11 |
-  | 256 | fit sample, 20,000 | 3.49 | 77-80 (1) | 3.87 | 78-79 (0) | 9 |
-  | 256 | all sequences, 173,629 | 9.44 | 675-682 (18) | 11.29 | 676-682 (3) | 81 |
-
-  Exact where no identical sequences sit on the chains of moves (N = 16 over all sequences, N = 256's fit
-  sample); the rest are ties of identical sequences, which fall together. The step costs 0.03-0.5 s on the fit
-  sample and about 20% of the refit over every sequence at N = 256 (1.9 s of 9.4).
+Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_clustering.md.
 """
 
 from __future__ import annotations
@@ -339,7 +209,8 @@ def quality(args, cfg) -> list[dict]:
     prefix = embed_all(features, [seqs[i][: cfg.router.prefix_bytes] for i in probe])
     freq = np.bincount(sources) / len(sources)
     print(
-        f"{len(seqs):,} sequences from {len(names)} sources ({', '.join(names)}), H(S) = {float(-(freq * np.log(freq)).sum()):.3f} "
+        f"{len(seqs):,} sequences from {len(names)} sources ({', '.join(names)}), "
+        f"H(S) = {float(-(freq * np.log(freq)).sum()):.3f} "
         f"nats; features fit on {len(sample):,} and every sequence embedded in {time.perf_counter() - t:.0f} s",
         flush=True,
     )
@@ -442,8 +313,10 @@ def arm(root: str, rule: str, n: int, args, parent: str | None) -> dict:
             raise SystemExit(f"{rule} N={n}: {proc.stderr[-2000:]}")
         secs, proc = run_stage(stage)
         row[f"{stage[0]}_s"] = secs
-    m = json.load(open(os.path.join(camp, "eval", "metrics.json")))
-    manifest = json.load(open(os.path.join(camp, "shards", "manifest.json")))
+    with open(os.path.join(camp, "eval", "metrics.json")) as f:
+        m = json.load(f)
+    with open(os.path.join(camp, "shards", "manifest.json")) as f:
+        manifest = json.load(f)
     row.update(
         test=m["ensemble"]["nats_per_byte"],
         ci=m["ensemble"]["ci95"],
@@ -454,8 +327,9 @@ def arm(root: str, rule: str, n: int, args, parent: str | None) -> dict:
         minus_balanced=m.get("compare", {}).get("this_minus_other"),
     )
     print(
-        f"  {rule} N={n}: test {row['test']:.4f} (seed {row['seed_loss']:.4f}), shards {row['rows']} train rows; prepare "
-        f"{row['prepare_s']:.0f} s, seed {row['seed_s']:.0f} s, launch {row['launch_s']:.0f} s, eval {row['eval_s']:.0f} s",
+        f"  {rule} N={n}: test {row['test']:.4f} (seed {row['seed_loss']:.4f}), shards {row['rows']} train rows; "
+        f"prepare {row['prepare_s']:.0f} s, seed {row['seed_s']:.0f} s, launch {row['launch_s']:.0f} s, "
+        f"eval {row['eval_s']:.0f} s",
         flush=True,
     )
     return row
@@ -480,8 +354,8 @@ def paired(c: dict) -> str:
 def print_tables(quality_rows: list[dict], campaign_rows: list[dict]) -> None:
     loss = {(r["rule"], r["N"]): r for r in campaign_rows}
     print(
-        "\n| N | method | spread (min-max) | spread, new half | NMI | NMI, seeds: mean (min-max) | I(C;S) nats | H(C) | "
-        "prefix: own shard 1st / in top 4 | test nats/byte [95% CI] |"
+        "\n| N | method | spread (min-max) | spread, new half | NMI | NMI, seeds: mean (min-max) | I(C;S) nats "
+        "| H(C) | prefix: own shard 1st / in top 4 | test nats/byte [95% CI] |"
     )
     print("|---|---|---|---|---|---|---|---|---|---|")
     for r in quality_rows:
@@ -491,22 +365,22 @@ def print_tables(quality_rows: list[dict], campaign_rows: list[dict]) -> None:
         held = f"{r['held_out']:.3f}" if "held_out" in r else "-"
         seeds = f"{np.mean(r['nmi_seeds']):.4f} ({min(r['nmi_seeds']):.4f}-{max(r['nmi_seeds']):.4f})"
         print(
-            f"| {r['N']} | {r['method']} | {r['spread']:.3f} ({r['min']}-{r['max']}) | {held} | {r['nmi']:.4f} | {seeds} | "
-            f"{r['mi']:.3f} | {r['h_c']:.3f} | {pre} | {test} |"
+            f"| {r['N']} | {r['method']} | {r['spread']:.3f} ({r['min']}-{r['max']}) | {held} | "
+            f"{r['nmi']:.4f} | {seeds} | {r['mi']:.3f} | {r['h_c']:.3f} | {pre} | {test} |"
         )
     if campaign_rows:
         print(
-            "\n| rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s | test nats/byte | seed model | "
-            "ensemble - seed | nearest - balanced, paired [95% CI] |"
+            "\n| rule | N | shard train rows min-max | prepare s | seed s | launch s | eval s | total s "
+            "| test nats/byte | seed model | ensemble - seed | nearest - balanced, paired [95% CI] |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for c in campaign_rows:
             total = c["prepare_s"] + c["seed_s"] + c["launch_s"] + c["eval_s"]
             seed = f"{c['seed_s']:.0f}" if c["seed_s"] else "shared"
             print(
-                f"| {c['rule']}{' *' if c['relaxed'] else ''} | {c['N']} | {c['rows'][0]}-{c['rows'][1]} | {c['prepare_s']:.0f} | "
-                f"{seed} | {c['launch_s']:.0f} | {c['eval_s']:.0f} | {total:.0f} | {c['test']:.4f} | {c['seed_loss']:.4f} | "
-                f"{c['minus_seed']:+.4f} | {paired(c)} |"
+                f"| {c['rule']}{' *' if c['relaxed'] else ''} | {c['N']} | {c['rows'][0]}-{c['rows'][1]} | "
+                f"{c['prepare_s']:.0f} | {seed} | {c['launch_s']:.0f} | {c['eval_s']:.0f} | {total:.0f} | "
+                f"{c['test']:.4f} | {c['seed_loss']:.4f} | {c['minus_seed']:+.4f} | {paired(c)} |"
             )
         for c in campaign_rows:
             if c.get("refused"):
@@ -547,7 +421,8 @@ def settle(args, cfg) -> None:
     clusters past router.DENSE_ENTRIES). Alternating repeats, the fastest of each kept."""
     _, _, _, sample, texts, _, emb = routed_corpus(cfg)
     print(
-        "\n| N | rows | Newton only: s | sizes (excess over the shares) | with the settling step: s | sizes (excess) | rows moved |"
+        "\n| N | rows | Newton only: s | sizes (excess over the shares) | with the settling step: s | sizes (excess) "
+        "| rows moved |"
     )
     print("|---|---|---|---|---|---|---|")
     for n in args.experts:
@@ -578,7 +453,8 @@ def scale(args, tmp: str) -> None:
     text_bytes = generate(corpus, int(args.gb * 1e9), seed=0)
     rss_before = peak_rss_mib()
     print(
-        f"generated {text_bytes / 1e9:.2f} GB of text in {time.perf_counter() - t:.0f} s; peak RSS so far {rss_before:.0f} MiB",
+        f"generated {text_bytes / 1e9:.2f} GB of text in {time.perf_counter() - t:.0f} s; "
+        f"peak RSS so far {rss_before:.0f} MiB",
         flush=True,
     )
     for n, rule in [(n, rule) for n in args.experts for rule in args.rule]:
@@ -605,13 +481,14 @@ def scale(args, tmp: str) -> None:
         wall = time.perf_counter() - t
         rows = summary["train_rows"]
         print(
-            "\n| corpus | experts | rule | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max | spread |"
+            "\n| corpus | experts | rule | router sample | prepare wall s | MB/s | peak RSS MiB | shard rows min/max "
+            "| spread |"
         )
         print("|---|---|---|---|---|---|---|---|---|")
         print(
-            f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {n} | {rule} | "
-            f"{args.sample:,} chunks | {wall:.0f} | {summary['corpus']['bytes'] / 1e6 / wall:.1f} | {peak_rss_mib():.0f} | "
-            f"{min(rows):,}/{max(rows):,} | {summary['assigned_size_spread']:.3f} |"
+            f"| {summary['corpus']['bytes'] / 1e9:.2f} GB JSONL, {summary['corpus']['documents']:,} docs | {n} | "
+            f"{rule} | {args.sample:,} chunks | {wall:.0f} | {summary['corpus']['bytes'] / 1e6 / wall:.1f} | "
+            f"{peak_rss_mib():.0f} | {min(rows):,}/{max(rows):,} | {summary['assigned_size_spread']:.3f} |"
         )
         print(f"(peak RSS before prepare, from generating the corpus: {rss_before:.0f} MiB)")
         shutil.rmtree(store.url, ignore_errors=True)

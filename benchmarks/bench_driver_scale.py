@@ -30,40 +30,7 @@ system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s
 
   PYTHONPATH=. python benchmarks/bench_driver_scale.py [--experts 256 1024] [--no-tune] [--campaign-dir /dev/shm/x]
 
-Measured 2026-12-03/04 after the elastic-driver rebuild (issue 14), 2-core dev box shared with other sessions' tests
-(load average 6-30; ratios within one run only). The old driver (cc23df2, same day, no Tune) for comparison at N = 256:
-G=1 275.3 s, wall/ideal 1.43, 2.315 ms/hb (3.31x its bare Ray loop); reuse 1.04, 1.206 ms (1.72x); G=4 1.44,
-0.569 ms (0.81x); G=4 reuse 1.19, 0.383 ms (0.55x).
-
-`--experts 256 --pack 1 4 --reuse --no-tune` (16 slots, 6 chunks x 2 s; bare Ray loop 0.802 ms per result, load ~8):
-
-| system | actors | ideal s | wall s | wall/ideal | driver loop ms/hb | / bare Ray | log writer ms/hb |
-|---|---|---|---|---|---|---|---|
-| soma Driver, G=1                  | 256 | 192.0 | 312.5 | 1.63 | 2.708 | 3.37 | 2.253 |
-| soma Driver, G=1, reuse_actors    | 256 | 192.0 | 210.0 | 1.09 | 1.105 | 1.38 | 0.662 |
-| soma Driver, G=4                  |  64 |  48.0 |  75.6 | 1.58 | 0.698 | 0.87 | 0.769 |
-| soma Driver, G=4, reuse_actors    |  64 |  48.0 |  62.2 | 1.30 | 0.487 | 0.61 | 0.430 |
-
-An earlier run of the rebuilt driver with Ray Tune beside it (same settings, load 6-15): G=1 wall/ideal 1.48
-(3.14 ms/hb, 4.15x bare), reuse 1.06 (1.44 ms), G=4 1.52 (0.74 ms), G=4 reuse 1.23 (0.41 ms); Ray Tune 529.9 s,
-wall/ideal 2.76: Tune / Driver (G=1) = 1.86.
-
-`--experts 1024 --pack 1 4 --reuse --chunks 2 --chunk-s 1` with Ray Tune in the same run (bare Ray loop 0.944 ms per
-result; the host started 1.70 actors/s, so a new actor per expert is spawn-bound: 603 s; load 20-30 throughout):
-
-| system | actors | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | driver loop ms/hb | / bare Ray | log writer ms/hb |
-|---|---|---|---|---|---|---|---|---|---|
-| soma Driver, G=1                  | 1024 | 128.0 | 603.3 |  938.1 |  7.33 | 1.55 | 6.303 | 6.68 | 8.518 |
-| soma Driver, G=1, reuse_actors    | 1024 | 128.0 | 603.3 |  176.7 |  1.38 | 0.29 | 1.215 | 1.29 | 1.186 |
-| soma Driver, G=4                  |  256 |  32.0 | 150.8 |  204.8 |  6.40 | 1.36 | 1.371 | 1.45 | 2.557 |
-| soma Driver, G=4, reuse_actors    |  256 |  32.0 | 150.8 |   50.5 |  1.58 | 0.33 | 0.344 | 0.36 | 0.411 |
-| Ray Tune (same trials, resources) | 1024 | 128.0 | 603.3 | 1365.5 | 10.67 | 2.26 | -     | -    | -     |
-
-Reading: without reuse, a campaign of short experts is bounded by how fast the host starts actor processes (wall/bound
-1.36-1.55 under this load); with reuse_actors the loop costs 1.29-1.38x a bare Ray loop at G = 1 and packing divides
-it by G (0.34-0.49 ms per expert heartbeat at G = 4), as before the rebuild (old: 1.72x and 0.38 ms). The G=1
-no-reuse rows are the noisiest (each actor start competes with the other sessions' processes). Ray Tune on the same
-trials: 1.86x the Driver's wall at N = 256 and 1.46x at N = 1,024 (G=1, no reuse; 7.7x the Driver with reuse).
+Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_driver_scale.md.
 """
 
 from __future__ import annotations
@@ -93,7 +60,8 @@ from workers import SCHEDULING  # noqa: E402
 
 
 class StandInTrainer:
-    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract and typed reports, sleeps instead of training.
+    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract and typed reports, sleeps instead of
+    training.
 
     A pack of G experts (resources.experts_per_actor) sleeps as long per chunk as one expert: it stands for
     G small experts that each underfill a GPU and share its passes (what packing is for)."""
@@ -240,7 +208,7 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
         first, rest = Driver._block(list(owner))
         t = time.perf_counter()
         ready = also_ready(first, rest)
-        for ref, _ in zip(ready, ray.get(ready, timeout=60)):
+        for ref, _ in zip(ready, ray.get(ready, timeout=60), strict=True):
             a = owner.pop(ref)
             owner[a.run_chunk.remote(10)] = a
         done += len(ready)
@@ -343,7 +311,10 @@ def main() -> None:
         "--max-pending",
         nargs="+",
         default=["default"],
-        help="resources.max_pending values to run each G with ('default': every remaining job queued at once, 0 with reuse)",
+        help=(
+            "resources.max_pending values to run each G with ('default': every remaining job queued at once, "
+            "0 with reuse)"
+        ),
     )
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
@@ -390,16 +361,17 @@ def main() -> None:
                 rows.append((name, n, g, actors, ideal, max(ideal, actors / rate), r))
                 print(f"  done: {name} N={n} in {r['wall']:.1f} s", flush=True)
         print(
-            "\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
-            "| wall/(ideal+start) | driver loop ms/heartbeat | log writer thread ms/heartbeat | driver process CPU ms/heartbeat |"
+            "\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound "
+            "| actor start s | wall/(ideal+start) | driver loop ms/heartbeat | log writer thread ms/heartbeat "
+            "| driver process CPU ms/heartbeat |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, n, g, actors, ideal, bound, r in rows:
+        for name, n, _, actors, ideal, bound, r in rows:
             with_start = ideal + actors * r["start_s"] / slots  # slots are held while an actor starts, too
             print(
-                f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
-                f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
-                f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |"
+                f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | "
+                f"{r['wall'] / ideal:.2f} | {r['wall'] / bound:.2f} | {r['start_s']:.2f} | "
+                f"{r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | {r['append_ms']:.3f} | {r['cpu_ms']:.2f} |"
             )
         for name, n, g, *_, r in rows:
             if name.startswith("soma"):

@@ -10,32 +10,7 @@ at n = 4096) is measured in the same run.
 
   PYTHONPATH=. python benchmarks/bench_kernels.py [--repeats 3] [--tables expert,rows,recurrence,decoder]
 
-Not re-measured since the whole-expert kernel and the packed recurrence layout landed (issue 17: the 2-core
-host was shared and saturated; bench_spsa.py and bench_inference.py carry that round's measurements). The
-previous table (2026-12-03, sgemm 146 GF/s) measured the old L1-accumulating recurrence kernel: 2.0-2.35x torch
-at d = 32, 1.21x at d = 64, 0.46-0.68x at d >= 128, whence the old d <= 64 cut. fused.MAX_EXPERT_D = 192 and
-MAX_RECURRENT_D = 1024 came from this script's expert and recurrence tables on the register-blocked kernels
-(per fused.py); those runs' tables were not kept.
-
-Rows table (--tables rows --repeats 3), 2026-12-05 on the quiet 2-core host (sgemm 191-194 GF/s), main at 658f54b
-("before") and with weight vectors kept in registers for blocks of 2+ rows (kernels.c, vload_weight; "after"), two runs
-of each, alternating between the trees:
-
-  | rows per copy | copies | before: ms | before: of sgemm | after: ms | after: of sgemm |
-  |---|---|---|---|---|---|
-  | 1 | 768 | 200.3, 189.5 | 0.42, 0.44 | 198.4, 191.2 | 0.42, 0.44 |
-  | 2 | 384 | 137.6, 133.7 | 0.61, 0.62 | 124.9, 120.6 | 0.67, 0.70 |
-  | 3 | 256 | 133.3, 130.5 | 0.63, 0.64 | 114.6, 111.1 | 0.73, 0.75 |
-  | 4 | 192 | 131.8, 127.1 | 0.64, 0.66 | 110.6, 107.8 | 0.75, 0.78 |
-  | 6 | 128 | 111.3, 108.5 | 0.76, 0.77 | 109.5, 106.6 | 0.76, 0.79 |
-  | 8 | 96 | 121.5, 119.5 | 0.69, 0.70 | 107.3, 105.5 | 0.78, 0.79 |
-  | 16 | 48 | 109.7, 107.9 | 0.77, 0.77 | 106.1, 104.7 | 0.78, 0.80 |
-  | 32 | 24 | 106.2, 106.3 | 0.79, 0.78 | 105.3, 104.0 | 0.79, 0.81 |
-
-  GCC had folded the weight loads into every FMA of blocks of 2-4 rows (8 rows go as two blocks of 4), which made
-  them load-bound; 6 and 16+ rows use blocks of 6, where it kept them in registers. One row per copy is a
-  matrix-vector product per step, bound by reading the expert's weights from L2 (the register load is not used
-  there: each weight vector feeds one FMA either way).
+Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_kernels.md.
 """
 
 from __future__ import annotations
@@ -100,10 +75,21 @@ def kernels(expert: bool, any_: bool = True):
         fused._library.cache_clear()
 
 
+def expert_pass(cfg: ModelConfig, bodies, heads, windows, expert: bool, any_: bool = True):
+    """One timed pass of the expert table: packed_logprobs with the kernels as `kernels(expert, any_)` sets them.
+    Its arguments are bound here, not read from the caller's loop when the pass runs."""
+
+    def go():
+        with kernels(expert, any_):
+            packed_logprobs(cfg, bodies, heads, windows, 0, CPU)
+
+    return go
+
+
 def expert_table(repeats: int, gen: torch.Generator) -> None:
     print(
-        "| whole expert C x B x T, d | torch only ms | composed ms | kernel ms | torch GF/s | composed GF/s | kernel GF/s "
-        "| kernel vs composed |"
+        "| whole expert C x B x T, d | torch only ms | composed ms | kernel ms | torch GF/s | composed GF/s "
+        "| kernel GF/s | kernel vs composed |"
     )
     print("|---|---|---|---|---|---|---|---|")
     for c, b, t, d in EXPERT:
@@ -111,19 +97,20 @@ def expert_table(repeats: int, gen: torch.Generator) -> None:
         bodies = torch.stack([init_body(cfg, gen) for _ in range(c)])
         heads = torch.stack([init_head(cfg, gen) for _ in range(c)])
         windows = np.random.default_rng(0).integers(0, 256, size=(c, b, t + 1), dtype=np.uint8)
-
-        def run(expert, any_=True):
-            def go():
-                with kernels(expert, any_):
-                    packed_logprobs(cfg, bodies, heads, windows, 0, CPU)
-
-            return go
-
-        s = fastest({"torch": run(False, False), "composed": run(False), "kernel": run(True)}, repeats)
+        data = (cfg, bodies, heads, windows)
+        s = fastest(
+            {
+                "torch": expert_pass(*data, False, False),
+                "composed": expert_pass(*data, False),
+                "kernel": expert_pass(*data, True),
+            },
+            repeats,
+        )
         flop = useful_flops(cfg, c * b * t) / 1e9
         print(
             f"| {c} x {b} x {t}, {d} | {s['torch'] * 1e3:.0f} | {s['composed'] * 1e3:.0f} | {s['kernel'] * 1e3:.0f} | "
-            f"{flop / s['torch']:.1f} | {flop / s['composed']:.1f} | {flop / s['kernel']:.1f} | {s['composed'] / s['kernel']:.2f}x |",
+            f"{flop / s['torch']:.1f} | {flop / s['composed']:.1f} | {flop / s['kernel']:.1f} | "
+            f"{s['composed'] / s['kernel']:.2f}x |",
             flush=True,
         )
 
@@ -139,7 +126,8 @@ def rows_table(repeats: int, gen: torch.Generator, sgemm: float) -> None:
         c = 768 // rows
         bodies = torch.stack([init_body(cfg, gen) for _ in range(c)])
         x = torch.randint(0, 256, (c, rows, t), generator=gen, dtype=torch.uint8)
-        s = fastest({"kernel": lambda: fused.expert_nll(Layout(cfg), bodies, head, x, x)}, repeats)["kernel"]
+        fns = {"kernel": lambda bodies=bodies, x=x: fused.expert_nll(Layout(cfg), bodies, head, x, x)}
+        s = fastest(fns, repeats)["kernel"]
         gf = useful_flops(cfg, c * rows * t) / s / 1e9
         print(f"| {rows} | {c} | {s * 1e3:.1f} | {gf:.1f} | {gf * 1e9 / sgemm:.2f} |", flush=True)
 
@@ -153,8 +141,8 @@ def recurrence_table(repeats: int, gen: torch.Generator) -> None:
         h, c = torch.zeros(pp, b, d), torch.zeros(pp, b, d)
         s = fastest(
             {
-                "torch": lambda: step_by_step(gi, w, h.clone(), c.clone()),
-                "kernel": lambda: fused.lstm_block(gi, packed, h.clone(), c.clone()),
+                "torch": lambda gi=gi, w=w, h=h, c=c: step_by_step(gi, w, h.clone(), c.clone()),
+                "kernel": lambda gi=gi, packed=packed, h=h, c=c: fused.lstm_block(gi, packed, h.clone(), c.clone()),
             },
             repeats,
         )
@@ -173,7 +161,11 @@ def decoder_table(repeats: int, gen: torch.Generator) -> None:
         h, heads = torch.randn(cc, r, e, generator=gen), torch.randn(cc, 256, e, generator=gen) * 0.3
         y = torch.randint(0, 256, (cc, r), generator=gen, dtype=torch.uint8)
         s = fastest(
-            {"torch": lambda: bmm_logprobs(h, heads, y), "kernel": lambda: fused.target_logprobs(h, heads, y)}, repeats
+            {
+                "torch": lambda h=h, heads=heads, y=y: bmm_logprobs(h, heads, y),
+                "kernel": lambda h=h, heads=heads, y=y: fused.target_logprobs(h, heads, y),
+            },
+            repeats,
         )
         flop = 2 * cc * r * e * 256 / 1e9
         print(
@@ -196,7 +188,8 @@ def main() -> None:
     gen = torch.Generator().manual_seed(0)
     sgemm = sgemm_flops()
     print(
-        f"{args.threads} threads, sgemm {sgemm / 1e9:.0f} GF/s (best of 5, n=4096), load average {os.getloadavg()[0]:.2f}\n"
+        f"{args.threads} threads, sgemm {sgemm / 1e9:.0f} GF/s (best of 5, n=4096), "
+        f"load average {os.getloadavg()[0]:.2f}\n"
     )
     tables = {
         "expert": expert_table,

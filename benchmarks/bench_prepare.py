@@ -8,39 +8,7 @@ campaigns are identical (router, shards, test windows: sha256 of every file).
 
 The corpus is bench_clustering's: JSONL files of documents built from random lines of the built-in text.
 
-Measured 2026-12-04 on the 2-core CPU host, quiet (nothing else running), after embed, count and write became
-tasks on reused worker processes (each loads the router once), 12 minutes in all:
-
-  PYTHONPATH=. python benchmarks/bench_prepare.py --gb 1.0 --experts 16 --repeats 2
-
-  1.03 GB JSONL, N = 16, router sample 40,000, parts of 64 MB; campaigns identical across engines: True (482 files)
-
-  | engine | workers | wall s (median) | MB/s | vs local | vs 1 worker | read | sample | fit | embed | refit | count | write | driver peak RSS MiB | worker peak private RSS MiB |
-  |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
-  | local | - | 107.1 | 9.7 | 1.00x | - | 8.9 | 0.5 | 7.0 | 84.6 | 7.8 | 0.3 | 2.2 | 1666 | 0 |
-  | ray | 1 | 117.8 | 8.8 | 0.91x | 1.00x | 11.5 | 0.7 | 6.9 | 80.8 | 7.2 | 0.7 | 2.5 | 2300 | 409 |
-  | ray | 2 | 87.5 | 11.9 | 1.22x | 1.35x | 8.7 | 0.8 | 6.6 | 51.4 | 7.2 | 0.8 | 2.7 | 2283 | 387 |
-
-  Rounds (s): local 103, 112; ray 1 worker 120, 116; ray 2 workers 92, 83. Paired within a round: local / ray 1
-  worker 0.86, 0.97; ray 1 / ray 2 workers 1.30, 1.40. A single-round run just before: local 122, ray 1 118, ray 2
-  82 (1.03 and 1.44). The host varies by +-10% between runs of the same arm, more than the engines differ at one
-  worker. The stages the change touched: count 2.6 -> 0.6-0.7 s and write 6.5 -> 2.5-2.9 s at one worker.
-
-  Before (actor pool per stage for embed, count, write; the same command without --repeats):
-
-  | engine | workers | wall s | MB/s | vs local | vs 1 worker | read | sample | fit | embed | refit | count | write | driver peak RSS MiB | worker peak private RSS MiB |
-  |---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|
-  | local | - | 99.0 | 10.1 | 1.00x | - | 8.4 | 0.4 | 6.2 | 74.3 | 6.5 | 0.2 | 2.7 | 1635 | 0 |
-  | ray | 1 | 118.4 | 8.5 | 0.84x | 1.00x | 12.5 | 0.9 | 7.6 | 77.4 | 5.8 | 2.6 | 6.5 | 2268 | 390 |
-  | ray | 2 | 82.3 | 12.2 | 1.20x | 1.44x | 9.0 | 0.8 | 6.8 | 46.0 | 5.4 | 3.4 | 6.0 | 2269 | 401 |
-
-  Two workers stay below 1.7x one: the driver's serial stages (sample, fit, refit: ~15 s) stay, and on this host
-  the two workers share its two cores with the driver and Ray's own processes (embed alone: 1.57x today, 1.68x
-  before). One worker's remaining gap to the local engine is Ray's start-up and the read stage's first task
-  processes (read +2.6 s); an actor pool per stage (process start, imports, router load: ~2 s each, measured
-  with a bare Ray Data map_batches over 16 items: actor pool 1.9-2.0 s, warm tasks 0.4 s) was the rest. The write
-  stage was 22 s with a shuffle by expert (Ray Data groupby + map_groups, the first design) before each part wrote
-  its own shard files.
+Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_prepare.md.
 """
 
 from __future__ import annotations
@@ -198,12 +166,13 @@ def main() -> None:
                 )
         same = all(f == files[arms[0]] for f in files.values())
         print(
-            f"\n{text / 1e9:.2f} GB JSONL, N = {args.experts}, router sample {args.sample:,}, parts of {args.part_mb} MB; "
+            f"\n{text / 1e9:.2f} GB JSONL, N = {args.experts}, router sample {args.sample:,}, "
+            f"parts of {args.part_mb} MB; "
             f"campaigns identical across engines: {same} ({len(files[arms[0]])} files)\n"
         )
         print(
-            "| engine | workers | wall s (median) | MB/s | vs local | vs 1 worker | read | sample | fit | embed | refit | count | write | "
-            "driver peak RSS MiB | worker peak private RSS MiB |"
+            "| engine | workers | wall s (median) | MB/s | vs local | vs 1 worker | read | sample | fit | embed "
+            "| refit | count | write | driver peak RSS MiB | worker peak private RSS MiB |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
         import statistics
@@ -214,12 +183,13 @@ def main() -> None:
             st = x["stages"]
             per_worker = f"{wall[('ray', 1)] / wall[a]:.2f}x" if a[0] == "ray" else "-"
             print(
-                f"| {a[0]} | {a[1] or '-'} | {wall[a]:.1f} | {x['bytes'] / 1e6 / wall[a]:.1f} | {wall[arms[0]] / wall[a]:.2f}x | "
-                f"{per_worker} | "
+                f"| {a[0]} | {a[1] or '-'} | {wall[a]:.1f} | {x['bytes'] / 1e6 / wall[a]:.1f} | "
+                f"{wall[arms[0]] / wall[a]:.2f}x | {per_worker} | "
                 + " | ".join(
                     f"{st.get(k, 0):.1f}" for k in ("read", "sample", "fit", "embed", "refit", "count", "write")
                 )
-                + f" | {max(r['driver_rss_mib'] for r in results[a]):.0f} | {max(r['worker_rss_mib'] for r in results[a]):.0f} |"
+                + f" | {max(r['driver_rss_mib'] for r in results[a]):.0f} | "
+                f"{max(r['worker_rss_mib'] for r in results[a]):.0f} |"
             )
         pairs = [
             (

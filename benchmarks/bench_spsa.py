@@ -15,83 +15,7 @@ the process's history (17 s or 25 s an update, below).
   PYTHONPATH=. python benchmarks/bench_spsa.py [--repeats 5] [--chunks 16] [--torch-path] [--shapes ...] [--no-extras]
                                                [--default-malloc]
 
-Measured 2026-12-04 on the 2-core host while other sessions saturated it (load average 24-36). A full paper-small
-run (B 64, T 1024, n_pert 64, 5 repeats) was killed by its 25-minute bound before it printed anything, so these
-are at paper-small's B and n_pert with T = 256 (paper-small-T256), 3 paired repeats, --no-extras:
-
-  2 threads (--repeats 3 --shapes paper-small-T256,tiny --no-extras; sgemm 12.8 / 22.5 GF/s before / after):
-
-  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
-  |---|---|---|---|---|
-  | paper-small-T256 | peer nn.LSTM loop | 150.02 (132.81-340.83) | 1.00x | 0.051 (0.057) |
-  | paper-small-T256 | ours chunk=16 | 10.48 (9.70-10.86) | 15.47x (31.40, 12.68, 15.47) | 0.727 (0.785) |
-  | tiny | peer nn.LSTM loop | 17.67 (10.17-19.54) | 1.00x | 0.007 (0.012) |
-  | tiny | ours chunk=8 | 0.49 (0.22-0.52) | 37.33x (20.70, 80.58, 37.33) | 0.242 (0.543) |
-
-  1 thread (OMP_NUM_THREADS=1 MKL_NUM_THREADS=1, --repeats 3 --shapes paper-small-T256 --no-extras; sgemm 31.0 /
-  26.8 GF/s):
-
-  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
-  |---|---|---|---|---|
-  | paper-small-T256 | peer nn.LSTM loop | 15.02 (14.66-19.24) | 1.00x | 0.368 (0.377) |
-  | paper-small-T256 | ours chunk=16 | 4.85 (4.67-7.28) | 3.02x (3.02, 3.22, 2.64) | 1.139 (1.185) |
-
-  Read with care. On two threads under that load the peer (262k small nn.LSTM steps per update, each an OpenMP
-  region) suffers far more than our coarse kernel tasks, so 15.5x overstates the speed-up, as the issue's 3.84x
-  (loaded) vs 1.88x (quiet) did; the single-thread pairing, which oversubscription does not skew that way, reads
-  3.0x: the >= 4x goal is NOT shown. The fractions of sgemm are not trustworthy either: sgemm itself read 13-31
-  GF/s (146-160 quiet), and > 1 on one thread only says both were squeezed differently. A quiet-host run of the
-  default command is still owed (last quiet figures, before the whole-expert kernel: 1.82x, 0.40 of sgemm).
-
-Measured again 2026-12-04 05:20-05:25 on the same host, quiet (load average 0.4-1.6, nothing else running):
-
-  PYTHONPATH=. python benchmarks/bench_spsa.py --repeats 3 --shapes paper-small     (2 threads; sgemm 187.4 / 177.1 GF/s)
-
-  | shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |
-  |---|---|---|---|---|
-  | paper-small | peer nn.LSTM loop | 23.84 (22.57-23.93) | 1.00x | 0.154 (0.162) |
-  | paper-small | ours chunk=16 | 4.85 (4.83-4.88) | 4.90x (4.90, 4.68, 4.92) | 0.756 (0.759) |
-
-  G=16 tiny experts: 16 separate updates 0.46 s, one packed update 0.42 s (1.10x); peak RSS of one paper-small
-  update 303 MiB (49 MiB above the process after imports).
-
-  Same host, quiet, at T = 256 (--repeats 3 --shapes paper-small-T256 --no-extras):
-    2 threads (sgemm 169.5 GF/s): peer 3.66 s, ours 1.19 s, 3.08x (2.51, 3.20, 3.08), 0.849 of sgemm
-    1 thread (OMP_NUM_THREADS=1 MKL_NUM_THREADS=1, sgemm 95.4 GF/s): peer 5.17 s, ours 2.35 s, 2.20x (2.28, 2.20, 2.20),
-    0.762 of sgemm
-
-  At the issue's shape (paper-small, T = 1024) both goals read as met on a quiet host: 4.90x the peer (>= 4x) at
-  0.756 of sgemm (>= 0.5). The peer is relatively faster at T = 256 (3.1x there; 2.2x on one thread), so the
-  ratio depends on the sequence length, and the loaded-host figures above (15.5x, 3.02x) were not to be trusted.
-  The 4.90x was not to be trusted either (next section): that peer paid for glibc malloc's history.
-
-Measured 2026-12-05 02:53-03:12 on the same host, quiet (load average 1.4-2.0, our own two threads), with the
-whole-expert kernel's register loads (bench_kernels.py, rows table). The peer's time differed between processes:
-in one of four runs of the same command (--repeats 3 --shapes paper-small, glibc malloc as it comes) the peer took
-17.0 s an update, in the other three 25-26 s, with a third of the process's time in the kernel zeroing fresh pages.
-glibc serves large blocks with fresh mmaps and moves that threshold, and the trim threshold, as blocks are freed, so
-whether the peer's activations (MBs per nn.LSTM call) land on reused heap or on newly faulted pages depends on the
-process's history; ours allocates far less and did not change (4.58-4.67 s). With the thresholds fixed
-(steady_malloc, now the default; --default-malloc leaves them dynamic) a quarter update of the peer took 4.2-4.6 s
-where it had taken 5.6-6.6 s. Paired medians, paper-small:
-
-  | malloc | peer s/update, median | ours s/update, median | ratio to peer, median (per repeat) | ours of sgemm |
-  |---|---|---|---|---|
-  | as it comes (--repeats 3) | 16.95 | 4.58 | 3.66x (3.93, 3.66, 3.61) | 0.799 |
-  | as it comes (--repeats 5) | 24.99 | 4.61 | 5.34x (5.52, 5.34, 5.32, 5.29, 5.46) | 0.796 |
-  | as it comes (--repeats 3) | 26.24 | 4.67 | 5.62x (5.76, 5.22, 5.62) | 0.783 |
-  | as it comes (--repeats 3) | 25.29 | 4.60 | 5.53x (5.26, 5.53, 5.62) | 0.791 |
-  | fixed (--repeats 3) | 15.65 | 4.52 | 3.48x (3.48, 3.54, 3.39) | 0.824 |
-  | fixed (--repeats 3) | 13.90 | 4.53 | 3.07x (3.06, 3.09, 3.07) | 0.803 |
-  | fixed, the default command (--repeats 5) | 17.85 | 4.68 | 3.79x (3.48, 3.97, 3.91, 3.79, 3.58) | 0.789 |
-
-  The default command's tiny shape: 3.35x (3.22-4.19), ours at 0.753 of sgemm; G=16 tiny experts packed 1.07x
-  against 16 separate updates; peak RSS of a paper-small update 302 MiB (46 MiB above the process after imports).
-
-  Against a peer that does not pay for page faults, ours is 3.1-3.8x the peer, not >= 4x; >= 0.5 of sgemm holds
-  (0.79-0.82). The ratio is near its ceiling on this host: the fixed-malloc peer runs at 0.21-0.26 of sgemm, so
-  4x would need ours at 0.84-1.04 of sgemm with the nonlinearities (gates, GELU, LayerNorm, softmax: about a
-  quarter of the kernel's time at d = 32, not counted as useful FLOPs) included.
+Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_spsa.md.
 """
 
 from __future__ import annotations
@@ -218,9 +142,10 @@ def paired(fns: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def _vm_hwm_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
 
 
@@ -285,11 +210,13 @@ def torch_path(fn):
 
 
 def steady_malloc(leave: bool = False) -> str:
-    """Fix glibc malloc's thresholds for the whole run, unless `leave` (--default-malloc); says which. By default glibc serves large blocks with fresh mmaps and raises
-    that threshold as blocks are freed, so whether the peer's activations (MBs per nn.LSTM call) come from reused heap
-    or from freshly zeroed pages depends on the process's history: in one process of four the same peer update took
-    17 s, in the others 25 s, a third of it in the kernel zeroing pages. With the thresholds fixed (what
-    MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ do) every process gets the fast peer."""
+    """Fix glibc malloc's thresholds for the whole run, unless `leave` (--default-malloc); says which.
+
+    By default glibc serves large blocks with fresh mmaps and raises that threshold as blocks are freed, so whether
+    the peer's activations (MBs per nn.LSTM call) come from reused heap or from freshly zeroed pages depends on the
+    process's history: in one process of four the same peer update took 17 s, in the others 25 s, a third of it in
+    the kernel zeroing pages. With the thresholds fixed (what MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ do)
+    every process gets the fast peer."""
     if leave:
         return "glibc malloc as it comes (--default-malloc)"
     try:
@@ -318,8 +245,8 @@ def main() -> None:
     print(steady_malloc(args.default_malloc), flush=True)
     sgemm = [sgemm_flops()]
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
-        f"load average {os.getloadavg()[0]:.2f}",
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; "
+        f"sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
     results = []
@@ -342,30 +269,34 @@ def main() -> None:
     sgemm.append(sgemm_flops())
     peak = max(sgemm)
     print(
-        f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): using {peak / 1e9:.1f}; "
-        f"load average {os.getloadavg()[0]:.2f}\n"
+        f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): "
+        f"using {peak / 1e9:.1f}; load average {os.getloadavg()[0]:.2f}\n"
     )
     print(
-        "| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |"
+        "| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) "
+        "| useful/sgemm, median (best) |"
     )
     print("|---|---|---|---|---|")
     for name, flops, secs in results:
         peer = secs["peer nn.LSTM loop"]
         for k, v in secs.items():
-            ratios = [p / s for p, s in zip(peer, v)]
+            ratios = [p / s for p, s in zip(peer, v, strict=True)]
             print(
-                f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(ratios):.2f}x "
-                f"({', '.join(f'{r:.2f}' for r in ratios)}) | {flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |"
+                f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | "
+                f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) | "
+                f"{flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |"
             )
     if args.no_extras:
         return
     t_sep, t_pk = packed_vs_separate()
     print(
-        f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x"
+        f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, "
+        f"ratio {t_sep / t_pk:.2f}x"
     )
     base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 16)
     print(
-        f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)"
+        f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB "
+        f"({peak_mib - base:.0f} MiB above the process after imports)"
     )
 
 

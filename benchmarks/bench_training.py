@@ -14,59 +14,7 @@ Trainer (data, probes, Adam) on random bytes: speed does not depend on the data.
 
   PYTHONPATH=. python benchmarks/bench_training.py [--repeats 5] [--batch 16] [--seq-len 128] [--n-pert 8] [--pack 16]
 
-Measured 2026-12-04 00:07-00:13 on the 2-core CPU host, --repeats 3 --batch 8 --seq-len 128 --n-pert 8 --pack 16
-(sized down from the paper's B 64, T 1024, n_pert 64: one monolith update there is ~140 TFLOP, tens of minutes
-here). The host was saturated by other sessions (load average 10 at the start, 24-27 at the end, on 2 cores), so
-the absolute rates are a fraction of a quiet machine's; the ratios are paired within each repeat:
-
-  | configuration | parameters | byte-tokens/s, median (min-max) | vs monolith, median of paired | vs N=8 |
-  |---|---|---|---|---|
-  | N=256, d=32, shared head | 8,437,760 | 40,010 (21,324-44,160) | 109.05x | 14.79x |
-  | N=8, d=180 | 8,459,296 | 2,704 (2,366-3,012) | 7.11x | 1.00x |
-  | N=2, d=361 | 8,406,746 | 609 (409-620) | 1.53x | 0.20x |
-  | N=1, d=512 (monolith) | 8,432,128 | 405 (215-424) | 1.00x | 0.14x |
-
-  The work per byte-token is one expert's forward: ~41k multiply-adds at d = 32 (body 32d^2 plus the 256 x 32
-  decoder), 1.06M at d = 180, 4.2M at d = 361, 8.43M at d = 512. At equal efficiency the ratios to the monolith
-  would be 206x, 8.0x and 2.0x; measured 109x, 7.1x and 1.5x, i.e. N=256 runs at about half the monolith's FLOP
-  efficiency, N=8 at 0.89 of it, N=2 at 0.77. N=256 and N=8 (d <= 192) run in the fused whole-expert kernel, d = 361
-  and 512 in torch's composed path. The paper's ratios (one GPU: monolith 0.555M, N=2 0.468M, N=8 0.257M, N=256
-  2.36M byte-tokens/s; N=256 / N=8 9.2x) come from a GPU, where wide matmuls run far closer to peak than narrow
-  ones: here N=8 beats the monolith (7.1x) where the paper's ran at 0.46x of it, and N=256 / N=8 reads 14.8x.
-
-Measured again 2026-12-04 12:03-12:08 on the same host, quiet (load average 0.4-0.7, nothing else running), the same
-command:
-
-  | configuration | parameters | byte-tokens/s, median (min-max) | vs monolith, median of paired | vs N=8 |
-  |---|---|---|---|---|
-  | N=256, d=32, shared head | 8,437,760 | 1,286,360 (1,196,732-1,328,347) | 394.66x | 33.83x |
-  | N=8, d=180 | 8,459,296 | 38,708 (35,380-48,688) | 11.79x | 1.00x |
-  | N=2, d=361 | 8,406,746 | 7,981 (7,675-8,429) | 2.47x | 0.21x |
-  | N=1, d=512 (monolith) | 8,432,128 | 3,366 (3,000-3,417) | 1.00x | 0.08x |
-
-  The saturated run above read every rate 8-32x lower and compressed the ratios. In multiply-adds: N=256 about
-  105 GFLOP/s (0.56 of the 2-thread sgemm, 187), N=8 about 82, N=2 about 67, the monolith about 57 (0.30: torch's
-  composed path at d = 512), so here N=256 beats its equal-efficiency bound (395x against 206x) and N=8 its own
-  (11.8x against 8.0x). CPU figures, not the paper's GPU ones.
-
-Measured again 2026-12-05 03:02-03:07, quiet, the same command, after the whole-expert kernel kept its weight vectors
-in registers for blocks of 2-4 rows (B = 8 rows go as two blocks of 4: bench_kernels.py, rows table); first with
-glibc malloc's thresholds fixed (bench_spsa.steady_malloc, now the default), then with --default-malloc:
-
-  | configuration | parameters | byte-tokens/s, median (min-max) | vs monolith, median of paired | vs N=8 |
-  |---|---|---|---|---|
-  | N=256, d=32, shared head | 8,437,760 | 1,404,955 (1,394,518-1,446,494) | 337.85x | 24.90x |
-  | N=8, d=180 | 8,459,296 | 56,426 (48,036-63,228) | 13.57x | 1.00x |
-  | N=2, d=361 | 8,406,746 | 8,637 (8,482-9,816) | 2.08x | 0.16x |
-  | N=1, d=512 (monolith) | 8,432,128 | 4,158 (4,079-4,495) | 1.00x | 0.07x |
-  | --default-malloc: N=256 | | 1,432,552 (1,371,941-1,469,477) | 348.23x | 27.36x |
-  | --default-malloc: N=8 | | 52,357 (46,773-53,931) | 12.73x | 1.00x |
-  | --default-malloc: N=2 | | 8,619 (8,274-8,784) | 2.12x | 0.17x |
-  | --default-malloc: monolith | | 4,064 (4,058-4,114) | 1.00x | 0.08x |
-
-  Here malloc's thresholds moved the torch-path configurations (d = 361, 512) by 0-2%. N=8 (d = 180, all its
-  blocks of 4 rows) reads 46% above the 2026-12-04 run and N=256 9% (two days, not paired). At equal efficiency
-  the ratios to the monolith would be 206x, 8.0x and 2.0x.
+Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_training.md.
 """
 
 from __future__ import annotations
@@ -152,10 +100,11 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, (params, _) in packs.items():
         r = rates[label]
-        vs_mono = statistics.median(a / b for a, b in zip(r, mono))
-        vs_n8 = statistics.median(a / b for a, b in zip(r, n8))
+        vs_mono = statistics.median(a / b for a, b in zip(r, mono, strict=True))
+        vs_n8 = statistics.median(a / b for a, b in zip(r, n8, strict=True))
         print(
-            f"| {label} | {params:,} | {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f}) | {vs_mono:.2f}x | {vs_n8:.2f}x |"
+            f"| {label} | {params:,} | {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f}) | "
+            f"{vs_mono:.2f}x | {vs_n8:.2f}x |"
         )
 
 

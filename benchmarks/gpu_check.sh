@@ -13,4 +13,5 @@ fi
 limit="${GPU_CHECK_LIMIT_S:-480}"
 for arg in "$@"; do [[ "$arg" == --smoke ]] && limit="${GPU_CHECK_LIMIT_S:-120}"; done
 cd "$root"
-PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec timeout --signal=INT --kill-after=10 "$limit" "$py" benchmarks/gpu_check.py "$@"
+PYTHONPATH="$root${PYTHONPATH:+:$PYTHONPATH}" exec \
+  timeout --signal=INT --kill-after=10 "$limit" "$py" benchmarks/gpu_check.py "$@"
