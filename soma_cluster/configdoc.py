@@ -50,6 +50,8 @@ NOTES = {
     "router.top_k": "experts a test window is routed to: top min(top_k, N) scores ([routing.md](routing.md))",
     "router.temperature": "T of the softmax weighting",
     "router.kmeans_iters": "iterations of the (balanced) spherical k-means",
+    "model.head": "shared_frozen: every expert uses the seed model's tied byte embedding (256 x embed_dim), frozen"
+    " (needs d == embed_dim); own: every expert trains its own head (wide experts)",
     "shards.seq_bytes": "bytes per packed training sequence",
     "shards.val_fraction": "share of each shard's sequences kept for expert validation",
     "shards.rows_per_file": "rows per Arrow file of a shard",
