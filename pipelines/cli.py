@@ -103,7 +103,7 @@ QuietOpt = typer.Option(
 LogEveryOpt = typer.Option(
     30.0, "--log-every", callback=_check_positive, help="seconds between summary lines without a progress bar"
 )
-JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in the README)")
+JsonOpt = typer.Option(False, "--json", help="print one JSON document on stdout (schema in docs/json.md)")
 TakeOverOpt = typer.Option(
     False,
     "--take-over",

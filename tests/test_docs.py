@@ -1,0 +1,115 @@
+"""The docs cannot drift: docs/config.md is what the config models generate, every relative link in the
+Markdown resolves, every `soma` command has its section in docs/cli.md, and nothing names a file a clone lacks."""
+
+import re
+from pathlib import Path
+
+import typer
+
+from pipelines.cli import app
+from soma_cluster import configdoc
+from soma_cluster.config import CampaignConfig
+
+ROOT = Path(__file__).resolve().parents[1]
+MARKDOWN = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", *sorted((ROOT / "docs").rglob("*.md"))]
+LINK = re.compile(r"(?<!!)\[[^\]]*\]\(([^)\s]+)\)|!\[[^\]]*\]\(([^)\s]+)\)")
+
+
+def test_config_reference_is_generated_from_the_models():
+    path = ROOT / "docs" / "config.md"
+    assert path.exists() and path.read_text() == configdoc.render(), (
+        f"docs/config.md is out of date with soma_cluster/config.py; regenerate it with `{configdoc.COMMAND}`"
+    )
+
+
+def dotted_fields(model=CampaignConfig, prefix: str = "") -> list[str]:
+    out = []
+    for name, info in model.model_fields.items():
+        sub = info.annotation
+        if isinstance(sub, type) and issubclass(sub, CampaignConfig.__mro__[1]) and sub is not model:
+            out += dotted_fields(sub, f"{prefix}{name}.")
+        else:
+            out.append(f"{prefix}{name}")
+    return out
+
+
+def test_every_field_is_in_the_reference_with_some_text():
+    text = configdoc.render()
+    fields = dotted_fields()
+    assert len(fields) > 80
+    for path in fields:
+        row = next((line for line in text.splitlines() if line.startswith(f"| `{path}` |")), None)
+        assert row is not None, f"{path} missing from docs/config.md"
+        meaning = re.split(r"(?<!\\)\|", row)[-2].strip()  # the last cell (an escaped \| is text)
+        assert meaning, f"{path}: no text; give it a comment in config.py"
+
+
+def test_notes_name_real_fields_and_never_shadow_config_py():
+    comments = {}
+    for path in dotted_fields():
+        section, _, name = path.rpartition(".")
+        model = CampaignConfig.model_fields[section].annotation if section else CampaignConfig
+        comments[path] = configdoc._comments(model).get(name, "") or model.model_fields[name].description
+    stale = sorted(set(configdoc.NOTES) - set(comments))
+    assert not stale, f"configdoc.NOTES names fields that do not exist: {stale}"
+    shadowed = sorted(k for k in configdoc.NOTES if comments[k])
+    assert not shadowed, f"config.py now documents {shadowed}; drop them from configdoc.NOTES"
+
+
+def test_configdoc_check_mode_tells_stale_from_current(tmp_path, capsys):
+    path = tmp_path / "config.md"
+    path.write_text("# stale\n")
+    assert configdoc.main(["--check", str(path)]) == 1
+    assert configdoc.COMMAND in capsys.readouterr().err
+    assert configdoc.main([str(path)]) == 0 and configdoc.main(["--check", str(path)]) == 0
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lower case, punctuation dropped, spaces to hyphens."""
+    text = re.sub(r"[`*_]", "", heading.strip().lower())
+    return re.sub(r"[^\w\- ]", "", text).replace(" ", "-")
+
+
+def anchors(path: Path) -> set[str]:
+    text = re.sub(r"```.*?```", "", path.read_text(), flags=re.S)
+    return {slug(h) for h in re.findall(r"^#+ (.+)$", text, flags=re.M)}
+
+
+def test_every_relative_link_resolves():
+    broken = []
+    for md in MARKDOWN:
+        text = re.sub(r"```.*?```", "", md.read_text(), flags=re.S)
+        for match in LINK.finditer(text):
+            target = match.group(1) or match.group(2)
+            if re.match(r"[a-z]+:", target):
+                continue  # http(s):, mailto:
+            file, _, anchor = target.partition("#")
+            dest = (md.parent / file).resolve() if file else md
+            where = f"{md.relative_to(ROOT)}: {target}"
+            if not dest.exists():
+                broken.append(f"{where} (no such file)")
+            elif anchor and dest.suffix == ".md" and anchor not in anchors(dest):
+                broken.append(f"{where} (no heading #{anchor} in {dest.relative_to(ROOT)})")
+    assert not broken, "broken links:\n" + "\n".join(broken)
+
+
+def test_every_cli_command_has_a_section_in_docs_cli():
+    text = (ROOT / "docs" / "cli.md").read_text()
+    commands = sorted(typer.main.get_command(app).commands)
+    missing = [c for c in commands if f"### `soma {c}`" not in text]
+    assert not missing, f"docs/cli.md has no '### `soma NAME`' section for {missing}"
+
+
+def test_nothing_names_a_file_a_clone_lacks():
+    # user-facing text: the Markdown, the eval report and the CLI's help
+    texts = {str(p.relative_to(ROOT)): p.read_text() for p in MARKDOWN}
+    for name in ("pipelines/evaluate.py", "pipelines/report.py", "pipelines/cli.py"):
+        texts[name] = (ROOT / name).read_text()
+    found = [f"{name}: {m}" for name, t in texts.items() for m in re.findall(r"SPEC\.md|SPEC section|\.\./shared", t)]
+    assert not found, found
+
+
+def test_readme_stays_short():
+    lines = (ROOT / "README.md").read_text().splitlines()
+    assert len(lines) <= 100, f"README.md has {len(lines)} lines; reference belongs in docs/"
+    assert "make demo" in "\n".join(lines) and "make test" in "\n".join(lines)
