@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 import time
-from typing import Callable, Optional
+from typing import TYPE_CHECKING, Callable, Optional
 
 from pipelines.stopping import STOP, Stopped
 
@@ -24,6 +24,9 @@ from soma_cluster.diskerrors import storage_error  # noqa: E402
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
 from soma_cluster.lease import LeaseLost  # noqa: E402
 from soma_cluster.preflight import training_bytes  # noqa: E402
+
+if TYPE_CHECKING:
+    from pipelines.rayaddress import Address
 
 app = typer.Typer(
     add_completion=False,
@@ -94,7 +97,21 @@ ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file layered over th
 SetOpt = typer.Option(None, "--set", "-s", help="override, e.g. --set spsa.n_pert=16 (repeatable)")
 CorpusOpt = typer.Option(None, "--corpus", help="corpus path or s3:// URL (default: the built-in corpus)")
 ExpertsOpt = typer.Option(None, "--experts", "-n", callback=_check_experts, help="number of experts N (at least 1)")
-AddressOpt = typer.Option(None, "--address", help="Ray cluster address (default: RAY_ADDRESS, else a local Ray)")
+AddressOpt = typer.Option(
+    None,
+    "--address",
+    help="Ray cluster: the head's GCS HOST:PORT (6379 by default), ray://HOST:10001 or auto "
+    "(default: RAY_ADDRESS, else a local Ray)",
+)
+
+
+def _address(address: str | None) -> Address:
+    """--address, else RAY_ADDRESS, checked (form, then a bounded probe) before a command writes anything."""
+    from pipelines.rayaddress import ray_address
+
+    return ray_address(address)
+
+
 QuietOpt = typer.Option(
     False,
     "--no-progress",
@@ -195,9 +212,10 @@ def prepare(
         from pipelines.prepare import prepare as run
 
         store, cfg = open_store(campaign), _config(preset, config, set, corpus, experts)
+        addr = _address(address)  # a wrong address is refused before anything is written
         claim_campaign(store, cfg, write=False)  # another campaign's directory is refused before its lease is touched
         with hold(store, "soma prepare", take_over):
-            run(store, cfg, address)
+            run(store, cfg, addr.text or None)
 
     _run(go)
 
@@ -221,9 +239,10 @@ def seed(
 
         store = open_store(campaign)
         cfg = load_config(store)
+        addr = _address(address)
         with (
             hold(store, "soma seed", take_over, training_bytes(cfg, 1)),
-            ray_session(cfg, address),
+            ray_session(cfg, addr),
         ):  # checked before Ray
             train_seed(store, cfg, not no_progress, log_every, retry_failed)
 
@@ -250,8 +269,9 @@ def _launch(
         from soma_cluster.schedule import expert_jobs
 
         select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
+    addr = _address(address)
     # the place and its room are checked (hold) before Ray starts or any expert is queued
-    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)), ray_session(cfg, address):
+    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)), ray_session(cfg, addr):
         run(store, cfg, not no_progress, log_every, retry_failed)
 
 
@@ -458,11 +478,12 @@ def plan(
                 f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; "
                 "pass at least that"
             )
-        remote = address or os.environ.get("RAY_ADDRESS")
-        if remote:
+        addr = _address(address)
+        remote = addr.text
+        if addr.remote:
             from pipelines.raysession import ray_session
 
-            with ray_session(cfg, remote):
+            with ray_session(cfg, addr):
                 import ray
 
                 planned = gpus if gpus is not None else float(ray.cluster_resources().get("GPU", 0.0))
@@ -501,9 +522,10 @@ def demo(
         t0 = time.monotonic()
         store = open_store(campaign)
         cfg = _config(preset, None, set, None, None)
+        addr = _address(address)
         with hold(store, "soma demo", take_over):
-            run_prepare(store, cfg, address)
-            with ray_session(cfg, address):
+            run_prepare(store, cfg, addr.text or None)
+            with ray_session(cfg, addr):
                 train_seed(store, cfg)
                 run_launch(store, cfg)
             m = run_eval(store, cfg)
@@ -549,8 +571,9 @@ def experiment(
     def go() -> None:
         from pipelines.experiment import run_experiment
 
+        addr = _address(address)
         open_store(directory).check_writable()  # before any arm is prepared or Ray starts
-        res = run_experiment(name, directory, scale, set or [], address, not no_progress)
+        res = run_experiment(name, directory, scale, set or [], addr.text or None, not no_progress)
         out.print(
             f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; "
             f"report: {directory.rstrip('/')}/report.md"

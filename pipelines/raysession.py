@@ -7,7 +7,6 @@ import json
 import os
 import re
 import shutil
-import socket
 import sys
 import tempfile
 import time
@@ -16,6 +15,7 @@ from typing import Iterator
 
 import psutil
 
+from pipelines.rayaddress import FORMS_HINT, Address, Form, ray_address
 from pipelines.stopping import STOP
 from soma_cluster.config import CampaignConfig
 from soma_cluster.diskerrors import storage_error
@@ -35,46 +35,37 @@ OWNER = "soma-owner.json"  # {pid, started} of the command whose local Ray lives
 RAY_PROGRAMS = ("gcs_server", "raylet")  # besides Python processes (its agents, workers): what reap may kill
 REAP_GRACE_S = 5.0  # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
 KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays after the command, for debugging
-PROBE_S = 10.0  # an address nothing answers at fails in this long (Ray itself retries for minutes)
 
 
-def _probe(address: str) -> None:
-    """Fail fast, in one line, on a host:port that nothing listens at ("auto" and ray:// are Ray's to resolve)."""
-    if address == "auto" or "://" in address or ":" not in address:
-        return
-    host, port = address.rsplit(":", 1)
-    try:
-        with socket.create_connection((host, int(port)), timeout=PROBE_S):
-            pass
-    except (OSError, ValueError) as exc:
-        raise SomaError(
-            f"cannot reach a Ray cluster at {address} ({exc.__class__.__name__}: {exc}); check --address / "
-            f"RAY_ADDRESS (the head's GCS, host:6379 by default)"
-        ) from None
-
-
-def _connect(address: str) -> None:
+def _connect(addr: Address) -> None:
     import ray
 
-    _probe(address)
     try:
-        ray.init(address=address, log_to_driver=True, logging_level="WARNING")
+        ray.init(address=addr.text, log_to_driver=True, logging_level="WARNING")
+    except ValueError as exc:  # a form Ray refuses (parse() lets through only what Ray accepts: belt and braces)
+        raise SomaError(f"{addr.named()}: {str(exc).splitlines()[0][:200]}; {FORMS_HINT}") from None
     except ConnectionError as exc:
+        if addr.form is Form.AUTO:
+            raise SomaError(
+                "no Ray runs on this machine for address auto; start one (ray start --head), give the cluster's "
+                "address, or no address for a local Ray"
+            ) from None
         mode = os.environ.get("RAY_AUTH_MODE", "unset")
         token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
         raise SomaError(
-            f"Ray at {address} refused the connection ({str(exc).splitlines()[0][:160]}); if the cluster uses "
+            f"Ray at {addr.text} refused the connection ({str(exc).splitlines()[0][:160]}); if the cluster uses "
             f"token authentication, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its token "
             f"(here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})"
         ) from None
 
 
 @contextmanager
-def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[None]:
-    """Use an already-initialised Ray as is; else connect to `address`/RAY_ADDRESS; else start a local
-    Ray with `resources.local_gpus` logical GPUs, shut down on exit. Workers' output (warnings,
-    tracebacks) reaches this process's stderr."""
-    remote = address or os.environ.get("RAY_ADDRESS")
+def ray_session(cfg: CampaignConfig, address: str | Address | None = None) -> Iterator[None]:
+    """Use an already-initialised Ray as is; else connect to `address`/RAY_ADDRESS (checked by ray_address unless
+    the caller did); else start a local Ray with `resources.local_gpus` logical GPUs, shut down on exit. Workers'
+    output (warnings, tracebacks) reaches this process's stderr."""
+    addr = address if isinstance(address, Address) else ray_address(address)
+    remote = addr.remote
     if not remote:
         for key, value in LOCAL_ENV.items():
             os.environ.setdefault(key, value)
@@ -88,7 +79,7 @@ def ray_session(cfg: CampaignConfig, address: str | None = None) -> Iterator[Non
     try:
         if remote:
             with _ray_init_guard():
-                _connect(remote)
+                _connect(addr)
         else:
             clean_leftovers()
             tmp = _own_temp_dir()

@@ -7,6 +7,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+import time
 import uuid
 
 import pytest
@@ -62,8 +63,13 @@ def test_without_the_token_one_line_names_the_address_and_the_variables(token_he
     store = Store(str(tmp_path / "camp"))
     store.write_new("campaign.yaml", to_yaml_text(micro_config()).encode())
     for auth in ({}, {"RAY_AUTH_MODE": "token", "RAY_AUTH_TOKEN": "wrong"}):  # no token; a wrong one
-        line = one_error(cli("seed", store.url, "--address", head.address, "--no-progress", env=client_env(**auth)))
+        t0 = time.monotonic()
+        out = cli("seed", store.url, "--address", head.address, "--no-progress", env=client_env(**auth))
+        took = time.monotonic() - t0
+        line = one_error(out)
         assert head.address in line and "RAY_AUTH_MODE=token" in line and "RAY_AUTH_TOKEN" in line, line
+        # refused by one GCS call before ray.init, which retried for 20 s with a warning each second
+        assert took < 15 and out.stderr.count("\n") <= 3, (took, out.stderr[-2000:])
     assert not store.exists("events.jsonl")  # nothing was started or written
 
 

@@ -1,0 +1,182 @@
+"""The Ray address a command connects to: --address, else RAY_ADDRESS, else a Ray of the command's own. Every form
+either works or is one SomaError within a bounded time: Ray itself retries an address that is wrong for minutes
+(the dashboard's port given for the GCS's hangs), and raises a traceback for a Jobs address (http://)."""
+
+from __future__ import annotations
+
+import os
+import re
+import socket
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from enum import StrEnum
+
+from soma_cluster.errors import SomaError
+
+PROBE_S = 10.0  # an address that does not answer as Ray fails in this long
+_SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
+_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^\s/:\[\]@]+)):(?P<port>\d{1,5})$")
+FORMS_HINT = (
+    "use HOST:PORT (the head's GCS, port 6379 by default), ray://HOST:10001 (Ray Client), auto (a Ray already "
+    "running on this machine), or no address for a local Ray"
+)
+
+
+class Form(StrEnum):
+    LOCAL = "local"  # no address, an empty one, or "local": a Ray of this command's own
+    AUTO = "auto"  # a Ray already running on this machine (Ray finds it)
+    GCS = "gcs"  # host:port of the head's GCS
+    CLIENT = "client"  # ray://host:port, Ray Client
+
+
+@dataclass(frozen=True)
+class Address:
+    form: Form
+    text: str = ""  # what ray.init is given
+    source: str = ""  # "--address" or "RAY_ADDRESS": named in every error
+    host: str = ""
+    port: int = 0
+
+    @property
+    def remote(self) -> bool:
+        return self.form is not Form.LOCAL
+
+    def named(self) -> str:
+        return f"--address {self.text}" if self.source == "--address" else f"RAY_ADDRESS={self.text}"
+
+
+def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
+    """The address's form from its text alone (no network). SomaError for a form soma cannot use."""
+    source, value = ("--address", address) if address is not None else ("RAY_ADDRESS", env.get("RAY_ADDRESS"))
+    text = (value or "").strip()
+    named = f"--address {text!r}" if source == "--address" else f"RAY_ADDRESS={text!r}"
+    if text in ("", "local"):
+        return Address(Form.LOCAL, source=source)
+    if text == "auto":
+        return Address(Form.AUTO, text, source)
+    form, rest = Form.GCS, text
+    if m := _SCHEME.match(text):
+        scheme, rest = m.group(1).lower(), m.group(2)
+        if scheme in ("http", "https"):
+            raise SomaError(
+                f"{named} is a Ray Jobs (dashboard) address, for `ray job submit`; soma connects to the cluster's "
+                f"GCS: pass --address HOST:6379 (or ray://HOST:10001), run the command as a job "
+                f"(ray job submit --address {text} -- soma ...; inside a job Ray sets the address), "
+                f"or unset RAY_ADDRESS for a local Ray"
+            )
+        if scheme != "ray":
+            raise SomaError(f"{named} is not a Ray address (scheme {scheme}://); {FORMS_HINT}")
+        form = Form.CLIENT
+    m = _HOSTPORT.match(rest)
+    if m is None or not 0 < int(m.group("port")) < 65536:
+        raise SomaError(f"{named} is not a Ray address; {FORMS_HINT}")
+    return Address(form, text, source, m.group("v6") or m.group("host"), int(m.group("port")))
+
+
+def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
+    """Fail within about timeout_s, in one line, unless something at the address speaks gRPC (Ray's GCS and Ray
+    Client do; the dashboard's HTTP does not). Local and auto are Ray's to resolve."""
+    if addr.form not in (Form.GCS, Form.CLIENT):
+        return
+    deadline = time.monotonic() + timeout_s
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
+            pass
+    except OSError as exc:
+        raise SomaError(
+            f"cannot reach a Ray cluster at {addr.text} ({exc.__class__.__name__}: {exc}); check --address / "
+            f"RAY_ADDRESS (the head's GCS, host:6379 by default)"
+        ) from None
+    if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
+        return  # a TLS cluster's handshake needs its certificates: ray.init checks it
+    state = _grpc_state(addr, max(1.0, deadline - time.monotonic()))
+    if state == "ready":
+        if addr.form is Form.GCS:
+            _check_token(addr, max(1.0, deadline - time.monotonic()))
+        return
+    if state == "refused" and _speaks_http(addr):
+        what = "an HTTP server answers there (Ray's dashboard and Jobs API listen on 8265; the GCS on 6379 by default)"
+    elif state == "refused":
+        what = "something accepts connections there but refuses Ray's protocol (gRPC)"
+    else:
+        what = f"something accepts connections there but does not answer as Ray (gRPC) within {timeout_s:.0f} s"
+    raise SomaError(
+        f"{addr.named()} is not a Ray cluster: {what}; pass the head's GCS address (HOST:6379) or ray://HOST:10001"
+    )
+
+
+def _grpc_state(addr: Address, timeout_s: float) -> str:
+    """Whether an HTTP/2 (gRPC) connection to the address becomes "ready", is "refused" (at once: an HTTP/1 server
+    refuses the handshake), or stays "silent" for timeout_s."""
+    import threading
+
+    import grpc
+
+    settled, seen = threading.Event(), []
+
+    def watch(state: grpc.ChannelConnectivity) -> None:
+        if state in (grpc.ChannelConnectivity.READY, grpc.ChannelConnectivity.TRANSIENT_FAILURE):
+            seen.append(state)
+            settled.set()
+
+    channel = grpc.insecure_channel(_target(addr))
+    try:
+        channel.subscribe(watch, try_to_connect=True)
+        if not settled.wait(timeout_s):
+            return "silent"
+        return "ready" if seen[0] is grpc.ChannelConnectivity.READY else "refused"
+    finally:
+        channel.unsubscribe(watch)
+        channel.close()
+
+
+def _check_token(addr: Address, timeout_s: float) -> None:
+    """One GCS call with the token Ray itself would send (its own loader and interceptor): a token-auth head refuses
+    a missing or wrong token at once, where ray.init retries for 20 s with a warning a second."""
+    import grpc
+
+    try:
+        from ray._private.authentication.grpc_authentication_client_interceptor import (
+            SyncAuthenticationMetadataClientInterceptor,
+        )
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+    except ImportError:  # another Ray: ray.init decides
+        return
+    raw = grpc.insecure_channel(_target(addr))
+    channel = grpc.intercept_channel(raw, SyncAuthenticationMetadataClientInterceptor())
+    try:
+        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
+            gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s
+        )
+    except grpc.RpcError as exc:
+        if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+            mode = os.environ.get("RAY_AUTH_MODE", "unset")
+            token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
+            raise SomaError(
+                f"Ray at {addr.text} ({addr.source}) refused this command's token ({exc.details()}): the cluster uses "
+                f"token authentication; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its "
+                f"token (here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})"
+            ) from None
+    finally:
+        raw.close()
+
+
+def _target(addr: Address) -> str:
+    return f"[{addr.host}]:{addr.port}" if ":" in addr.host else f"{addr.host}:{addr.port}"
+
+
+def _speaks_http(addr: Address, timeout_s: float = 2.0) -> bool:
+    try:
+        with socket.create_connection((addr.host, addr.port), timeout=timeout_s) as s:
+            s.sendall(b"GET / HTTP/1.0\r\nHost: soma\r\n\r\n")
+            return s.recv(16).startswith(b"HTTP/")
+    except OSError:
+        return False
+
+
+def ray_address(address: str | None) -> Address:
+    """--address, else RAY_ADDRESS: parsed and, for a cluster, probed. Commands call it before they write anything."""
+    addr = parse(address)
+    probe(addr)
+    return addr

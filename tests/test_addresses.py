@@ -1,0 +1,179 @@
+"""Every command that takes a Ray address, with every form of address an operator gives by mistake (generated from
+the CLI's own command list): each is one `error:` line naming the address and the fix, exit 2, within a bounded
+time, with nothing written. The servers are real and on 127.0.0.1: an HTTP server (what answers on the
+dashboard's port), a listener that accepts and never answers, and ports nothing listens at."""
+
+from __future__ import annotations
+
+import http.server
+import os
+import socket
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import typer.main
+from conftest import micro_config
+from rayhead import free_port
+from typer.testing import CliRunner
+
+from pipelines.cli import app
+from pipelines.rayaddress import PROBE_S, Form, parse
+from soma_cluster.config import to_yaml_text
+from soma_cluster.errors import SomaError
+
+BOUND_S = PROBE_S + 8  # the probe's bound, the CLI's start-up and a loaded 2-core host
+
+
+def address_commands() -> dict[str, list[str]]:
+    """Command name -> its positional arguments, for every command with an --address option."""
+    group = typer.main.get_command(app)
+    return {
+        name: [p.name for p in cmd.params if p.param_type_name == "argument" and p.required]
+        for name, cmd in group.commands.items()
+        if any("--address" in getattr(p, "opts", ()) for p in cmd.params)
+    }
+
+
+class QuietHandler(http.server.BaseHTTPRequestHandler):
+    def log_message(self, *args) -> None:  # the probe's requests are expected: no log line each
+        pass
+
+
+class QuietServer(http.server.ThreadingHTTPServer):
+    def handle_error(self, request, client_address) -> None:  # a probe that hangs up early is not an error
+        pass
+
+
+@pytest.fixture(scope="module")
+def servers():
+    """An HTTP server and a silent listener, both on loopback, for the module."""
+    web = QuietServer(("127.0.0.1", 0), QuietHandler)
+    threading.Thread(target=web.serve_forever, daemon=True).start()
+    silent = socket.socket()
+    silent.bind(("127.0.0.1", 0))
+    silent.listen(16)
+    yield {"http": web.server_address[1], "silent": silent.getsockname()[1]}
+    web.shutdown()
+    web.server_close()
+    silent.close()
+
+
+def forms(servers) -> dict[str, tuple[str, str]]:
+    """Name -> (address, a word the error line must hold)."""
+    http_port, silent_port, nobody = servers["http"], servers["silent"], free_port()
+    return {
+        "jobs-url": (f"http://127.0.0.1:{http_port}", "ray job submit"),
+        "jobs-url-tls": (f"https://127.0.0.1:{http_port}", "ray job submit"),
+        "dashboard-port": (f"127.0.0.1:{http_port}", "HTTP server"),
+        "silent-port": (f"127.0.0.1:{silent_port}", "does not answer"),
+        "nothing-listens": (f"127.0.0.1:{nobody}", "cannot reach"),
+        "client-nothing-listens": (f"ray://127.0.0.1:{nobody}", "cannot reach"),
+        "no-port": ("127.0.0.1", "not a Ray address"),
+        "port-out-of-range": ("127.0.0.1:70000", "not a Ray address"),
+        "other-scheme": ("s3://bucket:1", "not a Ray address"),
+        "spaces": ("my head node", "not a Ray address"),
+    }
+
+
+def quiet(name: str) -> list[str]:
+    cmd = typer.main.get_command(app).commands[name]
+    return ["--no-progress"] if any("--no-progress" in getattr(p, "opts", ()) for p in cmd.params) else []
+
+
+def positional(arg: str, tmp_path) -> str:
+    values = {"campaign": str(tmp_path / "camp"), "directory": str(tmp_path / "exp"), "name": "variance"}
+    assert arg in values, f"a command takes a new argument {arg!r}: give it a value here"
+    return values[arg]
+
+
+def tree(root) -> list[tuple[str, int]]:
+    return sorted(
+        (os.path.relpath(os.path.join(d, f), root), os.stat(os.path.join(d, f)).st_size)
+        for d, _, files in os.walk(root)
+        for f in files
+    )
+
+
+def refuse(argv, env, case):
+    """Run one command in-process (typer's runner: the same entry point, without a new interpreter's start-up)."""
+    before = tree(case)
+    t0 = time.monotonic()
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "300", **env})
+    took = time.monotonic() - t0
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (argv, env, result.stderr[-1500:], result.exception)
+    assert tree(case) == before, argv  # nothing written, not even a directory
+    return errors[0], took
+
+
+def test_every_address_command_refuses_every_wrong_address_fast_and_writes_nothing(tmp_path, servers):
+    commands = address_commands()
+    assert {"prepare", "seed", "launch", "resume", "plan", "demo", "experiment"} <= commands.keys()
+    rows = []
+    for name, args in commands.items():
+        for form, (address, needle) in forms(servers).items():
+            if form == "silent-port":
+                continue  # the same probe for every command, 10 s each: one command below
+            for via in ("--address", "RAY_ADDRESS"):
+                case = tmp_path / f"{name}-{form}-{via}"
+                (case / "camp").mkdir(parents=True)
+                (case / "camp" / "campaign.yaml").write_text(to_yaml_text(micro_config()))
+                argv = [name, *(positional(a, case) for a in args), *quiet(name)]
+                env = {"RAY_ADDRESS": address} if via == "RAY_ADDRESS" else {"RAY_ADDRESS": None}
+                line, took = refuse(argv if via == "RAY_ADDRESS" else [*argv, "--address", address], env, case)
+                assert needle in line and address.split()[0] in line and via in line, (name, form, via, line)
+                assert took < BOUND_S, (name, form, via, took)
+                rows.append((took, name, form, via))
+    print(f"\n{len(rows)} refusals, slowest {max(rows)}")
+
+
+def test_an_address_that_accepts_and_never_answers_is_refused_within_the_probe_bound(tmp_path, servers):
+    """The real CLI process, RAY_ADDRESS set to a listener that never speaks (a wrong port behind a firewall or
+    proxy): Ray would wait for minutes."""
+    (tmp_path / "camp").mkdir()
+    (tmp_path / "camp" / "campaign.yaml").write_text(to_yaml_text(micro_config()))
+    address = f"127.0.0.1:{servers['silent']}"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "seed", str(tmp_path / "camp"), "--no-progress"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env={**os.environ, "RAY_ADDRESS": address, "COLUMNS": "300"},
+    )
+    took = time.monotonic() - t0
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1 and "Traceback" not in proc.stderr, proc.stderr[-2000:]
+    assert f"RAY_ADDRESS={address}" in errors[0] and "does not answer" in errors[0], errors[0]
+    assert took < BOUND_S, took
+    assert sorted(p.name for p in (tmp_path / "camp").iterdir()) == ["campaign.yaml"]
+
+
+@pytest.mark.parametrize(
+    "text,form",
+    [
+        (None, Form.LOCAL),
+        ("", Form.LOCAL),
+        ("local", Form.LOCAL),
+        ("  auto ", Form.AUTO),
+        ("10.0.0.5:6379", Form.GCS),
+        ("head.svc.cluster.local:6379", Form.GCS),
+        ("[fd00::1]:6379", Form.GCS),
+        ("ray://head:10001", Form.CLIENT),
+        ("RAY://head:10001", Form.CLIENT),
+    ],
+)
+def test_the_forms_ray_accepts_parse(text, form):
+    assert parse(text, {}).form is form
+    assert parse(None, {"RAY_ADDRESS": text} if text is not None else {}).form is form
+
+
+@pytest.mark.parametrize(
+    "text", ["http://h:8265", "HTTPS://h", "h", "h:0", "h:65536", ":6379", "h:63a", "a b:1", "x://h:1"]
+)
+def test_other_forms_are_refused_by_their_text(text):
+    with pytest.raises(SomaError, match="address"):
+        parse(text, {})
