@@ -278,3 +278,47 @@ def test_docs_submit_the_driver_as_a_ray_job():
         r"ray job submit[^\n]*-- soma resume", text
     )
     assert "--tmux" not in text and "ray://" not in text.replace("Not as a `ray://` client", "")
+
+
+def kuberay_pod_labels(cluster_name: str, node_type: str, group: str, template: dict) -> dict[str, str]:
+    """The labels KubeRay v1.4 puts on a head or worker pod (ray-operator/controllers/ray/common/pod.go, names from
+    utils/constant.go), over the template's own."""
+    return {
+        **(template.get("metadata", {}).get("labels") or {}),
+        "ray.io/cluster": cluster_name,
+        "ray.io/node-type": node_type,
+        "ray.io/group": group,
+        "ray.io/identifier": f"{cluster_name}-{node_type}",
+        "ray.io/is-ray-node": "yes",
+        "app.kubernetes.io/name": "kuberay",
+        "app.kubernetes.io/created-by": "kuberay-operator",
+    }
+
+
+def ray_pods(cluster_name: str, spec: dict) -> list[dict[str, str]]:
+    pods = [kuberay_pod_labels(cluster_name, "head", "headgroup", spec["headGroupSpec"]["template"])]
+    for group in spec.get("workerGroupSpecs", []):
+        pods.append(kuberay_pod_labels(cluster_name, "worker", group["groupName"], group["template"]))
+    return pods
+
+
+def test_the_podmonitor_scrapes_every_ray_pod_of_every_cluster_and_no_submitter():
+    """A RayJob's cluster is named <rayjob>-<5 random characters> (utils.GenerateRayClusterName): a selector on
+    the cluster's name never matches it. Every head and worker pod the manifests make must match; the RayJob's
+    submitter pod (a K8s Job's, without the Ray node label) must not."""
+    [(_, monitor)] = by_kind("PodMonitor")
+    selector = monitor["spec"]["selector"]["matchLabels"]
+    assert "ray.io/cluster" not in selector, selector
+    pods = [pod for path, doc in by_kind("RayCluster") for pod in ray_pods(doc["metadata"]["name"], doc["spec"])]
+    for _, job in by_kind("RayJob"):
+        if "rayClusterSpec" in job["spec"]:
+            pods += ray_pods(f"{job['metadata']['name']}-x7k2q", job["spec"]["rayClusterSpec"])
+            submitter = (job["spec"].get("submitterPodTemplate") or {}).get("metadata", {}).get("labels") or {}
+            assert not selector.items() <= submitter.items(), submitter
+    assert len(pods) >= 6
+    for pod in pods:
+        assert selector.items() <= pod.items(), (selector, pod)
+    endpoint = monitor["spec"]["podMetricsEndpoints"][0]
+    assert endpoint["port"] == "metrics"
+    targets = {r["targetLabel"] for r in endpoint.get("relabelings", [])}
+    assert "ray_cluster" in targets  # campaigns on different clusters stay apart on the dashboard
