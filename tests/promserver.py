@@ -31,7 +31,9 @@ class Prometheus:
         self.port = _free_port()
         config = {
             "global": {"scrape_interval": f"{scrape_s:g}s", "evaluation_interval": f"{scrape_s:g}s"},
-            "scrape_configs": [{"job_name": "ray", "file_sd_configs": [{"files": [sd_file], "refresh_interval": "1s"}]}],
+            "scrape_configs": [
+                {"job_name": "ray", "file_sd_configs": [{"files": [sd_file], "refresh_interval": "1s"}]},
+            ],
         }
         (self.root / "prometheus.yml").write_text(json.dumps(config))  # JSON is YAML
         self._log = open(self.root / "prometheus.log", "wb")  # noqa: SIM115 (closed in stop, after the process)
