@@ -92,7 +92,7 @@ where it had taken 5.6-6.6 s. Paired medians, paper-small:
   (0.79-0.82). The ratio is near its ceiling on this host: the fixed-malloc peer runs at 0.21-0.26 of sgemm, so
   4x would need ours at 0.84-1.04 of sgemm with the nonlinearities (gates, GELU, LayerNorm, softmax: about a
   quarter of the kernel's time at d = 32, not counted as useful FLOPs) included.
-"""
+"""  # noqa: E501  (the measurement tables above are kept as printed)
 
 from __future__ import annotations
 
@@ -218,9 +218,10 @@ def paired(fns: dict, repeats: int) -> dict[str, list[float]]:
 
 
 def _vm_hwm_mib() -> float:
-    for line in open("/proc/self/status"):
-        if line.startswith("VmHWM:"):
-            return int(line.split()[1]) / 1024
+    with open("/proc/self/status") as fh:
+        for line in fh:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
     return float(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss) / 1024
 
 
@@ -255,7 +256,9 @@ def packed_vs_separate(g_experts=16, b=8, t=256, n_pert=8):
         for e in range(g_experts):
             gen = torch.Generator().manual_seed(e)
             st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), False, 1e-3, 1e-3)
-            out.append(Trainer(cfg, spsa, Shard(e, t + 1, [rows], [rows[:4]]), st, 0, e, torch.device("cpu"), 4))
+            shard = Shard(e, t + 1, [rows], [rows[:4]])
+            cpu = torch.device("cpu")
+            out.append(Trainer(model=cfg, spsa=spsa, shard=shard, state=st, seed=0, expert=e, device=cpu, val_rows=4))
         return out
 
     sep, pk = trainers(), trainers()
@@ -285,11 +288,12 @@ def torch_path(fn):
 
 
 def steady_malloc(leave: bool = False) -> str:
-    """Fix glibc malloc's thresholds for the whole run, unless `leave` (--default-malloc); says which. By default glibc serves large blocks with fresh mmaps and raises
-    that threshold as blocks are freed, so whether the peer's activations (MBs per nn.LSTM call) come from reused heap
-    or from freshly zeroed pages depends on the process's history: in one process of four the same peer update took
-    17 s, in the others 25 s, a third of it in the kernel zeroing pages. With the thresholds fixed (what
-    MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ do) every process gets the fast peer."""
+    """Fix glibc malloc's thresholds for the whole run, unless `leave` (--default-malloc); says which. By default
+    glibc serves large blocks with fresh mmaps and raises that threshold as blocks are freed, so whether the peer's
+    activations (MBs per nn.LSTM call) come from reused heap or from freshly zeroed pages depends on the process's
+    history: in one process of four the same peer update took 17 s, in the others 25 s, a third of it in the kernel
+    zeroing pages. With the thresholds fixed (what MALLOC_MMAP_THRESHOLD_ and MALLOC_TRIM_THRESHOLD_ do) every
+    process gets the fast peer."""
     if leave:
         return "glibc malloc as it comes (--default-malloc)"
     try:
@@ -318,7 +322,8 @@ def main() -> None:
     print(steady_malloc(args.default_malloc), flush=True)
     sgemm = [sgemm_flops()]
     print(
-        f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s (best of 5, n=4096); "
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads; sgemm {sgemm[0] / 1e9:.1f} GFLOP/s "
+        "(best of 5, n=4096); "
         f"load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
@@ -342,30 +347,35 @@ def main() -> None:
     sgemm.append(sgemm_flops())
     peak = max(sgemm)
     print(
-        f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): using {peak / 1e9:.1f}; "
+        f"\nsgemm {', '.join(f'{s / 1e9:.1f}' for s in sgemm)} GFLOP/s (best of 5, n=4096, before/after): "
+        f"using {peak / 1e9:.1f}; "
         f"load average {os.getloadavg()[0]:.2f}\n"
     )
     print(
-        "| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) | useful/sgemm, median (best) |"
+        "| shape | code | s/update, median (min-max) | ratio to peer, median of paired (per repeat) "
+        "| useful/sgemm, median (best) |"
     )
     print("|---|---|---|---|---|")
     for name, flops, secs in results:
         peer = secs["peer nn.LSTM loop"]
         for k, v in secs.items():
-            ratios = [p / s for p, s in zip(peer, v)]
+            ratios = [p / s for p, s in zip(peer, v, strict=True)]
+            useful = f"{flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f})"
             print(
-                f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | {statistics.median(ratios):.2f}x "
-                f"({', '.join(f'{r:.2f}' for r in ratios)}) | {flops / statistics.median(v) / peak:.3f} ({flops / min(v) / peak:.3f}) |"
+                f"| {name} | {k} | {statistics.median(v):.2f} ({min(v):.2f}-{max(v):.2f}) | "
+                f"{statistics.median(ratios):.2f}x ({', '.join(f'{r:.2f}' for r in ratios)}) | {useful} |"
             )
     if args.no_extras:
         return
     t_sep, t_pk = packed_vs_separate()
     print(
-        f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, ratio {t_sep / t_pk:.2f}x"
+        f"\nG=16 tiny experts: 16 separate updates {t_sep:.2f} s, one packed update {t_pk:.2f} s, "
+        f"ratio {t_sep / t_pk:.2f}x"
     )
     base, peak_mib = peak_memory_mb(32, 64, 1023, 64, 16)
     print(
-        f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the process after imports)"
+        f"peak RSS of one paper-small update (chunk 16): {peak_mib:.0f} MiB ({peak_mib - base:.0f} MiB above the "
+        "process after imports)"
     )
 
 

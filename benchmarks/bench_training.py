@@ -101,7 +101,12 @@ def pack(label: str, n: int, d: int, head: str, g: int, spsa: SPSAConfig) -> lis
     for e in range(g):
         gen = torch.Generator().manual_seed(e)
         st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), head == "own", spsa.eps, spsa.lr)
-        out.append(Trainer(cfg, spsa, Shard(e, spsa.seq_len + 1, [rows], [rows[:4]]), st, 0, e, torch.device("cpu"), 4))
+        shard = Shard(e, spsa.seq_len + 1, [rows], [rows[:4]])
+        out.append(
+            Trainer(
+                model=cfg, spsa=spsa, shard=shard, state=st, seed=0, expert=e, device=torch.device("cpu"), val_rows=4
+            )
+        )
     return out
 
 
@@ -152,10 +157,11 @@ def main() -> None:
     print("|---|---|---|---|---|")
     for label, (params, _) in packs.items():
         r = rates[label]
-        vs_mono = statistics.median(a / b for a, b in zip(r, mono))
-        vs_n8 = statistics.median(a / b for a, b in zip(r, n8))
+        vs_mono = statistics.median(a / b for a, b in zip(r, mono, strict=True))
+        vs_n8 = statistics.median(a / b for a, b in zip(r, n8, strict=True))
         print(
-            f"| {label} | {params:,} | {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f}) | {vs_mono:.2f}x | {vs_n8:.2f}x |"
+            f"| {label} | {params:,} | {statistics.median(r):,.0f} ({min(r):,.0f}-{max(r):,.0f}) | "
+            f"{vs_mono:.2f}x | {vs_n8:.2f}x |"
         )
 
 

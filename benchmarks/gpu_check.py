@@ -153,7 +153,8 @@ def trainers(cfg: ModelConfig, spsa: SPSAConfig, g: int, device: torch.device) -
         gen = torch.Generator().manual_seed(e)
         st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), cfg.head == "own", spsa.eps, spsa.lr)
         st = TrainState.restore(st.tensors(), st.scalars(), device)
-        out.append(Trainer(cfg, spsa, Shard(e, spsa.seq_len + 1, [rows], [rows[:4]]), st, 0, e, device, 4))
+        shard = Shard(e, spsa.seq_len + 1, [rows], [rows[:4]])
+        out.append(Trainer(model=cfg, spsa=spsa, shard=shard, state=st, seed=0, expert=e, device=device, val_rows=4))
     return out
 
 
@@ -180,17 +181,18 @@ def check_equal(device, smoke: bool, size: dict) -> bool:
             with fused_off() if smoke else nullcontext():
                 dev_loss = [s.loss for _ in range(2) for s in update_experts(dev)]
         start = trainers(cfg, spsa, g, CPU)
-        loss = max(abs(a - c) for a, c in zip(ref_loss, dev_loss))
-        moment = max(rel(d.state.body_opt.m, r.state.body_opt.m) for r, d in zip(ref, dev))
+        loss = max(abs(a - c) for a, c in zip(ref_loss, dev_loss, strict=True))
+        moment = max(rel(d.state.body_opt.m, r.state.body_opt.m) for r, d in zip(ref, dev, strict=True))
         move = min(
-            cos(d.state.body.cpu() - s.state.body, r.state.body - s.state.body) for r, d, s in zip(ref, dev, start)
+            cos(d.state.body.cpu() - s.state.body, r.state.body - s.state.body)
+            for r, d, s in zip(ref, dev, start, strict=True)
         )
         if cfg.head == "own":
             move = min(
                 move,
                 *(
                     cos(d.state.head.cpu() - s.state.head, r.state.head - s.state.head)
-                    for r, d, s in zip(ref, dev, start)
+                    for r, d, s in zip(ref, dev, start, strict=True)
                 ),
             )
         good = loss <= TOL["loss"] and moment <= TOL["moment"] and move >= TOL["move_cos"]
@@ -351,7 +353,8 @@ def main() -> None:
     if "tf32" not in skip:
         check_tf32(device, size)
     print(
-        "\n| check | setting | result | seconds | byte-tokens/s | peak GPU MiB | verdict |\n|---|---|---|---|---|---|---|"
+        "\n| check | setting | result | seconds | byte-tokens/s | peak GPU MiB | verdict |"
+        "\n|---|---|---|---|---|---|---|"
     )
     for r in ROWS:
         print("| " + " | ".join(r) + " |")
