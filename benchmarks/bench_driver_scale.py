@@ -64,7 +64,7 @@ Reading: without reuse, a campaign of short experts is bounded by how fast the h
 it by G (0.34-0.49 ms per expert heartbeat at G = 4), as before the rebuild (old: 1.72x and 0.38 ms). The G=1
 no-reuse rows are the noisiest (each actor start competes with the other sessions' processes). Ray Tune on the same
 trials: 1.86x the Driver's wall at N = 256 and 1.46x at N = 1,024 (G=1, no reuse; 7.7x the Driver with reuse).
-"""
+"""  # noqa: E501  (the measurement tables above are kept as printed)
 
 from __future__ import annotations
 
@@ -93,7 +93,8 @@ from workers import SCHEDULING  # noqa: E402
 
 
 class StandInTrainer:
-    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract and typed reports, sleeps instead of training.
+    """STAND-IN for workers.ExpertWorker: same setup()/run_chunk() contract and typed reports, sleeps instead of
+    training.
 
     A pack of G experts (resources.experts_per_actor) sleeps as long per chunk as one expert: it stands for
     G small experts that each underfill a GPU and share its passes (what packing is for)."""
@@ -164,14 +165,14 @@ RemoteStandIn = ray.remote(StandInTrainer)
 def stand_in_factory(target: int, sec_per_update: float):
     """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
 
-    def start(url, storage_options, experts, attempts, num_gpus, num_cpus, name=None, placement="pack", **_):
+    def start(*, campaign_url, storage_options, experts, attempts, num_gpus, num_cpus, placement="pack", **_):
         return RemoteStandIn.options(
             num_gpus=num_gpus,
             num_cpus=num_cpus,
             max_restarts=0,
             max_task_retries=0,
             scheduling_strategy=SCHEDULING[placement],
-        ).remote(url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
+        ).remote(campaign_url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
 
     return start
 
@@ -240,7 +241,7 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
         first, rest = Driver._block(list(owner))
         t = time.perf_counter()
         ready = also_ready(first, rest)
-        for ref, _ in zip(ready, ray.get(ready, timeout=60)):
+        for ref, _ in zip(ready, ray.get(ready, timeout=60), strict=True):
             a = owner.pop(ref)
             owner[a.run_chunk.remote(10)] = a
         done += len(ready)
@@ -343,7 +344,8 @@ def main() -> None:
         "--max-pending",
         nargs="+",
         default=["default"],
-        help="resources.max_pending values to run each G with ('default': every remaining job queued at once, 0 with reuse)",
+        help="resources.max_pending values to run each G with ('default': every remaining job queued at once, "
+        "0 with reuse)",
     )
     p.add_argument("--no-tune", action="store_true")
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
@@ -390,15 +392,17 @@ def main() -> None:
                 rows.append((name, n, g, actors, ideal, max(ideal, actors / rate), r))
                 print(f"  done: {name} N={n} in {r['wall']:.1f} s", flush=True)
         print(
-            "\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound | actor start s "
-            "| wall/(ideal+start) | driver loop ms/heartbeat | log writer thread ms/heartbeat | driver process CPU ms/heartbeat |"
+            "\n| system | N | actors | slots | ideal s | spawn bound s | wall s | wall/ideal | wall/bound "
+            "| actor start s | wall/(ideal+start) | driver loop ms/heartbeat | log writer thread ms/heartbeat "
+            "| driver process CPU ms/heartbeat |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
-        for name, n, g, actors, ideal, bound, r in rows:
+        for name, n, _g, actors, ideal, bound, r in rows:
             with_start = ideal + actors * r["start_s"] / slots  # slots are held while an actor starts, too
             print(
-                f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | {r['wall'] / ideal:.2f} | "
-                f"{r['wall'] / bound:.2f} | {r['start_s']:.2f} | {r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
+                f"| {name} | {n} | {actors} | {slots} | {ideal:.1f} | {bound:.1f} | {r['wall']:.1f} | "
+                f"{r['wall'] / ideal:.2f} | {r['wall'] / bound:.2f} | {r['start_s']:.2f} | "
+                f"{r['wall'] / with_start:.2f} | {r['collect_ms']:.3f} | "
                 f"{r['append_ms']:.3f} | {r['cpu_ms']:.2f} |"
             )
         for name, n, g, *_, r in rows:
