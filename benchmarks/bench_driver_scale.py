@@ -132,14 +132,14 @@ RemoteStandIn = ray.remote(StandInTrainer)
 def stand_in_factory(target: int, sec_per_update: float):
     """An actor factory with start_worker's signature, for Driver(actor_factory=...)."""
 
-    def start(url, storage_options, experts, attempts, num_gpus, num_cpus, name=None, placement="pack", **_):
+    def start(*, campaign_url, storage_options, experts, attempts, num_gpus, num_cpus, placement="pack", **_):
         return RemoteStandIn.options(
             num_gpus=num_gpus,
             num_cpus=num_cpus,
             max_restarts=0,
             max_task_retries=0,
             scheduling_strategy=SCHEDULING[placement],
-        ).remote(url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
+        ).remote(campaign_url, storage_options, experts, attempts, num_gpus, target, sec_per_update)
 
     return start
 

@@ -180,7 +180,9 @@ def packed_vs_separate(g_experts=16, b=8, t=256, n_pert=8):
         for e in range(g_experts):
             gen = torch.Generator().manual_seed(e)
             st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), False, 1e-3, 1e-3)
-            out.append(Trainer(cfg, spsa, Shard(e, t + 1, [rows], [rows[:4]]), st, 0, e, torch.device("cpu"), 4))
+            shard = Shard(e, t + 1, [rows], [rows[:4]])
+            cpu = torch.device("cpu")
+            out.append(Trainer(model=cfg, spsa=spsa, shard=shard, state=st, seed=0, expert=e, device=cpu, val_rows=4))
         return out
 
     sep, pk = trainers(), trainers()

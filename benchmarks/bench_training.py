@@ -49,7 +49,12 @@ def pack(label: str, n: int, d: int, head: str, g: int, spsa: SPSAConfig) -> lis
     for e in range(g):
         gen = torch.Generator().manual_seed(e)
         st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), head == "own", spsa.eps, spsa.lr)
-        out.append(Trainer(cfg, spsa, Shard(e, spsa.seq_len + 1, [rows], [rows[:4]]), st, 0, e, torch.device("cpu"), 4))
+        shard = Shard(e, spsa.seq_len + 1, [rows], [rows[:4]])
+        out.append(
+            Trainer(
+                model=cfg, spsa=spsa, shard=shard, state=st, seed=0, expert=e, device=torch.device("cpu"), val_rows=4
+            )
+        )
     return out
 
 

@@ -153,7 +153,8 @@ def trainers(cfg: ModelConfig, spsa: SPSAConfig, g: int, device: torch.device) -
         gen = torch.Generator().manual_seed(e)
         st = TrainState.fresh(init_body(cfg, gen), init_head(cfg, gen), cfg.head == "own", spsa.eps, spsa.lr)
         st = TrainState.restore(st.tensors(), st.scalars(), device)
-        out.append(Trainer(cfg, spsa, Shard(e, spsa.seq_len + 1, [rows], [rows[:4]]), st, 0, e, device, 4))
+        shard = Shard(e, spsa.seq_len + 1, [rows], [rows[:4]])
+        out.append(Trainer(model=cfg, spsa=spsa, shard=shard, state=st, seed=0, expert=e, device=device, val_rows=4))
     return out
 
 

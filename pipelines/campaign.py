@@ -258,12 +258,12 @@ class Driver:
         r, unit = self.cfg.resources, a.unit
         attempts = [c.attempt for c in unit.accounts.values()]
         return self.start_actor(
-            self.store.url,
-            self.store.storage_options,
-            [j.expert for j in unit.jobs],
-            attempts,
-            r.num_gpus,
-            r.num_cpus,
+            campaign_url=self.store.url,
+            storage_options=self.store.storage_options,
+            experts=[j.expert for j in unit.jobs],
+            attempts=attempts,
+            num_gpus=r.num_gpus,
+            num_cpus=r.num_cpus,
             name=actor_name(self.campaign_id, unit.name, attempts[0]),
             placement=r.placement,
             requested_at=time.time(),

@@ -27,12 +27,12 @@ from soma_cluster.events import history
 from soma_cluster.experiments import ExperimentSpec, arm_configs, load_spec
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import Layout, campaign_param_count
+from soma_cluster.recipes import job_trainer, start_state
 from soma_cluster.schedule import Job
 from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store
-from soma_cluster.trainer import Trainer, pick_device
+from soma_cluster.trainer import pick_device
 from soma_cluster.variance import model_ratio, separable_ratio
-from workers.expert_worker import start_state, training_method
 
 MARKER = "experiment.json"
 
@@ -115,16 +115,8 @@ def _model_variance(store: Store, cfg: CampaignConfig, draws: int, seed: int) ->
     batch of its own shard (the state SOMA's expert stage starts from)."""
     device = pick_device()
     trainers = [
-        Trainer(
-            cfg.model,
-            cfg.spsa,
-            open_shard(store, e),
-            start_state(store, cfg, Job(e), device),
-            cfg.seed,
-            e,
-            device,
-            cfg.spsa.batch,
-            training_method(cfg, Job(e)),
+        job_trainer(
+            cfg, Job(e), open_shard(store, e), start_state(store, cfg, Job(e), device), device, val_rows=cfg.spsa.batch
         )
         for e in range(cfg.n_experts)
     ]

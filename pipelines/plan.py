@@ -29,19 +29,18 @@ from soma_cluster.errors import DeviceError, SomaError
 from soma_cluster.events import seed_done
 from soma_cluster.ledger import Ledger
 from soma_cluster.plan import predict
+from soma_cluster.recipes import expert_start, job_shard, job_trainer, start_state
 from soma_cluster.schedule import POLL_S, SEED_JOB, Job
-from soma_cluster.shards import open_shard
 from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, TrainState, pick_device, update_experts
-from workers.expert_worker import expert_start, start_state, training_method, union_shard
 
 CALIBRATION = "plan/calibration.json"
 PLAN = "plan/plan.json"
 
 
 def _state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) -> TrainState:
-    """What the worker starts from (workers.expert_worker.start_state); an expert planned before the seed is trained
-    starts from a fresh seed-shaped model instead (the same shapes, so the same timings)."""
+    """What the worker starts from (soma_cluster.recipes.start_state); an expert planned before the seed is
+    trained starts from a fresh seed-shaped model instead (the same shapes, so the same timings)."""
     if job.expert is None or has_checkpoint(store, SEED_JOB.model_dir):
         return start_state(store, cfg, job, device)
     fresh = start_state(store, cfg, SEED_JOB, device)
@@ -49,18 +48,8 @@ def _state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) ->
 
 
 def _trainer(store: Store, cfg: CampaignConfig, job: Job, device: torch.device, cache: str) -> Trainer:
-    shard = union_shard(store, cfg.n_experts, cache) if job.expert is None else open_shard(store, job.expert, cache)
-    return Trainer(
-        cfg.model,
-        cfg.spsa,
-        shard,
-        _state(store, cfg, job, device),
-        cfg.seed,
-        -1 if job.expert is None else job.expert,
-        device,
-        cfg.train.val_batches * cfg.spsa.batch,
-        training_method(cfg, job),
-    )
+    shard = job_shard(store, cfg, job, cache)
+    return job_trainer(cfg, job, shard, _state(store, cfg, job, device), device)
 
 
 def _timed(fn, repeat: int = 1, min_s: float = 0.0, most: int = 50) -> tuple[float, int]:
@@ -217,10 +206,12 @@ def render(p: dict, unit: str) -> str:
         f"plan for {p['campaign']} on {p['gpus']:g} GPUs: {p['slots']} actors at once, {p['actors']} actors of "
         f"{p['experts_per_actor']} expert(s)"
         + (f", {p['cpu_contention']:.2f}x CPU contention ({p['cores']} cores)" if p["cpu_contention"] > 1 else ""),
-        f"calibration ({c['device']}{' on ' + c['node'] if c.get('node') else ''}, {c['updates_timed']} timed updates): packed update {c['packed_update_s']:.4f} s, "
+        f"calibration ({c['device']}{' on ' + c['node'] if c.get('node') else ''}, {c['updates_timed']} timed "
+        f"updates): packed update {c['packed_update_s']:.4f} s, "
         f"validation {c['val_s']:.4f} s, checkpoint {c['checkpoint_s']:.4f} s, load {c['load_s']:.2f} s, "
         f"actor start-up {c['startup_s']:.2f} s",
-        f"{unit}: seed {h['seed']:.4f}{' (spent)' if p['seed_trained'] else ''}, expert training {h['expert_training']:.4f}, "
+        f"{unit}: seed {h['seed']:.4f}{' (spent)' if p['seed_trained'] else ''}, "
+        f"expert training {h['expert_training']:.4f}, "
         f"seed + experts {h['training_total']:.4f} (preprocessing spent {h['preprocessing']:.4f}; wasted and preempted "
         f"not predicted)",
         f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s",

@@ -13,12 +13,13 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator, Protocol
+from typing import Iterator
 
 import numpy as np
 
 from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, progress
+from pipelines.prepare_engine import Engine, Routed
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Part, describe_counts, describe_skipped, no_text_error, plan_parts
 from soma_cluster.errors import SomaError
@@ -39,21 +40,6 @@ from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import expert_name, val_every, write_manifests
 from soma_cluster.storage import Store, sha256
-
-
-class Engine(Protocol):
-    """Runs the per-part work over every part, returning results in the order of `parts`; the driver (prepare_with)
-    decides from what it returns."""
-
-    stage: Store
-
-    def read(self, parts: list[Part], keep_keys: int) -> list[PartStats]: ...
-    def sample(self, parts: list[int], below: int) -> tuple[np.ndarray, list[bytes]]: ...
-    def embed(self, router: Router, parts: list[int], below: int | None) -> tuple[np.ndarray, np.ndarray]: ...
-    def count(self, router: Router, parts: list[int]) -> np.ndarray: ...
-    def write(
-        self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray
-    ) -> list[dict]: ...
 
 
 class LocalEngine:
@@ -93,15 +79,16 @@ class LocalEngine:
                 bar.advance(task)
         return np.concatenate(keys), np.concatenate(emb)
 
-    def count(self, router: Router, parts: list[int]) -> np.ndarray:
-        return np.stack([count_part(router, self.stage, p, self.cache) for p in parts])
+    def count(self, router: Router, parts: list[int]) -> tuple[np.ndarray, Routed]:
+        return np.stack([count_part(router, self.stage, p, self.cache) for p in parts]), Routed(router)
 
     def write(
-        self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray
+        self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray
     ) -> list[dict]:
+        shards = cfg.shards
         return [
-            write_part(router, self.stage, store, p, b, cfg.shards.val_fraction, cfg.shards.rows_per_file, self.cache)
-            for p, b in zip(parts, before)
+            write_part(routed.router, self.stage, store, p, b, shards.val_fraction, shards.rows_per_file, self.cache)
+            for p, b in zip(parts, before, strict=True)
         ]
 
 
@@ -126,12 +113,14 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         raise no_text_error(cfg.corpus, skipped)
     if not n_windows:
         raise SomaError(
-            f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {cfg.eval.window_bytes}-byte evaluation window; "
+            f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {cfg.eval.window_bytes}-byte "
+            "evaluation window; "
             "add data or raise corpus.test_fraction"
         )
     console.print(
-        f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} part{'s' * (len(stats) > 1)}; "
-        f"{n_seqs} train sequences, {n_windows} test windows from {n_test} held-out documents{describe_skipped(skipped, 3)}"
+        f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} "
+        f"part{'s' * (len(stats) > 1)}; {n_seqs} train sequences, {n_windows} test windows from {n_test} held-out "
+        f"documents{describe_skipped(skipped, 3)}"
     )
     return {
         "documents": n_docs,
@@ -178,13 +167,15 @@ def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
     if n_val < 1:
         need = math.ceil(1000 / max(n, 2)) / 1000  # round(1 / fraction) <= n puts one of its n sequences in val
         raise SomaError(
-            f"{expert_name(e)} would get {n} sequences and 0 val: shards.val_fraction={cfg.shards.val_fraction} puts one in "
+            f"{expert_name(e)} would get {n} sequences and 0 val: shards.val_fraction={cfg.shards.val_fraction} "
+            "puts one in "
             f"every {every} in val; raise shards.val_fraction to {need} or more (or add data, or lower n_experts)"
         )
     spread = size_spread(sizes)
     if cfg.router.rule == "balanced" and spread > cfg.router.balance_tolerance:
         raise SomaError(
-            f"router: the balanced rule gives shards of {sizes.min()}-{sizes.max()} sequences ({spread:.1%} from the mean), over "
+            f"router: the balanced rule gives shards of {sizes.min()}-{sizes.max()} sequences ({spread:.1%} from "
+            "the mean), over "
             f"router.balance_tolerance={cfg.router.balance_tolerance} (identical chunks always share a shard); "
             "raise the tolerance, lower n_experts or add data"
         )
@@ -207,11 +198,26 @@ def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> di
         return store.read_json("shards/manifest.json")
     claim_campaign(store, cfg, write=False)  # refuse a foreign directory before reading any data
     if resolve_engine(cfg, address) == "ray":
-        from pipelines.prepare_ray import prepare_on_ray
-
-        return prepare_on_ray(store, cfg, address)
+        return _prepare_on_ray(store, cfg, address)
     with undone_on_failure(store), store.scratch() as tmp:
         return prepare_with(LocalEngine(cfg, tmp), store, cfg)
+
+
+def _prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
+    """prepare_with on the Ray engine (pipelines.prepare_ray), inside a Ray session (address, RAY_ADDRESS, else a
+    local Ray). The campaign is claimed first (staging lives under it); a failure removes the staging and
+    whatever this run added to the campaign (undone_on_failure)."""
+    from pipelines.prepare_ray import STAGING, RayEngine, quiet_ray_data  # Ray and Ray Data only when asked for
+    from pipelines.raysession import ray_session
+
+    try:
+        with undone_on_failure(store):
+            claim_campaign(store, cfg)
+            with ray_session(cfg, address):
+                quiet_ray_data()
+                return prepare_with(RayEngine(store, cfg), store, cfg)
+    finally:
+        store.remove_tree(STAGING.split("/")[0])
 
 
 @contextmanager
@@ -231,7 +237,8 @@ def undone_on_failure(store: Store) -> Iterator[None]:
                 os.rmdir(store.root)
         except Exception as exc:  # the first error is the one to report; say what is left behind
             console.print(
-                f"could not undo the failed prepare in {store.url} ({type(exc).__name__}: {exc}); remove what it wrote there"
+                f"could not undo the failed prepare in {store.url} ({type(exc).__name__}: {exc}); "
+                "remove what it wrote there"
             )
         raise
 
@@ -265,7 +272,8 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     n_seqs = corpus_info["train_sequences"]
     if n_seqs < cfg.n_experts:
         raise SomaError(
-            f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than n_experts={cfg.n_experts}; lower n_experts or add data"
+            f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than "
+            f"n_experts={cfg.n_experts}; lower n_experts or add data"
         )
     with_seqs = [st.part for st in stats if st.seqs]
     lowest_keys = lowest(np.concatenate([st.lowest_keys for st in stats]), keep)
@@ -287,7 +295,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         router = replace(router, offsets=fit_offsets(emb, router.centroids, router.offsets))
     del emb
     lap("refit")
-    per_part = engine.count(router, with_seqs)  # (parts, N): each expert's sequences in each part
+    per_part, routed = engine.count(router, with_seqs)  # (parts, N): each expert's sequences in each part
     sizes = per_part.sum(axis=0)
     lap("count")
     _check_sizes(cfg, sizes)
@@ -298,7 +306,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     save_router(store, router)
     before = np.cumsum(per_part, axis=0) - per_part  # an expert's sequences in the parts before each
     manifests = write_manifests(
-        store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, router, with_seqs, before)
+        store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, routed, with_seqs, before)
     )
     _publish_windows(store, engine.stage, stats, cfg)
     lap("write")
@@ -336,6 +344,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     )
     for e, terms in enumerate(router.top_terms):
         console.print(
-            f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  top terms: {', '.join(terms[:8])}"
+            f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  "
+            f"top terms: {', '.join(terms[:8])}"
         )
     return summary

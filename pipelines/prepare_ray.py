@@ -1,9 +1,10 @@
 """The Ray engine of `soma prepare`: soma_cluster.parts' per-part work as Ray Data operators on the cluster's CPU
 workers, driven by pipelines.prepare.prepare_with (the same driver as the local engine, hence the same campaign).
+It knows the driver only by what pipelines.prepare_engine says an engine is asked for and hands back.
 
 - read: one task per part reads its files (local paths every node sees, or s3://), packs them and stages the
-  train sequences and test windows under the campaign's hidden .soma-staging/ prefix; only counts and each part's lowest keys
-  come back to the driver.
+  train sequences and test windows under the campaign's hidden .soma-staging/ prefix; only counts and each part's
+  lowest keys come back to the driver.
 - sample: tasks send back the router's fit sample (the sequences of lowest key).
 - embed, count, write: tasks on the same pool of worker processes, each of which loads the router once from the
   staged router files (never a pickled sklearn object; Ray reuses a task's process, and an actor pool per stage
@@ -29,9 +30,8 @@ from dataclasses import asdict
 import numpy as np
 import pyarrow as pa
 
-from pipelines.common import claim_campaign, console, open_store
-from pipelines.prepare import prepare_with, undone_on_failure
-from pipelines.raysession import ray_session
+from pipelines.common import console, open_store
+from pipelines.prepare_engine import Routed
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import CorpusFile, Part
 from soma_cluster.errors import SomaError
@@ -183,7 +183,8 @@ class RayEngine:
             if unseen:
                 raise SomaError(
                     f"the Ray workers staged parts {unseen[:5]} where this driver cannot see them: the campaign "
-                    f"{self.store.url} must be on storage every node reaches (s3://, or a filesystem shared by all nodes)"
+                    f"{self.store.url} must be on storage every node reaches (s3://, or a filesystem shared by all "
+                    "nodes)"
                 )
             console.print(f"read {len(remote)} parts on {len(nodes)} node{'s' * (len(nodes) > 1)}")
         return sorted(out, key=lambda st: st.part)
@@ -226,24 +227,28 @@ class RayEngine:
             emb.append(rows_to_numpy(col, col.type.byte_width).view(np.float32).copy())
         return np.concatenate(keys), np.concatenate(emb)
 
-    def count(self, router: Router, parts: list[int]) -> np.ndarray:
-        self.router_dir = self._save_router(router, "router")
+    def count(self, router: Router, parts: list[int]) -> tuple[np.ndarray, Routed]:
+        """Each part's sequences per expert; the router is staged for the workers here, and `write` is handed
+        where (the returned Routed)."""
+        router_dir = self._save_router(router, "router")
         ds = self._parts(parts).map_batches(
             _count,
             batch_size=1,
             **self.tasks,
-            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=self.router_dir),
+            fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=router_dir),
         )
         sizes = {}
         for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-            sizes.update(zip(batch["part"].tolist(), batch["sizes"]))
-        return np.stack([sizes[p] for p in parts]).astype(np.int64)
+            sizes.update(zip(batch["part"].tolist(), batch["sizes"], strict=True))
+        return np.stack([sizes[p] for p in parts]).astype(np.int64), Routed(router, router_dir)
 
     def write(
-        self, store: Store, cfg: CampaignConfig, router: Router, parts: list[int], before: np.ndarray
+        self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray
     ) -> list[dict]:
+        if routed.staged is None:
+            raise ValueError("RayEngine.write needs the router its own count staged")
         console.print(f"writing {len(parts)} parts of the {cfg.n_experts} experts' shards from the cluster")
-        rows = [{"part": p, "before": b} for p, b in zip(parts, before)]
+        rows = [{"part": p, "before": b} for p, b in zip(parts, before, strict=True)]
         ds = self.rd.from_items(rows, override_num_blocks=max(1, len(rows))).map_batches(
             _write,
             batch_size=1,
@@ -251,7 +256,7 @@ class RayEngine:
             fn_kwargs=dict(
                 stage_url=self.stage.url,
                 options=self.options,
-                router_dir=self.router_dir,
+                router_dir=routed.staged,
                 campaign_url=store.url,
                 val_fraction=cfg.shards.val_fraction,
                 rows_per_file=cfg.shards.rows_per_file,
@@ -263,7 +268,7 @@ class RayEngine:
         return [written[p] for p in parts]
 
 
-def _quiet_ray_data() -> None:
+def quiet_ray_data() -> None:
     """Ray Data's own progress bars and INFO lines off: stages are reported by ours."""
     import ray.data
 
@@ -280,17 +285,3 @@ class _NoBarsNote(logging.Filter):
 
     def filter(self, record: logging.LogRecord) -> bool:
         return not record.getMessage().startswith("Progress bars disabled")
-
-
-def prepare_on_ray(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
-    """prepare_with on the Ray engine, inside a Ray session (address, RAY_ADDRESS, else a local Ray). The
-    campaign is claimed first (staging lives under it); a failure removes the staging and whatever this run
-    added to the campaign (pipelines.prepare.undone_on_failure)."""
-    try:
-        with undone_on_failure(store):
-            claim_campaign(store, cfg)
-            with ray_session(cfg, address):
-                _quiet_ray_data()
-                return prepare_with(RayEngine(store, cfg), store, cfg)
-    finally:
-        store.remove_tree(STAGING.split("/")[0])

@@ -1,4 +1,5 @@
-"""One expert's training loop state: data order, SPSA updates, the decoder rule, validation.
+"""One expert's training loop state: data order, updates, the decoder rule, validation; and the estimators an
+update can use (SOMA's SPSA, the EGGROLL and BPTT baselines), which soma_cluster.methods registers by name.
 
 Everything an update depends on is either in `TrainState` (checkpointed) or regenerated from
 (campaign seed, expert, step), so a run resumed from a checkpoint continues bitwise identically.
@@ -9,15 +10,16 @@ from __future__ import annotations
 import math
 import os
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 import torch
 
-from soma_cluster.config import BPTTConfig, EggrollConfig, ModelConfig, SPSAConfig
+from soma_cluster.config import ModelConfig, SPSAConfig
 from soma_cluster.eggroll import directions, eggroll_estimate
 from soma_cluster.model import Layout, body_forward, copy_losses, decoder_gradient
 from soma_cluster.shards import Shard
-from soma_cluster.spsa import Adam, Schedule, derive_seed, probes, spsa_estimate
+from soma_cluster.spsa import Adam, Estimate, LossFn, Schedule, derive_seed, probes, spsa_estimate
 
 
 class NonFiniteLoss(RuntimeError):
@@ -123,20 +125,13 @@ class UpdateStats:
     forwards: int
 
 
-@dataclass(frozen=True)
-class Method:
-    """How the body is trained: SOMA's SPSA (objective in SPSAConfig), or a baseline of SPEC section 8."""
-
-    name: str = "spsa"  # "spsa", "eggroll" or "bptt"
-    eggroll: EggrollConfig = EggrollConfig()
-    bptt: BPTTConfig = BPTTConfig()
-
-
 class Trainer:
-    """Trains one expert on one shard. `seed` and `expert` name the RNG streams."""
+    """Trains one expert on one shard. `seed` and `expert` name the RNG streams; `estimator` is the training
+    method (SOMA's SPSA when none is given)."""
 
     def __init__(
         self,
+        *,
         model: ModelConfig,
         spsa: SPSAConfig,
         shard: Shard,
@@ -145,10 +140,12 @@ class Trainer:
         expert: int,
         device: torch.device,
         val_rows: int,
-        method: Method = Method(),
+        estimator: Estimator | None = None,
     ):
         self.model, self.spsa, self.shard, self.state = model, spsa, shard, state
-        self.seed, self.expert, self.device, self.method = seed, expert, device, method
+        self.seed, self.expert, self.device = seed, expert, device
+        # how the body trains; soma_cluster.methods builds one by train.method's name
+        self.estimator = estimator if estimator is not None else SPSA()
         self.layout = Layout(model)
         self.gain_mask = self.layout.gain_mask(device)
         self._perm: tuple[int, np.ndarray] | None = None
@@ -186,7 +183,7 @@ class Trainer:
         span = self.shard.seq_bytes - self.spsa.seq_len
         rng = np.random.default_rng(derive_seed(self.seed, self.expert, "crop", self.state.step, micro))
         offs = rng.integers(0, span + 1, size=len(seqs))
-        return self._xy(np.stack([s[o : o + self.spsa.seq_len] for s, o in zip(seqs, offs)]))
+        return self._xy(np.stack([s[o : o + self.spsa.seq_len] for s, o in zip(seqs, offs, strict=True)]))
 
     # -- one update ---------------------------------------------------------------------------------------
     def update(self) -> UpdateStats:
@@ -232,7 +229,7 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
     the result for each expert is what it would get alone (up to float reassociation in bmm) -- except
     under spsa.objective summed, the control in which the experts' loss differences are added up."""
     t0 = trainers[0]
-    model, cfg = t0.model, t0.spsa
+    cfg = t0.spsa
     train_head = t0.state.head_opt is not None
     g = len(trainers)
     grad = torch.zeros(g, t0.layout.size, device=t0.device)
@@ -242,33 +239,17 @@ def update_experts(trainers: list[Trainer]) -> list[UpdateStats]:
     cursors = [(t.state.epoch, t.state.cursor) for t in trainers]
     for micro in range(cfg.accum):
         x, y, heads = _packed_batch(trainers, micro)
-        if t0.method.name == "bptt":
-            est_grad, est_loss, fw, hg = _backprop(trainers, x, y, heads)
-        else:
-            theta = torch.stack([t.state.body for t in trainers])
-            est = _zo_estimate(
-                trainers,
-                theta,
-                micro,
-                lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block),
-            )
-            est_grad, est_loss, fw, hg = est.grad, est.loss, est.forwards, None
-            if train_head:  # the decoder learns from h at theta itself: one more forward per expert
-                h = body_forward(model, theta, heads, x, cfg.compile)
-                hg = [
-                    decoder_gradient(h[i : i + 1], t.state.head, y if g == 1 else y[i]) for i, t in enumerate(trainers)
-                ]
-                fw += 1
-        grad += est_grad / cfg.accum
-        loss += est_loss.double() / cfg.accum
-        forwards += fw
+        step = t0.estimator(trainers, x, y, heads, micro)
+        grad += step.grad / cfg.accum
+        loss += step.loss.double() / cfg.accum
+        forwards += step.forwards
         if train_head:
             for i in range(g):
-                head_grad[i] += hg[i] / cfg.accum
+                head_grad[i] += step.head_grad[i] / cfg.accum
     tokens = forwards * x.shape[-2] * x.shape[-1]  # byte-tokens per expert: forwards x B x T
     bad = [i for i in range(g) if not math.isfinite(float(loss[i])) or not torch.isfinite(grad[i]).all()]
     if bad:  # checked for all before any is applied, so a pack can drop the bad ones and redo the rest
-        for t, (epoch, cursor) in zip(trainers, cursors):
+        for t, (epoch, cursor) in zip(trainers, cursors, strict=True):
             t.state.epoch, t.state.cursor = epoch, cursor
         t = trainers[bad[0]]
         raise NonFiniteLoss(f"expert {t.expert}: non-finite loss {float(loss[bad[0]])} at step {t.state.step}", bad)
@@ -290,19 +271,91 @@ def _packed_batch(trainers: list[Trainer], micro: int) -> tuple[torch.Tensor, to
     )
 
 
-def _zo_estimate(trainers: list[Trainer], theta: torch.Tensor, micro: int, loss_fn):
-    """The zero-order estimate of every expert's body gradient: SPSA (SOMA, or the summed control) or EGGROLL.
-    Probes/directions are regenerated from (campaign seed, expert, step, micro-batch)."""
-    t0 = trainers[0]
-    cfg, m = t0.spsa, t0.method
-    scale = [t.state.schedule.eps for t in trainers]  # SPSA's eps, or EGGROLL's sigma
-    if m.name == "eggroll":
+@dataclass
+class Step:
+    """One micro-batch's estimate for G packed experts, as every training method returns it."""
+
+    grad: torch.Tensor  # (G, M) the bodies' gradient
+    loss: torch.Tensor  # (G,) the batch loss near theta, nats/byte
+    forwards: int  # forwards per expert (perturbed copies, or one forward and backward)
+    head_grad: list[torch.Tensor] | None = None  # (256, e) per expert when the heads train
+
+
+class Estimator(Protocol):
+    """A training method's update direction for the packed experts on one micro-batch: x, y (B, T) or
+    (G, B, T), heads (256, e) or (G, 256, e)."""
+
+    def __call__(
+        self, trainers: list[Trainer], x: torch.Tensor, y: torch.Tensor, heads: torch.Tensor, micro: int
+    ) -> Step: ...
+
+
+@dataclass(frozen=True)
+class ZeroOrder:
+    """A zero-order estimate of every body's gradient from the losses of perturbed copies; an own head learns
+    by the delta rule from h at theta itself (one more forward per expert). Directions are regenerated from
+    (campaign seed, expert, step, micro-batch); the perturbation scale is the schedule's eps."""
+
+    def __call__(
+        self, trainers: list[Trainer], x: torch.Tensor, y: torch.Tensor, heads: torch.Tensor, micro: int
+    ) -> Step:
+        t0 = trainers[0]
+        model, cfg = t0.model, t0.spsa
+        theta = torch.stack([t.state.body for t in trainers])
+        scale = [t.state.schedule.eps for t in trainers]  # SPSA's eps, or EGGROLL's sigma
+        est = self.estimate(
+            trainers,
+            theta,
+            scale,
+            micro,
+            lambda bodies: copy_losses(model, bodies, heads, x, y, cfg.compile, cfg.time_block),
+        )
+        if t0.state.head_opt is None:
+            return Step(est.grad, est.loss, est.forwards)
+        h = body_forward(model, theta, heads, x, cfg.compile)
+        one = len(trainers) == 1
+        head_grad = [decoder_gradient(h[i : i + 1], t.state.head, y if one else y[i]) for i, t in enumerate(trainers)]
+        return Step(est.grad, est.loss, est.forwards + 1, head_grad)
+
+    def estimate(
+        self, trainers: list[Trainer], theta: torch.Tensor, scale: list[float], micro: int, loss_fn: LossFn
+    ) -> Estimate:
+        raise NotImplementedError
+
+
+@dataclass(frozen=True)
+class SPSA(ZeroOrder):
+    """SOMA's estimator: ternary probes and central differences (spsa.objective summed: the control)."""
+
+    def estimate(
+        self, trainers: list[Trainer], theta: torch.Tensor, scale: list[float], micro: int, loss_fn: LossFn
+    ) -> Estimate:
+        cfg = trainers[0].spsa
+        z = torch.stack(
+            [
+                probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro))
+                for t in trainers
+            ]
+        )
+        return spsa_estimate(theta, z, scale, loss_fn, cfg.pert_chunk, summed=cfg.objective == "summed")
+
+
+@dataclass(frozen=True)
+class Eggroll(ZeroOrder):
+    """The EGGROLL baseline: low-rank Gaussian directions of rank `rank` per matrix, z-scored fitness."""
+
+    rank: int = 1
+
+    def estimate(
+        self, trainers: list[Trainer], theta: torch.Tensor, scale: list[float], micro: int, loss_fn: LossFn
+    ) -> Estimate:
+        cfg = trainers[0].spsa
         e = torch.stack(
             [
                 directions(
                     t.layout,
                     cfg.n_pert,
-                    m.eggroll.rank,
+                    self.rank,
                     derive_seed(t.seed, t.expert, "eggroll", t.state.step, micro),
                     t.device,
                 )
@@ -310,28 +363,30 @@ def _zo_estimate(trainers: list[Trainer], theta: torch.Tensor, micro: int, loss_
             ]
         )
         return eggroll_estimate(theta, e, scale, loss_fn, cfg.pert_chunk)
-    z = torch.stack(
-        [probes(cfg.n_pert, t.gain_mask, derive_seed(t.seed, t.expert, "probe", t.state.step, micro)) for t in trainers]
-    )
-    return spsa_estimate(theta, z, scale, loss_fn, cfg.pert_chunk, summed=cfg.objective == "summed")
 
 
-def _backprop(trainers: list[Trainer], x: torch.Tensor, y: torch.Tensor, heads: torch.Tensor):
+@dataclass(frozen=True)
+class Backprop:
     """BPTT: the exact gradient of each expert's batch loss by autograd through the whole sequence (the head
-    too when it trains), clipped per expert to bptt.grad_clip. One forward (and one backward) per expert."""
-    t0 = trainers[0]
-    train_head = t0.state.head_opt is not None
-    with torch.enable_grad():
-        theta = torch.stack([t.state.body for t in trainers]).requires_grad_(True)
-        h = heads.detach().clone().requires_grad_(True) if train_head else heads
-        losses = copy_losses(t0.model, theta, h, x, y, block=t0.spsa.time_block)  # (G,)
-        losses.sum().backward()  # experts are independent
-    grad = theta.grad
-    head_grad = (h.grad if h.grad.dim() == 3 else h.grad[None]) if train_head else None
-    clip = t0.method.bptt.grad_clip
-    if clip > 0:
-        sq = grad.pow(2).sum(dim=1) + (head_grad.pow(2).sum(dim=(1, 2)) if train_head else 0)
-        factor = (clip / sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
-        grad = grad * factor[:, None]
-        head_grad = head_grad * factor[:, None, None] if train_head else None
-    return grad, losses.detach(), 1, list(head_grad) if train_head else None
+    too when it trains), clipped per expert to `grad_clip` (0: off). One forward (and one backward) per expert."""
+
+    grad_clip: float = 1.0
+
+    def __call__(
+        self, trainers: list[Trainer], x: torch.Tensor, y: torch.Tensor, heads: torch.Tensor, micro: int
+    ) -> Step:
+        t0 = trainers[0]
+        train_head = t0.state.head_opt is not None
+        with torch.enable_grad():
+            theta = torch.stack([t.state.body for t in trainers]).requires_grad_(True)
+            h = heads.detach().clone().requires_grad_(True) if train_head else heads
+            losses = copy_losses(t0.model, theta, h, x, y, block=t0.spsa.time_block)  # (G,)
+            losses.sum().backward()  # experts are independent
+        grad = theta.grad
+        head_grad = (h.grad if h.grad.dim() == 3 else h.grad[None]) if train_head else None
+        if self.grad_clip > 0:
+            sq = grad.pow(2).sum(dim=1) + (head_grad.pow(2).sum(dim=(1, 2)) if train_head else 0)
+            factor = (self.grad_clip / sq.sqrt().clamp_min(1e-12)).clamp(max=1.0)
+            grad = grad * factor[:, None]
+            head_grad = head_grad * factor[:, None, None] if train_head else None
+        return Step(grad, losses.detach(), 1, list(head_grad) if train_head else None)

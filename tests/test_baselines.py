@@ -5,13 +5,14 @@ import pytest
 import torch
 from conftest import assert_packed_equals_separate, copy_problem
 
-from soma_cluster.config import BPTTConfig, EggrollConfig, ModelConfig, SPSAConfig
+from soma_cluster.config import BPTTConfig, CampaignConfig, EggrollConfig, ModelConfig, SPSAConfig
 from soma_cluster.corpus import builtin_documents
 from soma_cluster.eggroll import directions, eggroll_estimate, zscore
+from soma_cluster.methods import method_named
 from soma_cluster.model import Layout, copy_losses, init_body, init_head
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import probes, spsa_estimate
-from soma_cluster.trainer import Method, Trainer, TrainState
+from soma_cluster.trainer import Trainer, TrainState
 
 SEQ = 96
 SMALL = ModelConfig(d=8, embed_dim=8)
@@ -115,9 +116,17 @@ def make(shard, method, model=SMALL, train_head=False):
     spsa = SPSAConfig(n_pert=4, batch=3, seq_len=48, pert_chunk=4)
     g = torch.Generator().manual_seed(7)
     state = TrainState.fresh(init_body(model, g), init_head(model, g) * 10, train_head, spsa.eps, spsa.lr)
-    m = Method(method, EggrollConfig(sigma=1e-2), BPTTConfig(lr=1e-2))
+    m = method_named(method).estimator(CampaignConfig(eggroll=EggrollConfig(sigma=1e-2), bptt=BPTTConfig(lr=1e-2)))
     return Trainer(
-        model, spsa, shard, state, seed=11, expert=shard.expert, device=torch.device("cpu"), val_rows=8, method=m
+        model=model,
+        spsa=spsa,
+        shard=shard,
+        state=state,
+        seed=11,
+        expert=shard.expert,
+        device=torch.device("cpu"),
+        val_rows=8,
+        estimator=m,
     )
 
 

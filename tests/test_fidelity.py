@@ -15,6 +15,7 @@ from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, TrainState
 
 SEQ = 128
+SMALL = ModelConfig(d=16, embed_dim=16)
 
 
 @pytest.fixture(scope="module")
@@ -24,11 +25,20 @@ def shards():
     return [Shard(e, SEQ, [rows[e::3][:-8]], [rows[e::3][-8:]]) for e in range(3)]
 
 
-def make(shard, model=ModelConfig(d=16, embed_dim=16), train_head=False, **spsa):
+def make(shard, model=SMALL, train_head=False, **spsa):
     cfg = SPSAConfig(**{"n_pert": 4, "batch": 3, "seq_len": 48, "pert_chunk": 3, **spsa})
     g = torch.Generator().manual_seed(7)
     state = TrainState.fresh(init_body(model, g), init_head(model, g) * 10, train_head, cfg.eps, cfg.lr)
-    return Trainer(model, cfg, shard, state, seed=11, expert=shard.expert, device=torch.device("cpu"), val_rows=8)
+    return Trainer(
+        model=model,
+        spsa=cfg,
+        shard=shard,
+        state=state,
+        seed=11,
+        expert=shard.expert,
+        device=torch.device("cpu"),
+        val_rows=8,
+    )
 
 
 def snapshot(tr):
@@ -61,7 +71,16 @@ def test_checkpoint_continues_bitwise(tmp_path, shards, train_head):
     store = Store(str(tmp_path))
     save_checkpoint(store, "experts/x", first.state)
     state = load_checkpoint(store, "experts/x").state(torch.device("cpu"))
-    resumed = Trainer(first.model, first.spsa, shards[1], state, 11, 1, torch.device("cpu"), 8)
+    resumed = Trainer(
+        model=first.model,
+        spsa=first.spsa,
+        shard=shards[1],
+        state=state,
+        seed=11,
+        expert=1,
+        device=torch.device("cpu"),
+        val_rows=8,
+    )
     for _ in range(3):
         resumed.update()
     a, b = snapshot(straight), snapshot(resumed)

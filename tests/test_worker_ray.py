@@ -27,7 +27,15 @@ def prepared(tmp_path_factory, text_corpus):
 def test_actor_trains_checkpoints_and_reports_gpu_seconds(ray_local, prepared):
     store, cfg = prepared
     t0_wall = time.time()
-    actor = start_worker(store.url, {}, [None], [0], 0.5, 0.0, requested_at=time.time())
+    actor = start_worker(
+        campaign_url=store.url,
+        storage_options={},
+        experts=[None],
+        attempts=[0],
+        num_gpus=0.5,
+        num_cpus=0.0,
+        requested_at=time.time(),
+    )
     report = ray_local.get(actor.setup.remote(), timeout=120)
     info = report.experts[None]
     assert info.step == 0 and not info.resumed and info.n_train > 0

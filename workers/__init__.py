@@ -21,6 +21,7 @@ def actor_name(campaign_id: str, job: str, attempt: int) -> str:
 
 
 def start_worker(
+    *,
     campaign_url: str,
     storage_options: dict,
     experts: list[int | None],
@@ -49,7 +50,15 @@ def start_worker(
         name=name,
         namespace=NAMESPACE if name else None,
     ).remote(
-        campaign_url, storage_options, experts, attempts, num_gpus, requested_at, granted, previous, lease_generation
+        campaign_url,
+        storage_options,
+        experts,
+        attempts,
+        num_gpus,
+        requested_at=requested_at,
+        granted=granted,
+        previous=previous,
+        lease_generation=lease_generation,
     )
 
 

@@ -7,6 +7,9 @@ straight to the campaign directory, each carrying the attempt's usage up to it (
 keeps). The GPU-second clock starts when the actor began holding its GPU share (`held_from`): never while
 it waited in Ray's queue.
 
+What a job trains from (its shard, starting state, method and trainer) is soma_cluster.recipes', shared with
+`soma plan` and the experiments; this module holds the actor only.
+
 SIGTERM (a spot notice, a node drain, a KubeRay scale-down) is a preemption, not a failure: the worker
 finishes the update in flight, checkpoints every job it trains, reports `preempted` and exits; if it
 has not left within retry.preemption_grace_s of the signal, it exits anyway.
@@ -31,46 +34,14 @@ from soma_cluster.config import CampaignConfig, load_campaign_config
 from soma_cluster.errors import DeviceError
 from soma_cluster.lease import WorkerFence
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
-from soma_cluster.model import init_body, init_head
-from soma_cluster.schedule import SEED_JOB, Job
-from soma_cluster.shards import Shard, open_shard
-from soma_cluster.spsa import derive_seed
+from soma_cluster.recipes import job_shard, job_trainer, start_state
+from soma_cluster.schedule import Job
 from soma_cluster.storage import Store
-from soma_cluster.trainer import Method, NonFiniteLoss, Trainer, TrainState, pick_device, update_experts
+from soma_cluster.trainer import NonFiniteLoss, Trainer, pick_device, update_experts
 
 log = logging.getLogger(__name__)
-SEED_STREAM = -1  # the seed model's RNG stream id (probes, data order), as it has always been
 # tests only: seconds every setup() sleeps first, a slow start-up (a loaded host, an image pull, a cold S3 read)
 SETUP_DELAY_ENV = "SOMA_TEST_SETUP_DELAY_S"
-
-
-def union_shard(store: Store, n_experts: int, cache: str) -> Shard:
-    """All experts' data as one shard: the seed model (N = 1) trains on the whole corpus."""
-    parts = [open_shard(store, e, cache) for e in range(n_experts)]
-    return Shard(-1, parts[0].seq_bytes, [a for p in parts for a in p.train], [a for p in parts for a in p.val])
-
-
-def start_state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) -> TrainState:
-    """A fresh seed model, or an expert starting from the seed (body and head; the head trains only if 'own')."""
-    if job.expert is None:
-        gen = torch.Generator().manual_seed(derive_seed(cfg.seed, "seed-init"))
-        body, head = init_body(cfg.model, gen), init_head(cfg.model, gen)
-        return TrainState.fresh(body.to(device), head.to(device), True, cfg.seed_stage.eps, cfg.seed_stage.lr)
-    seed = load_checkpoint(store, SEED_JOB.model_dir).state(device)
-    return expert_start(cfg, seed.body, seed.head)
-
-
-def expert_start(cfg: CampaignConfig, body: torch.Tensor, head: torch.Tensor) -> TrainState:
-    """An expert's fresh state from a starting body and head, with train.method's perturbation scale and lr."""
-    method = cfg.train.method
-    eps = cfg.eggroll.sigma if method == "eggroll" else cfg.spsa.eps  # the perturbation scale the schedule halves
-    lr = cfg.bptt.lr if method == "bptt" else cfg.spsa.lr
-    return TrainState.fresh(body, head, cfg.model.head == "own", eps, lr)
-
-
-def training_method(cfg: CampaignConfig, job: Job) -> Method:
-    """The seed stage is always SPSA with the delta-rule decoder; experts train by train.method."""
-    return Method(cfg.train.method if job.expert is not None else "spsa", cfg.eggroll, cfg.bptt)
 
 
 def held_from(requested_at: float | None, granted: bool, now: float) -> float:
@@ -214,7 +185,7 @@ class ExpertWorker:
         waited = self._outlive(cfg.retry.kill_wait_s)
         device = self._device(cfg)
         cache = os.path.join(tempfile.gettempdir(), "soma-cache", cfg.digest())
-        for job, attempt in zip(self.jobs, self.attempts):
+        for job, attempt in zip(self.jobs, self.attempts, strict=True):
             self.members[job] = self._member(cfg, job, attempt, device, cache)
         self._tick()
         starts = {
@@ -251,32 +222,21 @@ class ExpertWorker:
             if self.num_gpus > 0 and not cfg.resources.allow_cpu:
                 node = ray.util.get_node_ip_address() if ray.is_initialized() else "this machine"
                 raise DeviceError(
-                    f"node {node} (Ray node {str(self.process.node)[:12]}) gave this actor {self.num_gpus} GPU but torch "
-                    f"finds no CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
+                    f"node {node} (Ray node {str(self.process.node)[:12]}) gave this actor {self.num_gpus} GPU but "
+                    f"torch finds no CUDA device (CUDA_VISIBLE_DEVICES={os.environ.get('CUDA_VISIBLE_DEVICES')!r}); "
                     f"fix that node's GPU driver or image, or set resources.allow_cpu=true to train on CPU"
                 )
             torch.set_num_threads(cfg.train.threads)
         return device
 
     def _member(self, cfg: CampaignConfig, job: Job, attempt: int, device: torch.device, cache: str) -> Member:
-        seed_job = job.expert is None
-        shard = union_shard(self.store, cfg.n_experts, cache) if seed_job else open_shard(self.store, job.expert, cache)
+        shard = job_shard(self.store, cfg, job, cache)
         resumed = has_checkpoint(self.store, job.model_dir)
         ckpt = load_checkpoint(self.store, job.model_dir) if resumed else None
         state = ckpt.state(device) if ckpt else start_state(self.store, cfg, job, device)
         kept = ckpt.meta.get("usage") if ckpt else None
-        target = cfg.seed_stage.updates if seed_job else cfg.train.updates
-        trainer = Trainer(
-            cfg.model,
-            cfg.spsa,
-            shard,
-            state,
-            cfg.seed,
-            SEED_STREAM if seed_job else job.expert,
-            device,
-            cfg.train.val_batches * cfg.spsa.batch,
-            training_method(cfg, job),
-        )
+        target = cfg.seed_stage.updates if job.expert is None else cfg.train.updates
+        trainer = job_trainer(cfg, job, shard, state, device)
         return Member(
             job,
             attempt,
@@ -312,7 +272,7 @@ class ExpertWorker:
         alone, its state untouched since its last checkpoint is what a retry starts from) and the rest redone."""
         while members:
             try:
-                return [(m, s.loss) for m, s in zip(members, update_experts([m.trainer for m in members]))]
+                return [(m, s.loss) for m, s in zip(members, update_experts([m.trainer for m in members]), strict=True)]
             except NonFiniteLoss as exc:
                 for i in exc.experts:
                     members[i].reason, members[i].failed = f"exception: NonFiniteLoss: {exc}", True
