@@ -56,15 +56,17 @@ def results_table(res: dict) -> str:
     )
     head = (
         f"| seed | arm | parameters | updates / expert | forwards | {unit} | test nats/byte [95% CI] | bits/byte | "
-        f"minus {res['reference']}, paired [95% CI] | byte-tokens/s | routing share |\n|---|---|---|---|---|---|---|---|---|---|---|"
+        f"minus {res['reference']}, paired [95% CI] | byte-tokens/s | routing share |\n"
+        "|---|---|---|---|---|---|---|---|---|---|---|"
     )
     rows = []
     for seed, arms in res["seeds"].items():
-        for name, r in arms.items():
+        for r in arms.values():
             rows.append(
                 f"| {seed} | {_name(r)} | {r['parameters']:,} | {np.mean(r['updates']):.0f} | {r['forwards']:,} | "
                 f"{r['gpu_hours']:.4f} | {_ci(r['ensemble'])} | {r['ensemble']['bits_per_byte']:.4f} | "
-                f"{_diff(r['vs_reference'])} | {r['byte_tokens_per_second']:,.0f} | {100 * r['routing_time_share']:.2f}% |"
+                f"{_diff(r['vs_reference'])} | {r['byte_tokens_per_second']:,.0f} | "
+                f"{100 * r['routing_time_share']:.2f}% |"
             )
     return head + "\n" + "\n".join(rows)
 
@@ -148,7 +150,8 @@ def verdicts(res: dict) -> list[str]:
         )
         per = ", ".join(f"{d['nats_per_byte']:+.4f}" for d in diffs)
         lines.append(
-            f"- **{e['better']} vs {e['worse']}** (final test loss, each arm at its own budget): {e['better']} minus {e['worse']} = {mean:+.4f} nats/byte "
+            f"- **{e['better']} vs {e['worse']}** (final test loss, each arm at its own budget): "
+            f"{e['better']} minus {e['worse']} = {mean:+.4f} nats/byte "
             f"(per seed: {per}): {sign}{conf}. Paper: {e['paper']}."
         )
     return lines
@@ -231,7 +234,8 @@ def _plot_variance(res: dict) -> bytes:
 # -- variance experiment ----------------------------------------------------------------------------------
 def variance_table(res: dict) -> str:
     lines = [
-        "| seed | objective | probes | N | M | relative variance, independent | shared | reduction measured | predicted |",
+        "| seed | objective | probes | N | M | relative variance, independent | shared | reduction measured "
+        "| predicted |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
     for seed, v in res["seeds"].items():
@@ -240,7 +244,8 @@ def variance_table(res: dict) -> str:
         )
         for what, r in rows:
             lines.append(
-                f"| {seed} | {what} | {r['probe']} | {r['n_blocks']} | {r['params']:,} | {r['rel_var_independent']:.1f} | "
+                f"| {seed} | {what} | {r['probe']} | {r['n_blocks']} | {r['params']:,} | "
+                f"{r['rel_var_independent']:.1f} | "
                 f"{r['rel_var_shared']:.1f} | {r['reduction']:.2f}x | {r['predicted_reduction']:.2f}x |"
             )
     return "\n".join(lines)
@@ -265,7 +270,8 @@ def headline(res: dict) -> str:
         parts += [
             variance_table(res),
             "",
-            "Prediction: (M/N - 1)/(M - 1) for Rademacher probes; exactly 1/N for SOMA's ternary probes (E z^2 = E z^4 = 1/2). "
+            "Prediction: (M/N - 1)/(M - 1) for Rademacher probes; "
+            "exactly 1/N for SOMA's ternary probes (E z^2 = E z^4 = 1/2). "
             "Paper: 3.19-4.64x lower at N = 4 on the model, 4.02x on a fixed objective.",
         ]
     else:
@@ -278,10 +284,11 @@ def headline(res: dict) -> str:
 
 def render(res: dict, figure_names: list[str]) -> str:
     pics = "\n".join(f"![{n}]({n})" for n in figure_names)
+    what, seeds, wall = f"Experiment `{res['experiment']}`", ", ".join(res["seeds"]), f"{res['wall_seconds']:.0f} s"
     return f"""# {res["title"]} ({res["scale"]} scale)
 
-Experiment `{res["experiment"]}`, overrides {res["overrides"] or "none"}, seeds {", ".join(res["seeds"])}; this run's wall time
-{res["wall_seconds"]:.0f} s. Every arm is a campaign under this directory (s<seed>/<arm>/), trained by the same Driver, actors,
+{what}, overrides {res["overrides"] or "none"}, seeds {seeds}; this run's wall time
+{wall}. Every arm is a campaign under this directory (s<seed>/<arm>/), trained by the same Driver, actors,
 ledger and checkpoints as any campaign and evaluated with the paper's protocol: 1,025-byte windows, the 768 predictions
 after a 256-byte prefix scored, FP64 reduction, 95% paired document bootstrap. GPU-hours are the ledger's (seed stage
 included, evaluation not); on a CPU-only host a logical GPU's GPU-seconds are its wall seconds.

@@ -294,7 +294,8 @@ def test_campaign_whose_path_is_not_utf8(seeded, tmp_path):
 
 def test_a_lease_overwritten_mid_run_stops_the_driver_and_loses_nothing(seeded, reference, tmp_path):
     """Someone overwrites (or deletes) driver-lease.json while a launch trains: no driver can show it holds the
-    campaign, so the driver stops (exit 4) without failing any expert; once the damaged file is deleted, resume finishes."""
+    campaign, so the driver stops (exit 4) without failing any expert; once the damaged file is deleted, resume
+    finishes."""
     camp = clone(seeded, tmp_path / "c")
     driver = start("launch", str(camp), "--no-progress")
     try:
