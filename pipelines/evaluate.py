@@ -30,10 +30,10 @@ from soma_cluster.ensemble import (
 )
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
+from soma_cluster.jobs import SEED_JOB, Category, Job, JobState
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
-from soma_cluster.schedule import SEED_JOB, Job
 from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store, sha256
 from soma_cluster.trainer import Trainer, pick_device
@@ -118,11 +118,16 @@ class Ensemble:
         subs = list(self.substituted.values())
         named = ", ".join(f"{expert_name(s.expert)} ({s.end})" for s in subs[:8]) + (", ..." if len(subs) > 8 else "")
         ends = {s.end for s in subs}
-        fixes = [f"soma resume {url}"] if ends - {"budget_exhausted", "failed_permanently"} else []
-        fixes += [f"failed_permanently ones: soma resume {url} --retry-failed"] if "failed_permanently" in ends else []
+        given_up = {JobState.BUDGET_EXHAUSTED, JobState.FAILED_PERMANENTLY}
+        fixes = [f"soma resume {url}"] if ends - given_up else []
+        fixes += (
+            [f"failed_permanently ones: soma resume {url} --retry-failed"]
+            if JobState.FAILED_PERMANENTLY in ends
+            else []
+        )
         fixes += (
             ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"]
-            if "budget_exhausted" in ends
+            if JobState.BUDGET_EXHAUSTED in ends
             else []
         )
         raise SomaError(
@@ -243,14 +248,14 @@ def plot_curves(store: Store, cfg: CampaignConfig) -> str | None:
 
     fig, ax = plt.subplots(figsize=(7, 4))
     colors = plt.cm.viridis(np.linspace(0, 0.9, len(names)))
-    for name, color in zip(names, colors):
+    for name, color in zip(names, colors, strict=True):
         rows = read_curve(store, name)
         train = [(r["step"], r["train_loss"]) for r in rows if r["train_loss"] is not None]
         val = [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None]
         if train:
-            ax.plot(*zip(*train), lw=0.8, color=color, alpha=0.6)
+            ax.plot(*zip(*train, strict=True), lw=0.8, color=color, alpha=0.6)
         if val:
-            ax.plot(*zip(*val), "o", ms=3, color=color, label=name if len(names) <= 16 else None)
+            ax.plot(*zip(*val, strict=True), "o", ms=3, color=color, label=name if len(names) <= 16 else None)
     ax.set_xlabel("update (step)")
     ax.set_ylabel("nats/byte")
     ax.set_title(f"{cfg.name}: per-expert train (lines) and expert-val (dots) loss")
@@ -268,7 +273,11 @@ def _charge(store: Store, t0: float, device: torch.device) -> None:
     wall = time.monotonic() - t0
     # each evaluation is its own record (a fixed id would let a second `soma eval` be deduplicated away)
     Ledger(store).record(
-        "evaluation", wall if device.type == "cuda" else 0.0, wall, seq=time.time_ns(), note=f"driver {device}"
+        category=Category.EVALUATION,
+        gpu_seconds=wall if device.type == "cuda" else 0.0,
+        wall_seconds=wall,
+        seq=time.time_ns(),
+        note=f"driver {device}",
     )
 
 
@@ -318,17 +327,20 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
 def text_report(cfg: CampaignConfig, m: dict) -> str:
     return f"""# soma-cluster long-document evaluation: {cfg.name}
 
-Source `{m["source"]}`: {m["windows"]} windows of {cfg.eval.window_bytes} bytes at stride {m["stride"]} from {m["documents"]}
+Source `{m["source"]}`: {m["windows"]} windows of {cfg.eval.window_bytes} bytes at stride {m["stride"]} \
+from {m["documents"]}
 documents ({m["skipped_short_documents"]} shorter than a window skipped), {m["scored_bytes"]:,} bytes scored once each.
 {substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
-| routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | {m["ensemble"]["bits_per_byte"]:.4f} |
+| routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | \
+{m["ensemble"]["bits_per_byte"]:.4f} |
 | seed model (N = 1) | {_fmt((m["seed"]["nats_per_byte"], *m["seed"]["ci95"]))} | {m["seed"]["bits_per_byte"]:.4f} |
 
 Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_per_byte"]:+.4f}
 [{m["ensemble_minus_seed"]["ci95"][0]:+.4f}, {m["ensemble_minus_seed"]["ci95"][1]:+.4f}]. Routing is
-{100 * m["routing_time_share"]:.1f}% of the ensemble's time; {m["byte_tokens_per_second"]:,.0f} byte-tokens/s on {m["device"]}.
+{100 * m["routing_time_share"]:.1f}% of the ensemble's time; {m["byte_tokens_per_second"]:,.0f} byte-tokens/s on \
+{m["device"]}.
 """
 
 
@@ -347,8 +359,9 @@ def substitution_lines(m: dict) -> str:
         f"| {s['expert']} | {s['end']} | {s['step']} | {s['reason'] or ''} | {s['routed_windows']} |" for s in subs
     )
     return (
-        f"\n**Partial campaign: {len(subs)} expert(s) have no checkpoint and are evaluated as the seed model** ({SUBSTITUTION_RULE}; "
-        f"the seed scored {m.get('seed_substitute_windows', 0)} windows in their place). `soma eval --require-all` refuses this.\n\n"
+        f"\n**Partial campaign: {len(subs)} expert(s) have no checkpoint and are evaluated as the seed model** "
+        f"({SUBSTITUTION_RULE}; the seed scored {m.get('seed_substitute_windows', 0)} windows in their place). "
+        f"`soma eval --require-all` refuses this.\n\n"
         f"| expert | end (events.jsonl) | step | why | windows routed to it |\n|---|---|---|---|---|\n{rows}\n"
     )
 
@@ -374,6 +387,9 @@ def _compare_lines(m: dict) -> str:
     )
 
 
+CURVES_FIGURE = "Training curves (from `curves/*.csv`, one per expert):\n\n![per-expert curves](curves.png)\n"
+
+
 def report(cfg: CampaignConfig, m: dict) -> str:
     led = m["ledger"]
     rows = "\n".join(
@@ -382,12 +398,15 @@ def report(cfg: CampaignConfig, m: dict) -> str:
     )
     return f"""# soma-cluster evaluation: {cfg.name} (preset {cfg.preset})
 
-N = {cfg.n_experts} experts, d = {cfg.model.d}, {m["parameters"]:,} parameters; top-{m["top_k"]} {m["weighting"]} routing by the {m.get("rule", "nearest")} rule;
-{m["windows"]} test windows of {cfg.eval.window_bytes} bytes from {m["documents"]} held-out documents, {m["scored_bytes"]:,} scored bytes.
+N = {cfg.n_experts} experts, d = {cfg.model.d}, {m["parameters"]:,} parameters; top-{m["top_k"]} {m["weighting"]} \
+routing by the {m.get("rule", "nearest")} rule;
+{m["windows"]} test windows of {cfg.eval.window_bytes} bytes from {m["documents"]} held-out documents, \
+{m["scored_bytes"]:,} scored bytes.
 {substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
-| routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | {m["ensemble"]["bits_per_byte"]:.4f} |
+| routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | \
+{m["ensemble"]["bits_per_byte"]:.4f} |
 | seed model (N = 1) | {_fmt((m["seed"]["nats_per_byte"], *m["seed"]["ci95"]))} | {m["seed"]["bits_per_byte"]:.4f} |
 | uniform over bytes | {m["uniform"]["nats_per_byte"]:.4f} | 8.0000 |
 
@@ -398,7 +417,7 @@ Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_
 |---|---|---|---|
 {rows}
 
-{"Training curves (from `curves/*.csv`, one per expert):" + chr(10) + chr(10) + "![per-expert curves](curves.png)" + chr(10) if m.get("curves_figure") else ""}
+{CURVES_FIGURE if m.get("curves_figure") else ""}
 Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s including routing; routing is
 {100 * m["routing_time_share"]:.1f}% of the ensemble's time.
 

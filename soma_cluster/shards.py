@@ -19,16 +19,13 @@ import pyarrow.ipc as ipc
 
 from soma_cluster.diskerrors import condition_of
 from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.jobs import expert_name
 from soma_cluster.storage import Store, file_sha256, sha256
 
 log = logging.getLogger(__name__)
 
 COLUMN = "seq"
 BATCH_ROWS = 1024
-
-
-def expert_name(expert: int) -> str:
-    return f"expert-{int(expert):04d}"
 
 
 def val_every(val_fraction: float) -> int:
@@ -143,7 +140,7 @@ class Shard:
         bounds = np.cumsum([0] + [len(a) for a in parts])
         f = np.searchsorted(bounds, rows, side="right") - 1
         return (
-            np.stack([parts[fi][r - bounds[fi]] for fi, r in zip(f, rows)])
+            np.stack([parts[fi][r - bounds[fi]] for fi, r in zip(f, rows, strict=True)])
             if len(rows)
             else np.zeros((0, self.seq_bytes), np.uint8)
         )

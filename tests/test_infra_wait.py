@@ -25,8 +25,8 @@ from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
+from soma_cluster.jobs import SEED_JOB, expert_jobs
 from soma_cluster.ledger import Ledger
-from soma_cluster.schedule import SEED_JOB, expert_jobs
 from soma_cluster.storage import Store
 
 PER_UPDATE = 2 * 4  # forwards per update: 2 signs x n_pert 4 (test_faults.CHAOS)
@@ -153,7 +153,7 @@ def test_full_disk_mid_launch_spends_no_retry_stops_with_4_and_resume_finishes(s
         try:
             for e in range(cfg.n_experts):
                 wait_for(
-                    lambda: events(store, f"expert-{e:04d}", "checkpointed"), what=f"expert {e}'s first checkpoint"
+                    lambda e=e: events(store, f"expert-{e:04d}", "checkpointed"), what=f"expert {e}'s first checkpoint"
                 )
             filler = fill(mnt, 160 * 1024)  # under one checkpoint (~0.4 MB) free
             t_full = time.monotonic()
