@@ -40,7 +40,7 @@ from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.events import history, require_seed
 from soma_cluster.failures import WORDS, actor_death_cause, exception_cause, stop_line, waiting
-from soma_cluster.jobs import SEED_JOB, Cause, Job, JobState, expert_jobs, expert_name
+from soma_cluster.jobs import SEED_JOB, Cause, Job, JobState, StopReason, expert_jobs, expert_name
 from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
@@ -73,7 +73,7 @@ def lost_actor(exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
     node (SIGKILL, the kernel's OOM killer, a crash) is the expert's."""
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
     if getattr(exc, "preempted", False):
-        return Lost("preempted", f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
+        return Lost(StopReason.PREEMPTED, f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
     if isinstance(exc, OutOfMemoryError):
         cause = Cause.OUT_OF_MEMORY
     elif isinstance(exc, (NodeDiedError, ActorUnavailableError)):
@@ -484,7 +484,7 @@ class Driver:
         most every QUEUED_POLL_S, so the loop's cost per heartbeat does not grow with the queue."""
         running, queued = [], []
         for uid, ref in self.inflight.items():
-            (running if self.sched.units[uid].phase == "running" else queued).append(ref)
+            (running if self.sched.units[uid].phase == JobState.RUNNING else queued).append(ref)
         if not running:
             return self._wait(queued)
         ready = self._wait(running)

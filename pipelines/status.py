@@ -14,7 +14,7 @@ from rich.text import Text
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
-from soma_cluster.jobs import TERMINAL, Event, JobState
+from soma_cluster.jobs import EXPERT_SPEND, TERMINAL, Category, Event, JobState
 from soma_cluster.lease import LEASE, Holder, LeaseRecord, Verdict, judge, process_alive
 from soma_cluster.ledger import Ledger
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
@@ -96,9 +96,9 @@ def plan_vs_actual(store: Store, snap: dict) -> dict | None:
     walls = stage_walls(store)
     seed = not plan.get("seed_trained")  # a seed trained before the plan was spent, not predicted
     rows = []
-    for what, key in ((("seed", "seed"),) if seed else ()) + (
-        ("expert training", "expert_training"),
-        ("wasted", "wasted"),
+    for what, key in ((("seed", Category.SEED),) if seed else ()) + (
+        ("expert training", Category.EXPERT_TRAINING),
+        ("wasted", Category.WASTED),
     ):
         rows.append(
             {"what": f"GPU-hours, {what}", "predicted": plan["gpu_hours"].get(key, 0.0), "actual": actual.get(key, 0.0)}
@@ -108,7 +108,7 @@ def plan_vs_actual(store: Store, snap: dict) -> dict | None:
             {
                 "what": "GPU-hours, seed + experts",
                 "predicted": plan["gpu_hours"]["training_total"],
-                "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"],
+                "actual": sum(actual[c] for c in (Category.SEED, *EXPERT_SPEND)),
             }
         )
     for what, key in ((("seed", "seed"),) if seed else ()) + (("experts", "experts"),):

@@ -68,7 +68,7 @@ class Unit:
     # scheduler clock when its actor began holding its GPU share (where the worker's own clock starts): the
     # request when granted or reused, else when Ray placed it (on_placed); None while that is unknown
     held_since: float | None = None
-    phase: str = "queued"  # queued: asked of Ray, not reported in; running: reporting
+    phase: JobState = JobState.QUEUED  # queued: asked of Ray, not reported in; running: reporting
     last_beat: float = 0.0
     process: Incarnation | None = None
     leaving: bool = False  # preempted: the actor checkpoints and exits, it takes no more jobs
@@ -386,7 +386,7 @@ class Scheduler:
             self._lose(c, Lost("exception", hb.error))
         elif hb.reason == StopReason.PREEMPTED:
             unit.leaving = True
-            self._lose(c, Lost("preempted", "the worker got SIGTERM and checkpointed", Cause.PREEMPTED))
+            self._lose(c, Lost(StopReason.PREEMPTED, "the worker got SIGTERM and checkpointed", Cause.PREEMPTED))
         else:
             self._finish(c.job, JobState(hb.reason), attempt=c.attempt, step=hb.step, val=hb.best_val)
 
@@ -525,7 +525,7 @@ class Scheduler:
             if silent > self.cfg.retry.heartbeat_timeout_s:
                 out += self.on_lost(unit.id, Lost("hang", f"no heartbeat for {silent:.0f} s"))
             elif over:
-                out += self.on_lost(unit.id, Lost("budget_exhausted", "hard stop past the grace"), stop=over)
+                out += self.on_lost(unit.id, Lost(StopReason.BUDGET_EXHAUSTED, "hard stop past the grace"), stop=over)
         return out
 
     def on_placed(self, uid: int, held_for_s: float) -> None:
@@ -554,7 +554,7 @@ class Scheduler:
             c.started, c.setup, c.reported = True, usage, usage
             self.books.startup(c, usage, "start-up, hard-stopped by the driver before it reported (the driver's clock)")
         why = f"hard stop past the grace during start-up ({held:.1f} s held)"
-        return self.on_lost(unit.id, Lost("budget_exhausted", why), stop=over)
+        return self.on_lost(unit.id, Lost(StopReason.BUDGET_EXHAUSTED, why), stop=over)
 
     def _cancel(self, unit: Unit) -> list[Action]:
         """A queued actor whose jobs the budget can no longer cover is withdrawn before it holds a GPU."""
