@@ -54,6 +54,7 @@ import ray  # noqa: E402
 from pipelines.campaign import Driver, also_ready, expert_jobs  # noqa: E402
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.events import history  # noqa: E402
+from soma_cluster.jobs import StopReason  # noqa: E402
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 from workers import SCHEDULING  # noqa: E402
@@ -109,19 +110,19 @@ class StandInTrainer:
         held = (self.t_end - self.t0) / len(self.experts)
         done = self.step >= self.target
         beat = Heartbeat(
-            self.step,
-            self.target,
-            todo,
-            5.0,
-            None,
-            None,
-            1e-3,
-            1e-3,
-            None,
-            self.step,
-            Usage(held * self.num_gpus, held, self.step * 129, self.step * 64 * 1024),
-            self.sec_per_update,
-            "finished" if done else None,
+            step=self.step,
+            target=self.target,
+            updates=todo,
+            loss=5.0,
+            val=None,
+            best_val=None,
+            eps=1e-3,
+            lr=1e-3,
+            checkpoint=None,
+            checkpoint_step=self.step,
+            usage=Usage(held * self.num_gpus, held, self.step * 129, self.step * 64 * 1024),
+            sec_per_update=self.sec_per_update,
+            reason=StopReason.FINISHED if done else None,
         )
         return ChunkReport(dict.fromkeys(self.experts, beat), time.monotonic() - self.t0)
 

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 from collections import deque
+from dataclasses import replace
 
 import ray
 from ray.exceptions import (
@@ -38,25 +39,12 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.events import history, require_seed
-from soma_cluster.failures import WORDS, Cause, actor_death_cause, exception_cause, stop_line, waiting
+from soma_cluster.failures import WORDS, actor_death_cause, exception_cause, stop_line, waiting
+from soma_cluster.jobs import SEED_JOB, Cause, Job, JobState, StopReason, expert_jobs, expert_name
 from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
-from soma_cluster.schedule import (
-    POLL_S,
-    SEED_JOB,
-    Action,
-    Chunk,
-    Job,
-    LossKind,
-    Lost,
-    Reuse,
-    Scheduler,
-    Start,
-    Stop,
-    expert_jobs,
-)
-from soma_cluster.shards import expert_name
+from soma_cluster.schedule import POLL_S, Action, Chunk, Lost, Reuse, Scheduler, Start, Stop
 from soma_cluster.snapshot import SNAPSHOT, build, history_rows, scheduler_rows, summary_line
 from soma_cluster.storage import Store
 from workers import actor_name, start_worker
@@ -85,16 +73,15 @@ def lost_actor(exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
     node (SIGKILL, the kernel's OOM killer, a crash) is the expert's."""
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
     if getattr(exc, "preempted", False):
-        return Lost(f"preempted: node drained: {type(exc).__name__}: {first}", LossKind.PREEMPTED)
+        return Lost(StopReason.PREEMPTED, f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
     if isinstance(exc, OutOfMemoryError):
         cause = Cause.OUT_OF_MEMORY
     elif isinstance(exc, (NodeDiedError, ActorUnavailableError)):
         cause = Cause.NODE_LOST
     else:
         cause = actor_death_cause(str(exc))
-    if cause.infra:
-        return Lost(f"{cause}: {type(exc).__name__}: {first}", LossKind.INFRA, cause=cause)
-    return Lost(f"actor_died: {type(exc).__name__}: {first}", cause=cause)
+    what = cause if cause.infra else "actor_died"  # the expert's crash reads as it always did
+    return Lost(what, f"{type(exc).__name__}: {first}", cause)
 
 
 def node_died(node_id: str, wait_s: float = NODE_CHECK_S) -> bool:
@@ -117,18 +104,20 @@ def lost_task(exc: RayTaskError) -> Lost:
     waited out; bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device) ends the job; anything else
     is retried. The traceback goes to the `failed` event and, for the expert's own, to the driver's log."""
     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-    why = f"exception: {type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}"
+    raised = Lost("exception", f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
     kind = exception_cause(cause)
+    trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
     if kind.infra:
         print(
-            f"warning: {WORDS[kind]} in a worker, waited out (retry.infra_wait_s): {why}", file=sys.stderr, flush=True
+            f"warning: {WORDS[kind]} in a worker, waited out (retry.infra_wait_s): {raised.reason}",
+            file=sys.stderr,
+            flush=True,
         )
-        return Lost(f"{kind}: {why}", LossKind.INFRA, ANSI.sub("", str(exc))[-TRACEBACK_CHARS:], kind)
+        return Lost(kind, raised.reason, kind, trace)
     if kind == Cause.BAD_INPUT:
-        return Lost(why, LossKind.BAD_INPUT, cause=kind)
-    trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
-    print(f"Traceback (most recent call last), in the worker: {why}\n{trace}", file=sys.stderr, flush=True)
-    return Lost(why, LossKind.FAILURE, trace, kind)
+        return replace(raised, cause=kind)
+    print(f"Traceback (most recent call last), in the worker: {raised.reason}\n{trace}", file=sys.stderr, flush=True)
+    return replace(raised, cause=kind, traceback=trace)
 
 
 class SnapshotWriter:
@@ -208,12 +197,13 @@ class Driver:
         self.stopped: str | None = None  # why this driver stopped before its jobs ended (a signal, lease lost)
 
     @property
-    def outcome(self) -> dict[str, str]:
+    def outcome(self) -> dict[str, JobState]:
         return {job.name: end for job, end in self.sched.outcome.items()}
 
     @property
     def bad_input(self) -> dict[str, str]:
-        return {job.name: why for job, why in self.sched.bad_input.items()}
+        """job name -> the reason its attempt's `failed` event gives."""
+        return {job.name: lost.reason for job, lost in self.sched.bad_input.items()}
 
     # -- capacity ---------------------------------------------------------------------------------------
     def _slots(self) -> int:
@@ -237,7 +227,9 @@ class Driver:
             uid = a.unit.id
             if isinstance(a, Start):
                 self.actors[uid] = self._start(a)
-                if a.unit.held_since is None and self._budgeted:  # when Ray places it, its start-up clock runs
+                if (
+                    a.unit.held_since is None and self.sched.book.budgeted
+                ):  # when Ray places it, its start-up clock runs
                     self.placing[uid] = self.actors[uid].holding.remote()
                 self.inflight[uid] = self.actors[uid].setup.remote()
             elif isinstance(a, Reuse):
@@ -272,10 +264,6 @@ class Driver:
             lease_generation=self.lease.generation if self.lease else None,
         )
 
-    @property
-    def _budgeted(self) -> bool:
-        return self.sched.book.expert_s is not None or self.sched.book.campaign_s is not None
-
     def _placed(self) -> None:
         """Actors that waited in Ray's queue and now hold their GPU share: the scheduler learns since when (the
         worker's own clock start), so their start-up counts against their budget. Polled every QUEUED_POLL_S."""
@@ -304,12 +292,10 @@ class Driver:
                     # the worker found the lease changed: the driver's own compare-and-swap decides (LeaseLost here
                     # too); if the driver still holds it, the worker is retried like any loss, never as bad input
                     self.lease.check(now=True)
-                    return self.sched.on_lost(
-                        uid, Lost(f"exception: {exc.cause}", LossKind.FAILURE, cause=Cause.EXCEPTION)
-                    )
+                    return self.sched.on_lost(uid, Lost("exception", str(exc.cause), Cause.EXCEPTION))
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
-                return self.sched.on_lost(uid, Lost("hang: result not retrievable", cause=Cause.HANG))
+                return self.sched.on_lost(uid, Lost("hang", "result not retrievable", Cause.HANG))
         if isinstance(result, SetupReport):
             return self.sched.on_setup(uid, result)
         return self.sched.on_chunk(uid, result)
@@ -318,11 +304,7 @@ class Driver:
         """lost_actor, with a crash on a node that turns out to be dead taken for the node's loss."""
         lost, process = lost_actor(exc), self.sched.units[uid].process
         if lost.cause == Cause.CRASH and process is not None and process.node and node_died(process.node):
-            return Lost(
-                f"{Cause.NODE_LOST}: its node {process.node[:12]} died: {lost.reason}",
-                LossKind.INFRA,
-                cause=Cause.NODE_LOST,
-            )
+            return Lost(Cause.NODE_LOST, f"its node {process.node[:12]} died: {lost.reason}", Cause.NODE_LOST)
         return lost
 
     # -- main loop ------------------------------------------------------------------------------------
@@ -331,7 +313,7 @@ class Driver:
         self.sched.restore(hist)
         mine = set(self.jobs)
         self.others = history_rows(
-            self.cfg, hist, self.sched.totals_at_start, [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine]
+            self.cfg, hist, self.sched.books.at_start, [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine]
         )
         self.started_at = time.time()
         self._writer = SnapshotWriter(self.store)
@@ -340,7 +322,7 @@ class Driver:
         # at most as many at once as the GPUs hold and as there are jobs left to run
         concurrent = max(1, min(self._slots(), len(self.sched.pending)))
         per, total = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, concurrent)
-        if self._budgeted:
+        if self.sched.book.budgeted:
             console.print(
                 f"budget: a worker stops before a chunk it cannot afford; any expert past its cap, start-up included, "
                 f"is hard-stopped within {per:.1f} GPU-s per expert, {total:.1f} for the campaign (grace "
@@ -405,11 +387,11 @@ class Driver:
         rows = {**self.others, **scheduler_rows(self.sched)}
         order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
         return build(
-            self.cfg,
-            self.store.url,
-            {n: rows[n] for n in order if n in rows},
-            self.sched.by_category,
-            self.sched.by_device,
+            cfg=self.cfg,
+            url=self.store.url,
+            rows={n: rows[n] for n in order if n in rows},
+            by_category_s=self.sched.books.totals.gpu_seconds,
+            devices=self.sched.books.totals.devices,
             started_at=self.started_at,
             rate=self._rate(),
             final=final,
@@ -456,7 +438,9 @@ class Driver:
     def _say_overruns(self) -> None:
         """Measured against bound, for the experts a per-expert cap stopped."""
         stopped = {
-            j.expert for j, end in self.sched.outcome.items() if end == "budget_exhausted" and j.expert is not None
+            j.expert
+            for j, end in self.sched.outcome.items()
+            if end == JobState.BUDGET_EXHAUSTED and j.expert is not None
         }
         over = {e: o for e, o in self.sched.book.overruns(self.sched.spent, self.sched.largest).items() if e in stopped}
         if over:
@@ -482,7 +466,7 @@ class Driver:
                 results = ray.get(ready, timeout=60)
             except LOST_ERRORS:
                 results = [None] * len(ready)
-            for ref, result in zip(ready, results):
+            for ref, result in zip(ready, results, strict=True):
                 uid = owner[ref]
                 if self.inflight.get(uid) is ref:  # not stopped meanwhile
                     del self.inflight[uid]
@@ -500,7 +484,7 @@ class Driver:
         most every QUEUED_POLL_S, so the loop's cost per heartbeat does not grow with the queue."""
         running, queued = [], []
         for uid, ref in self.inflight.items():
-            (running if self.sched.units[uid].phase == "running" else queued).append(ref)
+            (running if self.sched.units[uid].phase == JobState.RUNNING else queued).append(ref)
         if not running:
             return self._wait(queued)
         ready = self._wait(running)
@@ -520,7 +504,7 @@ class Driver:
         return ray.wait(refs, num_returns=1, timeout=POLL_S)
 
     def _show(self, bar, overall, tasks, targets) -> None:
-        steps = {n: (t if self.outcome.get(n) == "finished" else 0) for n, t in targets.items()}
+        steps = {n: (t if self.outcome.get(n) == JobState.FINISHED else 0) for n, t in targets.items()}
         steps |= {job.name: unit.accounts[job].step for job, unit in self.sched.open.items()}
         for name, task in tasks.items():
             bar.update(task, completed=steps.get(name, 0))
@@ -595,12 +579,10 @@ def raise_failures(driver: Driver, what: str) -> None:
         else f"soma resume {url} --retry-failed"
     )
     if driver.bad_input:
-        job, why = next(iter(driver.bad_input.items()))
+        job, lost = next(iter(driver.sched.bad_input.items()))
         more = f" (and {len(driver.bad_input) - 1} more jobs)" if len(driver.bad_input) > 1 else ""
-        raise SomaError(
-            f"{job} stopped on bad input{more}: {why.removeprefix('exception: ')} (or fix it in place, then {again})"
-        )
-    failed = sorted(n for n, end in driver.outcome.items() if end == "failed_permanently")
+        raise SomaError(f"{job.name} stopped on bad input{more}: {lost.detail} (or fix it in place, then {again})")
+    failed = sorted(n for n, end in driver.outcome.items() if end == JobState.FAILED_PERMANENTLY)
     if failed:
         hist = history(driver.store)
         first = hist[failed[0]].last_error if failed[0] in hist else None

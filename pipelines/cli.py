@@ -266,7 +266,7 @@ def _launch(
     if retry_failed:  # named experts are checked before Ray starts: one that did not fail is bad input
         from soma_cluster.events import history
         from soma_cluster.failures import select_failed
-        from soma_cluster.schedule import expert_jobs
+        from soma_cluster.jobs import expert_jobs
 
         select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
     addr = _address(address)

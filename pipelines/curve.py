@@ -15,14 +15,13 @@ from pipelines.evaluate import Ensemble, _load, _summary
 from soma_cluster.checkpoint import checkpoint_steps
 from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import bootstrap_weights, load_windows
-from soma_cluster.ledger import EXPERT_SPEND, Ledger
+from soma_cluster.jobs import EXPERT_SPEND, SEED_JOB, Category, Job, expert_name
+from soma_cluster.ledger import Ledger
 from soma_cluster.router import load_router
-from soma_cluster.schedule import SEED_JOB, Job
-from soma_cluster.shards import expert_name
 from soma_cluster.storage import Store
 from soma_cluster.trainer import pick_device
 
-ALWAYS = ("preprocessing", "seed")  # spent before any expert step
+ALWAYS = (Category.PREPROCESSING, Category.SEED)  # spent before any expert step
 
 
 def _evenly(steps: list[int], k: int) -> list[int]:

@@ -30,10 +30,10 @@ from soma_cluster.ensemble import (
 )
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
+from soma_cluster.jobs import SEED_JOB, Category, Job, JobState
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
-from soma_cluster.schedule import SEED_JOB, Job
 from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store, sha256
 from soma_cluster.trainer import Trainer, pick_device
@@ -118,11 +118,16 @@ class Ensemble:
         subs = list(self.substituted.values())
         named = ", ".join(f"{expert_name(s.expert)} ({s.end})" for s in subs[:8]) + (", ..." if len(subs) > 8 else "")
         ends = {s.end for s in subs}
-        fixes = [f"soma resume {url}"] if ends - {"budget_exhausted", "failed_permanently"} else []
-        fixes += [f"failed_permanently ones: soma resume {url} --retry-failed"] if "failed_permanently" in ends else []
+        given_up = {JobState.BUDGET_EXHAUSTED, JobState.FAILED_PERMANENTLY}
+        fixes = [f"soma resume {url}"] if ends - given_up else []
+        fixes += (
+            [f"failed_permanently ones: soma resume {url} --retry-failed"]
+            if JobState.FAILED_PERMANENTLY in ends
+            else []
+        )
         fixes += (
             ["budget_exhausted ones: a larger budget.expert_gpu_hours, in a new campaign"]
-            if "budget_exhausted" in ends
+            if JobState.BUDGET_EXHAUSTED in ends
             else []
         )
         raise SomaError(
@@ -268,7 +273,11 @@ def _charge(store: Store, t0: float, device: torch.device) -> None:
     wall = time.monotonic() - t0
     # each evaluation is its own record (a fixed id would let a second `soma eval` be deduplicated away)
     Ledger(store).record(
-        "evaluation", wall if device.type == "cuda" else 0.0, wall, seq=time.time_ns(), note=f"driver {device}"
+        category=Category.EVALUATION,
+        gpu_seconds=wall if device.type == "cuda" else 0.0,
+        wall_seconds=wall,
+        seq=time.time_ns(),
+        note=f"driver {device}",
     )
 
 

@@ -25,10 +25,10 @@ from soma_cluster.config import CampaignConfig, parse_overrides
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.experiments import ExperimentSpec, arm_configs, load_spec
+from soma_cluster.jobs import Job
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import Layout, campaign_param_count
 from soma_cluster.recipes import job_trainer, start_state
-from soma_cluster.schedule import Job
 from soma_cluster.shards import expert_name, open_shard
 from soma_cluster.storage import Store
 from soma_cluster.trainer import pick_device

@@ -16,8 +16,8 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import LOG as EVENTS
 from soma_cluster.events import emit, require_seed
+from soma_cluster.jobs import SEED_JOB, Category, Event
 from soma_cluster.ledger import LOG as LEDGER
-from soma_cluster.schedule import SEED_JOB
 from soma_cluster.storage import Store
 
 SHARED = ("router", "shards", "test", "seed")
@@ -46,7 +46,7 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig) -> dict:
     if claim_campaign(child, cfg, write=False) and child.exists(MARKER):
         console.print(f"{child.url} is already a fork of {parent.url}; skipping")
         return child.read_json(MARKER)
-    logged = [ev for ev in child.read_log(EVENTS) if ev["event"] == "forked"]
+    logged = [ev for ev in child.read_log(EVENTS) if ev["event"] == Event.FORKED]
     if not logged and (child.exists(EVENTS) or child.exists(LEDGER)):
         raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
     claim_campaign(child, cfg)
@@ -68,10 +68,10 @@ def _copy_seed_logs(parent: Store, child: Store, pcfg: CampaignConfig, n_files: 
     """The seed's events (so the child knows its seed is trained) and the preprocessing and seed ledger records
     (so the child's GPU-hours include the seed it starts from), verbatim, then a `forked` event."""
     seed_events = [ev for ev in parent.read_log(EVENTS) if ev["job"] == SEED_JOB.name]
-    ledger = [r for r in parent.read_log(LEDGER) if r["category"] in ("preprocessing", "seed")]
+    ledger = [r for r in parent.read_log(LEDGER) if r["category"] in (Category.PREPROCESSING, Category.SEED)]
     with child.batch():
         for ev in seed_events:
             child.append(EVENTS, {k: v for k, v in ev.items() if k != "checksum"})
         for rec in ledger:
             child.append(LEDGER, {k: v for k, v in rec.items() if k != "checksum"})
-        emit(child, "forked", "campaign", parent=parent.url, files=n_files, parent_digest=pcfg.digest())
+        emit(child, Event.FORKED, "campaign", parent=parent.url, files=n_files, parent_digest=pcfg.digest())

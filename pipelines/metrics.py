@@ -11,8 +11,7 @@ from __future__ import annotations
 
 import logging
 
-from soma_cluster.ledger import CATEGORIES
-from soma_cluster.snapshot import STATES
+from soma_cluster.jobs import CATEGORIES, STATES
 
 log = logging.getLogger(__name__)
 

@@ -27,10 +27,11 @@ from soma_cluster.checkpoint import has_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import DeviceError, SomaError
 from soma_cluster.events import seed_done
+from soma_cluster.jobs import SEED_JOB, Job
 from soma_cluster.ledger import Ledger
 from soma_cluster.plan import predict
 from soma_cluster.recipes import expert_start, job_shard, job_trainer, start_state
-from soma_cluster.schedule import POLL_S, SEED_JOB, Job
+from soma_cluster.schedule import POLL_S
 from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, TrainState, pick_device, update_experts
 

@@ -19,10 +19,9 @@ from pipelines.common import console
 from soma_cluster.checkpoint import CheckpointCheck, check_checkpoints, fall_back
 from soma_cluster.events import RETRY_FAILED, emit, history
 from soma_cluster.failures import select_failed
-from soma_cluster.schedule import Job
+from soma_cluster.jobs import ENDED_WITH_CHECKPOINT, Event, Job, JobState
 from soma_cluster.storage import Store
 
-ENDED_WITH_CHECKPOINT = ("finished", "converged")  # a job that ended so wrote its final checkpoint
 PARALLEL_CHECKS = 8  # checkpoints verified at once (each is a few reads: latest.json, metadata, tensors)
 
 
@@ -33,7 +32,7 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
     past = history(store)
     ran = [(job.name, job.model_dir) for job in jobs if job.name in past]
     with ThreadPoolExecutor(PARALLEL_CHECKS) as pool:
-        checks = dict(zip((name for name, _ in ran), pool.map(lambda job: fall_back(store, job[1]), ran)))
+        checks = dict(zip((name for name, _ in ran), pool.map(lambda job: fall_back(store, job[1]), ran), strict=True))
     reopened = {}
     for name, c in checks.items():
         h = past[name]
@@ -50,7 +49,7 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
         )
         emit(
             store,
-            "reopened",
+            Event.REOPENED,
             name,
             step=c.step or 0,
             was=h.state,
@@ -81,10 +80,10 @@ def reopen_failed(store: Store, jobs: list[Job], requested: list[str]) -> list[s
         check = check_checkpoints(store, by_name[name].model_dir)
         emit(
             store,
-            "reopened",
+            Event.REOPENED,
             name,
             step=check.step or 0,
-            was="failed_permanently",
+            was=JobState.FAILED_PERMANENTLY,
             checkpoint=check.valid,
             bad=[],
             reason=RETRY_FAILED,

@@ -9,7 +9,7 @@ from pipelines.reopen import reopen_failed, reopen_unverified
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import seed_done
-from soma_cluster.schedule import SEED_JOB
+from soma_cluster.jobs import SEED_JOB, JobState
 from soma_cluster.storage import Store
 
 
@@ -21,7 +21,8 @@ def train_seed(
     log_every_s: float = LOG_EVERY_S,
     retry_failed: bool = False,
 ) -> str:
-    """Train the seed job; with `retry_failed` (`soma seed --retry-failed`) a seed that failed permanently is reopened."""
+    """Train the seed job; with `retry_failed` (`soma seed --retry-failed`) a seed that failed permanently is
+    reopened."""
     if not store.exists("shards/manifest.json"):
         raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
     if retry_failed:
@@ -29,7 +30,7 @@ def train_seed(
     reopen_unverified(store, [SEED_JOB])  # done only while its last checkpoint verifies
     if seed_done(store):
         console.print("seed model already trained; skipping")
-        return "finished"
+        return JobState.FINISHED
     console.print(
         f"training the seed model: {cfg.seed_stage.updates} updates at lr {cfg.seed_stage.lr}, "
         f"{cfg.spsa.n_pert} probes x 2 signs, batch {cfg.spsa.batch} x {cfg.spsa.seq_len} bytes"
@@ -37,6 +38,6 @@ def train_seed(
     driver = Driver(store, cfg, [SEED_JOB], show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver).get(SEED_JOB.name)
     raise_failures(driver, "jobs")
-    if outcome != "finished":
+    if outcome != JobState.FINISHED:
         raise SomaError(f"seed training ended with {outcome}; see {store.url}/events.jsonl for the reason")
     return outcome

@@ -13,7 +13,8 @@ from rich.text import Text
 
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
-from soma_cluster.events import TERMINAL, history
+from soma_cluster.events import history
+from soma_cluster.jobs import EXPERT_SPEND, TERMINAL, Category, Event, JobState
 from soma_cluster.lease import LEASE, Holder, LeaseRecord, Verdict, judge, process_alive
 from soma_cluster.ledger import Ledger
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
@@ -24,7 +25,8 @@ PLAN = "plan/plan.json"
 
 
 def load_status(store: Store, cfg: CampaignConfig) -> dict:
-    """The snapshot (schema in soma_cluster/snapshot.py), with `stale` and, once the campaign ended, `plan_vs_actual`."""
+    """The snapshot (schema in soma_cluster/snapshot.py), with `stale` and, once the campaign ended,
+    `plan_vs_actual`."""
     if store.exists(SNAPSHOT):
         snap = store.read_json(SNAPSHOT)
         snap.pop("checksum", None)
@@ -33,11 +35,11 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
         totals = Ledger(store).totals()
         rows = history_rows(cfg, history(store), totals)
         snap = build(
-            cfg,
-            store.url,
-            rows,
-            totals.gpu_seconds,
-            totals.devices,
+            cfg=cfg,
+            url=store.url,
+            rows=rows,
+            by_category_s=totals.gpu_seconds,
+            devices=totals.devices,
             started_at=None,
             rate=None,
             final=False,
@@ -94,9 +96,9 @@ def plan_vs_actual(store: Store, snap: dict) -> dict | None:
     walls = stage_walls(store)
     seed = not plan.get("seed_trained")  # a seed trained before the plan was spent, not predicted
     rows = []
-    for what, key in ((("seed", "seed"),) if seed else ()) + (
-        ("expert training", "expert_training"),
-        ("wasted", "wasted"),
+    for what, key in ((("seed", Category.SEED),) if seed else ()) + (
+        ("expert training", Category.EXPERT_TRAINING),
+        ("wasted", Category.WASTED),
     ):
         rows.append(
             {"what": f"GPU-hours, {what}", "predicted": plan["gpu_hours"].get(key, 0.0), "actual": actual.get(key, 0.0)}
@@ -106,7 +108,7 @@ def plan_vs_actual(store: Store, snap: dict) -> dict | None:
             {
                 "what": "GPU-hours, seed + experts",
                 "predicted": plan["gpu_hours"]["training_total"],
-                "actual": actual["seed"] + actual["expert_training"] + actual["wasted"] + actual["preempted"],
+                "actual": sum(actual[c] for c in (Category.SEED, *EXPERT_SPEND)),
             }
         )
     for what, key in ((("seed", "seed"),) if seed else ()) + (("experts", "experts"),):
@@ -122,7 +124,7 @@ def stage_walls(store: Store) -> dict[str, float]:
     for h in history(store).values():
         key = "seed" if h.job == "seed" else "experts"
         for ev in h.events:
-            if ev["event"] == "queued" or ev["event"] in TERMINAL:
+            if ev["event"] == Event.QUEUED or ev["event"] in TERMINAL:
                 lo, hi = walls.get(key, [ev["t"], ev["t"]])
                 walls[key] = [min(lo, ev["t"]), max(hi, ev["t"])]
     return {k: hi - lo for k, (lo, hi) in walls.items()}
@@ -142,7 +144,7 @@ def header(snap: dict) -> Text:
             d = snap["driver"]
             then = (
                 "soma seed"
-                if any(r["job"] == "seed" and r["state"] == "interrupted" for r in snap["jobs"])
+                if any(r["job"] == "seed" and r["state"] == JobState.INTERRUPTED for r in snap["jobs"])
                 else "soma resume"
             )
             lines.append(
@@ -153,7 +155,8 @@ def header(snap: dict) -> Text:
             f"snapshot {age:.0f} s old"
             + (", the driver's last" if snap["final"] or stopped(snap) else "")
             + (
-                f"; STALE: no driver has written it for {fmt_duration(age)} (driver gone? soma resume {snap['campaign']})"
+                f"; STALE: no driver has written it for {fmt_duration(age)} "
+                f"(driver gone? soma resume {snap['campaign']})"
                 if snap["stale"]
                 else ""
             )

@@ -14,14 +14,18 @@ from soma_cluster.config import BudgetConfig
 class BudgetBook:
     cfg: BudgetConfig
     granted: dict[int, float] = field(default_factory=dict)  # extra GPU-seconds given to an expert from the pool
+    # the caps in GPU-seconds, converted from the config's GPU-hours once: every decision works in seconds
+    expert_s: float | None = field(init=False)
+    campaign_s: float | None = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.expert_s = None if self.cfg.expert_gpu_hours is None else self.cfg.expert_gpu_hours * 3600.0
+        self.campaign_s = None if self.cfg.campaign_gpu_hours is None else self.cfg.campaign_gpu_hours * 3600.0
 
     @property
-    def expert_s(self) -> float | None:
-        return None if self.cfg.expert_gpu_hours is None else self.cfg.expert_gpu_hours * 3600.0
-
-    @property
-    def campaign_s(self) -> float | None:
-        return None if self.cfg.campaign_gpu_hours is None else self.cfg.campaign_gpu_hours * 3600.0
+    def budgeted(self) -> bool:
+        """Whether any cap applies (else nothing is watched against a budget)."""
+        return self.expert_s is not None or self.campaign_s is not None
 
     def expert_cap(self, expert: int) -> float | None:
         return None if self.expert_s is None else self.expert_s + self.granted.get(expert, 0.0)

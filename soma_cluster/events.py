@@ -18,24 +18,21 @@ import time
 from dataclasses import dataclass, field
 
 from soma_cluster.errors import SomaError
+from soma_cluster.jobs import ATTEMPT_ENDS, PROGRESS, TERMINAL, Event, JobState, JobView, replay
 from soma_cluster.storage import Store
 
 LOG = "events.jsonl"
-TERMINAL = ("finished", "converged", "budget_exhausted", "failed_permanently")
-# events that report progress or bookkeeping without changing where a job stands
-PROGRESS = ("heartbeat", "checkpointed", "budget_granted")
-ATTEMPT_ENDS = ("failed", "preempted") + TERMINAL
 RETRY_FAILED = "retry_failed"  # the reason of a `reopened` event written by --retry-failed
 
 
-def emit(store: Store, event: str, job: str, **fields) -> None:
+def emit(store: Store, event: Event, job: str, **fields) -> None:
     store.append(LOG, {"event": event, "job": job, "t": time.time(), **fields})
 
 
 @dataclass
 class JobHistory:
     job: str
-    state: str = "pending"  # last event that changed where the job stands
+    state: str = JobState.PENDING  # the last event that changed where the job stands (an Event), or pending
     attempts: int = 0  # attempts begun (queued or launched), i.e. the next attempt's number
     failures: int = 0  # failed attempts counted against max_retries since the job was last given its
     # retries back (preemptions, driver losses, the infrastructure's failures are not)
@@ -48,6 +45,19 @@ class JobHistory:
     def terminal(self) -> bool:
         return self.state in TERMINAL
 
+    @property
+    def job_state(self) -> JobState:
+        """Where the job stands, by the state machine (soma_cluster/jobs.py) folded over its events."""
+        return replay(self.events)
+
+    def view(self) -> JobView:
+        """Its status view rebuilt from its events (after a driver loss, or for a campaign without status.json)."""
+        started = [ev for ev in self.events if ev["event"] == Event.STARTED]
+        last = started[-1] if started else {}
+        return JobView(
+            self.step, self.val, last.get("node_ip") or last.get("node"), last.get("device"), self.last_error
+        )
+
     def of_attempt(self, attempt: int) -> list[dict]:
         return [ev for ev in self.events if ev.get("attempt") == attempt]
 
@@ -56,7 +66,7 @@ class JobHistory:
         later `reopened` voided its end (its last checkpoint was lost: as if interrupted at the one kept)."""
         end = None
         for ev in self.events:
-            if ev["event"] == "reopened" and ev.get("reason") != RETRY_FAILED:
+            if ev["event"] == Event.REOPENED and ev.get("reason") != RETRY_FAILED:
                 end = None
             elif ev.get("attempt") == attempt and ev["event"] in ATTEMPT_ENDS:
                 end = ev["event"]
@@ -64,7 +74,7 @@ class JobHistory:
 
     def held(self, attempt: int) -> bool:
         """Whether `attempt`'s actor ever held its GPU (queued attempts that never started did not)."""
-        return any(ev["event"] in ("launched", "started") for ev in self.of_attempt(attempt))
+        return any(ev["event"] in (Event.LAUNCHED, Event.STARTED) for ev in self.of_attempt(attempt))
 
 
 def history(store: Store) -> dict[str, JobHistory]:
@@ -72,24 +82,24 @@ def history(store: Store) -> dict[str, JobHistory]:
     for ev in store.read_log(LOG):
         h = out.setdefault(ev["job"], JobHistory(ev["job"]))
         h.events.append(ev)
-        if ev["event"] in ("queued", "launched") and ev.get("attempt") is not None:
+        if ev["event"] in (Event.QUEUED, Event.LAUNCHED) and ev.get("attempt") is not None:
             h.attempts = max(h.attempts, ev["attempt"] + 1)
         if ev["event"] not in PROGRESS:
             h.state = ev["event"]
         h.step = ev.get("step", h.step) or h.step
         if ev.get("val") is not None:
             h.val = ev["val"]
-        if ev["event"] == "failed":
+        if ev["event"] == Event.FAILED:
             h.failures += 1 if ev.get("counted", True) else 0
             h.last_error = ev.get("reason")
-        if ev["event"] == "reopened" and ev.get("reason") == RETRY_FAILED:
+        if ev["event"] == Event.REOPENED and ev.get("reason") == RETRY_FAILED:
             h.failures = 0
     return out
 
 
 def seed_done(store: Store) -> bool:
     h = history(store).get("seed")
-    return bool(h and h.state == "finished")
+    return bool(h and h.state == Event.FINISHED)
 
 
 def require_seed(store: Store) -> None:

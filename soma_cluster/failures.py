@@ -21,48 +21,15 @@ from __future__ import annotations
 import logging
 import re
 import time
-from enum import StrEnum
 from typing import Callable, TypeVar
 
 from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of
 from soma_cluster.errors import SomaError, StorageUnreachable
+from soma_cluster.jobs import Cause, JobState
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
 
-
-class Cause(StrEnum):
-    """Why an attempt was lost (the `cause` field of its `failed` event)."""
-
-    # the expert's own: counted against retry.max_retries
-    EXCEPTION = "exception"  # its code raised
-    NON_FINITE = "non_finite_loss"
-    CRASH = "crash"  # its process died, its node did not (SIGKILL, kernel OOM kill, segfault)
-    HANG = "hang"  # no heartbeat within retry.heartbeat_timeout_s
-    BAD_INPUT = "bad_input"  # corrupt shard or checkpoint, no CUDA device: ends the job at once
-    # the infrastructure's: waited out for at most retry.infra_wait_s, never counted
-    DISK_FULL = "disk_full"
-    READ_ONLY = "read_only"
-    PERMISSION = "permission"
-    STORAGE_UNREACHABLE = "storage_unreachable"
-    NODE_LOST = "node_lost"
-    OUT_OF_MEMORY = "out_of_memory"
-
-    @property
-    def infra(self) -> bool:
-        return self in INFRA
-
-
-INFRA = frozenset(
-    {
-        Cause.DISK_FULL,
-        Cause.READ_ONLY,
-        Cause.PERMISSION,
-        Cause.STORAGE_UNREACHABLE,
-        Cause.NODE_LOST,
-        Cause.OUT_OF_MEMORY,
-    }
-)
 
 # the disk conditions (soma_cluster/diskerrors.py: errno -> condition, shared with the commands' checks) that are
 # the infrastructure's; the others (a missing file, a file in a directory's place) are bad input or a bug
@@ -149,8 +116,8 @@ def waiting(fn: Callable[[], T], wait_s: float, what: str) -> T:
 
 
 def stop_line(cause: Cause, reason: str, who: str, waited_s: float, bound_s: float, url: str) -> str:
-    """The one line a campaign stopped by its environment ends with; `who` waited (e.g. "expert-0003's retries")."""
-    reason = reason.removeprefix(f"{cause}: ")
+    """The one line a campaign stopped by its environment ends with; `who` waited (e.g. "expert-0003's retries"),
+    `reason` is what failed (the error, not the cause's name)."""
     return (
         f"the campaign stopped: {WORDS[cause]} ({reason}), {who} waited {waited_s:.0f} s for it "
         f"(retry.infra_wait_s={bound_s:g}); {FIX[cause].format(url=url)}, then run soma resume {url}"
@@ -181,14 +148,14 @@ def expert_names(requested: list[str], names: list[str]) -> list[str]:
 def select_failed(states: dict[str, str], names: list[str], requested: list[str] | None = None) -> list[str]:
     """The jobs `--retry-failed` reopens: every one of `names` whose state is failed_permanently, or the
     `requested` ones, each of which must be (SomaError naming the first that is not, and its state)."""
-    failed = [n for n in names if states.get(n) == "failed_permanently"]
+    failed = [n for n in names if states.get(n) == JobState.FAILED_PERMANENTLY]
     if not requested:
         return failed
     chosen = expert_names(requested, names)
     for name in chosen:
         if name not in failed:
             raise SomaError(
-                f"{name} is {states.get(name, 'pending')}, not failed_permanently: --retry-failed reopens only "
+                f"{name} is {states.get(name, JobState.PENDING)}, not failed_permanently: --retry-failed reopens only "
                 f"jobs that failed permanently ({', '.join(failed) if failed else 'none here'})"
             )
     return chosen

@@ -14,16 +14,19 @@ import time
 from collections import defaultdict
 from dataclasses import dataclass, field
 
+from soma_cluster.jobs import CATEGORIES, EXPERT_SPEND, Category
+from soma_cluster.messages import Usage
 from soma_cluster.storage import Store
 
-CATEGORIES = ("preprocessing", "seed", "expert_training", "wasted", "preempted", "evaluation")
-# what counts against an expert's own budget: all GPU time spent on it, whatever became of the work
-EXPERT_SPEND = ("expert_training", "wasted", "preempted")
+__all__ = ["CATEGORIES", "EXPERT_SPEND", "LOG", "Ledger", "Totals", "hours_unit"]
 LOG = "ledger/ledger.jsonl"
 
 
 @dataclass
 class Totals:
+    """Sums of the ledger by category, expert and device: replayed from the records (`Ledger.totals`), or kept
+    live by the scheduler as it writes them (soma_cluster/accounting.py), with the same `add`."""
+
     gpu_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     wall_seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))
     forwards: dict[str, int] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0))
@@ -34,6 +37,20 @@ class Totals:
     )  # its largest single record
     devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # device -> GPU-seconds on it
     least_startup: float | None = None  # GPU-seconds of the cheapest expert start-up (records with seq 0)
+
+    def add(self, category: Category, u: Usage, *, expert: int | None, seq: int, device: str | None) -> None:
+        """One record's amounts."""
+        self.gpu_seconds[category] += u.gpu_seconds
+        self.wall_seconds[category] += u.wall_seconds
+        self.forwards[category] += u.forwards
+        self.tokens[category] += u.tokens
+        if expert is not None and category in EXPERT_SPEND:
+            self.per_expert_gpu_seconds[expert] += u.gpu_seconds
+            self.per_expert_largest[expert] = max(self.per_expert_largest[expert], u.gpu_seconds)
+        if device and u.gpu_seconds:
+            self.devices[device] += u.gpu_seconds
+        if expert is not None and seq == 0 and u.gpu_seconds > 0:
+            self.least_startup = min(self.least_startup or math.inf, u.gpu_seconds)
 
     @property
     def gpu_hours(self) -> float:
@@ -72,9 +89,10 @@ class Ledger:
     def __init__(self, store: Store):
         self.store = store
 
+    # category and the two amounts stay positional for pipelines/prepare.py's one call; every other caller names them
     def record(
         self,
-        category: str,
+        category: Category,
         gpu_seconds: float,
         wall_seconds: float,
         *,
@@ -121,16 +139,6 @@ class Ledger:
     def totals(self) -> Totals:
         t = Totals()
         for rec in self.records():
-            c = rec["category"]
-            t.gpu_seconds[c] += rec["gpu_seconds"]
-            t.wall_seconds[c] += rec["wall_seconds"]
-            t.forwards[c] += rec["forwards"]
-            t.tokens[c] += rec["tokens"]
-            if rec["expert"] is not None and c in EXPERT_SPEND:
-                t.per_expert_gpu_seconds[rec["expert"]] += rec["gpu_seconds"]
-                t.per_expert_largest[rec["expert"]] = max(t.per_expert_largest[rec["expert"]], rec["gpu_seconds"])
-            if rec.get("device") and rec["gpu_seconds"]:
-                t.devices[rec["device"]] += rec["gpu_seconds"]
-            if rec["expert"] is not None and rec.get("seq") == 0 and rec["gpu_seconds"] > 0:
-                t.least_startup = min(t.least_startup or math.inf, rec["gpu_seconds"])
+            u = Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
+            t.add(rec["category"], u, expert=rec["expert"], seq=rec.get("seq"), device=rec.get("device"))
         return t

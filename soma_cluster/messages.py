@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, fields
 
+from soma_cluster.jobs import StopReason
+
 
 @dataclass(frozen=True)
 class Usage:
@@ -67,9 +69,9 @@ class SetupReport:
     experts: dict[int | None, ExpertStart]
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Heartbeat:
-    """One job after a chunk of updates (or its end)."""
+    """One job after a chunk of updates (or its end). Built by keyword: fourteen fields, several of one type."""
 
     step: int
     target: int
@@ -83,12 +85,16 @@ class Heartbeat:
     checkpoint_step: int  # step of its latest checkpoint in this attempt (-1: none yet)
     usage: Usage  # cumulative over the attempt, start-up included
     sec_per_update: float | None
-    reason: str | None = None  # why it stopped: finished, converged, budget_exhausted, preempted, or a failure
-    failed: bool = False  # it failed inside a pack (e.g. a non-finite loss); its pack-mates train on
+    reason: StopReason | None = None  # why it stopped, if it did
+    error: str | None = None  # it failed inside a pack, raising this (a non-finite loss); its pack-mates train on
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
 
     @property
     def done(self) -> bool:
-        return self.reason is not None
+        return self.reason is not None or self.failed
 
 
 @dataclass(frozen=True)

@@ -9,9 +9,9 @@ import torch
 
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import CampaignConfig
+from soma_cluster.jobs import SEED_JOB, Job
 from soma_cluster.methods import SEED_METHOD, TrainingMethod, method_named
 from soma_cluster.model import init_body, init_head
-from soma_cluster.schedule import SEED_JOB, Job
 from soma_cluster.shards import Shard, open_shard
 from soma_cluster.spsa import derive_seed
 from soma_cluster.storage import Store

@@ -19,16 +19,13 @@ import pyarrow.ipc as ipc
 
 from soma_cluster.diskerrors import condition_of
 from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.jobs import expert_name
 from soma_cluster.storage import Store, file_sha256, sha256
 
 log = logging.getLogger(__name__)
 
 COLUMN = "seq"
 BATCH_ROWS = 1024
-
-
-def expert_name(expert: int) -> str:
-    return f"expert-{int(expert):04d}"
 
 
 def val_every(val_fraction: float) -> int:

@@ -10,108 +10,80 @@ fields are only ever added.
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from soma_cluster.config import CampaignConfig
-from soma_cluster.events import TERMINAL, JobHistory
+from soma_cluster.events import JobHistory
+from soma_cluster.jobs import (
+    IN_FLIGHT,
+    SEED_JOB,
+    STATES,
+    TERMINAL,
+    Category,
+    Job,
+    JobState,
+    JobStatus,
+    JobView,
+    expert_jobs,
+)
 from soma_cluster.ledger import CATEGORIES, Totals, hours_unit
-from soma_cluster.schedule import SEED_JOB, Job, JobView, Scheduler, expert_jobs, view_of
 
+if TYPE_CHECKING:
+    from soma_cluster.schedule import Scheduler
+
+__all__ = ["IN_FLIGHT", "SNAPSHOT", "STATES", "build", "history_rows", "scheduler_rows", "summary_line"]
 SNAPSHOT = "status.json"
 SCHEMA = 1
-# pending: no driver has asked Ray for it yet; queued: asked of Ray, waiting for a GPU share; retrying: failed,
-# waiting out its backoff or queued again; preempted: its node was reclaimed, rescheduled without spending a retry;
-# interrupted: in flight when its driver stopped (a signal), so nothing runs it until `soma resume`
-STATES = ("pending", "queued", "running", "retrying", "preempted", "interrupted") + TERMINAL
-IN_FLIGHT = ("queued", "running", "retrying", "preempted")
 
 
 def target(cfg: CampaignConfig, job: Job) -> int:
     return cfg.seed_stage.updates if job.expert is None else cfg.train.updates
 
 
-def job_state(sched: Scheduler, job: Job) -> str:
-    """Where the job stands now, from the scheduler's own state (not the last event it wrote)."""
-    if job in sched.outcome:
-        return sched.outcome[job]
-    if job in sched.retry_at:
-        return "retrying"
-    unit = sched.open.get(job)
-    cause = unit.accounts[job].cause if unit is not None else sched.cause.get(job, "new")
-    if unit is not None and unit.phase == "running":
-        return "running"
-    if cause in ("retry", "preempted"):
-        return "retrying" if cause == "retry" else "preempted"
-    return "queued" if unit is not None else "pending"
-
-
-def _row(
-    cfg: CampaignConfig,
-    job: Job,
-    state: str,
-    view: JobView,
-    spent_s: float,
-    left_s: float | None,
-    retries: int,
-    beat_age_s: float | None = None,
-) -> dict:
+def _row(cfg: CampaignConfig, job: Job, s: JobStatus) -> dict:
     return {
         "job": job.name,
         "expert": job.expert,
-        "state": state,
-        "step": view.step,
+        "state": s.state,
+        "step": s.view.step,
         "target": target(cfg, job),
-        "val": view.val,
-        "gpu_hours": spent_s / 3600.0,
-        "budget_left_gpu_hours": None if left_s is None else max(0.0, left_s) / 3600.0,
-        "retries": retries,
-        "node": view.node,
-        "device": view.device,
-        "last_error": view.last_error,
-        "heartbeat_age_s": beat_age_s,
+        "val": s.view.val,
+        "gpu_hours": s.spent_s / 3600.0,
+        "budget_left_gpu_hours": None if s.left_s is None else max(0.0, s.left_s) / 3600.0,
+        "retries": s.retries,
+        "node": s.view.node,
+        "device": s.view.device,
+        "last_error": s.view.last_error,
+        "heartbeat_age_s": s.beat_age_s,
     }
 
 
 def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
-    """job name -> row, for the jobs this scheduler runs."""
-    out = {}
-    for job in sched.jobs:
-        state = job_state(sched, job)
-        spent = sched.by_category.get("seed", 0.0) if job.expert is None else sched.spent.get(job.expert, 0.0)
-        left = None if state in TERMINAL else sched.left(job)
-        unit = sched.open.get(job)
-        age = sched.clock() - unit.last_beat if unit is not None and unit.phase == "running" else None
-        out[job.name] = _row(
-            sched.cfg, job, state, sched.seen.get(job, JobView()), spent, left, sched.failures.get(job, 0), age
-        )
-    return out
+    """job name -> row, for the jobs this scheduler runs: where each stands now, by the scheduler's own state
+    machine (not the last event it wrote)."""
+    return {job.name: _row(sched.cfg, job, sched.status(job)) for job in sched.jobs}
 
 
 def history_rows(
     cfg: CampaignConfig, hist: dict[str, JobHistory], totals: Totals, jobs: list[Job] | None = None
 ) -> dict[str, dict]:
-    """job name -> row, from the events log: what a job's last state-changing event says (no driver is running)."""
+    """job name -> row, from the events log folded through the same state machine (no driver is running)."""
     out = {}
     for job in jobs if jobs is not None else [SEED_JOB] + expert_jobs(cfg):
         h = hist.get(job.name)
-        state = _history_state(h)
-        spent = totals.gpu_seconds["seed"] if job.expert is None else totals.per_expert_gpu_seconds.get(job.expert, 0.0)
-        out[job.name] = _row(cfg, job, state, view_of(h) if h else JobView(), spent, None, h.failures if h else 0)
+        spent = (
+            totals.gpu_seconds[Category.SEED]
+            if job.expert is None
+            else totals.per_expert_gpu_seconds.get(job.expert, 0.0)
+        )
+        status = JobStatus(
+            state=h.job_state if h else JobState.PENDING,
+            view=h.view() if h else JobView(),
+            spent_s=spent,
+            retries=h.failures if h else 0,
+        )
+        out[job.name] = _row(cfg, job, status)
     return out
-
-
-def _history_state(h: JobHistory | None) -> str:
-    if h is None:
-        return "pending"
-    if h.terminal:
-        return h.state
-    return {
-        "queued": "queued",
-        "retried": "retrying",
-        "retry_scheduled": "retrying",
-        "failed": "retrying",
-        "preempted": "preempted",
-        "reopened": "pending",
-    }.get(h.state, "running" if h.state in ("launched", "started") else "pending")
 
 
 def counts(rows: list[dict]) -> dict[str, int]:
@@ -127,12 +99,12 @@ def eta_s(rows: list[dict], rate: float | None) -> float | None:
 
 
 def build(
+    *,
     cfg: CampaignConfig,
     url: str,
     rows: dict[str, dict],
     by_category_s: dict[str, float],
     devices: dict[str, float],
-    *,
     started_at: float | None,
     rate: float | None,
     final: bool,
@@ -145,7 +117,7 @@ def build(
     it stopped before its jobs ended: then the jobs it had in flight are `interrupted`."""
     now = time.time()
     stopped = bool(driver and driver.get("state") == "stopped")
-    listed = [{**r, "state": "interrupted"} if stopped and r["state"] in IN_FLIGHT else r for r in rows.values()]
+    listed = [{**r, "state": JobState.INTERRUPTED} if stopped and r["state"] in IN_FLIGHT else r for r in rows.values()]
     elapsed = now - started_at if started_at is not None else 0.0
     hours = {c: by_category_s.get(c, 0.0) / 3600.0 for c in CATEGORIES}
     return {
@@ -182,7 +154,8 @@ def summary_line(snap: dict) -> str:
     eta_text = "-" if eta is None else fmt_duration(eta)
     return (
         f"[soma {time.strftime('%H:%M:%S', time.localtime(snap['written_at']))}] {snap['name']}: {c} | "
-        f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}) | elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}"
+        f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}) | "
+        f"elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}"
     )
 
 

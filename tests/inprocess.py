@@ -9,9 +9,12 @@ from dataclasses import dataclass, field
 
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.events import history
+from soma_cluster.jobs import Job
 from soma_cluster.messages import SetupReport
-from soma_cluster.schedule import Chunk, Job, Lost, Reuse, Scheduler, Start, Stop
+from soma_cluster.schedule import Chunk, Lost, Reuse, Scheduler, Start, Stop
 from workers.expert_worker import ExpertWorker
+
+KILLED = Lost("actor_died", "killed by the test")
 
 
 @dataclass
@@ -96,8 +99,8 @@ class InProcess:
         handler = self.sched.on_setup if isinstance(report, SetupReport) else self.sched.on_chunk
         self.apply(handler(uid, report))
 
-    def kill(self, uid: int, reason: str = "actor_died: killed by the test", kind: str = "failure") -> None:
-        self.apply(self.sched.on_lost(uid, Lost(reason, kind)))
+    def kill(self, uid: int, lost: Lost = KILLED) -> None:
+        self.apply(self.sched.on_lost(uid, lost))
 
     def zombie(self, uid: int) -> None:
         """The driver declares the unit lost before its call ran, but the process lives on and runs the call

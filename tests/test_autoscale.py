@@ -17,7 +17,7 @@ from rayhead import RayHead
 from pipelines.campaign import Driver, expert_jobs
 from pipelines.prepare import prepare
 from soma_cluster.events import history
-from soma_cluster.schedule import SEED_JOB
+from soma_cluster.jobs import SEED_JOB
 from soma_cluster.storage import Store
 
 GPUS_PER_NODE, MAX_NODES = 2, 3

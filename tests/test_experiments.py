@@ -102,7 +102,8 @@ def test_mean_interval_across_seeds():
     m, lo, hi = mean_interval([1.0, 2.0, 3.0])
     assert m == 2.0 and math.isclose(hi - m, 4.303 * 1.0 / math.sqrt(3), rel_tol=1e-4) and math.isclose(m - lo, hi - m)
     assert mean_interval([1.5]) == (1.5, 1.5, 1.5)
-    # t_{0.975} from the printed tables: df = 10 is 2.228 (a table that stopped at df = 9 used 1.96 there), df = 30 2.042
+    # t_{0.975} from the printed tables: df = 10 is 2.228 (a table that stopped at df = 9 used 1.96 there),
+    # df = 30 2.042
     for n, t in ((11, 2.228), (31, 2.042), (121, 1.980)):
         values = [0.0, 2.0] * (n // 2) + [1.0]  # mean 1, sample sd known exactly
         sd = math.sqrt(sum((v - 1.0) ** 2 for v in values) / (n - 1))

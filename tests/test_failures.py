@@ -13,10 +13,11 @@ from test_schedule import PER_UPDATE, beat, by, scheduler, started
 
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 from soma_cluster.events import RETRY_FAILED, emit, history
-from soma_cluster.failures import INFRA, Cause, actor_death_cause, exception_cause, select_failed, stop_line
+from soma_cluster.failures import actor_death_cause, exception_cause, select_failed, stop_line
+from soma_cluster.jobs import INFRA, Cause, Job, LossKind
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import ChunkReport
-from soma_cluster.schedule import Chunk, Job, LossKind, Lost, Stop
+from soma_cluster.schedule import Chunk, Lost, Stop
 from soma_cluster.storage import retrying
 from soma_cluster.trainer import NonFiniteLoss
 
@@ -70,7 +71,7 @@ def test_a_wrapped_errno_is_found_along_the_chain():
         try:
             raise oserror(errno.EROFS)
         except OSError:
-            raise ValueError("during handling")  # implicit context
+            raise ValueError("during handling")  # noqa: B904 (the implicit context is what this tests)
     except ValueError as outer:
         assert exception_cause(outer) == Cause.READ_ONLY
 
@@ -123,9 +124,9 @@ def test_select_failed_all_or_named():
 # -- the scheduler's decisions ----------------------------------------------------------------------------
 def disk_full(job="expert-0000") -> Lost:
     return Lost(
-        f"disk_full: exception: OSError: [Errno 28] No space left on device: '/c/experts/{job}/.tmp-x'",
-        LossKind.INFRA,
-        cause=Cause.DISK_FULL,
+        Cause.DISK_FULL,
+        f"exception: OSError: [Errno 28] No space left on device: '/c/experts/{job}/.tmp-x'",
+        Cause.DISK_FULL,
     )
 
 
@@ -190,10 +191,10 @@ def test_a_checkpoint_clears_the_condition_and_expert_failures_still_count(tmp_p
     s.on_lost(unit.id, disk_full())  # a new streak, not 30 s old
     assert s.stopped is None and Job(0) in s.retry_at
     unit = run_one(s, clock)
-    s.on_lost(unit.id, Lost("exception: RuntimeError: boom", cause=Cause.EXCEPTION))
+    s.on_lost(unit.id, Lost("exception", "RuntimeError: boom", Cause.EXCEPTION))
     assert s.failures[Job(0)] == 1 and s.stopped is None  # the expert's own: counted
     unit = run_one(s, clock)
-    s.on_lost(unit.id, Lost("actor_died: ActorDiedError: worker died", cause=Cause.CRASH))
+    s.on_lost(unit.id, Lost("actor_died", "ActorDiedError: worker died", Cause.CRASH))
     assert s.outcome == {Job(0): "failed_permanently"}  # max_retries 1: the second one ends it
     failed = [e for e in s.store.read_log("events.jsonl") if e["event"] == "failed"]
     assert [e.get("counted", True) for e in failed] == [False, False, True, True]
@@ -228,7 +229,7 @@ def test_reopened_for_retry_failed_gives_the_retries_back_and_keeps_the_end(tmp_
     s = scheduler(tmp_path, clock, n_experts=1, retry={"max_retries": 0})
     s.restore({})
     unit = run_one(s, clock)
-    s.on_lost(unit.id, Lost("exception: RuntimeError: boom", cause=Cause.EXCEPTION))
+    s.on_lost(unit.id, Lost("exception", "RuntimeError: boom", Cause.EXCEPTION))
     h = history(s.store)["expert-0000"]
     assert h.state == "failed_permanently" and h.failures == 1
     emit(s.store, "reopened", "expert-0000", reason=RETRY_FAILED, was="failed_permanently", step=0, checkpoint=None)
@@ -242,7 +243,7 @@ def test_reopened_for_retry_failed_gives_the_retries_back_and_keeps_the_end(tmp_
 
 def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_path):
     from pipelines.reopen import reopen_failed
-    from soma_cluster.schedule import SEED_JOB
+    from soma_cluster.jobs import SEED_JOB
     from soma_cluster.storage import Store
 
     store = Store(str(tmp_path / "c"))
@@ -314,9 +315,7 @@ def test_a_packed_actor_lost_to_the_infrastructure_spends_no_retry_of_either_exp
     (start,) = s.requests(1)
     s.on_setup(start.unit.id, started([0, 1]))
     clock[0] = 1.0
-    s.on_lost(
-        start.unit.id, Lost("node_lost: ActorDiedError: its node has died", LossKind.INFRA, cause=Cause.NODE_LOST)
-    )
+    s.on_lost(start.unit.id, Lost(Cause.NODE_LOST, "ActorDiedError: its node has died", Cause.NODE_LOST))
     assert sorted(j.expert for j in s.retry_at) == [0, 1] and not s.outcome and not s.failures
     clock[0] = max(s.retry_at.values())
     (again,) = s.requests(1)
@@ -332,7 +331,8 @@ def test_a_storage_error_from_a_check_is_classified_by_its_condition():
     """diskerrors.StorageError (a SomaError, so bad input by type) names a disk condition: full, read-only and denied
     are the infrastructure's, a file where a directory must be is not."""
     from soma_cluster.diskerrors import DiskCondition, StorageError
-    from soma_cluster.failures import Cause, exception_cause
+    from soma_cluster.failures import exception_cause
+    from soma_cluster.jobs import Cause
 
     assert exception_cause(StorageError("/c", DiskCondition.FULL)) is Cause.DISK_FULL
     assert exception_cause(StorageError("/c", DiskCondition.READ_ONLY)) is Cause.READ_ONLY

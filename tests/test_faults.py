@@ -220,7 +220,8 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
     spent = Ledger(store).totals().gpu_hours * 3600
     bound = (cfg.budget.grace_gpu_seconds + 0.5) * cfg.n_experts
     print(
-        f"\ncampaign budget: spent {spent - seed_s:.2f} GPU-s of {extra_s} after the seed (overrun {spent - seed_s - extra_s:+.2f}, bound {bound:.2f})"
+        f"\ncampaign budget: spent {spent - seed_s:.2f} GPU-s of {extra_s} after the seed "
+        f"(overrun {spent - seed_s - extra_s:+.2f}, bound {bound:.2f})"
     )
     assert seed_s + extra_s * 0.5 < spent <= seed_s + extra_s + bound
     # the budget is now spent: nothing more is launched
@@ -328,7 +329,8 @@ def test_driver_hard_stops_an_actor_that_overruns_past_the_grace(seeded, tmp_pat
     spent = Ledger(store).totals().per_expert_gpu_seconds[0]
     bound = grace + 0.5 * cfg.resources.num_gpus
     print(
-        f"\nhard stop: expert-0000 spent {spent:.2f} GPU-s of a {cap_s} cap (overrun {spent - cap_s:+.2f}, bound {bound:.2f})"
+        f"\nhard stop: expert-0000 spent {spent:.2f} GPU-s of a {cap_s} cap "
+        f"(overrun {spent - cap_s:+.2f}, bound {bound:.2f})"
     )
     assert spent <= cap_s + bound + 0.1
 
@@ -356,7 +358,8 @@ def test_sigterm_is_a_preemption_checkpointed_and_rescheduled_bitwise(seeded, re
     assert mine.forwards["expert_training"] == ref.forwards["expert_training"]
     assert mine.gpu_seconds["preempted"] > 0 and mine.gpu_seconds["wasted"] == 0 and mine.forwards["wasted"] == 0
     print(
-        f"\npreempted at step {pre[0]['step']} (checkpoint {ckpts[-1]}); preempted {mine.gpu_seconds['preempted']:.2f} GPU-s, "
+        f"\npreempted at step {pre[0]['step']} (checkpoint {ckpts[-1]}); "
+        f"preempted {mine.gpu_seconds['preempted']:.2f} GPU-s, "
         f"wasted {mine.gpu_seconds['wasted']:.2f}, training forwards {mine.forwards['expert_training']} = fault-free"
     )
 

@@ -26,8 +26,8 @@ from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
+from soma_cluster.jobs import SEED_JOB, expert_jobs
 from soma_cluster.ledger import Ledger
-from soma_cluster.schedule import SEED_JOB, expert_jobs
 from soma_cluster.storage import Store
 
 PER_UPDATE = 2 * 4  # forwards per update: 2 signs x n_pert 4 (test_faults.CHAOS)

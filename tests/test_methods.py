@@ -7,9 +7,9 @@ import torch
 
 from soma_cluster.config import TrainConfig, resolve
 from soma_cluster.errors import SomaError
+from soma_cluster.jobs import SEED_JOB, Job
 from soma_cluster.methods import METHODS, SEED_METHOD, method_named
 from soma_cluster.recipes import expert_start, training_method
-from soma_cluster.schedule import SEED_JOB, Job
 from soma_cluster.trainer import SPSA, Backprop, Eggroll
 
 

@@ -22,8 +22,8 @@ from test_faults import config  # noqa: E402
 
 from pipelines.campaign import Driver  # noqa: E402
 from pipelines.prepare import prepare  # noqa: E402
+from soma_cluster.jobs import SEED_JOB, expert_jobs  # noqa: E402
 from soma_cluster.ledger import Ledger  # noqa: E402
-from soma_cluster.schedule import SEED_JOB, expert_jobs  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 
 

@@ -23,9 +23,9 @@ from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.ensemble import evaluate_ensemble, load_windows
 from soma_cluster.events import history
+from soma_cluster.jobs import Job
 from soma_cluster.ledger import Ledger
 from soma_cluster.router import load_router
-from soma_cluster.schedule import Job
 from soma_cluster.storage import Store
 from workers.expert_worker import SETUP_DELAY_ENV
 

@@ -27,7 +27,8 @@ CAL = {
 def test_stop_step_follows_the_workers_rule():
     cost = lambda s: 10.0 + s * 1.0  # noqa: E731  10 GPU-s start-up, 1 GPU-s per update
     assert stop_step(100, 10, cost, 1.0, None) == 100
-    # first chunk is one update; then chunks of 10 while the next one fits: 11 + 10 <= 40 ... 21 + 10 <= 40, 31 + 10 > 40
+    # first chunk is one update; then chunks of 10 while the next one fits:
+    # 11 + 10 <= 40 ... 21 + 10 <= 40, 31 + 10 > 40
     assert stop_step(100, 10, cost, 1.0, 40.0) == 21
     assert stop_step(100, 10, cost, 1.0, 5.0) == 0  # start-up alone is past the cap
     assert stop_step(15, 10, cost, 1.0, 1e9) == 15  # the last chunk is cut at the target

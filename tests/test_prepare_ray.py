@@ -118,8 +118,9 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
     assert not stores["ray"].exists(".soma-staging")  # staging removed, directory and all
     print(
         f"identical: {len(a)} files ({sum(r.startswith('shards/') for r in a)} shard files and manifests, "
-        f"{sum(r.startswith('test/') for r in a)} test, {sum(r.startswith('router/') for r in a)} router); {info['parts']} parts, "
-        f"{info['documents']} documents, {info['train_sequences']} train sequences, {info['test_windows']} test windows; "
+        f"{sum(r.startswith('test/') for r in a)} test, {sum(r.startswith('router/') for r in a)} router); "
+        f"{info['parts']} parts, {info['documents']} documents, {info['train_sequences']} train sequences, "
+        f"{info['test_windows']} test windows; "
         f"train rows {summaries['ray']['train_rows']}"
     )
     shard = open_shard(stores["ray"], 3, str(tmp_path / "cache"))  # what launch opens

@@ -11,24 +11,16 @@ import torch
 from conftest import micro_config
 from inprocess import InProcess
 
+from soma_cluster.accounting import settle
 from soma_cluster.budget import BudgetBook
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
+from soma_cluster.jobs import SEED_JOB, Cause, Job, expert_jobs
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
-from soma_cluster.schedule import (
-    SEED_JOB,
-    Chunk,
-    Job,
-    Lost,
-    Reuse,
-    Scheduler,
-    Stop,
-    backoff_s,
-    expert_jobs,
-    settle,
-)
+from soma_cluster.retries import backoff_s
+from soma_cluster.schedule import Chunk, Lost, Reuse, Scheduler, Stop
 from soma_cluster.storage import Store
 
 PER_UPDATE = 2 * 4  # forwards per update of a micro expert: 2 signs x n_pert 4, frozen shared head
@@ -42,20 +34,20 @@ def started(experts, step=0, gpu_s=1.0) -> SetupReport:
 
 def beat(step, gpu_s, forwards, reason=None, failed=False, checkpoint=None, ckpt_step=-1) -> Heartbeat:
     return Heartbeat(
-        step,
-        12,
-        3,
-        5.0,
-        None,
-        None,
-        1e-3,
-        1e-3,
-        checkpoint,
-        ckpt_step,
-        Usage(gpu_s, gpu_s, forwards, forwards * 10),
-        0.1,
-        reason,
-        failed,
+        step=step,
+        target=12,
+        updates=3,
+        loss=5.0,
+        val=None,
+        best_val=None,
+        eps=1e-3,
+        lr=1e-3,
+        checkpoint=checkpoint,
+        checkpoint_step=ckpt_step,
+        usage=Usage(gpu_s, gpu_s, forwards, forwards * 10),
+        sec_per_update=0.1,
+        reason=None if failed else reason,
+        error=reason if failed else None,
     )
 
 
@@ -94,7 +86,7 @@ def test_settle_moves_work_after_the_checkpoint_and_keeps_work_checkpointed_afte
 def test_backoff_is_exponential_capped_and_jittered():
     rng = random.Random(1)
     waits = [[backoff_s(1.0, 10.0, k, rng) for _ in range(200)] for k in (1, 2, 3, 6)]
-    for k, w in zip((1, 2, 3, 6), waits):
+    for k, w in zip((1, 2, 3, 6), waits, strict=True):
         full = min(10.0, 2.0 ** (k - 1))
         assert full * 0.5 <= min(w) and max(w) <= full  # half fixed, half random, capped
         assert max(w) - min(w) > 0.3 * full  # really jittered
@@ -138,7 +130,7 @@ def test_failure_retries_with_backoff_and_bills_the_retry_start_as_wasted(tmp_pa
     s.on_setup(start.unit.id, started([0]))
     s.on_chunk(start.unit.id, ChunkReport({0: beat(3, 4.0, 3 * PER_UPDATE)}, 4.0))
     clock[0] = 1.0
-    assert by(s.on_lost(start.unit.id, Lost("actor_died: test")), Stop)
+    assert by(s.on_lost(start.unit.id, Lost("actor_died", "test")), Stop)
     assert s.requests(1) == [] and 1.0 <= s.retry_at[Job(0)] - clock[0] <= 2.0  # backoff 2 s, jittered down to >= 1 s
     clock[0] = 10.0
     (retry,) = s.requests(1)
@@ -149,7 +141,7 @@ def test_failure_retries_with_backoff_and_bills_the_retry_start_as_wasted(tmp_pa
         totals.forwards["wasted"] == 3 * PER_UPDATE and totals.forwards["expert_training"] == 0
     )  # no checkpoint: all lost
     assert totals.gpu_seconds["wasted"] == pytest.approx(3.0 + 1.0 + 3.0)  # its work, 1 s unreported, the retry's start
-    s.on_lost(retry.unit.id, Lost("actor_died: again"))
+    s.on_lost(retry.unit.id, Lost("actor_died", "again"))
     assert s.outcome == {Job(0): "failed_permanently"}  # max_retries 1: the second failure ends it
     assert history(s.store)["expert-0000"].failures == 2
 
@@ -353,7 +345,7 @@ def run_with_faults(h: InProcess, faults: dict[int, str]) -> None:
         if kind == "after":
             h.kill(uid)
         elif kind == "preempted":
-            h.kill(uid, "preempted: node drained", "preempted")
+            h.kill(uid, Lost("preempted", "node drained", Cause.PREEMPTED))
         elif kind == "driver":
             h.driver_lost()
         else:
@@ -365,7 +357,7 @@ def expected_lost(h: InProcess, job: Job) -> int:
     """Forwards reported and then lost, measured from outside: an attempt keeps what the next attempt resumed from."""
     tried = sorted((n, a) for (j, n), a in h.attempts.items() if j == job and a.start_forwards is not None)
     lost = 0
-    for (_, a), (_, b) in zip(tried, tried[1:]):
+    for (_, a), (_, b) in zip(tried, tried[1:], strict=False):  # consecutive pairs
         lost += max(0, a.reported - (b.start_forwards - a.start_forwards))
     return lost
 

@@ -56,7 +56,7 @@ def test_states_come_from_the_scheduler_not_the_last_event(tmp_path):
     s.on_setup(units[1].id, started([1]))
     assert state()["expert-0000"] == "running" and state()["expert-0001"] == "running"
     # expert 1 fails: it waits out its backoff as "retrying" (its last event is retry_scheduled)
-    s.on_lost(units[1].id, Lost("actor_died: boom"))
+    s.on_lost(units[1].id, Lost("actor_died", "boom"))
     assert state()["expert-0001"] == "retrying"
     # expert 0 finishes early (budget_exhausted) -> the pool grants expert 1 budget: it still reads "retrying",
     # not "budget_granted" (which is the last event written for it)
@@ -90,11 +90,11 @@ def test_snapshot_schema_eta_and_summary_line(tmp_path):
     s.restore({})
     rows = scheduler_rows(s)
     snap = build(
-        s.cfg,
-        s.store.url,
-        rows,
-        {"seed": 36.0, "expert_training": 72.0},
-        {"cpu": 108.0},
+        cfg=s.cfg,
+        url=s.store.url,
+        rows=rows,
+        by_category_s={"seed": 36.0, "expert_training": 72.0},
+        devices={"cpu": 108.0},
         started_at=0.0,
         rate=None,
         final=False,
@@ -165,7 +165,17 @@ def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
     s.restore({})
     (tmp_path / "c").mkdir(exist_ok=True)
     (tmp_path / "c" / "campaign.yaml").write_text(to_yaml_text(s.cfg))
-    snap = build(s.cfg, s.store.url, scheduler_rows(s), {}, {}, started_at=0.0, rate=None, final=False, source="driver")
+    snap = build(
+        cfg=s.cfg,
+        url=s.store.url,
+        rows=scheduler_rows(s),
+        by_category_s={},
+        devices={},
+        started_at=0.0,
+        rate=None,
+        final=False,
+        source="driver",
+    )
     Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
     proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2", "--count", "3")
     assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 3, proc.stdout
@@ -185,8 +195,8 @@ def test_plan_against_actual_once_every_job_ended(tmp_path):
     for job, t0, t1 in (("seed", 0.0, 100.0), ("expert-0000", 200.0, 400.0)):
         store.append("events.jsonl", {"event": "queued", "job": job, "t": t0, "attempt": 0})
         store.append("events.jsonl", {"event": "finished", "job": job, "t": t1, "attempt": 0})
-    Ledger(store).record("seed", 360.0, 100.0)
-    Ledger(store).record("expert_training", 720.0, 200.0, expert=0)
+    Ledger(store).record(category="seed", gpu_seconds=360.0, wall_seconds=100.0)
+    Ledger(store).record(category="expert_training", gpu_seconds=720.0, wall_seconds=200.0, expert=0)
     plan = {
         "gpus": 1,
         "seed_trained": False,

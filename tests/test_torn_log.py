@@ -17,8 +17,8 @@ from inprocess import InProcess
 
 from pipelines.prepare import prepare
 from soma_cluster.events import history
+from soma_cluster.jobs import SEED_JOB, expert_jobs
 from soma_cluster.ledger import Ledger
-from soma_cluster.schedule import SEED_JOB, expert_jobs
 from soma_cluster.storage import Store
 
 LOGS = ("events.jsonl", "ledger/ledger.jsonl")

@@ -32,10 +32,10 @@ import torch
 from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig, load_campaign_config
 from soma_cluster.errors import DeviceError
+from soma_cluster.jobs import Job, StopReason
 from soma_cluster.lease import WorkerFence
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.recipes import job_shard, job_trainer, start_state
-from soma_cluster.schedule import Job
 from soma_cluster.storage import Store
 from soma_cluster.trainer import NonFiniteLoss, Trainer, pick_device, update_experts
 
@@ -275,7 +275,7 @@ class ExpertWorker:
                 return [(m, s.loss) for m, s in zip(members, update_experts([m.trainer for m in members]), strict=True)]
             except NonFiniteLoss as exc:
                 for i in exc.experts:
-                    members[i].reason, members[i].failed = f"exception: NonFiniteLoss: {exc}", True
+                    members[i].reason, members[i].failed = f"NonFiniteLoss: {exc}", True  # the error it raised
                 members = [m for m in members if not m.failed]
         return []
 
@@ -287,7 +287,7 @@ class ExpertWorker:
             cap = caps.get(m.job.expert)
             need = min(todo, m.target - m.trainer.state.step) * (self.sec_per_update or 0.0) / len(live)
             if cap is not None and (self.held[m.job] + need) * self.num_gpus > cap:
-                m.reason = "budget_exhausted"
+                m.reason = StopReason.BUDGET_EXHAUSTED
 
     def run_chunk(self, max_updates: int, caps: dict[int | None, float | None] | None = None) -> ChunkReport:
         """Up to max_updates updates of every live member, fewer if a preemption notice arrives."""
@@ -341,12 +341,12 @@ class ExpertWorker:
             return
         st, cfg = m.trainer.state, self.cfg
         if m.reason is None and st.step >= m.target:
-            m.reason = "finished"
+            m.reason = StopReason.FINISHED
         if m.reason is None and st.schedule.lr <= cfg.spsa.floor and st.schedule.since_best >= cfg.spsa.patience:
-            m.reason = "converged"
+            m.reason = StopReason.CONVERGED
         if m.reason is None and self.preemption.requested:
-            m.reason = "preempted"
-        moved = m.last_ckpt_step != st.step and (m.reason != "preempted" or st.step > m.start_step)
+            m.reason = StopReason.PREEMPTED
+        moved = m.last_ckpt_step != st.step and (m.reason != StopReason.PREEMPTED or st.step > m.start_step)
         if m.reason and moved:  # a clean stop always leaves a checkpoint; a preempted one, of any new work
             ckpt[m.job] = self._checkpoint(m)
 
@@ -354,18 +354,18 @@ class ExpertWorker:
         st = m.trainer.state
         sched = st.schedule
         return Heartbeat(
-            st.step,
-            m.target,
-            len(losses),
-            sum(losses) / len(losses) if losses else None,
-            val,
-            sched.best_val if sched.best_val != float("inf") else None,
-            sched.eps,
-            sched.lr,
-            ckpt,
-            m.last_ckpt_step,
-            self._usage(m),
-            self.sec_per_update,
-            m.reason,
-            m.failed,
+            step=st.step,
+            target=m.target,
+            updates=len(losses),
+            loss=sum(losses) / len(losses) if losses else None,
+            val=val,
+            best_val=sched.best_val if sched.best_val != float("inf") else None,
+            eps=sched.eps,
+            lr=sched.lr,
+            checkpoint=ckpt,
+            checkpoint_step=m.last_ckpt_step,
+            usage=self._usage(m),
+            sec_per_update=self.sec_per_update,
+            reason=None if m.failed else m.reason,
+            error=m.reason if m.failed else None,
         )

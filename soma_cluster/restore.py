@@ -1,0 +1,89 @@
+"""A new driver picks up a campaign whose driver was lost: the scheduler's state rebuilt from the campaign
+directory alone (events log, ledger, checkpoints). No Ray here.
+
+Ended jobs stay ended, budget grants are replayed, failures counted, and an attempt the lost driver left running
+is settled against its job's latest checkpoint, as a lost attempt would have been (soma_cluster/accounting.py).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+from soma_cluster.accounting import SETUP_SEQ, Account, Books, Settlement
+from soma_cluster.events import JobHistory
+from soma_cluster.jobs import AttemptCause, Category, Event, Job, JobState
+from soma_cluster.messages import Usage
+
+if TYPE_CHECKING:
+    from soma_cluster.schedule import Scheduler
+
+
+def restore(sched: Scheduler, past: dict[str, JobHistory]) -> None:
+    """Rebuild `sched` (a new one) from the jobs' histories."""
+    by_name = {j.name: j for j in sched.jobs}
+    for h in past.values():
+        for ev in h.events:
+            if ev["event"] == Event.BUDGET_GRANTED and h.job in by_name:
+                e = by_name[h.job].expert
+                sched.book.granted[e] = sched.book.granted.get(e, 0.0) + ev["gpu_seconds"]
+    records = None
+    for job in sched.jobs:
+        h = past.get(job.name)
+        if h:
+            sched.seen[job] = h.view()
+        if h and h.terminal:
+            sched.outcome[job] = sched.state[job] = JobState(h.state)
+            continue
+        sched.pending.append(job)
+        if not h or not h.attempts:
+            continue
+        sched.next_attempt[job], sched.failures[job] = h.attempts, h.failures
+        sched.cause[job] = cause_after(h)
+        sched.state[job] = sched.cause[job].waiting
+        last = h.attempts - 1
+        if h.held(last) and h.ended(last) is None:
+            records = sched.books.ledger.records() if records is None else records  # read once, not once per job
+            _settle_interrupted(sched.books, job, last, records)
+        else:
+            # its last attempt that held a GPU ended lost and the next has not reported in: finish that on setup
+            ends = [ev for ev in h.events if ev["event"] in (Event.FAILED, Event.PREEMPTED) and "settled" in ev]
+            if ends and ends[-1]["attempt"] == max(a for a in range(h.attempts) if h.held(a)):
+                sched.books.settled[job] = Settlement.from_json(ends[-1]["settled"])
+
+
+def cause_after(h: JobHistory) -> AttemptCause:
+    """Why the job's next attempt exists, from how its latest attempt that held a GPU ended."""
+    after = {Event.FAILED: AttemptCause.RETRY, Event.PREEMPTED: AttemptCause.PREEMPTED, None: AttemptCause.RESUMED}
+    for attempt in range(h.attempts - 1, -1, -1):
+        if h.held(attempt):
+            return after.get(h.ended(attempt), AttemptCause.RETRY)
+    return AttemptCause.NEW
+
+
+def _settle_interrupted(books: Books, job: Job, attempt: int, records: list[dict]) -> None:
+    """The lost driver left `attempt` running: settle what it reported against the latest checkpoint."""
+    mine = [r for r in records if r["expert"] == job.expert and r["attempt"] == attempt]
+    setup = sum((_usage(r) for r in mine if r["seq"] == SETUP_SEQ), Usage())
+    training = sum((_usage(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
+    device = next((r.get("device") for r in mine if r.get("device")), None)
+    if any(r["seq"] < 0 for r in mine):  # settled by an earlier resume (that driver was lost too)
+        fixes = sum((_usage(r) for r in mine if r["seq"] < 0 and r["category"] == job.category), Usage())
+        books.settled[job] = Settlement(attempt, setup, training, training + fixes, Usage(), Category.WASTED, device)
+        return
+    c = Account(
+        job,
+        attempt,
+        AttemptCause.RESUMED,
+        started=True,
+        setup=setup,
+        reported=setup + training,
+        device=device,
+        step=max((r["step"] for r in mine if r["step"] is not None), default=0),
+    )
+    books.settle(
+        c, Settlement(attempt, setup, training, books.kept(c), Usage(), Category.WASTED, device), "driver lost"
+    )
+
+
+def _usage(rec: dict) -> Usage:
+    return Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
