@@ -187,7 +187,7 @@ class Driver:
         self.campaign_id = cfg.digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf  # cluster GPUs, and when they were last read
         self._queued_polled = -math.inf
-        self.metrics = CampaignMetrics(cfg.name, self.campaign_id)
+        self.metrics = CampaignMetrics(store.url, cfg.name, self.campaign_id)
         self.others: dict[str, dict] = {}  # status rows of the campaign's jobs this driver does not run
         self.started_at: float | None = None
         self._reported = self._logged = -math.inf
@@ -431,6 +431,8 @@ class Driver:
         snap = self.snapshot(final=final and self.sched.finished)
         self._writer.submit(snap)
         self.metrics.update(snap)
+        if final:
+            self.metrics.flush()
         if not self.show and (final or now - self._logged >= self.log_every_s):
             self._logged = now
             console.print(summary_line(snap), soft_wrap=True, markup=False)
@@ -543,7 +545,7 @@ def launch(
     )
     driver = Driver(store, cfg, expert_jobs(cfg), show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver)
-    counts = {k: list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
+    counts = {str(k): list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
     console.print(f"experts ended: {counts}")
     raise_failures(driver, "experts")
     return outcome

@@ -81,16 +81,16 @@ def test_metrics_endpoint_carries_the_ledgers_values(tmp_path, text_corpus, ray_
     deadline, got = time.monotonic() + 60, {}
     while time.monotonic() < deadline:  # the metrics agent exports what the driver set within a few intervals
         got = scrape(ray_with_metrics)
-        v = value(got, "ray_soma_gpu_hours", campaign="metrics-test", category="expert_training")
+        v = value(got, "ray_soma_gpu_hours", campaign_name="metrics-test", category="expert_training")
         if v is not None and abs(v - want) <= 1e-9 + 1e-6 * want and value(got, "ray_soma_jobs", state="finished") == 3:
             break
         time.sleep(1.0)
     assert (
-        abs(value(got, "ray_soma_gpu_hours", campaign="metrics-test", category="expert_training") - want) <= 1e-6 * want
+        abs(value(got, "ray_soma_gpu_hours", campaign_name="metrics-test", category="expert_training") - want) <= 1e-6 * want
     ), got
     assert abs(value(got, "ray_soma_gpu_hours", category="seed") - totals.gpu_seconds["seed"] / 3600) <= 1e-6 * want
     assert value(got, "ray_soma_jobs", state="finished") == 3 and value(got, "ray_soma_jobs", state="running") == 0
-    assert value(got, "ray_soma_job_step", job="expert-0001") == cfg.train.updates
-    assert value(got, "ray_soma_expert_val_loss", job="expert-0000") > 0
+    assert value(got, "ray_soma_job_step", soma_job="expert-0001") == cfg.train.updates
+    assert value(got, "ray_soma_expert_val_loss", soma_job="expert-0000") > 0
     assert value(got, "ray_soma_eta_seconds") is not None
     assert os.environ.get("RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER") == "0"  # loopback only
