@@ -86,7 +86,8 @@ def test_metrics_endpoint_carries_the_ledgers_values(tmp_path, text_corpus, ray_
             break
         time.sleep(1.0)
     assert (
-        abs(value(got, "ray_soma_gpu_hours", campaign_name="metrics-test", category="expert_training") - want) <= 1e-6 * want
+        abs(value(got, "ray_soma_gpu_hours", campaign_name="metrics-test", category="expert_training") - want)
+        <= 1e-6 * want
     ), got
     assert abs(value(got, "ray_soma_gpu_hours", category="seed") - totals.gpu_seconds["seed"] / 3600) <= 1e-6 * want
     assert value(got, "ray_soma_jobs", state="finished") == 3 and value(got, "ray_soma_jobs", state="running") == 0
