@@ -115,7 +115,7 @@ def lost_task(exc: RayTaskError) -> Lost:
         )
         return Lost(kind, raised.reason, kind, trace)
     if kind == Cause.BAD_INPUT:
-        return replace(raised, cause=kind)
+        return replace(raised, cause=kind, traceback=trace)  # bad input ends the job: its event keeps the why
     print(f"Traceback (most recent call last), in the worker: {raised.reason}\n{trace}", file=sys.stderr, flush=True)
     return replace(raised, cause=kind, traceback=trace)
 

@@ -356,6 +356,7 @@ def evaluate(
             t = evaluate_text(store, cfg, text, stride, require_all)
             if as_json:
                 return emit_json({"schema": 1, "mode": "text", **t})
+            _say_in_progress(t)
             _say_substituted(t["substituted"])
             out.print(
                 f"long-document mode: ensemble {t['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
@@ -369,6 +370,7 @@ def evaluate(
         m = run(store, cfg, other, require_all)
         if as_json:
             return emit_json({"schema": 1, "mode": "windows", "report": f"{store.url}/eval/report.md", **m})
+        _say_in_progress(m)
         _say_substituted(m["substituted"], m.get("compare", {}).get("substituted", []), compare)
         if other is not None:
             d = m["compare"]["this_minus_other"]
@@ -381,6 +383,19 @@ def evaluate(
         )
 
     _run(go)
+
+
+def _say_in_progress(m: dict) -> None:
+    """A campaign evaluated while it trains says so beside the numbers (stdout: it qualifies them)."""
+    running, driver = m.get("in_progress") or [], m.get("driver_running")
+    if running or driver:
+        out.print(
+            f"campaign still in training: {len(running)} expert(s) not ended, evaluated at their latest checkpoint"
+            + (f": {', '.join(x['expert'] + ' (' + x['state'] + ')' for x in running[:8])}" if running else "")
+            + (f"; {driver} holds it" if driver else ""),
+            markup=False,
+            soft_wrap=True,
+        )
 
 
 def _say_substituted(mine: list[dict], theirs: list[dict] = (), compare: Optional[str] = None) -> None:
@@ -408,16 +423,23 @@ def status(
     count: int = typer.Option(
         0, "--count", help="with --watch, stop after this many refreshes (0: until the campaign's driver ends)"
     ),
+    wait: float = typer.Option(
+        300.0,
+        "--wait",
+        callback=_check_positive,
+        help="with --watch, seconds to wait for a driver to start (a job just submitted, a cluster coming up)",
+    ),
 ) -> None:
     """Every job's state, step/target, expert-val loss, GPU-hours, budget left, retries, node, device and last error,
     with counts by state, GPU-hours by category and an ETA (from the snapshot the driver writes)."""
 
     def go() -> None:
-        from pipelines.status import load_status, print_full, render, stopped
+        from pipelines.status import Watch, load_status, print_full, render, watch_step
 
         store = open_store(campaign)
         cfg = load_config(store)
-        shown = 0
+        shown, since = 0, time.time()
+        idle_since, told = since, False
         while True:
             snap = load_status(store, cfg)
             if as_json:
@@ -427,8 +449,22 @@ def status(
                     out.clear()
                 print_full(out, render(snap))
             shown += 1
-            done = snap["final"] or snap["stale"] or snap["source"] != "driver" or stopped(snap)
-            if not watch or done or (count and shown >= count):
+            if not watch or (count and shown >= count):
+                return
+            now = time.time()
+            step = watch_step(snap, since, idle_since, now, wait)
+            if step is Watch.RUNNING:
+                idle_since, told = now, False
+            elif step is Watch.WAITING and not told:
+                print(f"soma: no driver runs {store.url} now; waiting up to {wait:.0f} s for one", file=sys.stderr)
+                told = True
+            if step is Watch.NO_DRIVER:
+                print(
+                    f"soma: no driver took {store.url} in {wait:.0f} s; start one (soma launch / soma resume "
+                    f"{store.url}) or watch longer (--wait)",
+                    file=sys.stderr,
+                )
+            if step not in (Watch.RUNNING, Watch.WAITING):
                 return
             time.sleep(interval)
 

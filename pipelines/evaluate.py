@@ -30,11 +30,12 @@ from soma_cluster.ensemble import (
 )
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
-from soma_cluster.jobs import SEED_JOB, Category, Job, JobState
+from soma_cluster.jobs import SEED_JOB, TERMINAL, Category, Job, JobState
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
 from soma_cluster.shards import expert_name, open_shard
+from soma_cluster.snapshot import SNAPSHOT
 from soma_cluster.storage import Store, sha256
 from soma_cluster.trainer import Trainer, pick_device
 
@@ -155,6 +156,25 @@ class Ensemble:
         )
 
 
+def in_progress(store: Store, experts) -> dict:
+    """Whether the campaign was still being trained when it was evaluated: the experts its status (status.json)
+    says have not ended, evaluated at a checkpoint that may not be their last, and the driver holding it now."""
+    from pipelines.status import lease_view
+
+    rows = {}
+    if store.exists(SNAPSHOT):
+        rows = {r["job"]: r for r in store.read_json(SNAPSHOT)["jobs"]}
+    lease = lease_view(store) or {}
+    return {
+        "experts": [
+            {"expert": n, "state": r["state"], "step": r["step"], "target": r["target"]}
+            for n in map(expert_name, experts)
+            if (r := rows.get(n)) is not None and r["state"] not in TERMINAL
+        ],
+        "driver": f"{lease['command']} (pid {lease['pid']} on {lease['host']})" if lease.get("held") else None,
+    }
+
+
 def _summary(nats: np.ndarray, w: np.ndarray, scored: np.ndarray | None = None) -> dict:
     m = ci(nats, w, scored)
     return {"nats_per_byte": m[0], "ci95": list(m[1:]), "bits_per_byte": m[0] / math.log(2)}
@@ -176,7 +196,9 @@ def evaluate(
     device = pick_device()
     ens = Ensemble.load(store, cfg)
     other_ens = Ensemble.load(compare[0], compare[1]) if compare is not None else None
-    if require_all:
+    running = in_progress(store, ens.checkpoints)
+    if require_all:  # a campaign still training first: its substitutes may be trained by that driver
+        refuse_in_progress(store.url, running)
         ens.require_all(store.url)
         if other_ens is not None:
             other_ens.require_all(compare[0].url)
@@ -207,6 +229,9 @@ def evaluate(
         "per_expert": per_expert,
         "substituted": ens.substitutes(res.per_expert_windows),
         "seed_substitute_windows": res.seed_windows,
+        "in_progress": running["experts"],
+        "driver_running": running["driver"],
+        "complete": not (ens.substituted or running["experts"] or running["driver"]),
         "top_k": min(ens.router.cfg.top_k, cfg.n_experts),
         "weighting": ens.router.cfg.weighting,
         "rule": ens.router.cfg.rule,
@@ -288,7 +313,9 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
     t0 = time.monotonic()
     device = pick_device()
     ens = Ensemble.load(store, cfg)
+    running = in_progress(store, ens.checkpoints)
     if require_all:
+        refuse_in_progress(store.url, running)
         ens.require_all(store.url)
     corpus = CorpusConfig(source=source, max_bytes=cfg.corpus.max_bytes, text_field=cfg.corpus.text_field)
     if not 0 < stride <= cfg.eval.window_bytes - 1:
@@ -312,6 +339,9 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         "ensemble_minus_seed": _paired(res.nats, seed_nats, w, st.scored),
         "substituted": ens.substitutes(res.per_expert_windows),
         "seed_substitute_windows": res.seed_windows,
+        "in_progress": running["experts"],
+        "driver_running": running["driver"],
+        "complete": not (ens.substituted or running["experts"] or running["driver"]),
         "routing_time_share": res.route_seconds / total_s,
         "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s,
         "device": str(device),
@@ -330,7 +360,7 @@ def text_report(cfg: CampaignConfig, m: dict) -> str:
 Source `{m["source"]}`: {m["windows"]} windows of {cfg.eval.window_bytes} bytes at stride {m["stride"]} from \
 {m["documents"]}
 documents ({m["skipped_short_documents"]} shorter than a window skipped), {m["scored_bytes"]:,} bytes scored once each.
-{substitution_lines(m)}
+{progress_lines(m)}{substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
 | routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | \
@@ -348,6 +378,35 @@ SUBSTITUTION_RULE = (
     "the router still sends each window to the same top-k experts with the same weights; a substituted "
     "expert's next-byte probabilities are the seed model's"
 )
+
+
+def refuse_in_progress(url: str, running: dict) -> None:
+    """`soma eval --require-all`: experts still training (or interrupted) are not their final models either."""
+    if running["experts"] or running["driver"]:
+        named = ", ".join(
+            f"{x['expert']} ({x['state']}, step {x['step']}/{x['target']})" for x in running["experts"][:8]
+        )
+        by = f"; {running['driver']} holds it now" if running["driver"] else ""
+        raise SomaError(
+            f"{url} is still being trained ({named or 'no expert ended yet'}{by}); --require-all refuses an "
+            f"evaluation before every expert ended: wait for the driver (soma status {url} --watch) or soma resume "
+            f"{url}, or leave out --require-all"
+        )
+
+
+def progress_lines(m: dict) -> str:
+    """The report's account of a campaign evaluated while it was still being trained (nothing when it ended)."""
+    running, driver = m.get("in_progress") or [], m.get("driver_running")
+    if not running and not driver:
+        return ""
+    rows = "\n".join(f"| {x['expert']} | {x['state']} | {x['step']} / {x['target']} |" for x in running)
+    table = f"\n\n| expert | state (status.json) | step / target |\n|---|---|---|\n{rows}" if running else ""
+    return (
+        f"\n**Campaign still in training: {len(running)} expert(s) had not ended and are evaluated at their latest "
+        f"checkpoint, which may not be their last**"
+        + (f"; {driver} held the campaign during this evaluation" if driver else "")
+        + f". Evaluate again once every expert ended; `soma eval --require-all` refuses this.{table}\n"
+    )
 
 
 def substitution_lines(m: dict) -> str:
@@ -402,7 +461,7 @@ N = {cfg.n_experts} experts, d = {cfg.model.d}, {m["parameters"]:,} parameters; 
 routing by the {m.get("rule", "nearest")} rule;
 {m["windows"]} test windows of {cfg.eval.window_bytes} bytes from {m["documents"]} held-out documents, \
 {m["scored_bytes"]:,} scored bytes.
-{substitution_lines(m)}
+{progress_lines(m)}{substitution_lines(m)}
 | model | nats/byte [95% CI] | bits/byte |
 |---|---|---|
 | routed ensemble | {_fmt((m["ensemble"]["nats_per_byte"], *m["ensemble"]["ci95"]))} | \

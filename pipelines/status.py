@@ -5,6 +5,7 @@ After a campaign that was planned (`soma plan`), predicted GPU-hours and wall ti
 from __future__ import annotations
 
 import time
+from enum import StrEnum
 
 from rich.console import Console, Group
 from rich.measure import Measurement
@@ -83,6 +84,34 @@ def lease_view(store: Store) -> dict | None:
 def stopped(snap: dict) -> bool:
     """The driver wrote this snapshot as it stopped before its jobs ended (a signal, its lease lost): its last word."""
     return (snap.get("driver") or {}).get("state") == "stopped"
+
+
+class Watch(StrEnum):
+    """What `soma status --watch` does after showing a snapshot."""
+
+    RUNNING = "running"  # a driver holds the campaign: show the next snapshot
+    WAITING = "waiting"  # no driver now, but one may still start: show the next one
+    ENDED = "ended"  # every job ended: nothing more will change
+    DRIVER_ENDED = "driver_ended"  # a driver that wrote after the watch began has ended or stopped
+    NO_DRIVER = "no_driver"  # no driver ran for the whole wait
+
+
+def watch_step(snap: dict, since: float, idle_since: float, now: float, wait_s: float) -> Watch:
+    """The watch follows the driver it was started for, which may not have started yet (`ray job submit
+    --no-wait`, a RayJob's cluster coming up): the seed stage's final snapshot, one from an earlier driver, or
+    none at all is not the end. It ends when every job ended, when a driver that wrote after `since` ended or
+    stopped, or when no driver held the campaign from `idle_since` for `wait_s`."""
+    if snap["jobs"] and all(r["state"] in TERMINAL for r in snap["jobs"]):
+        return Watch.ENDED
+    lease = snap.get("lease") or {}
+    live = lease.get("held") or (
+        snap["source"] == "driver" and not snap["final"] and not stopped(snap) and not snap["stale"]
+    )
+    if live:
+        return Watch.RUNNING
+    if snap["source"] == "driver" and snap["written_at"] >= since and (snap["final"] or stopped(snap)):
+        return Watch.DRIVER_ENDED
+    return Watch.NO_DRIVER if now - idle_since >= wait_s else Watch.WAITING
 
 
 def plan_vs_actual(store: Store, snap: dict) -> dict | None:

@@ -50,7 +50,10 @@ def _row(cfg: CampaignConfig, job: Job, s: JobStatus) -> dict:
         "val": s.view.val,
         "gpu_hours": s.spent_s / 3600.0,
         "budget_left_gpu_hours": None if s.left_s is None else max(0.0, s.left_s) / 3600.0,
-        "retries": s.retries,
+        # s.retries counts failures against retry.max_retries; each is followed by a retry, except the one that
+        # ended the job (the error line's "failed after 2 retries" is 3 failures)
+        "retries": max(0, s.retries - (s.state == JobState.FAILED_PERMANENTLY)),
+        "failures": s.retries,
         "node": s.view.node,
         "device": s.view.device,
         "last_error": s.view.last_error,

@@ -120,6 +120,20 @@ def test_a_partial_campaign_evaluates_with_the_seed_in_place_of_a_missing_expert
     assert [s["expert"] for s in t["substituted"]] == ["expert-0001"] and t["seed_substitute_windows"] == t["windows"]
     assert "expert-0001" in Path(t["report"]).read_text()
 
+    # evaluated while a driver still trains it: the report, the JSON and stdout say so; --require-all refuses
+    snap = store.read_json("status.json")
+    for row in snap["jobs"]:
+        if row["job"] == "expert-0000":
+            row["state"] = "running"
+    store.write_json("status.json", snap)
+    proc = soma("eval", str(camp), "--json")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    doc = json.loads(proc.stdout)
+    assert doc["complete"] is False and [x["expert"] for x in doc["in_progress"]] == ["expert-0000"]
+    assert "Campaign still in training: 1 expert(s)" in (camp / "eval" / "report.md").read_text()
+    assert "campaign still in training" in soma("eval", str(camp)).stdout
+    assert_one_line_error(soma("eval", str(camp), "--require-all"), "still being trained", "expert-0000 (running")
+
     # a finished expert whose checkpoints are gone is not substituted: soma resume retrains it
     shutil.move(camp / "experts" / "expert-0000", tmp_path / "moved")
     assert_one_line_error(soma("eval", str(camp)), "expert-0000 has no checkpoint", "soma resume")

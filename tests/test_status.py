@@ -10,7 +10,7 @@ from conftest import micro_config, soma
 from rich.console import Console
 from test_schedule import beat, by, scheduler, started
 
-from pipelines.status import load_status, print_full, render
+from pipelines.status import Watch, load_status, print_full, render, watch_step
 from soma_cluster.config import to_yaml_text
 from soma_cluster.ledger import CATEGORIES
 from soma_cluster.schedule import Lost, Start
@@ -26,6 +26,7 @@ ROW_KEYS = {
     "gpu_hours",
     "budget_left_gpu_hours",
     "retries",
+    "failures",
     "node",
     "device",
     "last_error",
@@ -179,10 +180,11 @@ def test_watch_refreshes_a_live_snapshot_a_bounded_number_of_times(tmp_path):
     Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
     proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2", "--count", "3")
     assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 3, proc.stdout
-    snap["written_at"] -= 3600  # a driver silent for an hour: shown once, as STALE
+    snap["written_at"] -= 3600  # a driver silent for an hour: STALE, and the watch waits --wait for a new driver
     Store(str(tmp_path / "c")).write_json(SNAPSHOT, snap)
-    proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2")
-    assert proc.returncode == 0 and proc.stdout.count("expert-0001") == 1 and "STALE" in proc.stdout
+    proc = soma("status", str(tmp_path / "c"), "--watch", "--interval", "0.2", "--wait", "0.5")
+    assert proc.returncode == 0 and 1 <= proc.stdout.count("expert-0001") <= 6 and "STALE" in proc.stdout
+    assert "no driver took" in proc.stderr and "--wait" in proc.stderr, proc.stderr
     assert json.loads(soma("status", str(tmp_path / "c"), "--json").stdout)["stale"] is True
 
 
@@ -214,3 +216,48 @@ def test_plan_against_actual_once_every_job_ended(tmp_path):
     assert plan_vs_actual(store, {"jobs": [{"state": "finished"}, {"state": "running"}]}) is None  # not before the end
     store.write_json(PLAN, {**plan, "seed_trained": True})  # a seed trained before the plan is not a prediction
     assert not [r for r in plan_vs_actual(store, ended)["rows"] if "seed" in r["what"]]
+
+
+def watched(states, source="driver", final=False, written_at=100.0, driver=None, held=False) -> dict:
+    return {
+        "jobs": [{"job": f"j{i}", "state": s} for i, s in enumerate(states)],
+        "source": source,
+        "final": final,
+        "stale": False,
+        "written_at": written_at,
+        "driver": driver,
+        "lease": {"held": held},
+    }
+
+
+def test_watch_follows_the_driver_it_was_started_for():
+    """`soma status --watch` right after `ray job submit --no-wait -- soma launch`: the seed stage's final snapshot
+    (written before the watch began) or no snapshot at all is not the end; the new driver's end is."""
+    since, wait = 1000.0, 300.0
+    seed_done = watched(["finished", "pending", "pending"], final=True, written_at=900.0)
+    assert watch_step(seed_done, since, since, since + 10, wait) is Watch.WAITING
+    assert watch_step(seed_done, since, since, since + 301, wait) is Watch.NO_DRIVER
+    never = watched(["pending", "pending"], source="events", written_at=0.0)
+    assert watch_step(never, since, since, since + 1, wait) is Watch.WAITING
+    assert watch_step({**seed_done, "lease": {"held": True}}, since, since, since + 1, wait) is Watch.RUNNING
+    live = watched(["finished", "running", "queued"], written_at=1005.0)
+    assert watch_step(live, since, since, since + 6, wait) is Watch.RUNNING
+    stopped = watched(["finished", "interrupted", "pending"], written_at=1500.0, driver={"state": "stopped"})
+    assert watch_step(stopped, since, since, 1501.0, wait) is Watch.DRIVER_ENDED
+    ended = watched(["finished", "failed_permanently", "budget_exhausted"], final=True, written_at=1600.0)
+    assert watch_step(ended, since, since, 1601.0, wait) is Watch.ENDED
+    assert watch_step(ended, since, since, 1601.0, wait) is Watch.ENDED  # even if ended before the watch
+
+
+def test_retries_count_the_retries_not_the_failures(tmp_path):
+    """A job that failed permanently with retry.max_retries = 2 failed 3 times and was retried twice, as the error
+    line says ("after 2 retries"); one that is retrying after its first failure has one retry under way."""
+    from soma_cluster.jobs import Job, JobState, JobStatus, JobView
+    from soma_cluster.snapshot import _row
+
+    cfg = micro_config()
+    view = JobView(step=3)
+    done = _row(cfg, Job(0), JobStatus(state=JobState.FAILED_PERMANENTLY, view=view, spent_s=1.0, retries=3))
+    again = _row(cfg, Job(1), JobStatus(state=JobState.RETRYING, view=view, spent_s=1.0, retries=1))
+    assert (done["retries"], done["failures"]) == (2, 3)
+    assert (again["retries"], again["failures"]) == (1, 1)
