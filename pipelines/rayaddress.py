@@ -92,8 +92,7 @@ def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
         return  # a TLS cluster's handshake needs its certificates: ray.init checks it
     state = _grpc_state(addr, max(1.0, deadline - time.monotonic()))
     if state == "ready":
-        if addr.form is Form.GCS:
-            _check_token(addr, max(1.0, deadline - time.monotonic()))
+        _check_service(addr, max(1.0, deadline - time.monotonic()))
         return
     if state == "refused" and _speaks_http(addr):
         what = "an HTTP server answers there (Ray's dashboard and Jobs API listen on 8265; the GCS on 6379 by default)"
@@ -131,26 +130,33 @@ def _grpc_state(addr: Address, timeout_s: float) -> str:
         channel.close()
 
 
-def _check_token(addr: Address, timeout_s: float) -> None:
-    """One GCS call with the token Ray itself would send (its own loader and interceptor): a token-auth head refuses
-    a missing or wrong token at once, where ray.init retries for 20 s with a warning a second."""
+def _check_service(addr: Address, timeout_s: float) -> None:
+    """One call of the service the form names, with the token Ray itself would send (its own loader and
+    interceptor): a token-auth head refuses a missing or wrong token at once (ray.init retries for 20 s with a
+    warning a second), and the GCS and Ray Client answer UNIMPLEMENTED for each other's calls (a ray:// given for
+    the GCS port waited 30 s for a client handshake)."""
     import grpc
 
     try:
         from ray._private.authentication.grpc_authentication_client_interceptor import (
             SyncAuthenticationMetadataClientInterceptor,
         )
-        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc
+        from ray.core.generated import gcs_service_pb2, gcs_service_pb2_grpc, ray_client_pb2, ray_client_pb2_grpc
     except ImportError:  # another Ray: ray.init decides
         return
     raw = grpc.insecure_channel(_target(addr))
     channel = grpc.intercept_channel(raw, SyncAuthenticationMetadataClientInterceptor())
     try:
-        gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel).GetClusterId(
-            gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s
-        )
+        if addr.form is Form.GCS:
+            stub = gcs_service_pb2_grpc.NodeInfoGcsServiceStub(channel)
+            stub.GetClusterId(gcs_service_pb2.GetClusterIdRequest(), timeout=timeout_s)
+        else:
+            ray_client_pb2_grpc.RayletDriverStub(channel).ClusterInfo(
+                ray_client_pb2.ClusterInfoRequest(), timeout=timeout_s
+            )
     except grpc.RpcError as exc:
-        if exc.code() is grpc.StatusCode.UNAUTHENTICATED:
+        code = exc.code()
+        if code is grpc.StatusCode.UNAUTHENTICATED:
             mode = os.environ.get("RAY_AUTH_MODE", "unset")
             token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
             raise SomaError(
@@ -158,6 +164,14 @@ def _check_token(addr: Address, timeout_s: float) -> None:
                 f"token authentication; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its "
                 f"token (here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})"
             ) from None
+        if code is grpc.StatusCode.UNIMPLEMENTED:
+            hostport = _target(addr)
+            fix = (
+                f"a Ray Client server answers there: give it as ray://{hostport}"
+                if addr.form is Form.GCS
+                else f"the cluster's GCS answers there, not a Ray Client server: give it as {hostport} (no ray://)"
+            )
+            raise SomaError(f"{addr.named()} is not what its form says: {fix}") from None
     finally:
         raw.close()
 

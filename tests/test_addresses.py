@@ -177,3 +177,28 @@ def test_the_forms_ray_accepts_parse(text, form):
 def test_other_forms_are_refused_by_their_text(text):
     with pytest.raises(SomaError, match="address"):
         parse(text, {})
+
+
+def test_a_gcs_and_a_ray_client_port_each_given_in_the_other_form_are_named(tmp_path):
+    """A real head with its Ray Client server: ray:// for the GCS port (Ray waited 30 s for a client handshake,
+    then blamed the token) and the client port as a GCS address are one line each, saying which form fits; both
+    right forms pass the probe."""
+    from rayhead import RayHead
+
+    from pipelines.rayaddress import probe
+
+    client = free_port()
+    with RayHead({}, ("--num-cpus=1", f"--ray-client-server-port={client}")) as head:
+        deadline = time.monotonic() + 30
+        while time.monotonic() < deadline:  # bounded: the client server starts just after the head
+            try:
+                socket.create_connection(("127.0.0.1", client), timeout=1).close()
+                break
+            except OSError:
+                time.sleep(0.5)
+        for text in (head.address, f"ray://127.0.0.1:{client}"):
+            probe(parse(text, {}))
+        with pytest.raises(SomaError, match=rf"give it as {head.address} \(no ray://\)"):
+            probe(parse(f"ray://{head.address}", {}))
+        with pytest.raises(SomaError, match=rf"give it as ray://127.0.0.1:{client}"):
+            probe(parse(f"127.0.0.1:{client}", {}))
