@@ -52,14 +52,14 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
             Event.REOPENED,
             name,
             step=c.step or 0,
-            was=h.state,
+            was=h.last_event,  # the event it was left at, as this field has always held
             checkpoint=c.valid,
             bad=[n for n, _ in c.bad],
             reason=what,
         )
         start = f"from {c.valid} (step {c.step})" if c.valid else "from the start (no checkpoint of it verifies)"
         console.print(
-            f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain"
+            f"{name}: {what}; it was {h.last_event} at step {h.step}, now resumes {start}: {lost} updates to retrain"
         )
     return reopened
 

@@ -139,6 +139,6 @@ class Ledger:
     def totals(self) -> Totals:
         t = Totals()
         for rec in self.records():
-            u = Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
+            u = Usage.from_record(rec)
             t.add(rec["category"], u, expert=rec["expert"], seq=rec.get("seq"), device=rec.get("device"))
         return t

@@ -453,8 +453,7 @@ class Scheduler:
         (soma_cluster/retries.py); then the job waits as its next attempt's cause says, for `soma resume`."""
         cause = lost.cause or Cause.NODE_LOST
         waited = self.retries.wait_out(job, cause, lost.detail if lost.what == cause else lost.reason)
-        if waited is None:
-            self.state[job] = self.cause.get(job, AttemptCause.NEW).waiting
+        if waited is None:  # it stays where its `failed` event left it (retrying) until `soma resume`
             return
         delay, waited_s = waited
         self.cause[job] = AttemptCause.RETRY

@@ -77,7 +77,7 @@ def history_rows(
             else totals.per_expert_gpu_seconds.get(job.expert, 0.0)
         )
         status = JobStatus(
-            state=h.job_state if h else JobState.PENDING,
+            state=h.state if h else JobState.PENDING,
             view=h.view() if h else JobView(),
             spent_s=spent,
             retries=h.failures if h else 0,

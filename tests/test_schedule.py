@@ -16,7 +16,7 @@ from soma_cluster.budget import BudgetBook
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
-from soma_cluster.jobs import SEED_JOB, Cause, Job, expert_jobs
+from soma_cluster.jobs import SEED_JOB, Category, Cause, Job, expert_jobs
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.retries import backoff_s
@@ -223,6 +223,29 @@ def test_restore_settles_an_interrupted_attempt_once(tmp_path):
     totals = Ledger(s.store).totals()
     assert totals.forwards["expert_training"] == 6 * PER_UPDATE and totals.forwards["wasted"] == 0
     assert totals.gpu_seconds["expert_training"] == pytest.approx(7.0)
+
+
+def test_restoring_an_interrupted_seed_leaves_preprocessing_out_of_its_settlement(tmp_path):
+    """The seed's records share expert None and attempt 0 with preprocessing's: only its own are settled."""
+    s = scheduler(tmp_path, n_experts=1)
+    s.jobs = [SEED_JOB]
+    Ledger(s.store).record(category=Category.PREPROCESSING, gpu_seconds=0.0, wall_seconds=50.0, note="CPU")
+    s.restore({})
+    s.pending.append(SEED_JOB)
+    (start,) = s.requests(1)
+    s.on_setup(start.unit.id, started([None], gpu_s=1.0))
+    s.on_chunk(start.unit.id, ChunkReport({None: beat(4, 5.0, 4 * PER_UPDATE)}, 5.0))
+    s.store.write_json(
+        "seed/meta.json",
+        {"attempt": 0, "usage": {"gpu_seconds": 5.0, "wall_seconds": 5.0, "forwards": 4 * PER_UPDATE, "tokens": 40}},
+    )
+    again = scheduler(tmp_path, n_experts=1)
+    again.jobs = [SEED_JOB]
+    again.restore(history(again.store))
+    assert again.books.settled[SEED_JOB].setup == Usage(1.0, 1.0)  # its start-up alone, not preprocessing's 50 s
+    totals = Ledger(again.store).totals()
+    assert totals.wall_seconds["seed"] == pytest.approx(5.0) and totals.wall_seconds["preprocessing"] == 50.0
+    assert totals.forwards["seed"] == 4 * PER_UPDATE and totals.wall_seconds["wasted"] == 0
 
 
 def test_a_start_up_is_hard_stopped_past_cap_plus_grace_within_one_poll(tmp_path):
