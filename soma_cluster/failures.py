@@ -91,6 +91,14 @@ def exception_cause(exc: BaseException) -> Cause:
     return Cause.EXCEPTION
 
 
+def error_cause(text: str) -> Cause:
+    """The cause of an error a worker reported as text (a packed expert that failed alone: `Type: message`, as
+    Heartbeat.error holds it), by the same rules as exception_cause where the text tells them."""
+    if text.split(":", 1)[0].strip() == "NonFiniteLoss":
+        return Cause.NON_FINITE
+    return next((cause for pattern, cause in _TEXT if pattern.search(text)), Cause.EXCEPTION)
+
+
 # Ray's GCS writes this into the error of every actor that died with its node (ray 2.60)
 _NODE_DIED = re.compile(r"its node has died|node .* (is dead|has died|was removed)", re.I)
 

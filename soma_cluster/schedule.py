@@ -25,6 +25,7 @@ from soma_cluster.accounting import NOTHING, Account, Books, Settlement
 from soma_cluster.budget import BudgetBook
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import JobHistory, emit
+from soma_cluster.failures import error_cause
 from soma_cluster.jobs import (
     TERMINAL,
     AttemptCause,
@@ -379,7 +380,7 @@ class Scheduler:
             return
         self._end(c)
         if hb.failed:
-            self._lose(c, Lost("exception", hb.error))
+            self._lose(c, Lost("exception", hb.error, error_cause(hb.error)))
         elif hb.reason == StopReason.PREEMPTED:
             unit.leaving = True
             self._lose(c, Lost(StopReason.PREEMPTED, "the worker got SIGTERM and checkpointed", Cause.PREEMPTED))
@@ -518,7 +519,7 @@ class Scheduler:
                 if c.cap_s is not None and c.reported.gpu_seconds + held > c.cap_s + self.cfg.budget.grace_gpu_seconds
             )
             if silent > self.cfg.retry.heartbeat_timeout_s:
-                out += self.on_lost(unit.id, Lost("hang", f"no heartbeat for {silent:.0f} s"))
+                out += self.on_lost(unit.id, Lost("hang", f"no heartbeat for {silent:.0f} s", Cause.HANG))
             elif over:
                 out += self.on_lost(unit.id, Lost(StopReason.BUDGET_EXHAUSTED, "hard stop past the grace"), stop=over)
         return out

@@ -192,6 +192,21 @@ def test_hang_is_failed_by_the_watchdog_and_the_retry_outlives_the_process(tmp_p
     (retry,) = s.requests(1)
     assert retry.unit.previous == (Incarnation("node-a", 4242, 1000.0),)  # the worker waits for pid 4242 on node-a
     assert history(s.store)["expert-0000"].last_error.startswith("hang")
+    (failed,) = [ev for ev in history(s.store)["expert-0000"].events if ev["event"] == "failed"]
+    assert failed["cause"] == Cause.HANG
+
+
+def test_an_expert_failing_alone_in_its_pack_keeps_its_cause(tmp_path):
+    """A non-finite loss inside a pack is the same failure as in an actor of its own: cause non_finite_loss."""
+    s = scheduler(tmp_path, n_experts=2, resources={"experts_per_actor": 2}, retry={"backoff_s": 0.0})
+    s.restore({})
+    (start,) = s.requests(1)
+    s.on_setup(start.unit.id, started([0, 1]))
+    bad = beat(2, 2.0, 2 * PER_UPDATE, reason="NonFiniteLoss: loss is nan", failed=True)
+    s.on_chunk(start.unit.id, ChunkReport({0: bad, 1: beat(2, 2.0, 2 * PER_UPDATE)}, 2.0))
+    (failed,) = [ev for ev in history(s.store)["expert-0000"].events if ev["event"] == "failed"]
+    assert failed["cause"] == Cause.NON_FINITE and failed["reason"] == "exception: NonFiniteLoss: loss is nan"
+    assert s.failures[Job(0)] == 1 and Job(1) in s.open  # counted against its retries; its pack-mate trains on
 
 
 def test_reuse_hands_an_idle_actor_the_next_experts(tmp_path):
