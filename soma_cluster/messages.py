@@ -50,7 +50,7 @@ class Incarnation:
     created: float  # the process's start (wall clock), so a reused pid is not mistaken for it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertStart:
     """One job as its actor loaded it."""
 

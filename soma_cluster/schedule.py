@@ -414,7 +414,15 @@ class Scheduler:
         settled = {}
         if c.started:
             lost_to = Category.PREEMPTED if lost.kind == LossKind.PREEMPTED else Category.WASTED
-            s = Settlement(c.attempt, c.setup, c.reported - c.setup, self.books.kept(c), unreported, lost_to, c.device)
+            s = Settlement(
+                attempt=c.attempt,
+                setup=c.setup,
+                training=c.reported - c.setup,
+                kept=self.books.kept(c),
+                unreported=unreported,
+                lost_to=lost_to,
+                device=c.device,
+            )
             self.books.settle(c, s, lost.reason)
             settled = {"settled": s.to_json()}
         if lost.kind == LossKind.PREEMPTED:

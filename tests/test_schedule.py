@@ -28,7 +28,12 @@ PER_UPDATE = 2 * 4  # forwards per update of a micro expert: 2 signs x n_pert 4,
 
 # -- synthetic messages -------------------------------------------------------------------------------
 def started(experts, step=0, gpu_s=1.0) -> SetupReport:
-    starts = {e: ExpertStart(step, 12, step > 0, step * PER_UPDATE, 100, Usage(gpu_s, gpu_s)) for e in experts}
+    starts = {
+        e: ExpertStart(
+            step=step, target=12, resumed=step > 0, forwards=step * PER_UPDATE, n_train=100, usage=Usage(gpu_s, gpu_s)
+        )
+        for e in experts
+    }
     return SetupReport("cpu", "127.0.0.1", Incarnation("node-a", 4242, 1000.0), 1000.0, 0.0, starts)
 
 
