@@ -89,13 +89,12 @@ class Ledger:
     def __init__(self, store: Store):
         self.store = store
 
-    # category and the two amounts stay positional for pipelines/prepare.py's one call; every other caller names them
     def record(
         self,
+        *,
         category: Category,
         gpu_seconds: float,
         wall_seconds: float,
-        *,
         expert: int | None = None,
         attempt: int = 0,
         seq: int = 0,
