@@ -25,7 +25,7 @@ from typing import Callable, TypeVar
 
 from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of
 from soma_cluster.errors import SomaError, StorageUnreachable
-from soma_cluster.jobs import Cause, JobState
+from soma_cluster.jobs import SEED_JOB, Cause, JobState, expert_name
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -140,12 +140,12 @@ def expert_names(requested: list[str], names: list[str]) -> list[str]:
         name = raw.strip()
         number = re.fullmatch(r"(?:expert-)?(\d+)", name)
         if number:
-            name = f"expert-{int(number.group(1)):04d}"
-        if name == "seed" and name not in names:
+            name = expert_name(int(number.group(1)))
+        if name == SEED_JOB.name and name not in names:
             raise SomaError("the seed is not an expert: reopen it with soma seed CAMPAIGN --retry-failed")
         if name not in names:
             raise SomaError(
-                f"{raw!r} names no {'expert' if names[-1] != 'seed' else 'job'} of this campaign "
+                f"{raw!r} names no {'expert' if names[-1] != SEED_JOB.name else 'job'} of this campaign "
                 f"({names[0]} to {names[-1]}); name experts as expert-0003 or 3"
             )
         if name not in out:

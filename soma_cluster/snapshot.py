@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import JobHistory
 from soma_cluster.jobs import (
+    CATEGORIES,
     IN_FLIGHT,
     SEED_JOB,
     STATES,
@@ -26,7 +27,7 @@ from soma_cluster.jobs import (
     JobView,
     expert_jobs,
 )
-from soma_cluster.ledger import CATEGORIES, Totals, hours_unit
+from soma_cluster.ledger import Totals, hours_unit
 
 if TYPE_CHECKING:
     from soma_cluster.schedule import Scheduler
