@@ -208,7 +208,7 @@ def check_checkpoints(store: Store, directory: str) -> CheckpointCheck:
 def fall_back(store: Store, directory: str) -> CheckpointCheck:
     """Make latest.json point at the newest checkpoint that verifies (or remove it when none does, so training
     starts from the beginning); the checks are returned as they were found. Nothing changes when all is well.
-    Training resumed from there is bitwise what it would have been (SPEC section 6), so the lost updates are
+    Training resumed from there is bitwise what it would have been (docs/scheduling.md), so the lost updates are
     simply retrained."""
     check = check_checkpoints(store, directory)
     if check.ok:

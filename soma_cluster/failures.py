@@ -1,4 +1,4 @@
-"""Whose failure is it: the expert's own, or the infrastructure's (SPEC section 6). No Ray here.
+"""Whose failure is it: the expert's own, or the infrastructure's (docs/scheduling.md). No Ray here.
 
 An expert's own failure (its code raised, its loss went non-finite, its process died on a node that lives on,
 it hung) counts against `retry.max_retries`: retrying it a few times with backoff is the right answer, and one

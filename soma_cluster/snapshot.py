@@ -3,7 +3,7 @@
 for 256 experts instead of every log record. No Ray here: the rows come from a Scheduler or, for a campaign
 written before this file existed, from its events log and ledger.
 
-The schema (`schema: 1`) is part of the CLI's contract (`soma status --json` prints it; README, "JSON output");
+The schema (`schema: 1`) is part of the CLI's contract (`soma status --json` prints it; docs/json.md);
 fields are only ever added.
 """
 
