@@ -31,7 +31,6 @@ def restore(sched: Scheduler, past: dict[str, JobHistory]) -> None:
         h = past.get(job.name)
         if h:
             sched.seen[job] = h.view()
-        if h:
             sched.state[job] = h.state  # where its events left it, by the same state machine the scheduler runs
         if h and h.terminal:
             sched.outcome[job] = h.state
