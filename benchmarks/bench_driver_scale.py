@@ -90,7 +90,9 @@ class StandInTrainer:
             self.experts, self.step = list(experts), 0
             self.t0, self.held_from = self.t_end, time.time() - (time.monotonic() - self.t_end)
         held = (time.monotonic() - self.t0) / len(self.experts)
-        start = ExpertStart(0, self.target, False, 0, 0, Usage(held * self.num_gpus, held))
+        start = ExpertStart(
+            step=0, target=self.target, resumed=False, forwards=0, n_train=0, usage=Usage(held * self.num_gpus, held)
+        )
         return SetupReport(
             "stand-in",
             None,

@@ -2,9 +2,9 @@
 machine for the same total parameters (within 1%) split four ways, with the same n_pert, B and T, in one run.
 
     N=256, d=32   narrow experts with one shared frozen head, G packed per actor (trainer.update_experts)
-    N=8,   d=180  wide experts with their own heads (SPEC's d=181 is 1.4% over N=256's total, d=180 0.3%)
+    N=8,   d=180  wide experts with their own heads (d=181 would be 1.4% over N=256's total, d=180 is 0.3%)
     N=2,   d=361  wide experts with their own heads
-    N=1,   d=512  one monolithic model (SPEC's d=509 is 1.2% under, d=512 0.1%)
+    N=1,   d=512  one monolithic model (d=509 would be 1.2% under, d=512 is 0.1%)
 
 One machine trains one actor's update at a time, so its throughput is one actor's: the byte-tokens of an update
 (trainer's own count: forwards x B x T per expert, the decoder's forward at theta included where heads train,

@@ -25,11 +25,11 @@ from soma_cluster.config import CampaignConfig, parse_overrides
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.experiments import ExperimentSpec, arm_configs, load_spec
-from soma_cluster.jobs import Job
+from soma_cluster.jobs import Category, Job, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import Layout, campaign_param_count
 from soma_cluster.recipes import job_trainer, start_state
-from soma_cluster.shards import expert_name, open_shard
+from soma_cluster.shards import open_shard
 from soma_cluster.storage import Store
 from soma_cluster.trainer import pick_device
 from soma_cluster.variance import model_ratio, separable_ratio
@@ -88,10 +88,10 @@ def _arm_result(
         "parameters": campaign_param_count(cfg.model, cfg.n_experts),
         "body_parameters": Layout(cfg.model).size,
         "budget_gpu_hours": cfg.budget.campaign_gpu_hours,
-        "outcomes": [h.state if h else "pending" for h in experts],
+        "outcomes": [h.state if h else JobState.PENDING for h in experts],
         "updates": [h.step if h else 0 for h in experts],
         # compute, kept apart: GPU-hours of training (seed included, evaluation not), wall time, forwards
-        "gpu_hours": sum(v for k, v in totals.gpu_seconds.items() if k != "evaluation") / 3600,
+        "gpu_hours": sum(v for k, v in totals.gpu_seconds.items() if k != Category.EVALUATION) / 3600,
         "gpu_hours_by_category": {k: v / 3600 for k, v in totals.gpu_seconds.items()},
         "gpu_hours_unit": totals.unit,
         "wall_seconds_by_category": dict(totals.wall_seconds),

@@ -1,7 +1,7 @@
 """`soma fork PARENT CHILD`: a new campaign that shares a prepared and seeded parent's data and seed model.
 
 A baseline or control must start from the same router, shards, test windows and seed model as the run
-it is compared with (SPEC section 8: "same architecture, starts, data, probes"). A fork copies those
+it is compared with: same architecture, starts, data and probes (docs/results.md). A fork copies those
 (checksummed files, byte for byte) and the parent's seed history and ledger records, so the child's
 accounting includes the seed it started from, then binds the child to its own config: the parent's
 with only training-side sections changed (train, spsa, eggroll, bptt, budget, retry, resources, eval).

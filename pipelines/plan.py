@@ -27,7 +27,7 @@ from soma_cluster.checkpoint import has_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import DeviceError, SomaError
 from soma_cluster.events import seed_done
-from soma_cluster.jobs import SEED_JOB, Job
+from soma_cluster.jobs import SEED_JOB, Job, JobState
 from soma_cluster.ledger import Ledger
 from soma_cluster.plan import predict
 from soma_cluster.recipes import expert_start, job_shard, job_trainer, start_state
@@ -217,7 +217,7 @@ def render(p: dict, unit: str) -> str:
         f"not predicted)",
         f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s",
     ]
-    stopped = [x for x in p["experts"] if x["end"] == "budget_exhausted"]
+    stopped = [x for x in p["experts"] if x["end"] == JobState.BUDGET_EXHAUSTED]
     if b["effective_expert_cap_gpu_hours"] is None:
         lines.append("budget: none set; every expert trains to its target")
     else:

@@ -23,6 +23,7 @@ from pipelines.prepare_engine import Engine, Routed
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import Part, describe_counts, describe_skipped, no_text_error, plan_parts
 from soma_cluster.errors import SomaError
+from soma_cluster.jobs import Category, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.parts import (
     WINDOWS,
@@ -38,7 +39,7 @@ from soma_cluster.parts import (
 )
 from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
-from soma_cluster.shards import expert_name, val_every, write_manifests
+from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256
 
 
@@ -340,11 +341,21 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         f"{summary['assigned_size_spread']:.1%} over all sequences (rule {router.cfg.rule}: {how})"
     )
     Ledger(store).record(
-        "preprocessing", 0.0, summary["wall_seconds"], note="CPU: corpus, router fit, shard writing (no GPU)"
+        category=Category.PREPROCESSING,
+        gpu_seconds=0.0,
+        wall_seconds=summary["wall_seconds"],
+        note="CPU: corpus, router fit, shard writing (no GPU)",
     )
     for e, terms in enumerate(router.top_terms):
         console.print(
             f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  "
-            f"top terms: {', '.join(terms[:8])}"
+            f"top terms: {', '.join(printable(t) for t in terms[:8])}",
+            soft_wrap=True,  # one expert, one line, whatever the terminal's width
+            markup=False,  # a term is text, never rich markup
         )
     return summary
+
+
+def printable(term: str) -> str:
+    """A term as one line can show it: control characters (a newline, a tab) escaped as repr writes them."""
+    return term if term.isprintable() else repr(term)[1:-1]

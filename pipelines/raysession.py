@@ -22,7 +22,7 @@ from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import process_alive
 
-# a local Ray (tests, the demo): every process on 127.0.0.1 (SPEC section 10), no token, no usage stats.
+# a local Ray (tests, the demo): every process on 127.0.0.1 (docs/cluster.md), no token, no usage stats.
 # None of this applies to a remote cluster: its own auth mode (e.g. RAY_AUTH_MODE=token) must stand
 LOCAL_ENV = {
     "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",

@@ -4,7 +4,7 @@ If the checkpoint a job's `latest.json` points at is truncated, corrupt or gone,
 newest checkpoint that still verifies is lost, whatever events.jsonl says: `latest.json` is pointed back
 at that checkpoint (or removed, when none verifies) and a `reopened` event makes the job pending again,
 so the next `soma seed` / `soma launch` / `soma resume` retrains the lost updates. A resumed run is bitwise
-the run that never stopped (SPEC section 6), so the result is the one the lost checkpoint held.
+the run that never stopped (docs/scheduling.md), so the result is the one the lost checkpoint held.
 
 `--retry-failed` reopens jobs that ended failed_permanently, once their cause is fixed (c-BTM retrains chosen
 clusters; Ray Tune restarts errored trials): from their newest checkpoint that verifies, with their retries
@@ -52,14 +52,14 @@ def reopen_unverified(store: Store, jobs: list[Job]) -> dict[str, CheckpointChec
             Event.REOPENED,
             name,
             step=c.step or 0,
-            was=h.state,
+            was=h.last_event,  # the event it was left at, as this field has always held
             checkpoint=c.valid,
             bad=[n for n, _ in c.bad],
             reason=what,
         )
         start = f"from {c.valid} (step {c.step})" if c.valid else "from the start (no checkpoint of it verifies)"
         console.print(
-            f"{name}: {what}; it was {h.state} at step {h.step}, now resumes {start}: {lost} updates to retrain"
+            f"{name}: {what}; it was {h.last_event} at step {h.step}, now resumes {start}: {lost} updates to retrain"
         )
     return reopened
 

@@ -17,6 +17,7 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from soma_cluster.methods import method_named
 from soma_cluster.storage import Store
 
 ZO_NOTE = (
@@ -97,7 +98,7 @@ def matched_forwards(res: dict) -> str:
     """Each arm's curve point at the largest forward count every zero-order arm reached (seed 0 of each). BPTT
     runs one forward (and one backward) per update, so it is shown where it stands at that count, not matched."""
     arms = next(iter(res["seeds"].values()))
-    zo = [r for r in arms.values() if r["method"] != "bptt"] or list(arms.values())
+    zo = [r for r in arms.values() if method_named(r["method"]).zero_order] or list(arms.values())
     target = min(r["curve"][-1]["forwards"] for r in zo)
     bptt = (
         " A BPTT update is one forward and one backward (about two forwards more of compute), so BPTT rarely "

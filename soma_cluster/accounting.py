@@ -46,7 +46,7 @@ class Account:
     ended: bool = False
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class Settlement:
     """How an attempt that ended without finishing was settled, kept until its job's next attempt reports in:
     that attempt says which checkpoint it really resumed from, which may be newer than the one the settlement
@@ -67,10 +67,10 @@ class Settlement:
     @staticmethod
     def from_json(d: dict) -> "Settlement":
         return Settlement(
-            d["attempt"],
-            *(Usage(**d[k]) for k in ("setup", "training", "kept", "unreported")),
-            Category(d["lost_to"]),
-            d.get("device"),
+            attempt=d["attempt"],
+            **{k: Usage(**d[k]) for k in ("setup", "training", "kept", "unreported")},
+            lost_to=Category(d["lost_to"]),
+            device=d.get("device"),
         )
 
 
@@ -112,9 +112,9 @@ class Books:
 
     def record(self, category: Category, u: Usage, c: Account, seq: int, note: str = "") -> None:
         self.ledger.record(
-            category,
-            u.gpu_seconds,
-            u.wall_seconds,
+            category=category,
+            gpu_seconds=u.gpu_seconds,
+            wall_seconds=u.wall_seconds,
             expert=c.job.expert,
             attempt=c.attempt,
             seq=seq,

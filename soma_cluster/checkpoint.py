@@ -17,6 +17,7 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.jobs import SEED_JOB
 from soma_cluster.storage import Store, parse_checked_json, sha256
 from soma_cluster.trainer import TrainState
 
@@ -95,7 +96,7 @@ def has_checkpoint(store: Store, directory: str) -> bool:
 
 def _fix(store: Store, directory: str) -> str:
     """The command that recovers from a bad checkpoint in `directory` (see `fall_back`)."""
-    cmd = "soma seed" if directory == "seed" else "soma resume"
+    cmd = "soma seed" if directory == SEED_JOB.model_dir else "soma resume"
     return (
         f"run {cmd} {store.url}: it falls back to the newest checkpoint of {directory} that verifies "
         f"and retrains the updates after it"
@@ -207,7 +208,7 @@ def check_checkpoints(store: Store, directory: str) -> CheckpointCheck:
 def fall_back(store: Store, directory: str) -> CheckpointCheck:
     """Make latest.json point at the newest checkpoint that verifies (or remove it when none does, so training
     starts from the beginning); the checks are returned as they were found. Nothing changes when all is well.
-    Training resumed from there is bitwise what it would have been (SPEC section 6), so the lost updates are
+    Training resumed from there is bitwise what it would have been (docs/scheduling.md), so the lost updates are
     simply retrained."""
     check = check_checkpoints(store, directory)
     if check.ok:

@@ -84,7 +84,7 @@ class RouterConfig(_Section):
     rule: Literal["balanced", "nearest"] = "balanced"
     # TF-IDF terms. words: words of 2+ letters (scikit-learn's default, c-BTM's recipe); layout: also 1-letter words,
     # runs of punctuation and a newline with the indentation after it, which tell code, markup, man pages and prose
-    # apart (README "The routing rule"). A router saved before this setting existed loads as words
+    # apart (docs/routing.md). A router saved before this setting existed loads as words
     tokens: Literal["words", "layout"] = "layout"
     balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster (balanced: of a shard too)
     # the balanced rule's offsets are refitted on this many train sequences of lowest key (all of them when there are
@@ -102,7 +102,7 @@ class ShardConfig(_Section):
 class PrepareConfig(_Section):
     # local: the driver reads, embeds and writes everything itself; ray: Ray Data tasks on the cluster's CPU
     # workers do it; auto: ray when a Ray address is given (--address or RAY_ADDRESS), else local. Both give
-    # the same router, shards and test windows (README "Preparing at scale")
+    # the same router, shards and test windows (docs/prepare.md)
     engine: Literal["auto", "local", "ray"] = "auto"
     part_bytes: int = Field(64_000_000, gt=0)  # corpus files grouped into parts of about this many bytes on disk
     workers: int = Field(0, ge=0)  # Ray engine: CPU workers at most (0: as many as the cluster grants)
@@ -131,9 +131,10 @@ class SPSAConfig(_Section):
     pert_chunk: int = Field(32, ge=1)  # probes per batched pass (2 x pert_chunk copies; memory knob)
     compile: bool = False  # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
     time_block: int = Field(8, ge=1)  # steps every layer advances at once: keeps activations cache-sized
-    # independent: each expert's estimate uses its own loss only (SOMA). summed: the control of SPEC section 8,
-    # every expert updated with the SUM of all experts' losses under one joint probe (needs all N experts
-    # in one actor: resources.experts_per_actor = n_experts); same starts, data, probes and update counts
+    # independent: each expert's estimate uses its own loss only (SOMA). summed: the control of the paper's
+    # baselines (docs/results.md), every expert updated with the SUM of all experts' losses under one joint probe
+    # (needs all N experts in one actor: resources.experts_per_actor = n_experts); same starts, data, probes and
+    # update counts
     objective: Literal["independent", "summed"] = "independent"
 
 
@@ -160,8 +161,8 @@ class SeedStageConfig(_Section):
 
 
 class TrainConfig(_Section):
-    # how the expert stage trains the bodies: SOMA's SPSA, or a baseline of SPEC section 8 (the seed stage
-    # is always SPSA with the delta-rule decoder)
+    # how the expert stage trains the bodies: SOMA's SPSA, or one of the paper's baselines (docs/results.md) (the
+    # seed stage is always SPSA with the delta-rule decoder)
     method: Literal["spsa", "eggroll", "bptt"] = "spsa"
     updates: int = Field(1000, ge=1)  # updates per expert
     chunk_updates: int = Field(10, ge=1)  # updates between heartbeats (and budget checks)

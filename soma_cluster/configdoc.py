@@ -29,14 +29,6 @@ from soma_cluster.config import CampaignConfig, preset_names, resolve
 COMMAND = "python -m soma_cluster.configdoc"
 DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
-# config.py's comments were written when this reference lived in the README and the design in a SPEC.md that a
-# clone does not have; the generated page points to where the text is now. Drop an entry once its comment is rewritten.
-MOVED = {
-    'README "The routing rule"': "[routing.md](routing.md)",
-    'README "Preparing at scale"': "[prepare.md](prepare.md)",
-    "SPEC section 8": "the paper's baselines ([results.md](results.md))",
-}
-
 # Text for fields that config.py leaves without a comment or description. tests/test_docs.py checks that every key
 # names a real field and that none shadows text config.py now has: move a note into config.py and drop it here.
 NOTES = {
@@ -109,10 +101,9 @@ def _comments(cls: type) -> dict[str, str]:
     return out
 
 
-def _moved(text: str) -> str:
-    for old, new in MOVED.items():
-        text = text.replace(old, new)
-    return text
+def _linked(text: str) -> str:
+    """config.py's comments name pages as docs/X.md (read from the repository root); this page lives in docs/."""
+    return re.sub(r"\bdocs/([\w-]+\.md)", r"[\1](\1)", text)
 
 
 def _type_name(annotation: Any) -> str:
@@ -178,7 +169,7 @@ def _table(rows: list[tuple[str, str, str, str, str]]) -> list[str]:
 
 def _row(path: str, info: FieldInfo, comment: str) -> tuple[str, str, str, str, str]:
     text = info.description or comment or NOTES.get(path, "")
-    return (f"`{path}`", _type_name(info.annotation), _default(info), _allowed(info), _moved(text))
+    return (f"`{path}`", _type_name(info.annotation), _default(info), _allowed(info), _linked(text))
 
 
 def _flatten(tree: dict[str, Any], prefix: str = "") -> dict[str, Any]:
@@ -252,7 +243,7 @@ def render() -> str:
         out += [f"## `{key}`", ""]
         doc = inspect.getdoc(cls)
         if doc and cls.__doc__ is not None and "__doc__" in vars(cls):
-            out += [_moved(" ".join(doc.split())), ""]
+            out += [_linked(" ".join(doc.split())), ""]
         comments = _comments(cls)
         rows = [_row(f"{key}.{name}", field, comments.get(name, "")) for name, field in cls.model_fields.items()]
         out += [*_table(rows), ""]

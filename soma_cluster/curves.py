@@ -10,6 +10,7 @@ import csv
 import io
 
 from soma_cluster.events import JobHistory
+from soma_cluster.jobs import Event
 from soma_cluster.storage import Store
 
 COLUMNS = ("step", "attempt", "train_loss", "val_loss", "gpu_seconds", "eps", "lr", "t")
@@ -29,7 +30,7 @@ def curve_rows(h: JobHistory) -> list[dict]:
             "t": ev.get("t"),
         }
         for ev in h.events
-        if ev["event"] == "heartbeat"
+        if ev["event"] == Event.HEARTBEAT
     ]
 
 

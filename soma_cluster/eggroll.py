@@ -1,4 +1,4 @@
-"""EGGROLL, the low-rank evolution-strategies baseline of SPEC section 8.
+"""EGGROLL, the low-rank evolution-strategies baseline of the paper's comparisons (docs/results.md).
 
 Each population pair k perturbs every body matrix W (a x b) by sigma E_k with E_k = A_k B_k^T / sqrt(r),
 A_k (a x r), B_k (b x r) standard Gaussian; LayerNorm gains (vectors) get a dense Gaussian. The pair is

@@ -26,7 +26,8 @@ import torch
 from soma_cluster import fused
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.events import TERMINAL, JobHistory
+from soma_cluster.events import JobHistory
+from soma_cluster.jobs import ENDED_WITH_CHECKPOINT
 from soma_cluster.model import Layout, forward_blocks, target_logprobs
 from soma_cluster.router import Router, router_text
 from soma_cluster.shards import rows_to_numpy
@@ -252,7 +253,6 @@ def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int,
 
 
 NEVER_LAUNCHED = "never_launched"
-LEAVES_CHECKPOINT = ("finished", "converged")  # these ends always write a checkpoint first
 
 
 @dataclass(frozen=True)
@@ -260,7 +260,7 @@ class Substitute:
     """An expert the seed model stands in for: it has no checkpoint, and its events say why."""
 
     expert: int
-    end: str  # budget_exhausted, failed_permanently, never_launched, or the state of one not ended
+    end: str  # budget_exhausted, failed_permanently, never_launched, or the JobState of one not ended (as status)
     step: int  # the step its events last reported
     reason: str | None  # the end event's reason or note
 
@@ -270,9 +270,9 @@ def substitute_for(expert: int, h: JobHistory | None) -> Substitute | None:
     finished or converged (those wrote one, so it was lost: `soma resume` retrains it; None here, the caller
     refuses). An expert that never started, ended budget_exhausted or failed_permanently before its first
     checkpoint, or has not ended yet, is substituted."""
-    if h is not None and h.state in LEAVES_CHECKPOINT:
+    if h is not None and h.state in ENDED_WITH_CHECKPOINT:
         return None
-    if h is not None and h.state in TERMINAL:
+    if h is not None and h.terminal:
         end = next(ev for ev in reversed(h.events) if ev["event"] == h.state)
         return Substitute(expert, h.state, h.step, end.get("reason") or end.get("note"))
     if h is None or not h.attempts:

@@ -18,7 +18,7 @@ import time
 from dataclasses import dataclass, field
 
 from soma_cluster.errors import SomaError
-from soma_cluster.jobs import ATTEMPT_ENDS, PROGRESS, TERMINAL, Event, JobState, JobView, replay
+from soma_cluster.jobs import ATTEMPT_ENDS, PROGRESS, SEED_JOB, TERMINAL, Event, JobState, JobView, advance
 from soma_cluster.storage import Store
 
 LOG = "events.jsonl"
@@ -32,7 +32,9 @@ def emit(store: Store, event: Event, job: str, **fields) -> None:
 @dataclass
 class JobHistory:
     job: str
-    state: str = JobState.PENDING  # the last event that changed where the job stands (an Event), or pending
+    state: JobState = JobState.PENDING  # where the job stands: the state machine (soma_cluster/jobs.py) folded
+    # over its events, as the scheduler and `soma status` see it
+    last_event: str | None = None  # the last event that was not progress (an Event's value; None: none yet)
     attempts: int = 0  # attempts begun (queued or launched), i.e. the next attempt's number
     failures: int = 0  # failed attempts counted against max_retries since the job was last given its
     # retries back (preemptions, driver losses, the infrastructure's failures are not)
@@ -44,11 +46,6 @@ class JobHistory:
     @property
     def terminal(self) -> bool:
         return self.state in TERMINAL
-
-    @property
-    def job_state(self) -> JobState:
-        """Where the job stands, by the state machine (soma_cluster/jobs.py) folded over its events."""
-        return replay(self.events)
 
     def view(self) -> JobView:
         """Its status view rebuilt from its events (after a driver loss, or for a campaign without status.json)."""
@@ -84,8 +81,9 @@ def history(store: Store) -> dict[str, JobHistory]:
         h.events.append(ev)
         if ev["event"] in (Event.QUEUED, Event.LAUNCHED) and ev.get("attempt") is not None:
             h.attempts = max(h.attempts, ev["attempt"] + 1)
+        h.state = advance(h.state, ev["event"], ev.get("cause"))
         if ev["event"] not in PROGRESS:
-            h.state = ev["event"]
+            h.last_event = ev["event"]
         h.step = ev.get("step", h.step) or h.step
         if ev.get("val") is not None:
             h.val = ev["val"]
@@ -98,8 +96,8 @@ def history(store: Store) -> dict[str, JobHistory]:
 
 
 def seed_done(store: Store) -> bool:
-    h = history(store).get("seed")
-    return bool(h and h.state == Event.FINISHED)
+    h = history(store).get(SEED_JOB.name)
+    return bool(h and h.state == JobState.FINISHED)
 
 
 def require_seed(store: Store) -> None:

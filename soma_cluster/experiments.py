@@ -132,7 +132,7 @@ def set_tree(dotted: dict[str, Any]) -> dict[str, Any]:
 
 def width_for(n_experts: int, total: int, embed_dim: int, depth: int) -> int:
     """The body width d whose N-expert campaign is closest to `total` parameters (d == embed_dim shares one
-    frozen head; any other width has its own head and projections, SPEC section 4)."""
+    frozen head; any other width has its own head and projections: docs/config.md, model.head)."""
     from soma_cluster.config import ModelConfig
 
     def count(d: int) -> int:

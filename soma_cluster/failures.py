@@ -1,4 +1,4 @@
-"""Whose failure is it: the expert's own, or the infrastructure's (SPEC section 6). No Ray here.
+"""Whose failure is it: the expert's own, or the infrastructure's (docs/scheduling.md). No Ray here.
 
 An expert's own failure (its code raised, its loss went non-finite, its process died on a node that lives on,
 it hung) counts against `retry.max_retries`: retrying it a few times with backoff is the right answer, and one
@@ -25,7 +25,7 @@ from typing import Callable, TypeVar
 
 from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of
 from soma_cluster.errors import SomaError, StorageUnreachable
-from soma_cluster.jobs import Cause, JobState
+from soma_cluster.jobs import SEED_JOB, Cause, JobState, expert_name
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -91,6 +91,14 @@ def exception_cause(exc: BaseException) -> Cause:
     return Cause.EXCEPTION
 
 
+def error_cause(text: str) -> Cause:
+    """The cause of an error a worker reported as text (a packed expert that failed alone: `Type: message`, as
+    Heartbeat.error holds it), by the same rules as exception_cause where the text tells them."""
+    if text.split(":", 1)[0].strip() == "NonFiniteLoss":
+        return Cause.NON_FINITE
+    return next((cause for pattern, cause in _TEXT if pattern.search(text)), Cause.EXCEPTION)
+
+
 # Ray's GCS writes this into the error of every actor that died with its node (ray 2.60)
 _NODE_DIED = re.compile(r"its node has died|node .* (is dead|has died|was removed)", re.I)
 
@@ -132,12 +140,12 @@ def expert_names(requested: list[str], names: list[str]) -> list[str]:
         name = raw.strip()
         number = re.fullmatch(r"(?:expert-)?(\d+)", name)
         if number:
-            name = f"expert-{int(number.group(1)):04d}"
-        if name == "seed" and name not in names:
+            name = expert_name(int(number.group(1)))
+        if name == SEED_JOB.name and name not in names:
             raise SomaError("the seed is not an expert: reopen it with soma seed CAMPAIGN --retry-failed")
         if name not in names:
             raise SomaError(
-                f"{raw!r} names no {'expert' if names[-1] != 'seed' else 'job'} of this campaign "
+                f"{raw!r} names no {'expert' if names[-1] != SEED_JOB.name else 'job'} of this campaign "
                 f"({names[0]} to {names[-1]}); name experts as expert-0003 or 3"
             )
         if name not in out:

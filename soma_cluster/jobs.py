@@ -158,7 +158,8 @@ INFRA = frozenset(
 
 
 class StopReason(StrEnum):
-    """Why a worker stopped training a job (a heartbeat's `reason`); a failure inside a pack is `failed`."""
+    """Why a worker stopped training a job cleanly (a heartbeat's `reason`). A job that fails alone inside its pack
+    has no StopReason: its heartbeat carries the error instead (Heartbeat.error, Heartbeat.failed)."""
 
     FINISHED = "finished"
     CONVERGED = "converged"

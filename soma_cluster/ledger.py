@@ -89,13 +89,12 @@ class Ledger:
     def __init__(self, store: Store):
         self.store = store
 
-    # category and the two amounts stay positional for pipelines/prepare.py's one call; every other caller names them
     def record(
         self,
+        *,
         category: Category,
         gpu_seconds: float,
         wall_seconds: float,
-        *,
         expert: int | None = None,
         attempt: int = 0,
         seq: int = 0,
@@ -139,6 +138,6 @@ class Ledger:
     def totals(self) -> Totals:
         t = Totals()
         for rec in self.records():
-            u = Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
+            u = Usage.from_record(rec)
             t.add(rec["category"], u, expert=rec["expert"], seq=rec.get("seq"), device=rec.get("device"))
         return t

@@ -34,6 +34,11 @@ class Usage:
     def is_zero(self) -> bool:
         return all(getattr(self, f.name) == 0 for f in fields(self))
 
+    @staticmethod
+    def from_record(rec: dict) -> "Usage":
+        """The amounts of a ledger record (soma_cluster/ledger.py)."""
+        return Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
+
 
 @dataclass(frozen=True)
 class Incarnation:
@@ -45,7 +50,7 @@ class Incarnation:
     created: float  # the process's start (wall clock), so a reused pid is not mistaken for it
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, kw_only=True)
 class ExpertStart:
     """One job as its actor loaded it."""
 

@@ -1,5 +1,5 @@
-"""The training methods, registered once by name (train.method): SOMA's SPSA estimator and the baselines of
-SPEC section 8. The worker, `soma plan` and the experiments look a method up here instead of branching on its
+"""The training methods, registered once by name (train.method): SOMA's SPSA estimator and the paper's baselines
+(docs/results.md). The worker, `soma plan` and the experiments look a method up here instead of branching on its
 name (torchtitan's train spec). A new method is one `register` call here, its estimator in
 soma_cluster.trainer, and its name among config.TrainConfig.method's choices (tests/test_methods.py checks
 that the two lists agree).

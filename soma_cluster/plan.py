@@ -17,6 +17,7 @@ from typing import Callable
 
 from soma_cluster.budget import BudgetBook
 from soma_cluster.config import CampaignConfig
+from soma_cluster.jobs import Category, JobState
 
 SCHEMA = 1
 
@@ -50,7 +51,7 @@ def _list_schedule(durations: list[float], slots: int) -> float:
 
 
 def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict[str, float], seed_done: bool) -> dict:
-    """The plan (schema 1, README "JSON output"): GPU-hours by category, wall seconds on `gpus` GPUs, each
+    """The plan (schema 1, docs/json.md): GPU-hours by category, wall seconds on `gpus` GPUs, each
     expert's predicted end and step, and the worst-case budget overrun. `spent`: GPU-seconds already in the
     ledger by category (preprocessing, and the seed if it is trained)."""
     r = cfg.resources
@@ -73,16 +74,16 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
         return fixed + step * per_update + _events(step, t.val_every) * val + _events(step, t.checkpoint_every) * ckpt
 
     book = BudgetBook(cfg.budget)
-    seed_s = spent.get("seed", 0.0) if seed_done else _seed_s(cfg, cal)
+    seed_s = spent.get(Category.SEED, 0.0) if seed_done else _seed_s(cfg, cal)
     cap = book.expert_s
     if book.campaign_s is not None:
-        share = (book.campaign_s - spent.get("preprocessing", 0.0) - seed_s) / cfg.n_experts
+        share = (book.campaign_s - spent.get(Category.PREPROCESSING, 0.0) - seed_s) / cfg.n_experts
         cap = share if cap is None else min(cap, share)
     experts = []
     for e in range(cfg.n_experts):
         step = stop_step(t.updates, t.chunk_updates, cost, per_update, cap)
         s = cost(step)
-        end = "finished" if step >= t.updates else "budget_exhausted"
+        end = JobState.FINISHED if step >= t.updates else JobState.BUDGET_EXHAUSTED
         experts.append({"expert": e, "end": end, "step": step, "target": t.updates, "gpu_hours": s / 3600.0})
     # an actor lasts as long as its longest member (GPU-seconds / num_gpus * G = wall seconds)
     unit_walls = [
@@ -99,11 +100,11 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
     seed_wall = 0.0 if seed_done else seed_s / r.num_gpus
     per, total = book.worst_overrun_s(r.num_gpus, cal.get("poll_s", 0.5), min(slots, units))
     hours = {
-        "preprocessing": spent.get("preprocessing", 0.0) / 3600.0,
-        "seed": seed_s / 3600.0,
-        "expert_training": expert_s / 3600.0,
-        "wasted": 0.0,
-        "preempted": 0.0,
+        Category.PREPROCESSING: spent.get(Category.PREPROCESSING, 0.0) / 3600.0,
+        Category.SEED: seed_s / 3600.0,
+        Category.EXPERT_TRAINING: expert_s / 3600.0,
+        Category.WASTED: 0.0,
+        Category.PREEMPTED: 0.0,
     }
     return {
         "schema": SCHEMA,
@@ -114,13 +115,13 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
         "cores": cores,
         "cpu_contention": contention,
         "seed_trained": seed_done,
-        "gpu_hours": {**hours, "training_total": hours["seed"] + hours["expert_training"]},
+        "gpu_hours": {**hours, "training_total": hours[Category.SEED] + hours[Category.EXPERT_TRAINING]},
         "wall_seconds": {"seed": seed_wall, "experts": experts_wall, "total": seed_wall + experts_wall},
         "budget": {
             "expert_gpu_hours": cfg.budget.expert_gpu_hours,
             "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
             "effective_expert_cap_gpu_hours": None if cap is None else cap / 3600.0,
-            "experts_stopped": sum(x["end"] == "budget_exhausted" for x in experts),
+            "experts_stopped": sum(x["end"] == JobState.BUDGET_EXHAUSTED for x in experts),
             "worst_overrun_gpu_seconds": {"per_expert": per, "campaign": total} if cap is not None else None,
         },
         "experts": experts,

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 
 from soma_cluster.accounting import SETUP_SEQ, Account, Books, Settlement
 from soma_cluster.events import JobHistory
-from soma_cluster.jobs import AttemptCause, Category, Event, Job, JobState
+from soma_cluster.jobs import AttemptCause, Category, Event, Job
 from soma_cluster.messages import Usage
 
 if TYPE_CHECKING:
@@ -31,15 +31,15 @@ def restore(sched: Scheduler, past: dict[str, JobHistory]) -> None:
         h = past.get(job.name)
         if h:
             sched.seen[job] = h.view()
+            sched.state[job] = h.state  # where its events left it, by the same state machine the scheduler runs
         if h and h.terminal:
-            sched.outcome[job] = sched.state[job] = JobState(h.state)
+            sched.outcome[job] = h.state
             continue
         sched.pending.append(job)
         if not h or not h.attempts:
             continue
         sched.next_attempt[job], sched.failures[job] = h.attempts, h.failures
         sched.cause[job] = cause_after(h)
-        sched.state[job] = sched.cause[job].waiting
         last = h.attempts - 1
         if h.held(last) and h.ended(last) is None:
             records = sched.books.ledger.records() if records is None else records  # read once, not once per job
@@ -62,13 +62,24 @@ def cause_after(h: JobHistory) -> AttemptCause:
 
 def _settle_interrupted(books: Books, job: Job, attempt: int, records: list[dict]) -> None:
     """The lost driver left `attempt` running: settle what it reported against the latest checkpoint."""
-    mine = [r for r in records if r["expert"] == job.expert and r["attempt"] == attempt]
-    setup = sum((_usage(r) for r in mine if r["seq"] == SETUP_SEQ), Usage())
-    training = sum((_usage(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
+    # the seed's records share expert None and attempt 0 with preprocessing's and evaluation's: its own
+    # categories tell them apart
+    own = (job.category, Category.WASTED, Category.PREEMPTED)
+    mine = [r for r in records if r["expert"] == job.expert and r["attempt"] == attempt and r["category"] in own]
+    setup = sum((Usage.from_record(r) for r in mine if r["seq"] == SETUP_SEQ), Usage())
+    training = sum((Usage.from_record(r) for r in mine if r["seq"] > 0 and r["category"] == job.category), Usage())
     device = next((r.get("device") for r in mine if r.get("device")), None)
     if any(r["seq"] < 0 for r in mine):  # settled by an earlier resume (that driver was lost too)
-        fixes = sum((_usage(r) for r in mine if r["seq"] < 0 and r["category"] == job.category), Usage())
-        books.settled[job] = Settlement(attempt, setup, training, training + fixes, Usage(), Category.WASTED, device)
+        fixes = sum((Usage.from_record(r) for r in mine if r["seq"] < 0 and r["category"] == job.category), Usage())
+        books.settled[job] = Settlement(
+            attempt=attempt,
+            setup=setup,
+            training=training,
+            kept=training + fixes,
+            unreported=Usage(),
+            lost_to=Category.WASTED,
+            device=device,
+        )
         return
     c = Account(
         job,
@@ -80,10 +91,13 @@ def _settle_interrupted(books: Books, job: Job, attempt: int, records: list[dict
         device=device,
         step=max((r["step"] for r in mine if r["step"] is not None), default=0),
     )
-    books.settle(
-        c, Settlement(attempt, setup, training, books.kept(c), Usage(), Category.WASTED, device), "driver lost"
+    s = Settlement(
+        attempt=attempt,
+        setup=setup,
+        training=training,
+        kept=books.kept(c),
+        unreported=Usage(),
+        lost_to=Category.WASTED,
+        device=device,
     )
-
-
-def _usage(rec: dict) -> Usage:
-    return Usage(rec["gpu_seconds"], rec["wall_seconds"], rec["forwards"], rec["tokens"])
+    books.settle(c, s, "driver lost")

@@ -25,6 +25,7 @@ from soma_cluster.accounting import NOTHING, Account, Books, Settlement
 from soma_cluster.budget import BudgetBook
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import JobHistory, emit
+from soma_cluster.failures import error_cause
 from soma_cluster.jobs import (
     TERMINAL,
     AttemptCause,
@@ -379,7 +380,7 @@ class Scheduler:
             return
         self._end(c)
         if hb.failed:
-            self._lose(c, Lost("exception", hb.error))
+            self._lose(c, Lost("exception", hb.error, error_cause(hb.error)))
         elif hb.reason == StopReason.PREEMPTED:
             unit.leaving = True
             self._lose(c, Lost(StopReason.PREEMPTED, "the worker got SIGTERM and checkpointed", Cause.PREEMPTED))
@@ -413,7 +414,15 @@ class Scheduler:
         settled = {}
         if c.started:
             lost_to = Category.PREEMPTED if lost.kind == LossKind.PREEMPTED else Category.WASTED
-            s = Settlement(c.attempt, c.setup, c.reported - c.setup, self.books.kept(c), unreported, lost_to, c.device)
+            s = Settlement(
+                attempt=c.attempt,
+                setup=c.setup,
+                training=c.reported - c.setup,
+                kept=self.books.kept(c),
+                unreported=unreported,
+                lost_to=lost_to,
+                device=c.device,
+            )
             self.books.settle(c, s, lost.reason)
             settled = {"settled": s.to_json()}
         if lost.kind == LossKind.PREEMPTED:
@@ -453,8 +462,7 @@ class Scheduler:
         (soma_cluster/retries.py); then the job waits as its next attempt's cause says, for `soma resume`."""
         cause = lost.cause or Cause.NODE_LOST
         waited = self.retries.wait_out(job, cause, lost.detail if lost.what == cause else lost.reason)
-        if waited is None:
-            self.state[job] = self.cause.get(job, AttemptCause.NEW).waiting
+        if waited is None:  # it stays where its `failed` event left it (retrying) until `soma resume`
             return
         delay, waited_s = waited
         self.cause[job] = AttemptCause.RETRY
@@ -519,7 +527,7 @@ class Scheduler:
                 if c.cap_s is not None and c.reported.gpu_seconds + held > c.cap_s + self.cfg.budget.grace_gpu_seconds
             )
             if silent > self.cfg.retry.heartbeat_timeout_s:
-                out += self.on_lost(unit.id, Lost("hang", f"no heartbeat for {silent:.0f} s"))
+                out += self.on_lost(unit.id, Lost("hang", f"no heartbeat for {silent:.0f} s", Cause.HANG))
             elif over:
                 out += self.on_lost(unit.id, Lost(StopReason.BUDGET_EXHAUSTED, "hard stop past the grace"), stop=over)
         return out

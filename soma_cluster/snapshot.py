@@ -3,7 +3,7 @@
 for 256 experts instead of every log record. No Ray here: the rows come from a Scheduler or, for a campaign
 written before this file existed, from its events log and ledger.
 
-The schema (`schema: 1`) is part of the CLI's contract (`soma status --json` prints it; README, "JSON output");
+The schema (`schema: 1`) is part of the CLI's contract (`soma status --json` prints it; docs/json.md);
 fields are only ever added.
 """
 
@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import JobHistory
 from soma_cluster.jobs import (
+    CATEGORIES,
     IN_FLIGHT,
     SEED_JOB,
     STATES,
@@ -26,7 +27,7 @@ from soma_cluster.jobs import (
     JobView,
     expert_jobs,
 )
-from soma_cluster.ledger import CATEGORIES, Totals, hours_unit
+from soma_cluster.ledger import Totals, hours_unit
 
 if TYPE_CHECKING:
     from soma_cluster.schedule import Scheduler
@@ -80,7 +81,7 @@ def history_rows(
             else totals.per_expert_gpu_seconds.get(job.expert, 0.0)
         )
         status = JobStatus(
-            state=h.job_state if h else JobState.PENDING,
+            state=h.state if h else JobState.PENDING,
             view=h.view() if h else JobView(),
             spent_s=spent,
             retries=h.failures if h else 0,

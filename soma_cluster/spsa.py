@@ -65,7 +65,7 @@ def spsa_estimate(
     theta: torch.Tensor, z: torch.Tensor, eps, loss_fn: LossFn, pert_chunk: int, summed: bool = False
 ) -> Estimate:
     """Central-difference SPSA of G experts at once. theta (G, M) with z (G, n, M) and eps (G,) -- or a single
-    expert: theta (M,), z (n, M), eps float. `summed` is the control of SPEC section 8: probe j perturbs
+    expert: theta (M,), z (n, M), eps float. `summed` is the baselines' control (docs/results.md): probe j perturbs
     every expert at once (the joint direction is the concatenation of their z_j) and each expert's estimate
     is driven by the difference of the SUM of all experts' losses, d_j = sum_i d_ij, instead of its own d_ij."""
     single = theta.dim() == 1

@@ -59,7 +59,12 @@ class InProcess:
             if isinstance(a, Start):
                 experts, attempts = [j.expert for j in unit.jobs], [c.attempt for c in unit.accounts.values()]
                 self.workers[uid] = ExpertWorker(
-                    self.store.url, {}, experts, attempts, self.cfg.resources.num_gpus, time.time()
+                    campaign_url=self.store.url,
+                    storage_options={},
+                    experts=experts,
+                    attempts=attempts,
+                    num_gpus=self.cfg.resources.num_gpus,
+                    requested_at=time.time(),
                 )
                 self.calls[uid] = ("setup",)
             elif isinstance(a, Reuse):

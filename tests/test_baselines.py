@@ -1,4 +1,4 @@
-"""The baselines of SPEC section 8 on the real model: the summed-loss control, EGGROLL and BPTT."""
+"""The paper's baselines (docs/results.md) on the real model: the summed-loss control, EGGROLL and BPTT."""
 
 import numpy as np
 import pytest

@@ -234,7 +234,7 @@ def test_reopened_for_retry_failed_gives_the_retries_back_and_keeps_the_end(tmp_
     assert h.state == "failed_permanently" and h.failures == 1
     emit(s.store, "reopened", "expert-0000", reason=RETRY_FAILED, was="failed_permanently", step=0, checkpoint=None)
     h = history(s.store)["expert-0000"]
-    assert h.state == "reopened" and not h.terminal and h.failures == 0 and h.ended(0) == "failed_permanently"
+    assert h.last_event == "reopened" and not h.terminal and h.failures == 0 and h.ended(0) == "failed_permanently"
     again = scheduler(tmp_path, clock, n_experts=1, retry={"max_retries": 0})
     again.restore(history(again.store))
     assert list(again.pending) == [Job(0)] and again.next_attempt[Job(0)] == 1 and again.cause[Job(0)] == "retry"
@@ -263,8 +263,8 @@ def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_pat
     assert reopen_failed(store, jobs, []) == ["expert-0001"]
     assert reopen_failed(store, [SEED_JOB], []) == ["seed"]
     h = history(store)
-    assert (h["seed"].state, h["seed"].failures) == ("reopened", 0) and h["expert-0000"].state == "finished"
-    assert (h["expert-0001"].state, h["expert-0001"].failures) == ("reopened", 0)
+    assert (h["seed"].last_event, h["seed"].failures) == ("reopened", 0) and h["expert-0000"].state == "finished"
+    assert (h["expert-0001"].last_event, h["expert-0001"].failures) == ("reopened", 0)
     assert reopen_failed(store, jobs, []) == []  # nothing failed any more
 
 

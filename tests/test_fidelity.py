@@ -1,4 +1,5 @@
-"""The trainer is the SOMA estimator of SPEC section 5, and a checkpoint continues it bitwise."""
+"""The trainer is the SOMA estimator (batched central-difference SPSA, soma_cluster/spsa.py), and a checkpoint
+continues it bitwise."""
 
 import numpy as np
 import pytest

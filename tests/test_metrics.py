@@ -1,7 +1,7 @@
 """The driver's metrics reach a local Ray's Prometheus endpoint and carry what the ledger holds.
 
 Needs Ray's metrics agent, i.e. `ray[default]` (pyproject's `metrics` extra: aiohttp_cors, opencensus,
-prometheus_client, ...); skipped where it is not installed. Ray on loopback only (SPEC section 10)."""
+prometheus_client, ...); skipped where it is not installed. Ray on loopback only (docs/cluster.md)."""
 
 from __future__ import annotations
 

@@ -344,18 +344,22 @@ def shard_rows(store: Store, expert: int) -> list[bytes]:
 
 
 @pytest.mark.parametrize("rule", ["balanced", "nearest"])
-def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule):
+def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule, capsys):
     """Both rules through prepare on real text: every sequence of every shard (train and val) is routed by
     route() to its own shard first; balanced shards are within router.balance_tolerance over all
     sequences, nearest shards are each sequence's nearest centroid (zero offsets, saved as such)."""
     from conftest import micro_config
 
-    from pipelines.prepare import prepare
+    from pipelines.prepare import prepare, printable
 
     cfg = micro_config(n_experts=8, corpus={"max_bytes": 3_000_000}, router={"rule": rule})
     store = Store(str(tmp_path / "c"))
     summary = prepare(store, cfg)
     router = load_router(store)
+    printed = capsys.readouterr().err.splitlines()
+    for e, terms in enumerate(router.top_terms):  # one line per expert, whatever its terms hold (a newline, a tab)
+        (line,) = [ln for ln in printed if ln.startswith(f"  expert-{e:04d}: ")]
+        assert line.endswith("top terms: " + ", ".join(printable(t) for t in terms[:8])), line
     assert summary["rule"] == router.cfg.rule == rule
     rows = [shard_rows(store, e) for e in range(8)]
     sizes = np.array([len(r) for r in rows])

@@ -16,7 +16,7 @@ from soma_cluster.budget import BudgetBook
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
-from soma_cluster.jobs import SEED_JOB, Cause, Job, expert_jobs
+from soma_cluster.jobs import SEED_JOB, Category, Cause, Job, expert_jobs
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.retries import backoff_s
@@ -28,7 +28,12 @@ PER_UPDATE = 2 * 4  # forwards per update of a micro expert: 2 signs x n_pert 4,
 
 # -- synthetic messages -------------------------------------------------------------------------------
 def started(experts, step=0, gpu_s=1.0) -> SetupReport:
-    starts = {e: ExpertStart(step, 12, step > 0, step * PER_UPDATE, 100, Usage(gpu_s, gpu_s)) for e in experts}
+    starts = {
+        e: ExpertStart(
+            step=step, target=12, resumed=step > 0, forwards=step * PER_UPDATE, n_train=100, usage=Usage(gpu_s, gpu_s)
+        )
+        for e in experts
+    }
     return SetupReport("cpu", "127.0.0.1", Incarnation("node-a", 4242, 1000.0), 1000.0, 0.0, starts)
 
 
@@ -192,6 +197,21 @@ def test_hang_is_failed_by_the_watchdog_and_the_retry_outlives_the_process(tmp_p
     (retry,) = s.requests(1)
     assert retry.unit.previous == (Incarnation("node-a", 4242, 1000.0),)  # the worker waits for pid 4242 on node-a
     assert history(s.store)["expert-0000"].last_error.startswith("hang")
+    (failed,) = [ev for ev in history(s.store)["expert-0000"].events if ev["event"] == "failed"]
+    assert failed["cause"] == Cause.HANG
+
+
+def test_an_expert_failing_alone_in_its_pack_keeps_its_cause(tmp_path):
+    """A non-finite loss inside a pack is the same failure as in an actor of its own: cause non_finite_loss."""
+    s = scheduler(tmp_path, n_experts=2, resources={"experts_per_actor": 2}, retry={"backoff_s": 0.0})
+    s.restore({})
+    (start,) = s.requests(1)
+    s.on_setup(start.unit.id, started([0, 1]))
+    bad = beat(2, 2.0, 2 * PER_UPDATE, reason="NonFiniteLoss: loss is nan", failed=True)
+    s.on_chunk(start.unit.id, ChunkReport({0: bad, 1: beat(2, 2.0, 2 * PER_UPDATE)}, 2.0))
+    (failed,) = [ev for ev in history(s.store)["expert-0000"].events if ev["event"] == "failed"]
+    assert failed["cause"] == Cause.NON_FINITE and failed["reason"] == "exception: NonFiniteLoss: loss is nan"
+    assert s.failures[Job(0)] == 1 and Job(1) in s.open  # counted against its retries; its pack-mate trains on
 
 
 def test_reuse_hands_an_idle_actor_the_next_experts(tmp_path):
@@ -223,6 +243,29 @@ def test_restore_settles_an_interrupted_attempt_once(tmp_path):
     totals = Ledger(s.store).totals()
     assert totals.forwards["expert_training"] == 6 * PER_UPDATE and totals.forwards["wasted"] == 0
     assert totals.gpu_seconds["expert_training"] == pytest.approx(7.0)
+
+
+def test_restoring_an_interrupted_seed_leaves_preprocessing_out_of_its_settlement(tmp_path):
+    """The seed's records share expert None and attempt 0 with preprocessing's: only its own are settled."""
+    s = scheduler(tmp_path, n_experts=1)
+    s.jobs = [SEED_JOB]
+    Ledger(s.store).record(category=Category.PREPROCESSING, gpu_seconds=0.0, wall_seconds=50.0, note="CPU")
+    s.restore({})
+    s.pending.append(SEED_JOB)
+    (start,) = s.requests(1)
+    s.on_setup(start.unit.id, started([None], gpu_s=1.0))
+    s.on_chunk(start.unit.id, ChunkReport({None: beat(4, 5.0, 4 * PER_UPDATE)}, 5.0))
+    s.store.write_json(
+        "seed/meta.json",
+        {"attempt": 0, "usage": {"gpu_seconds": 5.0, "wall_seconds": 5.0, "forwards": 4 * PER_UPDATE, "tokens": 40}},
+    )
+    again = scheduler(tmp_path, n_experts=1)
+    again.jobs = [SEED_JOB]
+    again.restore(history(again.store))
+    assert again.books.settled[SEED_JOB].setup == Usage(1.0, 1.0)  # its start-up alone, not preprocessing's 50 s
+    totals = Ledger(again.store).totals()
+    assert totals.wall_seconds["seed"] == pytest.approx(5.0) and totals.wall_seconds["preprocessing"] == 50.0
+    assert totals.forwards["seed"] == 4 * PER_UPDATE and totals.wall_seconds["wasted"] == 0
 
 
 def test_a_start_up_is_hard_stopped_past_cap_plus_grace_within_one_poll(tmp_path):

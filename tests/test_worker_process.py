@@ -28,10 +28,16 @@ def stopped_sleeper() -> tuple[subprocess.Popen, Incarnation]:
     return proc, Incarnation(None, proc.pid, psutil.Process(proc.pid).create_time())
 
 
+def worker_of(tmp_path, previous) -> ExpertWorker:
+    return ExpertWorker(
+        campaign_url=str(tmp_path), storage_options={}, experts=[0], attempts=[1], num_gpus=1.0, previous=previous
+    )
+
+
 def test_a_retry_waits_for_the_killed_process_on_its_node(tmp_path):
     proc, inc = stopped_sleeper()
     try:
-        worker = ExpertWorker(str(tmp_path), {}, [0], [1], 1.0, previous=(inc,))
+        worker = worker_of(tmp_path, previous=(inc,))
         killer = threading.Timer(1.0, os.kill, args=(proc.pid, signal.SIGKILL))
         killer.start()
         waited = worker._outlive(bound_s=20.0)
@@ -45,13 +51,11 @@ def test_the_wait_is_bounded_and_a_reused_pid_is_not_the_old_process(tmp_path):
     proc, inc = stopped_sleeper()
     try:
         t = time.monotonic()
-        assert ExpertWorker(str(tmp_path), {}, [0], [1], 1.0, previous=(inc,))._outlive(bound_s=0.5) >= 0.5
+        assert worker_of(tmp_path, previous=(inc,))._outlive(bound_s=0.5) >= 0.5
         assert time.monotonic() - t < 5.0  # bounded: it starts anyway, with a warning
         other = Incarnation(None, proc.pid, inc.created - 100.0)
         assert not alive(other)  # same pid, another process start: not the one it waits for
-        elsewhere = ExpertWorker(
-            str(tmp_path), {}, [0], [1], 1.0, previous=(Incarnation("other-node", proc.pid, inc.created),)
-        )
+        elsewhere = worker_of(tmp_path, previous=(Incarnation("other-node", proc.pid, inc.created),))
         assert elsewhere._outlive(bound_s=5.0) < 0.5  # a process on another node shares no device with it
     finally:
         proc.kill()

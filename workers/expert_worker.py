@@ -82,7 +82,7 @@ class Preemption:
             timer.start()
 
 
-@dataclass
+@dataclass(kw_only=True)
 class Member:
     """One job inside an actor: its trainer, where it checkpoints, and what it has reported."""
 
@@ -97,9 +97,18 @@ class Member:
     last_ckpt_step: int
     kept_by: int | None = None  # resumed: the attempt that wrote the loaded checkpoint, and its usage then
     kept: Usage | None = None
-    reason: str | None = None  # set once it stops: finished, converged, budget_exhausted, preempted, or a failure
-    failed: bool = False
+    reason: StopReason | None = None  # set once it stops cleanly: finished, converged, budget_exhausted, preempted
+    error: str | None = None  # set once it fails alone inside its pack: the error it raised (`Type: message`)
     told: bool = False  # its last heartbeat (done) has gone to the driver
+
+    @property
+    def failed(self) -> bool:
+        return self.error is not None
+
+    @property
+    def done(self) -> bool:
+        """It stopped, cleanly or by failing: it trains no more."""
+        return self.reason is not None or self.failed
 
 
 class ExpertWorker:
@@ -111,6 +120,7 @@ class ExpertWorker:
 
     def __init__(
         self,
+        *,
         campaign_url: str,
         storage_options: dict,
         experts: list[int | None],
@@ -148,7 +158,7 @@ class ExpertWorker:
         return self.held_from
 
     def _live(self) -> list[Member]:
-        return [m for m in self.members.values() if m.reason is None]
+        return [m for m in self.members.values() if not m.done]
 
     def _tick(self) -> None:
         """Attribute the time since the last tick to the jobs whose last heartbeat is still to come (all of
@@ -190,14 +200,14 @@ class ExpertWorker:
         self._tick()
         starts = {
             m.job.expert: ExpertStart(
-                m.start_step,
-                m.target,
-                m.resumed,
-                m.start_forwards,
-                m.trainer.shard.n_train,
-                self._usage(m),
-                m.kept_by,
-                m.kept,
+                step=m.start_step,
+                target=m.target,
+                resumed=m.resumed,
+                forwards=m.start_forwards,
+                n_train=m.trainer.shard.n_train,
+                usage=self._usage(m),
+                kept_by=m.kept_by,
+                kept=m.kept,
             )
             for m in self.members.values()
         }
@@ -238,17 +248,17 @@ class ExpertWorker:
         target = cfg.seed_stage.updates if job.expert is None else cfg.train.updates
         trainer = job_trainer(cfg, job, shard, state, device)
         return Member(
-            job,
-            attempt,
-            trainer,
-            target,
-            resumed,
-            state.step,
-            state.forwards,
-            state.tokens,
-            state.step if resumed else -1,
-            ckpt.meta.get("attempt") if kept else None,
-            Usage(**kept) if kept else None,
+            job=job,
+            attempt=attempt,
+            trainer=trainer,
+            target=target,
+            resumed=resumed,
+            start_step=state.step,
+            start_forwards=state.forwards,
+            start_tokens=state.tokens,
+            last_ckpt_step=state.step if resumed else -1,
+            kept_by=ckpt.meta.get("attempt") if kept else None,
+            kept=Usage(**kept) if kept else None,
         )
 
     def _checkpoint(self, m: Member) -> str:
@@ -275,7 +285,7 @@ class ExpertWorker:
                 return [(m, s.loss) for m, s in zip(members, update_experts([m.trainer for m in members]), strict=True)]
             except NonFiniteLoss as exc:
                 for i in exc.experts:
-                    members[i].reason, members[i].failed = f"NonFiniteLoss: {exc}", True  # the error it raised
+                    members[i].error = f"NonFiniteLoss: {exc}"  # the error it raised
                 members = [m for m in members if not m.failed]
         return []
 
@@ -320,7 +330,7 @@ class ExpertWorker:
             if not m.told
         }
         for m in self.members.values():
-            m.told = m.reason is not None
+            m.told = m.done
         return ChunkReport(beats, time.monotonic() - self.t0)
 
     def _after_update(self, m: Member, losses: list, val: dict, ckpt: dict) -> None:
@@ -366,6 +376,6 @@ class ExpertWorker:
             checkpoint_step=m.last_ckpt_step,
             usage=self._usage(m),
             sec_per_update=self.sec_per_update,
-            reason=None if m.failed else m.reason,
-            error=m.reason if m.failed else None,
+            reason=m.reason,
+            error=m.error,
         )
