@@ -30,11 +30,11 @@ from soma_cluster.ensemble import (
 )
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
-from soma_cluster.jobs import SEED_JOB, TERMINAL, Category, Job, JobState
+from soma_cluster.jobs import SEED_JOB, TERMINAL, Category, Job, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
-from soma_cluster.shards import expert_name, open_shard
+from soma_cluster.shards import open_shard
 from soma_cluster.snapshot import SNAPSHOT
 from soma_cluster.storage import Store, sha256
 from soma_cluster.trainer import Trainer, pick_device
