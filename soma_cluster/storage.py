@@ -738,7 +738,8 @@ def _cut_torn_tail(path: str, where: str) -> None:
     interrupted, never acknowledged (readers already skip it). As a write-ahead log does, so the next
     record starts on a line of its own instead of being glued onto the fragment."""
     try:
-        fh = open(path, "rb+")  # noqa: SIM115 (a missing log is not an error: only the open is guarded; `with fh` below)
+        # a missing log is not an error: only the open is guarded, and `with fh` below closes it
+        fh = open(path, "rb+")  # noqa: SIM115
     except FileNotFoundError:
         return
     with fh:
