@@ -157,12 +157,9 @@ def _check_service(addr: Address, timeout_s: float) -> None:
     except grpc.RpcError as exc:
         code = exc.code()
         if code is grpc.StatusCode.UNAUTHENTICATED:
-            mode = os.environ.get("RAY_AUTH_MODE", "unset")
-            token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
             raise SomaError(
                 f"Ray at {addr.text} ({addr.source}) refused this command's token ({exc.details()}): the cluster uses "
-                f"token authentication; set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its "
-                f"token (here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})"
+                f"token authentication; {token_hint()}"
             ) from None
         if code is grpc.StatusCode.UNIMPLEMENTED:
             hostport = _target(addr)
@@ -174,6 +171,16 @@ def _check_service(addr: Address, timeout_s: float) -> None:
             raise SomaError(f"{addr.named()} is not what its form says: {fix}") from None
     finally:
         raw.close()
+
+
+def token_hint() -> str:
+    """What to set for a token-auth cluster, and what this process has."""
+    mode = os.environ.get("RAY_AUTH_MODE", "unset")
+    token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
+    return (
+        f"set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its token (here RAY_AUTH_MODE is "
+        f"{mode}, RAY_AUTH_TOKEN {token})"
+    )
 
 
 def _target(addr: Address) -> str:

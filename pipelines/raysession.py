@@ -15,7 +15,7 @@ from typing import Iterator
 
 import psutil
 
-from pipelines.rayaddress import FORMS_HINT, Address, Form, ray_address
+from pipelines.rayaddress import FORMS_HINT, Address, Form, ray_address, token_hint
 from pipelines.stopping import STOP
 from soma_cluster.config import CampaignConfig
 from soma_cluster.diskerrors import storage_error
@@ -50,12 +50,9 @@ def _connect(addr: Address) -> None:
                 "no Ray runs on this machine for address auto; start one (ray start --head), give the cluster's "
                 "address, or no address for a local Ray"
             ) from None
-        mode = os.environ.get("RAY_AUTH_MODE", "unset")
-        token = "set" if os.environ.get("RAY_AUTH_TOKEN") else "not set"
         raise SomaError(
             f"Ray at {addr.text} refused the connection ({str(exc).splitlines()[0][:160]}); if the cluster uses "
-            f"token authentication, set RAY_AUTH_MODE=token and RAY_AUTH_TOKEN (or ~/.ray/auth_token) to its token "
-            f"(here RAY_AUTH_MODE is {mode}, RAY_AUTH_TOKEN {token})"
+            f"token authentication, {token_hint()}"
         ) from None
 
 

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import math
 import os
+from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -291,7 +292,7 @@ class Estimator(Protocol):
 
 
 @dataclass(frozen=True)
-class ZeroOrder:
+class ZeroOrder(ABC):
     """A zero-order estimate of every body's gradient from the losses of perturbed copies; an own head learns
     by the delta rule from h at theta itself (one more forward per expert). Directions are regenerated from
     (campaign seed, expert, step, micro-batch); the perturbation scale is the schedule's eps."""
@@ -317,10 +318,11 @@ class ZeroOrder:
         head_grad = [decoder_gradient(h[i : i + 1], t.state.head, y if one else y[i]) for i, t in enumerate(trainers)]
         return Step(est.grad, est.loss, est.forwards + 1, head_grad)
 
+    @abstractmethod
     def estimate(
         self, trainers: list[Trainer], theta: torch.Tensor, scale: list[float], micro: int, loss_fn: LossFn
     ) -> Estimate:
-        raise NotImplementedError
+        """The bodies' gradient estimate from perturbed copies: each estimator's own."""
 
 
 @dataclass(frozen=True)
