@@ -63,7 +63,7 @@ def _check_experts(value: Optional[int]) -> Optional[int]:
 
 
 def _check_positive(param: typer.CallbackParam, value: float) -> float:
-    if value <= 0:
+    if not (0 < value < float("inf")):  # NaN and infinity too
         _bad(f"{param.opts[0]} {value:g}: pass a positive number of seconds")
     return value
 
@@ -390,7 +390,8 @@ def _say_in_progress(m: dict) -> None:
     running, driver = m.get("in_progress") or [], m.get("driver_running")
     if running or driver:
         out.print(
-            f"campaign still in training: {len(running)} expert(s) not ended, evaluated at their latest checkpoint"
+            f"campaign still in training: {len(running)} expert(s) not ended, evaluated at their latest checkpoint "
+            "(or as the seed model where they have none)"
             + (f": {', '.join(x['expert'] + ' (' + x['state'] + ')' for x in running[:8])}" if running else "")
             + (f"; {driver} holds it" if driver else ""),
             markup=False,
@@ -437,13 +438,18 @@ def status(
         from pipelines.status import Watch, load_status, print_full, render, watch_step
 
         store = open_store(campaign)
+        if watch and not store.exists("campaign.yaml"):  # a job that starts with soma prepare: watch from its start
+            print(f"soma: {store.url} is not prepared yet; waiting up to {wait:.0f} s for it", file=sys.stderr)
+            deadline = time.monotonic() + wait
+            while not store.exists("campaign.yaml") and time.monotonic() < deadline:  # bounded by --wait
+                time.sleep(min(interval, 5.0))
         cfg = load_config(store)
         shown, since = 0, time.time()
         idle_since, told = since, False
         while True:
             snap = load_status(store, cfg)
             if as_json:
-                emit_json(snap)
+                emit_json(snap, lines=watch)
             else:
                 if watch and out.is_terminal:
                     out.clear()

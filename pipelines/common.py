@@ -21,11 +21,12 @@ console = Console(stderr=True, highlight=False)  # logs and progress: stderr
 out = Console(highlight=False, soft_wrap=True)  # data (tables, results, JSON): stdout, so `soma status X > f` holds it
 
 
-def emit_json(obj) -> None:
-    """A command's --json result: one JSON document on stdout, nothing else there."""
+def emit_json(obj, lines: bool = False) -> None:
+    """A command's --json result: one JSON document on stdout, nothing else there; `lines`: one document per line
+    (JSON Lines: `soma status --watch --json` streams one per refresh)."""
     import json
 
-    sys.stdout.write(json.dumps(obj, indent=1, sort_keys=False, default=str) + "\n")
+    sys.stdout.write(json.dumps(obj, indent=None if lines else 1, sort_keys=False, default=str) + "\n")
     sys.stdout.flush()
 
 

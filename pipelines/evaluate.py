@@ -156,15 +156,19 @@ class Ensemble:
         )
 
 
-def in_progress(store: Store, experts) -> dict:
+def in_progress(store: Store, n_experts: int, have) -> dict:
     """Whether the campaign was still being trained when it was evaluated: the experts its status (status.json)
-    says have not ended, evaluated at a checkpoint that may not be their last, and the driver holding it now."""
+    says have not ended (evaluated at a checkpoint that may not be their last, or as the seed model where they
+    have none yet), and the driver holding it now."""
     from pipelines.status import lease_view
 
     rows = {}
     if store.exists(SNAPSHOT):
         rows = {r["job"]: r for r in store.read_json(SNAPSHOT)["jobs"]}
     lease = lease_view(store) or {}
+    # with a driver at work, its queued and pending experts are in training too; without one, an expert with no
+    # checkpoint is a hole the seed stands in for (the report's partial-campaign table), not training
+    experts = range(n_experts) if lease.get("held") else have
     return {
         "experts": [
             {"expert": n, "state": r["state"], "step": r["step"], "target": r["target"]}
@@ -196,7 +200,7 @@ def evaluate(
     device = pick_device()
     ens = Ensemble.load(store, cfg)
     other_ens = Ensemble.load(compare[0], compare[1]) if compare is not None else None
-    running = in_progress(store, ens.checkpoints)
+    running = in_progress(store, cfg.n_experts, ens.checkpoints)
     if require_all:  # a campaign still training first: its substitutes may be trained by that driver
         refuse_in_progress(store.url, running)
         ens.require_all(store.url)
@@ -313,7 +317,7 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
     t0 = time.monotonic()
     device = pick_device()
     ens = Ensemble.load(store, cfg)
-    running = in_progress(store, ens.checkpoints)
+    running = in_progress(store, cfg.n_experts, ens.checkpoints)
     if require_all:
         refuse_in_progress(store.url, running)
         ens.require_all(store.url)
@@ -403,7 +407,7 @@ def progress_lines(m: dict) -> str:
     table = f"\n\n| expert | state (status.json) | step / target |\n|---|---|---|\n{rows}" if running else ""
     return (
         f"\n**Campaign still in training: {len(running)} expert(s) had not ended and are evaluated at their latest "
-        f"checkpoint, which may not be their last**"
+        f"checkpoint, which may not be their last (or as the seed model, where they have none yet)**"
         + (f"; {driver} held the campaign during this evaluation" if driver else "")
         + f". Evaluate again once every expert ended; `soma eval --require-all` refuses this.{table}\n"
     )

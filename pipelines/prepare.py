@@ -349,7 +349,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     for e, terms in enumerate(router.top_terms):
         console.print(
             f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  "
-            f"top terms: {', '.join(printable(t) for t in terms[:8])}",
+            f"top terms: {' '.join(printable(t) for t in terms[:8])}",
             soft_wrap=True,  # one expert, one line, whatever the terminal's width
             markup=False,  # a term is text, never rich markup
         )
@@ -357,5 +357,8 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
 
 
 def printable(term: str) -> str:
-    """A term as one line can show it: control characters (a newline, a tab) escaped as repr writes them."""
-    return term if term.isprintable() else repr(term)[1:-1]
+    """A term as one line can show it, quoted (a term may be "," or end in spaces): control characters (a
+    newline, a tab) escaped as JSON writes them."""
+    import json
+
+    return json.dumps(term, ensure_ascii=False)

@@ -16,10 +16,10 @@ from soma_cluster.errors import SomaError
 
 PROBE_S = 10.0  # an address that does not answer as Ray fails in this long
 _SCHEME = re.compile(r"^([A-Za-z][A-Za-z0-9+.-]*)://(.*)$")
-_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^\s/:\[\]@]+)):(?P<port>\d{1,5})$")
+_HOSTPORT = re.compile(r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^\s/:\[\]@]+)):(?P<port>0*[0-9]{1,5})$", re.ASCII)
 FORMS_HINT = (
-    "use HOST:PORT (the head's GCS, port 6379 by default), ray://HOST:10001 (Ray Client), auto (a Ray already "
-    "running on this machine), or no address for a local Ray"
+    "use HOST:PORT (the head's GCS, port 6379 by default), auto (a Ray already running on this machine), or no "
+    "address for a local Ray"
 )
 
 
@@ -67,7 +67,7 @@ def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
             )
         if scheme != "ray":
             raise SomaError(f"{named} is not a Ray address (scheme {scheme}://); {FORMS_HINT}")
-        form = Form.CLIENT
+        form, text = Form.CLIENT, f"ray://{rest}"
     m = _HOSTPORT.match(rest)
     if m is None or not 0 < int(m.group("port")) < 65536:
         raise SomaError(f"{named} is not a Ray address; {FORMS_HINT}")
@@ -77,13 +77,15 @@ def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
 def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
     """Fail within about timeout_s, in one line, unless something at the address speaks gRPC (Ray's GCS and Ray
     Client do; the dashboard's HTTP does not). Local and auto are Ray's to resolve."""
+    if addr.form is Form.AUTO:
+        addr = _resolve_auto(addr)
     if addr.form not in (Form.GCS, Form.CLIENT):
         return
     deadline = time.monotonic() + timeout_s
     try:
         with socket.create_connection((addr.host, addr.port), timeout=timeout_s):
             pass
-    except OSError as exc:
+    except (OSError, UnicodeError, ValueError) as exc:  # UnicodeError: a host name IDNA cannot encode
         raise SomaError(
             f"cannot reach a Ray cluster at {addr.text} ({exc.__class__.__name__}: {exc}); check --address / "
             f"RAY_ADDRESS (the head's GCS, host:6379 by default)"
@@ -164,7 +166,8 @@ def _check_service(addr: Address, timeout_s: float) -> None:
         if code is grpc.StatusCode.UNIMPLEMENTED:
             hostport = _target(addr)
             fix = (
-                f"a Ray Client server answers there: give it as ray://{hostport}"
+                f"the Ray Client server answers there, not the GCS: give the head's GCS address "
+                f"(HOST:6379 by default), not {hostport}"
                 if addr.form is Form.GCS
                 else f"the cluster's GCS answers there, not a Ray Client server: give it as {hostport} (no ray://)"
             )
@@ -196,8 +199,34 @@ def _speaks_http(addr: Address, timeout_s: float = 2.0) -> bool:
         return False
 
 
+def _resolve_auto(addr: Address) -> Address:
+    """auto: the Ray running on this machine (Ray's own lookup), as a GCS address to probe; one line if none."""
+    try:
+        from ray._private.services import canonicalize_bootstrap_address_or_die
+
+        found = canonicalize_bootstrap_address_or_die("auto")
+    except ImportError:  # another Ray: ray.init decides
+        return addr
+    except ConnectionError:
+        raise SomaError(
+            f"{addr.named()}: no Ray runs on this machine; start one (ray start --head), give the cluster's "
+            f"address, or no address for a local Ray"
+        ) from None
+    host, port = found.rsplit(":", 1)
+    return Address(Form.GCS, addr.text, addr.source, host.strip("[]"), int(port))
+
+
 def ray_address(address: str | None) -> Address:
-    """--address, else RAY_ADDRESS: parsed and, for a cluster, probed. Commands call it before they write anything."""
+    """--address, else RAY_ADDRESS: parsed and, for a cluster, probed. Commands call it before they write anything.
+    Ray Client (ray://) is refused: a driver over it queues its actors and never starts them."""
     addr = parse(address)
+    if addr.form is Form.LOCAL:
+        os.environ.pop("RAY_ADDRESS", None)  # the command decided: ray.init and Ray Data must not read it again
+    if addr.form is Form.CLIENT:
+        raise SomaError(
+            f"{addr.named()} is a Ray Client address; soma's driver cannot run over Ray Client (its actors are "
+            f"queued and never start): submit the command as a Ray Job (ray job submit --address "
+            f"http://HOST:8265 -- soma ...), run it on the head, or give the head's GCS address (HOST:6379)"
+        )
     probe(addr)
     return addr

@@ -359,7 +359,7 @@ def test_prepare_makes_shards_by_the_rule_that_routes(tmp_path, rule, capsys):
     printed = capsys.readouterr().err.splitlines()
     for e, terms in enumerate(router.top_terms):  # one line per expert, whatever its terms hold (a newline, a tab)
         (line,) = [ln for ln in printed if ln.startswith(f"  expert-{e:04d}: ")]
-        assert line.endswith("top terms: " + ", ".join(printable(t) for t in terms[:8])), line
+        assert line.endswith("top terms: " + " ".join(printable(t) for t in terms[:8])), line
     assert summary["rule"] == router.cfg.rule == rule
     rows = [shard_rows(store, e) for e in range(8)]
     sizes = np.array([len(r) for r in rows])
