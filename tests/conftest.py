@@ -143,3 +143,23 @@ def pytest_collection_modifyitems(config, items):
     for item in items:
         if "slow" in item.keywords:
             item.add_marker(skip)
+
+
+# -- leaving the test process ----------------------------------------------------------------------------
+# After every test has passed and the summary is printed, the interpreter's own shutdown can crash in native
+# threads that Ray and gRPC leave behind (one of two full runs on 2026-12-05 ended "425 passed" and then
+# "Segmentation fault", which turned a green run red). Every fixture has cleaned up by then, so the process
+# leaves with pytest's own exit status and skips that finalization. SOMA_TEST_NORMAL_EXIT=1 turns this off.
+_EXIT_STATUS: list[int] = []
+
+
+def pytest_sessionfinish(session, exitstatus):
+    _EXIT_STATUS.append(int(exitstatus))
+
+
+@pytest.hookimpl(trylast=True)
+def pytest_unconfigure(config):
+    if _EXIT_STATUS and os.environ.get("SOMA_TEST_NORMAL_EXIT") != "1":
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(_EXIT_STATUS[-1])

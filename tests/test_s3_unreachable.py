@@ -54,7 +54,15 @@ def outage(proxy, trigger, down_s: float, log: list) -> threading.Thread:  # noq
 
 
 @pytest.mark.parametrize("down_s,wait_s", [(8.0, 60.0), pytest.param(30.0, 4.0, marks=pytest.mark.slow)])
-def test_store_unreachable_past_its_retries(short_timeout, s3, proxy, text_corpus, ray_local, down_s, wait_s):  # noqa: F811
+def test_store_unreachable_past_its_retries(
+    short_timeout,
+    s3,  # noqa: F811 (the fixture imported above)
+    proxy,
+    text_corpus,
+    ray_local,
+    down_s,
+    wait_s,
+):
     cfg = micro_config(
         corpus={"source": str(text_corpus)},
         retry={"infra_wait_s": wait_s, "max_retries": 1, "backoff_max_s": 1.0},
