@@ -100,8 +100,7 @@ ExpertsOpt = typer.Option(None, "--experts", "-n", callback=_check_experts, help
 AddressOpt = typer.Option(
     None,
     "--address",
-    help="Ray cluster: the head's GCS HOST:PORT (6379 by default), ray://HOST:10001 or auto "
-    "(default: RAY_ADDRESS, else a local Ray)",
+    help="Ray cluster: the head's GCS HOST:PORT (6379 by default) or auto (default: RAY_ADDRESS, else a local Ray)",
 )
 
 

@@ -61,7 +61,7 @@ def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
         if scheme in ("http", "https"):
             raise SomaError(
                 f"{named} is a Ray Jobs (dashboard) address, for `ray job submit`; soma connects to the cluster's "
-                f"GCS: pass --address HOST:6379 (or ray://HOST:10001), run the command as a job "
+                f"GCS: pass --address HOST:6379, run the command as a job "
                 f"(ray job submit --address {text} -- soma ...; inside a job Ray sets the address), "
                 f"or unset RAY_ADDRESS for a local Ray"
             )
@@ -76,7 +76,8 @@ def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
 
 def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
     """Fail within about timeout_s, in one line, unless something at the address speaks gRPC (Ray's GCS and Ray
-    Client do; the dashboard's HTTP does not). Local and auto are Ray's to resolve."""
+    Client do; the dashboard's HTTP does not) and answers as the service its form names. auto is resolved by
+    Ray's own lookup first; a local Ray is the command's own."""
     if addr.form is Form.AUTO:
         addr = _resolve_auto(addr)
     if addr.form not in (Form.GCS, Form.CLIENT):
@@ -102,9 +103,7 @@ def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
         what = "something accepts connections there but refuses Ray's protocol (gRPC)"
     else:
         what = f"something accepts connections there but does not answer as Ray (gRPC) within {timeout_s:.0f} s"
-    raise SomaError(
-        f"{addr.named()} is not a Ray cluster: {what}; pass the head's GCS address (HOST:6379) or ray://HOST:10001"
-    )
+    raise SomaError(f"{addr.named()} is not a Ray cluster: {what}; pass the head's GCS address (HOST:6379 by default)")
 
 
 def _grpc_state(addr: Address, timeout_s: float) -> str:
