@@ -10,24 +10,44 @@ import hashlib
 import json
 import platform
 import re
+import typing
 from importlib import resources
 from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
+from soma_cluster import schema
 from soma_cluster.errors import SomaError
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    # NaN and infinity are refused in every float field (pydantic's own check): no setting means either
+    model_config = ConfigDict(extra="forbid", frozen=True, allow_inf_nan=False)
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _no_bool_numbers(cls, value: Any, info: ValidationInfo) -> Any:
+        # YAML reads `true` as a bool, and pydantic would take it as 1 for an int or float field
+        annotation = cls.model_fields[info.field_name].annotation
+        if isinstance(value, bool) and _numeric(annotation):
+            raise ValueError("a number is needed, not true/false")
+        if annotation is str and isinstance(value, str) and value and not value.strip():
+            raise ValueError("String should not be blank")  # a path, a column or a name of spaces only
+        return value
+
+
+def _numeric(annotation: Any) -> bool:
+    args = typing.get_args(annotation) or (annotation,)
+    return any(a in (int, float) for a in args)
 
 
 class CorpusConfig(_Section):
-    source: str = "builtin"  # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
-    max_bytes: int = Field(64_000_000, gt=0)  # cap on corpus bytes read
-    text_field: str = "text"  # JSONL / Parquet column holding the text
+    # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
+    source: str = Field("builtin", min_length=1)
+    max_bytes: int = Field(64_000_000, gt=0, le=2**50)  # cap on corpus bytes read
+    text_field: str = Field("text", min_length=1)  # JSONL / Parquet column holding the text
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
 
@@ -70,15 +90,15 @@ def _credential_keys(options: Any, prefix: str = "") -> set[str]:
 
 
 class RouterConfig(_Section):
-    max_features: int = Field(50_000, gt=0)
-    min_df: int = Field(5, ge=1)
-    svd_dim: int = Field(128, ge=2)
-    sample_chunks: int = Field(400_000, gt=0)  # chunks the vectorizer, SVD and k-means are fit on
-    prefix_bytes: int = Field(256, gt=0)  # bytes of a window the router reads at inference
-    top_k: int = Field(4, ge=1)
+    max_features: int = Field(50_000, gt=0, le=10_000_000)
+    min_df: int = Field(5, ge=1, le=1_000_000)
+    svd_dim: int = Field(128, ge=2, le=4096)
+    sample_chunks: int = Field(400_000, gt=0, le=100_000_000)  # chunks the vectorizer, SVD and k-means are fit on
+    prefix_bytes: int = Field(256, gt=0, le=2**20)  # bytes of a window the router reads at inference
+    top_k: int = Field(4, ge=1, le=10_000)
     weighting: Literal["uniform", "softmax"] = "uniform"  # softmax(-d^2/T) is c-BTM's option
-    temperature: float = Field(0.1, gt=0.0)
-    kmeans_iters: int = Field(20, ge=1)
+    temperature: float = Field(0.1, gt=0.0, le=1000.0)
+    kmeans_iters: int = Field(20, ge=1, le=100_000)
     # balanced: argmax(similarity - offset), offsets fitted so every expert gets an equal share (refitted over
     # all train sequences by prepare); nearest: the paper's nearest centroid. Shards and routing use the same rule
     rule: Literal["balanced", "nearest"] = "balanced"
@@ -86,17 +106,18 @@ class RouterConfig(_Section):
     # runs of punctuation and a newline with the indentation after it, which tell code, markup, man pages and prose
     # apart (docs/routing.md). A router saved before this setting existed loads as words
     tokens: Literal["words", "layout"] = "layout"
-    balance_tolerance: float = Field(0.05, ge=0.0)  # max |size/mean - 1| of a fitted cluster (balanced: of a shard too)
+    # max |size/mean - 1| of a fitted cluster (balanced: of a shard too)
+    balance_tolerance: float = Field(0.05, ge=0.0, le=10.0)
     # the balanced rule's offsets are refitted on this many train sequences of lowest key (all of them when there are
     # fewer): their embeddings sit in the driver's memory (544 bytes each at svd_dim 128)
-    refit_rows: int = Field(1_000_000, gt=0)
+    refit_rows: int = Field(1_000_000, gt=0, le=2**40)
 
 
 class ShardConfig(_Section):
-    seq_bytes: int = Field(1024, ge=16)
+    seq_bytes: int = Field(1024, ge=16, le=2**24)
     val_fraction: float = Field(0.01, gt=0.0, lt=0.5)
-    rows_per_file: int = Field(65_536, gt=0)
-    min_train_seqs: int = Field(16, ge=1)  # an expert with fewer is an error, not a silent no-op
+    rows_per_file: int = Field(65_536, gt=0, le=2**30)
+    min_train_seqs: int = Field(16, ge=1, le=2**30)  # an expert with fewer is an error, not a silent no-op
 
 
 class PrepareConfig(_Section):
@@ -104,33 +125,34 @@ class PrepareConfig(_Section):
     # workers do it; auto: ray when a Ray address is given (--address or RAY_ADDRESS), else local. Both give
     # the same router, shards and test windows (docs/prepare.md)
     engine: Literal["auto", "local", "ray"] = "auto"
-    part_bytes: int = Field(64_000_000, gt=0)  # corpus files grouped into parts of about this many bytes on disk
-    workers: int = Field(0, ge=0)  # Ray engine: CPU workers at most (0: as many as the cluster grants)
+    # corpus files grouped into parts of about this many bytes on disk
+    part_bytes: int = Field(64_000_000, gt=0, le=2**40)
+    workers: int = Field(0, ge=0, le=100_000)  # Ray engine: CPU workers at most (0: as many as the cluster grants)
 
 
 class ModelConfig(_Section):
-    d: int = Field(32, ge=4)  # body width
-    depth: int = Field(2, ge=1)  # residual blocks (LSTM + MLP each)
-    embed_dim: int = Field(32, ge=4)  # tied byte embedding width (E is 256 x embed_dim)
+    d: int = Field(32, ge=4, le=65_536)  # body width
+    depth: int = Field(2, ge=1, le=1024)  # residual blocks (LSTM + MLP each)
+    embed_dim: int = Field(32, ge=4, le=65_536)  # tied byte embedding width (E is 256 x embed_dim)
     head: Literal["shared_frozen", "own"] = "shared_frozen"
 
 
 class SPSAConfig(_Section):
-    n_pert: int = Field(64, ge=1)
-    batch: int = Field(64, ge=1)
-    seq_len: int = Field(1024, ge=2)  # bytes per training window (<= shards.seq_bytes)
-    accum: int = Field(1, ge=1)
-    eps: float = Field(1e-3, gt=0.0)
-    lr: float = Field(1e-3, gt=0.0)
-    weight_decay: float = Field(1e-4, ge=0.0)
-    beta1: float = 0.9
-    beta2: float = 0.999
-    adam_eps: float = 1e-8
-    patience: int = Field(1000, ge=1)  # updates without expert-val improvement before halving
-    floor: float = Field(1e-5, gt=0.0)
-    pert_chunk: int = Field(32, ge=1)  # probes per batched pass (2 x pert_chunk copies; memory knob)
+    n_pert: int = Field(64, ge=1, le=2**20)
+    batch: int = Field(64, ge=1, le=2**20)
+    seq_len: int = Field(1024, ge=2, le=2**24)  # bytes per training window (<= shards.seq_bytes)
+    accum: int = Field(1, ge=1, le=2**20)
+    eps: float = Field(1e-3, gt=0.0, le=1.0)
+    lr: float = Field(1e-3, gt=0.0, le=10.0)
+    weight_decay: float = Field(1e-4, ge=0.0, le=1.0)
+    beta1: float = Field(0.9, ge=0.0, lt=1.0)
+    beta2: float = Field(0.999, ge=0.0, lt=1.0)
+    adam_eps: float = Field(1e-8, gt=0.0, le=1.0)
+    patience: int = Field(1000, ge=1, le=10**9)  # updates without expert-val improvement before halving
+    floor: float = Field(1e-5, gt=0.0, le=10.0)
+    pert_chunk: int = Field(32, ge=1, le=2**20)  # probes per batched pass (2 x pert_chunk copies; memory knob)
     compile: bool = False  # fuse the LSTM step with torch.compile (needs a C++ compiler on CPU)
-    time_block: int = Field(8, ge=1)  # steps every layer advances at once: keeps activations cache-sized
+    time_block: int = Field(8, ge=1, le=2**24)  # steps every layer advances at once: keeps activations cache-sized
     # independent: each expert's estimate uses its own loss only (SOMA). summed: the control of the paper's
     # baselines (docs/results.md), every expert updated with the SUM of all experts' losses under one joint probe
     # (needs all N experts in one actor: resources.experts_per_actor = n_experts); same starts, data, probes and
@@ -143,43 +165,43 @@ class EggrollConfig(_Section):
     population 2 n_pert (antithetic +-sigma), z-scored fitness. sigma starts at spsa.eps's place in the
     schedule (it halves with lr)."""
 
-    rank: int = Field(1, ge=1)
-    sigma: float = Field(1e-3, gt=0.0)
+    rank: int = Field(1, ge=1, le=4096)
+    sigma: float = Field(1e-3, gt=0.0, le=1.0)
 
 
 class BPTTConfig(_Section):
     """The honest reference: exact gradients by backpropagation through time (autograd) and Adam."""
 
-    lr: float = Field(2e-3, gt=0.0)
-    grad_clip: float = Field(1.0, ge=0.0)  # global norm clip per expert; 0 = off
+    lr: float = Field(2e-3, gt=0.0, le=10.0)
+    grad_clip: float = Field(1.0, ge=0.0, le=1e6)  # global norm clip per expert; 0 = off
 
 
 class SeedStageConfig(_Section):
-    updates: int = Field(1000, ge=0)
-    eps: float = Field(2.5e-3, gt=0.0)
-    lr: float = Field(2.5e-3, gt=0.0)
+    updates: int = Field(1000, ge=0, le=10**9)
+    eps: float = Field(2.5e-3, gt=0.0, le=1.0)
+    lr: float = Field(2.5e-3, gt=0.0, le=10.0)
 
 
 class TrainConfig(_Section):
     # how the expert stage trains the bodies: SOMA's SPSA, or one of the paper's baselines (docs/results.md) (the
     # seed stage is always SPSA with the delta-rule decoder)
     method: Literal["spsa", "eggroll", "bptt"] = "spsa"
-    updates: int = Field(1000, ge=1)  # updates per expert
-    chunk_updates: int = Field(10, ge=1)  # updates between heartbeats (and budget checks)
-    checkpoint_every: int = Field(100, ge=1)
-    val_every: int = Field(50, ge=1)
-    val_batches: int = Field(2, ge=1)
-    threads: int = Field(1, ge=1)  # torch intra-op threads per worker on CPU
+    updates: int = Field(1000, ge=1, le=10**9)  # updates per expert
+    chunk_updates: int = Field(10, ge=1, le=10**9)  # updates between heartbeats (and budget checks)
+    checkpoint_every: int = Field(100, ge=1, le=10**9)
+    val_every: int = Field(50, ge=1, le=10**9)
+    val_batches: int = Field(2, ge=1, le=10**6)
+    threads: int = Field(1, ge=1, le=1024)  # torch intra-op threads per worker on CPU
 
 
 class ResourcesConfig(_Section):
-    num_gpus: float = Field(1.0, gt=0.0)  # per expert actor: 1, 0.5, 0.125 ...
-    num_cpus: float = Field(0.0, ge=0.0)  # stated explicitly: Ray's default of 1 CPU starves small hosts
-    local_gpus: int = Field(4, ge=1)  # logical GPUs of a local Ray started when no address is given
+    num_gpus: float = Field(1.0, ge=0.0001, le=1024.0)  # per expert actor: 1, 0.5, 0.125 ...
+    num_cpus: float = Field(0.0, ge=0.0, le=1024.0)  # stated explicitly: Ray's default of 1 CPU starves small hosts
+    local_gpus: int = Field(4, ge=1, le=4096)  # logical GPUs of a local Ray started when no address is given
     placement: Literal["pack", "spread"] = "pack"  # pack: fill a node's GPUs first; spread: one node after another
     # G small experts trained by one actor in shared batched passes (the engine's expert axis); num_gpus and
     # num_cpus are then per actor, and the actor's GPU-seconds are split evenly among the experts it trains
-    experts_per_actor: int = Field(1, ge=1)
+    experts_per_actor: int = Field(1, ge=1, le=10_000)
     # an actor whose experts all ended cleanly takes the next pending ones instead of a new actor being
     # started (saves the actor start per expert; retries always get a fresh actor)
     reuse_actors: bool = False
@@ -187,50 +209,57 @@ class ResourcesConfig(_Section):
     # autoscaler (the launcher's, KubeRay's) sees them and adds nodes. None: every job that can start is
     # requested at once (the cluster grows to the campaign's width); with reuse_actors, None means 0, so
     # that freed actors take the remaining jobs. 0: only what fits now (a fixed cluster never grows)
-    max_pending: int | None = Field(None, ge=0)
+    max_pending: int | None = Field(None, ge=0, le=1_000_000)
     # a GPU share whose actor finds no CUDA device is an error naming the node, unless this is set: then
     # it trains on the CPU and its ledger records say so ("logical GPU-hours on cpu")
     allow_cpu: bool = False
 
+    @field_validator("num_cpus")
+    @classmethod
+    def _ray_precision(cls, value: float) -> float:
+        if 0 < value < 0.0001:  # Ray counts resources in units of 0.0001
+            raise ValueError("Ray cannot request less than 0.0001 of a resource (0 is allowed)")
+        return value
+
 
 class BudgetConfig(_Section):
-    expert_gpu_hours: float | None = Field(None, gt=0.0)
-    campaign_gpu_hours: float | None = Field(None, gt=0.0)
-    grace_gpu_seconds: float = Field(30.0, ge=0.0)  # overrun past a cap before the driver kills the actor
+    expert_gpu_hours: float | None = Field(None, gt=0.0, le=1e6)
+    campaign_gpu_hours: float | None = Field(None, gt=0.0, le=1e8)
+    grace_gpu_seconds: float = Field(30.0, ge=0.0, le=86_400.0)  # overrun past a cap before the driver kills the actor
     pool_policy: Literal["none", "even", "improving"] = "none"  # who gets an ended expert's unspent budget
 
 
 class RetryConfig(_Section):
-    max_retries: int = Field(3, ge=0)  # failures per job; preemptions and driver losses do not count
-    backoff_s: float = Field(1.0, ge=0.0)  # the k-th retry waits backoff_s x 2^k, capped, with jitter
-    backoff_max_s: float = Field(300.0, ge=0.0)
-    heartbeat_timeout_s: float = Field(600.0, gt=0.0)
+    max_retries: int = Field(3, ge=0, le=1000)  # failures per job; preemptions and driver losses do not count
+    backoff_s: float = Field(1.0, ge=0.0, le=86_400.0)  # the k-th retry waits backoff_s x 2^k, capped, with jitter
+    backoff_max_s: float = Field(300.0, ge=0.0, le=604_800.0)
+    heartbeat_timeout_s: float = Field(600.0, gt=0.0, le=604_800.0)
     # SIGTERM (a spot notice, a node drain, a KubeRay scale-down) gives a worker this long to checkpoint and
     # exit; keep it under the platform's own grace (Kubernetes' terminationGracePeriodSeconds: 30 s default)
-    preemption_grace_s: float = Field(20.0, gt=0.0)
+    preemption_grace_s: float = Field(20.0, gt=0.0, le=3600.0)
     # a retry that lands on the node of an actor the driver killed (a hang) waits up to this long for that
     # process to be gone, so two processes never hold the same device's memory at once
-    kill_wait_s: float = Field(30.0, ge=0.0)
+    kill_wait_s: float = Field(30.0, ge=0.0, le=3600.0)
     # an infrastructure failure (disk full, read-only, storage unreachable, node lost, out of memory: see
     # soma_cluster/failures.py) spends no retry: the expert is retried with backoff while the condition lasts, for
     # at most this long (seconds, from its first such failure since its last checkpoint); then the campaign stops
     # (exit 4) for the operator to fix it and `soma resume`. 0 stops at the first one
-    infra_wait_s: float = Field(600.0, ge=0.0)
+    infra_wait_s: float = Field(600.0, ge=0.0, le=604_800.0)
 
 
 class EvalConfig(_Section):
-    window_bytes: int = Field(1025, ge=3)
-    context_bytes: int = Field(256, ge=1)  # predictions before this index are not scored
-    max_windows: int = Field(2048, ge=1)
-    bootstrap: int = Field(10_000, ge=100)
-    batch: int = Field(32, ge=1)
+    window_bytes: int = Field(1025, ge=3, le=2**24)
+    context_bytes: int = Field(256, ge=1, le=2**24)  # predictions before this index are not scored
+    max_windows: int = Field(2048, ge=1, le=10**8)
+    bootstrap: int = Field(10_000, ge=100, le=10**7)
+    batch: int = Field(32, ge=1, le=2**16)
 
 
 class CampaignConfig(_Section):
-    name: str = "campaign"
-    preset: str = "custom"
-    n_experts: int = Field(4, ge=1)
-    seed: int = 0
+    name: str = Field("campaign", min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
+    preset: str = Field("custom", min_length=1)
+    n_experts: int = Field(4, ge=1, le=10_000)
+    seed: int = Field(0, ge=0, le=2**32 - 1)
     corpus: CorpusConfig = CorpusConfig()
     router: RouterConfig = RouterConfig()
     shards: ShardConfig = ShardConfig()
@@ -319,7 +348,24 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
     except ValidationError as exc:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "config"
-        raise SomaError(f"{origin}: {where}: {first['msg']}; fix that field") from None
+        info = schema.field_at(CampaignConfig, where)
+        if first["type"] == "extra_forbidden":
+            guess = schema.nearest(CampaignConfig, where)
+            hint = f"did you mean {guess}? " if guess else ""
+            raise SomaError(
+                f"{origin}: {where} is not a setting; {hint}the settings are listed in docs/config.md"
+            ) from None
+        if info is None:  # a rule that spans fields: its message names them and the fix
+            raise SomaError(f"{origin}: {first['msg'].removeprefix('Value error, ')}") from None
+        raise SomaError(
+            f"{origin}: {where}: {first['msg']} (got {_shown(first.get('input'))}); "
+            f"set {where} to {schema.allowed(info)}"
+        ) from None
+
+
+def _shown(value: Any) -> str:
+    text = yaml.safe_dump(value, default_flow_style=True, width=10_000).strip().removesuffix("\n...").strip()
+    return text if len(text) <= 60 else text[:57] + "..."
 
 
 def resolve(

@@ -19,11 +19,11 @@ import typing
 from pathlib import Path
 from typing import Any, Literal
 
-import annotated_types
 from pydantic import BaseModel
 from pydantic.fields import FieldInfo
 from pydantic_core import PydanticUndefined
 
+from soma_cluster import schema
 from soma_cluster.config import CampaignConfig, preset_names, resolve
 
 COMMAND = "python -m soma_cluster.configdoc"
@@ -32,10 +32,11 @@ DEFAULT_PATH = Path(__file__).resolve().parents[1] / "docs" / "config.md"
 # Text for fields that config.py leaves without a comment or description. tests/test_docs.py checks that every key
 # names a real field and that none shadows text config.py now has: move a note into config.py and drop it here.
 NOTES = {
-    "name": "campaign name, shown in reports, status and metrics",
+    "name": "campaign name, shown in reports, status and metrics (no control characters)",
     "preset": "the preset the config was resolved from (set by `--preset`)",
-    "n_experts": "N, the number of experts and shards (`-n`)",
-    "seed": "the campaign's random seed: test split, router sample, inits, probes, bootstrap",
+    "n_experts": "N, the number of experts and shards (`-n`); expert-0000 .. expert-9999 sort as numbers",
+    "seed": "the campaign's random seed: test split, router sample, inits, probes, bootstrap (numpy and "
+    "scikit-learn take [0, 2^32))",
     "router.max_features": "TF-IDF vocabulary size",
     "router.min_df": "chunks a term must occur in to enter the vocabulary",
     "router.svd_dim": "dimensions the TF-IDF vectors are reduced to (truncated SVD) before clustering",
@@ -123,14 +124,8 @@ def _allowed(info: FieldInfo) -> str:
     annotation = info.annotation
     if typing.get_origin(annotation) is Literal:
         return ", ".join(f"`{a}`" for a in typing.get_args(annotation))
-    symbols = {"gt": ">", "ge": "≥", "lt": "<", "le": "≤"}
-    bounds = []
-    for meta in info.metadata:
-        for attr, symbol in symbols.items():
-            value = getattr(meta, attr, None)
-            if value is not None and isinstance(meta, annotated_types.BaseMetadata):
-                bounds.append(f"{symbol} {_number(value)}")
-    return ", ".join(bounds)
+    symbols = {">=": "≥", "<=": "≤"}
+    return ", ".join(f"{symbols.get(op, op)} {_number(value)}" for op, value in schema.bounds(info))
 
 
 def _number(value: Any) -> str:

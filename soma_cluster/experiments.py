@@ -147,6 +147,7 @@ def arm_configs(
 ) -> dict[str, CampaignConfig]:
     """The resolved campaign config of every arm: preset <- scale overrides <- arm overrides <- user overrides."""
     sc = spec.scale(scale)
+    _refuse_fixed(spec, sc.pack_all, user or {})
     out: dict[str, CampaignConfig] = {}
     trees: dict[str, dict[str, Any]] = {}
     for arm in spec.ordered_arms():
@@ -167,3 +168,26 @@ def arm_configs(
         trees[arm.name] = tree
         out[arm.name] = resolve(sc.preset, {**tree, "seed": seed, "name": f"{spec.name}-{arm.name}-s{seed}"})
     return out
+
+
+def _leaf_paths(tree: dict[str, Any], prefix: str = "") -> list[str]:
+    paths = []
+    for key, value in tree.items():
+        paths += _leaf_paths(value, f"{prefix}{key}.") if isinstance(value, dict) else [f"{prefix}{key}"]
+    return paths
+
+
+def _refuse_fixed(spec: ExperimentSpec, pack_all: bool, user: dict[str, Any]) -> None:
+    """Settings the experiment chooses for each arm itself would be silently replaced: refuse them instead."""
+    fixed = {"seed": "one campaign per seed of the scale", "name": "each arm's campaign is named after it"}
+    if any(a.match_params for a in spec.arms):
+        fixed["model.d"] = fixed["model.head"] = "an arm's width is matched to another arm's parameter count"
+    if pack_all:
+        fixed["resources.experts_per_actor"] = "one actor trains all of an arm's experts at this scale"
+    for leaf in _leaf_paths(user):
+        path = next((f for f in fixed if leaf == f or leaf.startswith(f"{f}.")), None)
+        if path is not None:
+            raise SomaError(
+                f"--set {path}: experiment {spec.name} sets {path} itself ({fixed[path]}); leave it out, or run the "
+                f"arm as a campaign of its own (soma prepare ... --set {path}=...)"
+            )

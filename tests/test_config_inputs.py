@@ -1,0 +1,169 @@
+"""Every setting with every bad value of its type, generated from the config schema and the CLI's command list.
+
+Nothing here names a field: the table is built by walking the pydantic models (soma_cluster/schema.py), so a
+field added to soma_cluster/config.py is covered by the next run. Each case goes through the real CLI (typer's
+runner: the same entry point as `soma`, without a new interpreter per case) and must be refused before anything
+is read or written: exit 2, one `error:` line naming the field and what it takes."""
+
+from __future__ import annotations
+
+import typing
+from pathlib import Path
+
+import pytest
+import typer.main
+import yaml
+from typer.testing import CliRunner
+
+from pipelines.cli import app
+from soma_cluster import schema
+from soma_cluster.config import CampaignConfig, resolve, to_yaml_text
+from soma_cluster.errors import SomaError
+
+LEAVES = list(schema.leaves(CampaignConfig))
+WRONG_TYPES = ["[1, 2]", "{a: 1}"]  # a list and a mapping, as YAML writes them after --set KEY=
+
+
+def _below(op: str, bound, kind) -> object:
+    if op == ">":
+        return bound
+    if kind is int:
+        return bound - 1
+    return bound - max(abs(bound) / 2, 1e-3) if bound > 0 else bound - 1.0
+
+
+def _above(op: str, bound, kind) -> object:
+    if op == "<":
+        return bound
+    return bound + 1 if kind is int else bound * 2 + 1.0
+
+
+def bad_values(info) -> list[tuple[str, str]]:
+    """(label, the text after --set KEY=) for one field: out of range both ways, NaN and infinities, a fraction for
+    an integer, a bool for a number, empty and wrong types, an unknown enum member."""
+    kinds, _ = schema._kinds(info.annotation)
+    kind = kinds[0]
+    cases: list[tuple[str, str]] = [(f"type-{i}", v) for i, v in enumerate(WRONG_TYPES)]
+    if kind in (int, float):
+        for op, bound in schema.bounds(info):
+            value = _below(op, bound, kind) if op in (">", ">=") else _above(op, bound, kind)
+            cases.append((f"outside-{op}{bound}", repr(value) if kind is float else str(value)))
+        cases += [("nan", ".nan"), ("inf", ".inf"), ("-inf", "-.inf"), ("1e400", "1e400"), ("bool", "true")]
+        cases += [("empty", "''"), ("word", "abc"), ("huge", str(10**30))]
+        if kind is int:
+            cases += [("fraction", "1.5")]
+    elif typing.get_origin(kind) is typing.Literal:
+        cases += [("unknown-member", "no-such-choice"), ("empty", "''"), ("number", "7")]
+    elif kind is bool:
+        cases += [("word", "maybe"), ("number", "2")]
+    elif kind is str:
+        cases += [("empty", "''"), ("blank", "'   '"), ("number", "7")]
+    elif typing.get_origin(kind) is dict:
+        cases = [("list", "[1, 2]"), ("word", "abc"), ("number", "7")]
+    return cases
+
+
+CASES = [(path, label, value) for path, info in LEAVES for label, value in bad_values(info)]
+
+
+def test_every_number_is_bounded_both_ways_and_every_string_is_non_empty():
+    """What makes 'negative', 'zero' and 'huge' refusable for each field is its declared range: one per field."""
+    loose = []
+    for path, info in LEAVES:
+        kind = schema._kinds(info.annotation)[0][0]
+        ops = {op for op, _ in schema.bounds(info)}
+        if kind in (int, float) and not (ops & {">", ">="} and ops & {"<", "<="}):
+            loose.append(path)
+        if kind is str and not info.metadata:
+            loose.append(path)
+    assert not loose, f"settings without a declared range: {loose}"
+    assert len(CASES) >= 8 * len(LEAVES), len(CASES)
+
+
+def test_the_range_edges_are_accepted():
+    """Each bound itself (where inclusive) is a valid setting: the range refuses only what is outside it."""
+    for path, info in LEAVES:
+        for op, bound in schema.bounds(info):
+            if op in (">=", "<="):
+                try:
+                    resolve("tiny", _tree(path, bound))
+                except SomaError as exc:  # only a rule spanning fields may refuse an edge, naming the other field
+                    assert path.split(".")[-1] in str(exc) and f"set {path} to" not in str(exc), (path, bound, exc)
+
+
+def _tree(path: str, value) -> dict:
+    tree: dict = {}
+    node = tree
+    keys = path.split(".")
+    for key in keys[:-1]:
+        node = node.setdefault(key, {})
+    node[keys[-1]] = value
+    return tree
+
+
+def set_commands() -> dict[str, list[str]]:
+    """Every command with a --set option, and the positional arguments it needs besides."""
+    group = typer.main.get_command(app)
+    found = {}
+    for name, command in group.commands.items():
+        params = {p.name: p for p in command.params}
+        if "set" in params:
+            found[name] = [p.name for p in command.params if p.param_type_name == "argument"]
+    return found
+
+
+@pytest.fixture(scope="module")
+def parent(tmp_path_factory) -> Path:
+    """A campaign directory that `soma fork` can read the config of (nothing else is needed before the refusal)."""
+    root = tmp_path_factory.mktemp("parent") / "camp"
+    root.mkdir()
+    (root / "campaign.yaml").write_text(to_yaml_text(resolve("tiny")))
+    return root
+
+
+def _argv(command: str, case: Path, parent: Path, extra: list[str]) -> list[str]:
+    target = str(case / "new")
+    positional = {
+        "prepare": [target],
+        "demo": [target],
+        "fork": [str(parent), target],
+        "experiment": ["variance", target],
+    }
+    return [command, *positional[command], *extra]
+
+
+def _tree_of(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+def refuse(argv: list[str], case: Path, path: str) -> str:
+    before = _tree_of(case)
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (argv, result.stderr[-1500:], result.exception)
+    assert path in errors[0], (path, errors[0])
+    assert _tree_of(case) == before, argv  # nothing written, not even the campaign directory
+    return errors[0]
+
+
+@pytest.mark.parametrize("path,label,value", CASES, ids=[f"{p}={lbl}" for p, lbl, _ in CASES])
+def test_bad_setting_is_refused_by_every_command_that_takes_set(path, label, value, tmp_path, parent):
+    commands = set_commands()
+    assert {"prepare", "demo", "fork", "experiment"} <= commands.keys(), commands
+    for command in commands:
+        line = refuse(_argv(command, tmp_path, parent, ["--set", f"{path}={value}"]), tmp_path, path)
+        if command == "prepare":  # the line says what the field takes (an unknown key says where the keys are)
+            assert f"set {path} to " in line, line
+    # the same value in a --config file layered over the preset
+    cfg = tmp_path.parent / f"{tmp_path.name}.yaml"
+    cfg.write_text(yaml.safe_dump(_tree(path, yaml.safe_load(value))))
+    refuse(_argv("prepare", tmp_path, parent, ["--config", str(cfg)]), tmp_path, path)
+
+
+UNKNOWN = [f"{path}x" for path, _ in LEAVES[::7]] + ["nosuchsection.field", "spsa.n_pert.deeper"]
+
+
+@pytest.mark.parametrize("key", UNKNOWN)
+def test_unknown_key_is_refused_with_the_nearest_setting(key, tmp_path, parent):
+    line = refuse(_argv("prepare", tmp_path, parent, ["--set", f"{key}=1"]), tmp_path, key.split(".")[0])
+    assert "not a setting" in line or "is not a section" in line or "set spsa.n_pert to" in line, line
