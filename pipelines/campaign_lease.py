@@ -25,6 +25,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE, Lease
 from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.storage import Store
+from soma_cluster.targets import occupied
 
 _held: dict[str, tuple[Lease, int]] = {}  # campaign URL -> (its lease, how many holders in this process)
 
@@ -35,11 +36,12 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
     to its ttl for its lease to lapse). The first holder checks first that the place takes writes and has
     `need_bytes` free (Store.check_writable), so a command need not check again."""
     lease, count = _held.get(store.url, (None, 0))
-    empty, created = False, False
+    empty, created, made_from = False, False, None
     if lease is None:
         store.check_writable(need_bytes)  # a full, read-only or missing place is named before anything is made there
         _refuse_foreign(store)
         created = store.local and not os.path.isdir(store.root)
+        made_from = _first_missing(store.root) if created else None  # parents the lease's write makes too
         empty = created or not contents(store)
         lease = Lease(store, command)
         try:
@@ -69,14 +71,35 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
                 lease.release()
                 if empty and not contents(store):  # refused or undone where there was no campaign: leave no lease
                     lease.forget(remove_dir=created)
+                    if made_from is not None:
+                        _remove_empty_parents(store.root, made_from)
             else:
                 _held[store.url] = (lease, count - 1)
 
 
+def _first_missing(path: str) -> str:
+    """The outermost directory of `path` that does not exist yet."""
+    path = os.path.abspath(path)
+    while not os.path.isdir(os.path.dirname(path)) and os.path.dirname(path) != path:
+        path = os.path.dirname(path)
+    return path
+
+
+def _remove_empty_parents(root: str, made_from: str) -> None:
+    """Undo the parents a refused command created for its lease (only empty ones, up to `made_from`)."""
+    path = os.path.dirname(os.path.abspath(root))
+    while path == made_from or path.startswith(made_from + os.sep):
+        try:
+            os.rmdir(path)
+        except OSError:  # not empty (something else made a file there meanwhile), or gone: leave it
+            return
+        path = os.path.dirname(path)
+
+
 def _refuse_foreign(store: Store) -> None:
     """A lease goes only into a campaign, or a directory that is empty or new: never among someone else's files."""
-    if not store.exists(CONFIG_FILE) and contents(store):
-        raise SomaError(f"{store.url} is not empty and holds no {CONFIG_FILE}; choose an empty or new directory")
+    if not store.exists(CONFIG_FILE) and (names := contents(store)):
+        raise occupied(store.url, names, CONFIG_FILE)
 
 
 def held(url: str) -> Lease | None:

@@ -16,9 +16,12 @@ if CLI_PROCESS:
     STOP.install(early=True)
 
 import typer  # noqa: E402
+import typer.core  # noqa: E402
+from typer._click.exceptions import ClickException, NoArgsIsHelpError  # noqa: E402  (typer 0.29 carries its own click)
 
 from pipelines.campaign_lease import hold  # noqa: E402
 from pipelines.common import claim_campaign, emit_json, load_config, open_store, out  # noqa: E402
+from soma_cluster import schema  # noqa: E402
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions  # noqa: E402
 from soma_cluster.diskerrors import storage_error  # noqa: E402
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
@@ -28,7 +31,32 @@ from soma_cluster.preflight import training_bytes  # noqa: E402
 if TYPE_CHECKING:
     from pipelines.rayaddress import Address
 
+
+class _OneLineErrors(typer.core.TyperGroup):
+    """Bad usage (an unknown option, a value of the wrong type, a missing argument) is bad input like any other:
+    one `error:` line naming it and where the options are listed, exit 2, not typer's usage box."""
+
+    def main(self, *args, standalone_mode: bool = True, **kwargs):
+        if not standalone_mode:
+            return super().main(*args, standalone_mode=False, **kwargs)
+        try:
+            code = super().main(*args, standalone_mode=False, **kwargs)
+        except NoArgsIsHelpError as exc:  # `soma` or `soma CMD` alone: the help, as typer shows it
+            print(exc.ctx.get_help())
+            sys.exit(exc.exit_code)
+        except ClickException as exc:
+            path = exc.ctx.command_path if getattr(exc, "ctx", None) is not None else "soma"
+            message = " ".join(exc.format_message().split()).rstrip(".")
+            print(f"error: {message}; {path} --help lists the arguments and options", file=sys.stderr)
+            sys.exit(2)
+        except typer.Abort:  # Ctrl-C at a prompt or EOF on stdin
+            print("stopped", file=sys.stderr)
+            sys.exit(130)
+        sys.exit(code if isinstance(code, int) else 0)
+
+
 app = typer.Typer(
+    cls=_OneLineErrors,
     add_completion=False,
     no_args_is_help=True,
     help="SOMA-style sharded zero-order pretraining campaigns on Ray. "
@@ -57,14 +85,15 @@ def _check_scale(value: str) -> str:
 
 
 def _check_experts(value: Optional[int]) -> Optional[int]:
-    if value is not None and value < 1:
-        _bad(f"--experts/-n {value}: a campaign needs at least 1 expert; pass e.g. -n 4")
+    limit = dict(schema.bounds(CampaignConfig.model_fields["n_experts"]))["<="]
+    if value is not None and not 1 <= value <= limit:
+        _bad(f"--experts/-n {value}: a campaign has 1 to {limit:_} experts; pass e.g. -n 4")
     return value
 
 
-def _check_positive(param: typer.CallbackParam, value: float) -> float:
-    if not (0 < value < float("inf")):  # NaN and infinity too
-        _bad(f"{param.opts[0]} {value:g}: pass a positive number of seconds")
+def _check_positive(param: typer.CallbackParam, value: Optional[float]) -> Optional[float]:
+    if value is not None and not (0 < value < float("inf")):  # NaN and infinity too
+        _bad(f"{param.opts[0]} {value:g}: pass a positive finite number")
     return value
 
 
@@ -331,7 +360,7 @@ def evaluate(
     text: Optional[str] = typer.Option(
         None, "--text", help="long-document mode on this text corpus (dir/.txt/.jsonl/.parquet, s3://)"
     ),
-    stride: int = typer.Option(768, "--stride", help="window stride in long-document mode"),
+    stride: int = typer.Option(768, "--stride", min=1, help="window stride in long-document mode (bytes, >= 1)"),
     require_all: bool = typer.Option(
         False,
         "--require-all",
@@ -421,7 +450,7 @@ def status(
         5.0, "--interval", callback=_check_positive, help="seconds between refreshes with --watch"
     ),
     count: int = typer.Option(
-        0, "--count", help="with --watch, stop after this many refreshes (0: until the campaign's driver ends)"
+        0, "--count", min=0, help="with --watch, stop after this many refreshes (0: until the campaign's driver ends)"
     ),
     wait: float = typer.Option(
         300.0,
@@ -482,6 +511,7 @@ def plan(
     gpus: Optional[float] = typer.Option(
         None,
         "--gpus",
+        callback=_check_positive,
         help="GPUs to plan for (default: the cluster's GPUs with --address/RAY_ADDRESS, else resources.local_gpus)",
     ),
     recalibrate: bool = typer.Option(
@@ -633,6 +663,7 @@ def report(
     def go() -> None:
         from pipelines.report import readme_section, update_readme, write_report
         from soma_cluster.preflight import require_writable_dir
+        from soma_cluster.targets import EXPERIMENT_FILE, RESULTS_FILE, not_an_experiment
 
         stores = [open_store(d) for d in directories]
         for store in stores:
@@ -641,7 +672,10 @@ def report(
             require_writable_dir(os.path.dirname(os.path.abspath(readme)), what="the README's directory")
         done = []
         for store in stores:
-            res = store.read_json("results.json")
+            if not store.exists(RESULTS_FILE):
+                marker = store.read_json(EXPERIMENT_FILE) if store.exists(EXPERIMENT_FILE) else {}
+                raise not_an_experiment(store.url, store.listdir(""), marker.get("experiment"))
+            res = store.read_json(RESULTS_FILE)
             out.print(f"report: {write_report(store, res)}")
             done.append((store.url, res))
         if readme:

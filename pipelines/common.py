@@ -12,10 +12,10 @@ from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, T
 
 from soma_cluster.config import CONFIG_FILE as CONFIG
 from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
-from soma_cluster.diskerrors import DiskCondition, StorageError
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE_FILES
 from soma_cluster.storage import Store, storage_options_from_env
+from soma_cluster.targets import occupied
 
 console = Console(stderr=True, highlight=False)  # logs and progress: stderr
 out = Console(highlight=False, soft_wrap=True)  # data (tables, results, JSON): stdout, so `soma status X > f` holds it
@@ -35,7 +35,10 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
     (SOMA_S3_ENDPOINT / AWS_ENDPOINT_URL) and credentials from botocore's usual chain."""
     store = Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
     if store.local and os.path.lexists(store.root) and not os.path.isdir(store.root):
-        raise StorageError(store.root, DiskCondition.NOT_A_DIRECTORY, "a campaign is a directory")
+        raise SomaError(
+            f"{store.root} is a file; a campaign (or an experiment) is a directory: pass the directory that "
+            "soma prepare (soma experiment) made, or a new path for it"
+        )
     return store
 
 
@@ -52,11 +55,11 @@ def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> boo
         if existing.digest() != cfg.digest():
             raise SomaError(
                 f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); "
-                "use a new campaign URL"
+                "use a new campaign URL for this config, or continue that one (soma status / soma resume URL)"
             )
         return True
-    if contents(store):
-        raise SomaError(f"{store.url} is not empty and holds no {CONFIG}; choose an empty or new directory")
+    if names := contents(store):
+        raise occupied(store.url, names, CONFIG)
     store.require_bucket()  # s3://: a missing bucket is found before any data is read, not at the first write
     if write:
         store.write_new(CONFIG, to_yaml_text(cfg).encode())

@@ -42,9 +42,8 @@ from soma_cluster.trainer import Trainer, pick_device
 
 def _load(store: Store, directory: str, what: str, name: str | None = None) -> Checkpoint:
     if not has_checkpoint(store, directory):
-        raise SomaError(
-            f"{what} has no checkpoint under {store.url}/{directory}; run soma launch (or soma resume) first"
-        )
+        command = "soma seed" if directory == "seed" else "soma launch (or soma resume)"
+        raise SomaError(f"{what} has no checkpoint under {store.url}/{directory}; run {command} {store.url} first")
     return load_checkpoint(store, directory, name)
 
 

@@ -31,6 +31,7 @@ from soma_cluster.model import Layout, campaign_param_count
 from soma_cluster.recipes import job_trainer, start_state
 from soma_cluster.shards import open_shard
 from soma_cluster.storage import Store
+from soma_cluster.targets import occupied
 from soma_cluster.trainer import pick_device
 from soma_cluster.variance import model_ratio, separable_ratio
 
@@ -45,11 +46,13 @@ def _claim(root: Store, spec: ExperimentSpec, scale: str, sets: list[str]) -> No
         if {k: have.get(k) for k in want} != want:
             raise SomaError(
                 f"{root.url} holds experiment {have.get('experiment')} (scale {have.get('scale')}, overrides "
-                f"{have.get('overrides')}); use a new directory for {spec.name} at scale {scale}"
+                f"{have.get('overrides')}); use a new directory for {spec.name} at scale {scale} "
+                f"(soma experiment {spec.name} NEW_DIR), or continue that one "
+                f"(soma experiment {have.get('experiment')} {root.url})"
             )
         return
-    if contents(root):
-        raise SomaError(f"{root.url} is not empty and holds no {MARKER}; choose an empty or new directory")
+    if names := contents(root):
+        raise occupied(root.url, names, MARKER)
     root.write_json(MARKER, want)
 
 

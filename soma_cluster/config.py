@@ -446,7 +446,10 @@ def load_campaign_config(store) -> CampaignConfig:
     """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store),
     refused if campaign.yaml was edited since it was written."""
     if not store.exists(CONFIG_FILE):
-        raise SomaError(f"{store.url} holds no {CONFIG_FILE}; run soma prepare {store.url} first")
+        from soma_cluster.lease import LEASE_FILES
+        from soma_cluster.targets import not_a_campaign
+
+        raise not_a_campaign(store.url, [n for n in store.listdir("") if n not in LEASE_FILES])
     return from_yaml_text(store.read_bytes(CONFIG_FILE).decode(), f"{store.url}/{CONFIG_FILE}")
 
 

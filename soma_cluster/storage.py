@@ -33,6 +33,7 @@ from soma_cluster.diskerrors import DiskCondition, condition_of, with_path
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 from soma_cluster.failures import waiting
 from soma_cluster.preflight import MARGIN_BYTES, require_temp_dir, require_writable_dir
+from soma_cluster.targets import missing_file
 
 T = TypeVar("T")
 log = logging.getLogger(__name__)
@@ -534,7 +535,7 @@ class Store:
         try:
             raw = self.read_bytes(rel)
         except FileNotFoundError:
-            raise SomaError(f"{self.url}/{rel} is missing; re-run the stage that writes it") from None
+            raise SomaError(missing_file(self.url, rel)) from None
         return parse_checked_json(raw, f"{self.url}/{rel}")
 
     def listdir(self, rel: str) -> list[str]:

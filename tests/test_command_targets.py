@@ -1,0 +1,202 @@
+"""Every command on every wrong target, generated from the CLI's command list.
+
+A command's positional arguments that name a directory (campaign, parent, directory, directories) are each given
+every kind of wrong target: a missing path, a file, an empty directory, a directory of foreign files, another
+command's directory (an experiment's for a campaign command, a campaign's for `soma report`), and a campaign at an
+earlier stage than the command needs. Each must be refused with exit 2 and one `error:` line that names the soma
+command that would make it right, with nothing written. A command added to pipelines/cli.py is covered by the next
+run: its arguments are found by name."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import sys
+import typing
+from pathlib import Path
+
+import pytest
+import typer.main
+from typer.testing import CliRunner
+
+from pipelines.cli import app
+from soma_cluster.storage import Store
+
+GROUP = typer.main.get_command(app)
+COMMANDS = sorted(GROUP.commands)
+DIRECTORY_ARGS = {"campaign", "parent", "directory", "directories"}
+# (command, argument) that make a new directory: a missing or empty one is what they want, not a wrong target
+MAKES = {("prepare", "campaign"), ("demo", "campaign"), ("experiment", "directory"), ("fork", "campaign")}
+# arguments that are not directories, with a valid value
+OTHER_ARGS = {"name": "variance"}
+NAMES_A_COMMAND = re.compile(rf"\bsoma ({'|'.join(COMMANDS)})\b")
+
+
+@pytest.fixture(scope="module")
+def prepared(tmp_path_factory, micro_yaml) -> Path:
+    camp = tmp_path_factory.mktemp("prepared") / "camp"
+    result = CliRunner().invoke(app, ["prepare", str(camp), "--config", micro_yaml], env={"RAY_ADDRESS": ""})
+    assert result.exit_code == 0, result.stderr[-2000:]
+    return camp
+
+
+def targets(root: Path, prepared: Path) -> dict[str, Path]:
+    """Every kind of wrong target, made for real under root."""
+    kinds = {
+        "missing": root / "missing" / "camp",
+        "file": root / "file.txt",
+        "empty": root / "empty",
+        "foreign": root / "foreign",
+        "experiment-dir": root / "experiment",
+        "prepared-only": root / "prepared",
+        "non-utf8-missing": root / b"caf\xe9-missing".decode("utf-8", "surrogateescape"),
+    }
+    kinds["file"].write_text("not a campaign\n")
+    kinds["empty"].mkdir()
+    kinds["foreign"].mkdir()
+    (kinds["foreign"] / "notes.txt").write_text("someone's files\n")
+    exp = Store(str(kinds["experiment-dir"]))
+    # another experiment's directory (the variance one is what the table's experiment command would continue)
+    exp.write_json("experiment.json", {"experiment": "zo-compare", "scale": "small", "overrides": []})
+    (kinds["experiment-dir"] / "s0").mkdir()
+    # a campaign soma prepare made, before its seed: too early for launch, eval, fork
+    shutil.copytree(prepared, kinds["prepared-only"])
+    return kinds
+
+
+def cases() -> list[tuple[str, str, str]]:
+    """(command, argument, target kind) for every directory argument of every command and every wrong kind."""
+    out = []
+    for name in COMMANDS:
+        for param in GROUP.commands[name].params:
+            if param.param_type_name != "argument" or param.name not in DIRECTORY_ARGS:
+                continue
+            for kind in ("missing", "file", "empty", "foreign", "experiment-dir", "prepared-only", "non-utf8-missing"):
+                if (name, param.name) in MAKES and kind in ("missing", "empty", "non-utf8-missing"):
+                    continue  # a new directory is what it makes
+                if kind == "prepared-only" and not _needs_more_than_prepare(name, param.name):
+                    continue
+                out.append((name, param.name, kind))
+    return out
+
+
+def _needs_more_than_prepare(command: str, argument: str) -> bool:
+    """Commands whose target must be further along than `soma prepare` leaves it (or something else entirely)."""
+    return (command, argument) in {
+        ("launch", "campaign"),
+        ("resume", "campaign"),
+        ("eval", "campaign"),
+        ("fork", "parent"),
+        ("report", "directories"),
+        ("experiment", "directory"),
+        ("demo", "campaign"),  # a different campaign's directory (demo's preset is not this config)
+    }
+
+
+def argv_for(command: str, argument: str, target: str, good: dict[str, str]) -> list[str]:
+    args = []
+    for param in GROUP.commands[command].params:
+        if param.param_type_name != "argument":
+            continue
+        if param.name == argument:
+            args.append(target)
+        elif param.name in DIRECTORY_ARGS:
+            args.append(good[param.name])
+        elif param.name in OTHER_ARGS:
+            args.append(OTHER_ARGS[param.name])
+        elif param.required:
+            pytest.fail(f"soma {command}: argument {param.name} has no value in this test; add it to OTHER_ARGS")
+    return [command, *args]
+
+
+def snapshot(root: Path) -> list[str]:
+    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+
+
+CASES = cases()
+
+
+def test_the_table_covers_every_command_with_a_directory_argument():
+    covered = {c for c, _, _ in CASES}
+    with_dirs = {
+        n
+        for n in COMMANDS
+        if any(p.name in DIRECTORY_ARGS for p in GROUP.commands[n].params if p.param_type_name == "argument")
+    }
+    assert covered == with_dirs and len(CASES) >= 50, (covered, with_dirs, len(CASES))
+
+
+@pytest.mark.parametrize("command,argument,kind", CASES, ids=[f"{c}:{a}={k}" for c, a, k in CASES])
+def test_wrong_target_names_the_command_that_makes_it_right(command, argument, kind, tmp_path, prepared):
+    kinds = targets(tmp_path, prepared)
+    fresh = tmp_path / "fresh" / "new"
+    # the other directory arguments get a valid value: a new path for the one a command makes, else the campaign
+    good = {"campaign": str(fresh), "parent": str(kinds["prepared-only"]), "directory": str(fresh)}
+    argv = argv_for(command, argument, str(kinds[kind]), good)
+    before = snapshot(tmp_path)
+    result = CliRunner().invoke(app, argv, env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (argv, result.stderr[-1500:], result.exception)
+    assert NAMES_A_COMMAND.search(errors[0]), errors[0]
+    assert snapshot(tmp_path) == before, argv
+
+
+def test_a_non_utf8_target_is_named_in_a_real_process(tmp_path):
+    """In a real process stdout is strict UTF-8: a name that is not must still come out as one readable line."""
+    bad = tmp_path / b"caf\xe9".decode("utf-8", "surrogateescape")
+    bad.mkdir()
+    for argv in (["status", str(bad)], ["eval", str(bad), "--json"], ["report", str(bad)]):
+        proc = subprocess.run(
+            [sys.executable, "-m", "pipelines.cli", *argv], capture_output=True, timeout=120, env=_env()
+        )
+        err = proc.stderr.decode("utf-8", "replace")
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(lines) == 1, (argv, err[-1500:])
+        assert "caf" in lines[0] and "Traceback" not in err, lines[0]
+
+
+def _env() -> dict[str, str]:
+    import os
+
+    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+
+
+def numeric_options() -> list[tuple[str, str, type]]:
+    """(command, --option, int or float) for every numeric option of every command, from the type hints."""
+    found = []
+    for name in COMMANDS:
+        command = GROUP.commands[name]
+        hints = typing.get_type_hints(command.callback)
+        for param in command.params:
+            kind = next(
+                (k for k in typing.get_args(hints[param.name]) or (hints[param.name],) if k in (int, float)), None
+            )
+            if param.param_type_name == "option" and kind is not None:
+                found.append((name, max(param.opts, key=len), kind))
+    return found
+
+
+OPTION_CASES = [
+    (command, option, value)
+    for command, option, kind in numeric_options()
+    for value in ["nan", "inf", "-inf", "-1", "abc", "", "1e400"] + (["1.5"] if kind is int else ["0"])
+]
+
+
+def test_every_numeric_option_is_in_the_table():
+    assert {(c, o) for c, o, _ in numeric_options()} >= {
+        ("status", "--count"),
+        ("eval", "--stride"),
+        ("plan", "--gpus"),
+    }
+
+
+@pytest.mark.parametrize("command,option,value", OPTION_CASES, ids=[f"{c}{o}={v}" for c, o, v in OPTION_CASES])
+def test_bad_option_value_is_one_line_naming_the_option(command, option, value, tmp_path):
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    result = CliRunner().invoke(app, [*argv, f"{option}={value}"], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (argv, value, result.stderr[-1500:], result.exception)
+    assert option in errors[0] and "Traceback" not in result.stderr, errors[0]
+    assert not any(tmp_path.iterdir()), argv  # refused before anything was made
