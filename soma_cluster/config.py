@@ -28,6 +28,9 @@ class CorpusConfig(_Section):
     source: str = "builtin"  # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
     max_bytes: int = Field(64_000_000, gt=0)  # cap on corpus bytes read
     text_field: str = "text"  # JSONL / Parquet column holding the text
+    # a plain-text file longer than this is cut into documents of at most this many bytes, at a blank line in
+    # the second half of each (else at a character boundary): one big file then has a held-out test set
+    document_bytes: int = Field(256_000, ge=4096, le=1 << 30)
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
 
