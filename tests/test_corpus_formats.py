@@ -12,6 +12,8 @@ import json
 import lzma
 import os
 import random
+import re
+import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable
@@ -20,6 +22,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
+from conftest import assert_one_line_error, soma
 from s3server import s3  # noqa: F401
 
 from soma_cluster.config import CorpusConfig
@@ -466,3 +469,124 @@ def test_every_format_has_a_table():
     assert len(CASES) == len(FORMATS) * len(MALFORMATIONS)
     assert set(COMPRESS) >= {f.compression for f in FORMATS}
     print(f"\n{len(FORMATS)} formats x {len(MALFORMATIONS)} malformations = {len(CASES)} cases")
+
+
+# -- the same table on S3 (a sample: special files and non-UTF-8 names do not exist there) ------------------
+S3_SAMPLE = [
+    ("jsonl", utf8_bom),
+    ("jsonl", wrong_field),
+    ("jsonl.gz", truncated),
+    ("jsonl", not_utf8),
+    ("parquet", truncated),
+    ("parquet", int_field),
+    ("arrow", all_null),
+    ("text.gz", huge_record),
+    ("text.xz", garbage),
+    ("text", empty),
+]
+
+
+@pytest.mark.parametrize("fmt_name,malformation", S3_SAMPLE, ids=[f"{f}-{m.__name__}" for f, m in S3_SAMPLE])
+def test_malformation_on_s3(s3, monkeypatch, fmt_name, malformation):  # noqa: F811
+    for k, v in s3.env().items():
+        monkeypatch.setenv(k, v)
+    fmt = next(f for f in FORMATS if f.name == fmt_name)
+    name = file_name(fmt)
+    case = malformation(fmt, name)
+    prefix = f"{fmt_name}-{malformation.__name__}"
+    fs = s3.fs()
+    for rel, content in case.files.items():
+        fs.pipe(f"{s3.bucket}/{prefix}/{rel.decode()}", content)
+    check(case, s3.url(prefix), name)
+    assert sorted(s3.objects(prefix)) == [f"{s3.bucket}/{prefix}/{rel.decode()}" for rel in case.files]
+
+
+# -- plain text is cut into documents (corpus.document_bytes) ------------------------------------------------
+def _paragraphs(n: int, seed: int = 0) -> bytes:
+    rng = random.Random(seed)
+    words = ["soma", "expert", "router", "shard", "naïve", "日本語", "corpus", "byte", "café"]
+    return b"\n\n".join(" ".join(rng.choices(words, k=rng.randint(5, 400))).encode() for _ in range(n))
+
+
+def test_a_large_plain_file_is_cut_at_blank_lines_whatever_the_reads(tmp_path, monkeypatch):
+    import soma_cluster.corpus as corpus
+
+    body = _paragraphs(3000)
+    (tmp_path / "big.txt").write_bytes(body)
+    (tmp_path / "big.txt.gz").write_bytes(gzip.compress(body))
+    (tmp_path / "small.txt").write_bytes(body[:5000])
+    cfg = CorpusConfig(source=str(tmp_path), max_bytes=10**9, document_bytes=20_000)
+    docs = [(d.doc_id, d.data) for d in user_documents(cfg)]
+    by_file = {n: [(i, b) for i, b in docs if i.split("#")[0] == n] for n in ("big.txt", "big.txt.gz", "small.txt")}
+    assert by_file["small.txt"] == [("small.txt", body[:5000])]  # a file within document_bytes stays whole
+    big = by_file["big.txt"]
+    assert len(big) > len(body) // 20_000 and all(10_000 <= len(b) <= 20_000 for _, b in big[:-1])
+    assert b"\n\n".join(b for _, b in big) == body  # cut at blank lines only: the packer's separator restores them
+    offsets = [int(i.split("#")[1]) if "#" in i else 0 for i, _ in big]
+    assert all(body[o:].startswith(b) for o, (_, b) in zip(offsets, big, strict=True))  # named by their offset
+    assert [b for _, b in by_file["big.txt.gz"]] == [b for _, b in big]  # gzip'd: the same documents
+    monkeypatch.setattr(corpus, "BLOCK_BYTES", 777)  # however the bytes arrive, the same cuts
+    assert [(d.doc_id, d.data) for d in user_documents(cfg)] == docs
+
+
+def test_text_without_blank_lines_is_cut_at_character_boundaries(tmp_path):
+    body = ("日本語のテキスト" * 20_000).encode()  # 3-byte characters, no blank line
+    (tmp_path / "a.txt").write_bytes(body)
+    docs = list(user_documents(CorpusConfig(source=str(tmp_path), max_bytes=10**9, document_bytes=4096)))
+    assert b"".join(d.data for d in docs) == body and len(docs) == -(-len(body) // 4095)
+    assert all(len(d.data) <= 4096 and d.data.decode() for d in docs)  # every document is valid UTF-8
+
+
+# -- through `soma prepare` ------------------------------------------------------------------------------------
+def test_one_large_plain_file_is_prepared_with_a_held_out_set(tmp_path, micro_yaml):
+    """One 1.4 MB text file: cut into documents, the error's fix (a smaller corpus.document_bytes) works."""
+    from soma_cluster.corpus import builtin_documents
+
+    one = tmp_path / "one.txt"
+    one.write_bytes(b"\n\n".join(d.data for d in builtin_documents(1_400_000)))
+    camp = tmp_path / "camp"
+    proc = soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(one))
+    assert_one_line_error(proc, f"corpus {one}", "held-out documents (of 6)", "lower corpus.document_bytes to ")
+    assert not camp.exists()
+    size = re.search(r"corpus.document_bytes to (\d+)", proc.stderr).group(1)
+    proc = soma(
+        "prepare", str(camp), "--config", micro_yaml, "--corpus", str(one), "--set", f"corpus.document_bytes={size}"
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    corpus = json.loads((camp / "shards" / "manifest.json").read_text())["corpus"]
+    assert corpus["documents"] > 50 and corpus["test_documents"] >= 1 and corpus["test_windows"] >= 1, corpus
+
+
+def test_cli_reads_any_file_name_and_names_bad_records_escaped(tmp_path, text_corpus, micro_yaml):
+    corpus = tmp_path / "corpus"
+    shutil.copytree(text_corpus, corpus)
+    weird = os.path.join(os.fsencode(corpus), b"caf\xe9-\xff.jsonl")
+    with open(weird, "wb") as fh:  # a BOM and a name that is not UTF-8: both read
+        fh.write(b"\xef\xbb\xbf" + b"".join(json.dumps({"text": t * 20}).encode() + b"\n" for t in TEXTS))
+    camp = tmp_path / "camp"
+    proc = soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(corpus))
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    manifest = json.loads((camp / "shards" / "manifest.json").read_text())
+    assert manifest["corpus"]["sources"]["jsonl"] == sum(len(t.encode()) * 20 for t in TEXTS)
+    bad = os.path.join(os.fsencode(corpus), b"a-\xff.jsonl")  # first: within corpus.max_bytes
+    with open(bad, "wb") as fh:
+        fh.write(b'{"body": "text under another key"}\n')
+    proc = soma("prepare", str(tmp_path / "camp2"), "--config", micro_yaml, "--corpus", str(corpus))
+    assert_one_line_error(proc, "a-\\xff.jsonl has no text in 'text'", "set corpus.text_field", "its fields: body")
+    assert not (tmp_path / "camp2").exists()
+
+
+def test_a_part_with_any_file_name_survives_the_ray_engine_spec(tmp_path):
+    """The Ray engine ships each part to its worker as JSON: names that are not UTF-8 come back as they were."""
+    from dataclasses import asdict
+
+    from pipelines.prepare_ray import _part
+    from soma_cluster.corpus import part_documents, plan_parts
+
+    with open(os.path.join(os.fsencode(tmp_path), b"\xff\xfe-name.txt"), "wb") as fh:
+        fh.write(b"text in a file whose name is not UTF-8 " * 10)
+    cfg = CorpusConfig(source=str(tmp_path))
+    (part,) = plan_parts(cfg, 1 << 20)
+    shipped = _part(json.dumps({"index": part.index, "files": [asdict(f) for f in part.files]}))
+    assert shipped == part
+    assert [d.doc_id for d in part_documents(cfg, shipped)] == [os.fsdecode(b"\xff\xfe-name.txt")]
