@@ -18,6 +18,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from soma_cluster.errors import SomaError
+from soma_cluster.formats import FormatSetting
 
 
 class _Section(BaseModel):
@@ -31,6 +32,9 @@ class CorpusConfig(_Section):
     # a plain-text file longer than this is cut into documents of at most this many bytes, at a blank line in
     # the second half of each (else at a character boundary): one big file then has a held-out test set
     document_bytes: int = Field(256_000, ge=4096, le=1 << 30)
+    # "auto": each file in the format its name says (docs/prepare.md); a format's name (soma_cluster.formats.FORMATS:
+    # text, text.gz, jsonl, jsonl.gz, parquet, arrow, ...) reads every file in it, whatever its name
+    format: FormatSetting = "auto"
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
 

@@ -2,7 +2,9 @@
 
 The built-in corpus is real text already on the machine (Python's own docs and sources, license
 texts, man/info pages and package docs where present); nothing is downloaded. A user corpus is a
-local or s3:// path: a directory of text files, or .txt/.md, .jsonl, .parquet, .arrow files.
+local or s3:// path: a file or a directory of files, each read in the format its name says (FORMATS:
+plain text, JSONL, either also .gz/.bz2/.xz, Parquet, Arrow IPC). docs/prepare.md says what a document
+is in each.
 """
 
 from __future__ import annotations
@@ -21,7 +23,6 @@ import sysconfig
 import zlib
 from collections import deque
 from dataclasses import dataclass
-from enum import Enum
 from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
@@ -32,6 +33,7 @@ import pyarrow.parquet as pq
 
 from soma_cluster.config import CorpusConfig
 from soma_cluster.errors import SomaError
+from soma_cluster.formats import Format, Layout, format_of
 from soma_cluster.storage import storage_options_from_env, transient_errors, with_s3_defaults
 
 MIN_DOC_BYTES = 64
@@ -137,41 +139,7 @@ def builtin_documents(max_bytes: int, counts: dict[str, int] | None = None) -> I
         counts.update({k: v for k, v in taken.items() if v})
 
 
-# -- user corpora: the formats ----------------------------------------------------------------------------
-class Layout(Enum):
-    """How a format's bytes become documents."""
-
-    TEXT = "text"  # a plain file: cut at blank lines into documents of about corpus.document_bytes
-    LINES = "jsonl"  # one JSON object a line: its corpus.text_field is a document
-    TABLE = "table"  # Parquet / Arrow IPC: a row's corpus.text_field is a document
-
-
-@dataclass(frozen=True)
-class Format:
-    name: str  # as the docs and the errors call it
-    suffix: str  # a file name ending so is read in this format ("": any name no other format claims)
-    layout: Layout
-    compression: str | None = None  # fsspec's codec name
-
-
-COMPRESSIONS = ((".gz", "gzip"), (".bz2", "bz2"), (".xz", "xz"))  # decompressed while read, by name
-# Every format `prepare` reads, first match wins: the one source of truth for the reader, the docs and the tests
-# (tests/test_corpus_formats.py generates its malformation table from it).
-FORMATS: tuple[Format, ...] = (
-    Format("parquet", ".parquet", Layout.TABLE),
-    Format("arrow", ".arrow", Layout.TABLE),
-    Format("jsonl", ".jsonl", Layout.LINES),
-    *(Format(f"jsonl{s}", f".jsonl{s}", Layout.LINES, c) for s, c in COMPRESSIONS),
-    *(Format(f"text{s}", s, Layout.TEXT, c) for s, c in COMPRESSIONS),
-    Format("text", "", Layout.TEXT),
-)
-
-
-def format_of(name: str) -> Format:
-    """The format a corpus file is read in, by its name."""
-    return next(f for f in FORMATS if name.endswith(f.suffix))
-
-
+# -- user corpora: naming and errors -------------------------------------------------------------------
 def shown(path: str) -> str:
     """A path as one line of text shows it: bytes that are not UTF-8 (a POSIX name may hold any) escaped as
     \\xNN, control characters as Python escapes them, so an error line can always be printed and read."""
@@ -351,17 +319,24 @@ def _is_text_type(t: pa.DataType) -> bool:
 
 
 def _open_table(fh, path: str, fmt: Format, field: str):
-    """(row groups, their unit's name, batches(g)) of a Parquet or Arrow IPC file's column `field`, checked to
-    be text before anything is read."""
+    """(row groups or None if not known ahead, their unit's name, group(g) -> its batches of the column `field`,
+    None past the last) of a Parquet file, an Arrow IPC file or an Arrow IPC stream (what Hugging Face datasets
+    and Ray write as .arrow), checked to be text before anything is read."""
     try:
         if fmt.name == "parquet":
             pf = pq.ParquetFile(fh)
             schema, groups, unit = pf.schema_arrow, pf.num_row_groups, "row group"
-            batches = lambda g: pf.iter_batches(batch_size=4096, columns=[field], row_groups=[g])  # noqa: E731
+            group = lambda g: pf.iter_batches(batch_size=4096, columns=[field], row_groups=[g])  # noqa: E731
         else:
-            reader = ipc.open_file(fh)
-            schema, groups, unit = reader.schema, reader.num_record_batches, "record batch"
-            batches = lambda g: [reader.get_batch(g).select([field])]  # noqa: E731
+            try:
+                reader = ipc.open_file(fh)
+                schema, groups, unit = reader.schema, reader.num_record_batches, "record batch"
+                group = lambda g: [reader.get_batch(g).select([field])]  # noqa: E731
+            except pa.ArrowInvalid:
+                fh.seek(0)
+                stream = ipc.open_stream(fh)  # an IPC stream: batches one after another, no footer
+                schema, groups, unit = stream.schema, None, "record batch"
+                group = lambda g: _next_batch(stream, field)  # noqa: E731
     except (pa.ArrowException, OSError) as exc:
         raise corpus_error(
             path, f"is not readable {fmt.name} ({exc})", "replace it, or remove it from the corpus"
@@ -376,7 +351,14 @@ def _open_table(fh, path: str, fmt: Format, field: str):
             f"column {field!r} is {kind}, not text (string or binary)",
             f"set corpus.text_field to a text column ({texts or 'this file has none'})",
         )
-    return groups, unit, batches
+    return groups, unit, group
+
+
+def _next_batch(stream: ipc.RecordBatchStreamReader, field: str) -> list[pa.RecordBatch] | None:
+    try:
+        return [stream.read_next_batch().select([field])]
+    except StopIteration:
+        return None
 
 
 def _table_docs(
@@ -385,11 +367,14 @@ def _table_docs(
     """A Parquet or Arrow IPC file's documents: the column `field` row by row (nulls give none), one row group or
     record batch at a time, so a file larger than memory streams like a JSONL one. Text comes as the stored
     bytes (never decoded, so invalid UTF-8 stays as it is). Rows only of nulls are an error naming the column."""
-    groups, unit, batches = _open_table(fh, path, fmt, field)
-    i = rows = 0
-    for g in range(groups):
+    groups, unit, group = _open_table(fh, path, fmt, field)
+    i = rows = g = 0
+    while groups is None or g < groups:
         try:
-            for batch in batches(g):
+            batches = group(g)
+            if batches is None:  # a stream's end
+                break
+            for batch in batches:
                 col = batch.column(0)
                 col = col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
                 rows += len(col)
@@ -398,9 +383,11 @@ def _table_docs(
                         yield Document(f"{name}:{i}", kind, value)
                         i += 1
         except (pa.ArrowException, OSError) as exc:
+            of = f" of {groups}" if groups is not None else ""
             raise corpus_error(
-                path, f"{unit} {g} of {groups} is not readable ({exc})", "replace the file, or remove it"
+                path, f"{unit} {g}{of} is not readable ({exc})", "replace the file, or remove it"
             ) from None
+        g += 1
     if not rows:
         skipped.setdefault(SKIP_EMPTY, []).append(name)
     elif not i:
@@ -452,7 +439,7 @@ def _user_file_docs(
     path, name = f.path, f.name
     base = name.rsplit("/", 1)[-1]
     kind = shown(base.split(".", 1)[1] if "." in base else "text")  # bytes are reported per file kind
-    fmt = format_of(base)
+    fmt = format_of(base, cfg.format)
     if f.size == 0:  # in every format (a 0-byte .bz2 is not even a valid empty stream)
         skipped.setdefault(SKIP_EMPTY, []).append(name)
         return
@@ -469,7 +456,7 @@ def _user_file_docs(
             yield from _text_docs(blocks, name, kind, cfg.document_bytes)
 
 
-def _unreadable(path: str, fmt: Format, exc: BaseException) -> SomaError:
+def _unreadable(path: str, fmt: Format, exc: BaseException, forced: str | None) -> SomaError:
     """The one error for a corpus file that fails while read: a cut or corrupt compressed stream, permissions,
     the store."""
     if fmt.compression and isinstance(exc, EOFError):
@@ -480,7 +467,9 @@ def _unreadable(path: str, fmt: Format, exc: BaseException) -> SomaError:
         or (fmt.compression == "bz2" and type(exc) is OSError and not exc.errno)
     ):
         return corpus_error(
-            path, f"is not valid {fmt.compression} data ({exc})", f"replace it, or rename it without {fmt.suffix}"
+            path,
+            f"is not valid {fmt.compression} data ({exc})",
+            f"replace it, or rename it without {fmt.suffix}" if forced is None else "replace it",
         )
     return corpus_error(
         path,
@@ -628,7 +617,7 @@ def part_documents(
     for f in part.files:
         total = 0
         try:
-            for doc in _user_file_docs(fs, f, cfg, skipped):
+            for doc in _forced(_user_file_docs(fs, f, cfg, skipped), cfg):
                 if not doc.data:
                     continue
                 total += len(doc.data)
@@ -638,14 +627,28 @@ def part_documents(
                 if total >= f.budget:
                     break
         except (EOFError, zlib.error, lzma.LZMAError, *transient_errors()) as exc:  # OSError: permissions, the store
-            raise _unreadable(f.path, format_of(f.name.rsplit("/", 1)[-1]), exc) from None
+            forced = None if cfg.format == "auto" else cfg.format
+            error = _unreadable(f.path, format_of(f.name.rsplit("/", 1)[-1], cfg.format), exc, forced)
+            note = f" (every file is read as {forced}: corpus.format)" if forced else ""
+            raise SomaError(f"{error}{note}") from None
+
+
+def _forced(docs: Iterator[Document], cfg: CorpusConfig) -> Iterator[Document]:
+    """A file's documents; under a corpus.format other than auto, its errors say that setting chose the format."""
+    try:
+        yield from docs
+    except SomaError as exc:
+        if cfg.format == "auto":
+            raise
+        raise SomaError(f"{exc} (every file is read as {cfg.format}: corpus.format)") from None
 
 
 def no_text_error(cfg: CorpusConfig, skipped: dict[str, list[str]]) -> SomaError:
-    return SomaError(
-        f"corpus {shown(cfg.source)} holds no text{describe_skipped(skipped, names=3)}; point corpus.source "
-        f"at text files (.txt, .md, .jsonl, .parquet, .arrow)"
-    )
+    if cfg.format != "auto":
+        fix = f"every file is read as {cfg.format}: set corpus.format to theirs (or auto)"
+    else:
+        fix = "point corpus.source at text files (.txt, .md, .jsonl, .parquet, .arrow)"
+    return SomaError(f"corpus {shown(cfg.source)} holds no text{describe_skipped(skipped, names=3)}; {fix}")
 
 
 MIN_DOCUMENT_BYTES = 4096  # corpus.document_bytes's lower bound (soma_cluster.config)

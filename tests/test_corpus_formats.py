@@ -1,4 +1,4 @@
-"""Every format `prepare` reads (soma_cluster.corpus.FORMATS) against a table of malformations generated from it:
+"""Every format `prepare` reads (soma_cluster.formats.FORMATS) against a table of malformations generated from it:
 each case is read as the expected documents, or is one error naming the file (and its line, column or row group)
 and the fix. Most cases run the corpus reader itself (no Ray, no subprocess); a sample runs on S3 (the moto server)
 and through `soma prepare`. A format added to FORMATS gets every row of the table, or test_every_format_has_a_table
@@ -26,8 +26,9 @@ from conftest import assert_one_line_error, soma
 from s3server import s3  # noqa: F401
 
 from soma_cluster.config import CorpusConfig
-from soma_cluster.corpus import FORMATS, Format, Layout, is_test_doc, shown, text_doc_id, user_documents
+from soma_cluster.corpus import is_test_doc, shown, text_doc_id, user_documents
 from soma_cluster.errors import SomaError
+from soma_cluster.formats import FORMATS, Format, Layout
 
 MAX_BYTES = 1_000_000  # corpus.max_bytes of every case: the huge record is larger
 DOC_BYTES = 256_000  # corpus.document_bytes's default
@@ -60,6 +61,7 @@ class Case:
     expect: Read | Fails = Read([])
     name: bytes = b""  # the file the outcome is about
     root_only: bool = False  # root reads what chmod 000 hides
+    settings: dict = field(default_factory=dict)  # corpus.* besides source and max_bytes
 
 
 # -- the malformations: (format, file name) -> Case ------------------------------------------------------------
@@ -278,6 +280,40 @@ def dictionary_text(fmt: Format, name: str) -> Case:
     return Case({name.encode(): data}, Read([(f"{name}:{i}", t.encode()) for i, t in enumerate(TEXTS[:2] * 2)]))
 
 
+def other_framing(fmt: Format, name: str) -> Case:
+    """The same content framed another valid way: compressed members one after another (what `cat a.gz b.gz`
+    gives), an Arrow IPC stream (what Hugging Face datasets write as .arrow); all of it is read."""
+    if fmt.layout is Layout.TABLE:
+        data, good = _good(fmt, TEXTS, name)
+        if fmt.name == "arrow":
+            sink, table = pa.BufferOutputStream(), pa.table({"text": TEXTS})
+            with ipc.new_stream(sink, table.schema) as w:
+                for batch in table.to_batches(max_chunksize=1):
+                    w.write_batch(batch)
+            data = sink.getvalue().to_pybytes()
+        return Case({name.encode(): data}, good)
+    first, second = _good(fmt, TEXTS[:1], name), _good(fmt, TEXTS[1:], name)
+    if fmt.layout is Layout.LINES:
+        expect = Read([(f"{name}:{i}", t.encode()) for i, t in enumerate(TEXTS)])
+    else:
+        expect = Read([(name, "\n\n".join(TEXTS[:1]).encode() + "\n\n".join(TEXTS[1:]).encode())])
+    return Case({name.encode(): first[0] + second[0]}, expect)
+
+
+def unnamed(fmt: Format, name: str) -> Case:
+    """A file whose name says no format (`data`, `.json`): read as plain text unless corpus.format names its
+    format, then read in it."""
+    data, good = _good(fmt, TEXTS, "data")
+    return Case({b"data": data}, good, b"data", settings={"format": fmt.name})
+
+
+def format_setting_wrong(fmt: Format, name: str) -> Case:
+    """corpus.format names a format of another layout than the file's: the error says that setting chose it."""
+    other = "jsonl" if fmt.layout is Layout.TABLE else "parquet"
+    data, _ = _good(fmt, TEXTS, name)
+    return Case({name.encode(): data}, _fails(f"read as {other}", "corpus.format"), settings={"format": other})
+
+
 def not_object(fmt: Format, name: str) -> Case:
     """A JSONL line that is an array or a bare string; a table whose column is a list of strings."""
     if fmt.layout is Layout.TABLE:
@@ -392,6 +428,9 @@ MALFORMATIONS: tuple[Callable[[Format, str], Case], ...] = (
     bool_field,
     binary_field,
     dictionary_text,
+    other_framing,
+    unnamed,
+    format_setting_wrong,
     not_object,
     deep_nesting,
     lone_surrogate,
@@ -432,17 +471,18 @@ def write_case(root: Path, case: Case) -> None:
                 os.chmod(path, 0)
 
 
-def read_corpus(source: str) -> list[tuple[str, bytes]]:
-    return [(d.doc_id, d.data) for d in user_documents(CorpusConfig(source=source, max_bytes=MAX_BYTES))]
+def read_corpus(source: str, **settings) -> list[tuple[str, bytes]]:
+    cfg = CorpusConfig(source=source, max_bytes=MAX_BYTES, **settings)
+    return [(d.doc_id, d.data) for d in user_documents(cfg)]
 
 
 def check(case: Case, source: str, shown_name: str) -> None:
     if isinstance(case.expect, Read):
-        assert read_corpus(source) == case.expect.docs
+        assert read_corpus(source, **case.settings) == case.expect.docs
         assert all(is_test_doc(doc_id, 0.5, 0) in (True, False) for doc_id, _ in case.expect.docs)  # any name hashes
         return
     with pytest.raises(SomaError) as info:
-        read_corpus(source)
+        read_corpus(source, **case.settings)
     line = str(info.value)
     assert "\n" not in line and line.isprintable(), line
     for needle in (shown_name, *case.expect.needles):
