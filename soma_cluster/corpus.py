@@ -190,16 +190,15 @@ def _utf8_blocks(fh) -> Iterator[bytes]:
 _BLANK_LINE = re.compile(rb"\n[ \t\r\f\v]*\n")
 
 
-def _cut(buf: bytearray, size: int) -> tuple[int, int]:
-    """Where the document at the start of buf (longer than `size`) ends, and where the next one starts: at the
-    last blank line in its second half of `size` bytes (the blank line, which the packer's separator stands for,
-    belongs to neither), else at byte `size`, moved back to the start of a UTF-8 character."""
-    last = deque(_BLANK_LINE.finditer(buf, size // 2, size), maxlen=1)
+def _cut(buf: bytearray, at: int, size: int) -> tuple[int, int]:
+    """Where the document at buf[at:] (longer than `size`) ends, and where the next one starts: at the last blank
+    line in its second half of `size` bytes (the blank line, which the packer's separator stands for, belongs to
+    neither), else at byte `size`, moved back to the start of a UTF-8 character."""
+    last = deque(_BLANK_LINE.finditer(buf, at + size // 2, at + size), maxlen=1)
     if last:
-        found = last[0]
-        return found.start(), found.end()
-    cut = size
-    while cut > size - 3 and 0x80 <= buf[cut] < 0xC0:  # a UTF-8 continuation byte: not a character's start
+        return last[0].start(), last[0].end()
+    cut = at + size
+    while cut > at + size - 3 and 0x80 <= buf[cut] < 0xC0:  # a UTF-8 continuation byte: not a character's start
         cut -= 1
     return cut, cut
 
@@ -213,29 +212,35 @@ def text_doc_id(name: str, offset: int) -> str:
 def _text_docs(blocks: Iterator[bytes], name: str, kind: str, size: int) -> Iterator[Document]:
     """A plain file's documents: the whole file if it holds at most `size` bytes, else cut by _cut; a function of
     the bytes and `size` only (not of how they arrive in blocks)."""
-    buf, offset = bytearray(), 0
+    buf, at, offset = bytearray(), 0, 0  # at: the current document's start in buf; offset: buf[0]'s in the file
     for block in blocks:
+        del buf[:at]  # once a block, not once a document: small documents do not move the buffer each
+        offset, at = offset + at, 0
         buf += block
-        while len(buf) > size:
-            end, start = _cut(buf, size)
-            yield Document(text_doc_id(name, offset), kind, bytes(buf[:end]))
-            offset += start
-            del buf[:start]
-    if buf:
-        yield Document(text_doc_id(name, offset), kind, bytes(buf))
+        while len(buf) - at > size:
+            end, start = _cut(buf, at, size)
+            yield Document(text_doc_id(name, offset + at), kind, bytes(buf[at:end]))
+            at = start
+    if len(buf) > at:
+        yield Document(text_doc_id(name, offset + at), kind, bytes(buf[at:]))
 
 
 def _lines(blocks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(index, line) of a byte stream, without the newline."""
-    buf, i = b"", 0
+    """(index, line) of a byte stream, without the newline; a line longer than a block is joined once."""
+    pending: list[bytes] = []  # the start of a line that has not ended yet
+    i = 0
     for block in blocks:
-        buf += block
-        *whole, buf = buf.split(b"\n")
+        *whole, rest = block.split(b"\n")
+        if whole:
+            whole[0] = b"".join([*pending, whole[0]])
+            pending = []
         for line in whole:
             yield i, line
             i += 1
-    if buf:
-        yield i, buf
+        pending.append(rest)
+    tail = b"".join(pending)
+    if tail:
+        yield i, tail
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
