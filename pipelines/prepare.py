@@ -21,7 +21,15 @@ from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, progress
 from pipelines.prepare_engine import Engine, Routed
 from soma_cluster.config import CampaignConfig
-from soma_cluster.corpus import Part, describe_counts, describe_skipped, no_text_error, plan_parts
+from soma_cluster.corpus import (
+    Part,
+    describe_counts,
+    describe_skipped,
+    more_test_documents,
+    no_text_error,
+    plan_parts,
+    shown,
+)
 from soma_cluster.errors import SomaError
 from soma_cluster.jobs import Category, expert_name
 from soma_cluster.ledger import Ledger
@@ -114,9 +122,9 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         raise no_text_error(cfg.corpus, skipped)
     if not n_windows:
         raise SomaError(
-            f"corpus {cfg.corpus.source}: the {n_test} held-out documents fill no {cfg.eval.window_bytes}-byte "
-            "evaluation window; "
-            "add data or raise corpus.test_fraction"
+            f"corpus {shown(cfg.corpus.source)}: the {n_test} held-out documents (of {n_docs}) fill no "
+            f"{cfg.eval.window_bytes}-byte evaluation window; "
+            + more_test_documents(cfg.corpus, n_docs, sources, cfg.eval.window_bytes)
         )
     console.print(
         f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} "

@@ -20,6 +20,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationIn
 
 from soma_cluster import schema
 from soma_cluster.errors import SomaError
+from soma_cluster.formats import FormatSetting
 
 
 class _Section(BaseModel):
@@ -44,10 +45,16 @@ def _numeric(annotation: Any) -> bool:
 
 
 class CorpusConfig(_Section):
-    # "builtin", a local path or an s3:// URL (dir, .txt, .jsonl, .parquet)
+    # "builtin", a local path or an s3:// URL (a file or a directory; formats in docs/prepare.md)
     source: str = Field("builtin", min_length=1)
     max_bytes: int = Field(64_000_000, gt=0, le=2**50)  # cap on corpus bytes read
     text_field: str = Field("text", min_length=1)  # JSONL / Parquet column holding the text
+    # a plain-text file longer than this is cut into documents of at most this many bytes, at a blank line in
+    # the second half of each (else at a character boundary): one big file then has a held-out test set
+    document_bytes: int = Field(256_000, ge=4096, le=1 << 30)
+    # "auto": each file in the format its name says (docs/prepare.md); a format's name (soma_cluster.formats.FORMATS:
+    # text, text.gz, jsonl, jsonl.gz, parquet, arrow, ...) reads every file in it, whatever its name
+    format: FormatSetting = "auto"
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
 
