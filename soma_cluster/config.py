@@ -331,6 +331,21 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
     node[keys[-1]] = value
 
 
+class _UniqueKeys(yaml.SafeLoader):
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+
+    def construct_mapping(self, node, deep=False):
+        seen = set()
+        for key_node, _ in node.value:
+            key = self.construct_object(key_node, deep=deep)
+            if key in seen:
+                raise yaml.constructor.ConstructorError(
+                    None, None, f"key {key!r} appears twice (line {key_node.start_mark.line + 1})", key_node.start_mark
+                )
+            seen.add(key)
+        return super().construct_mapping(node, deep)
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
     """`["spsa.n_pert=16", "corpus.source=/data"]` -> nested dict; values are parsed as YAML scalars."""
     tree: dict[str, Any] = {}
@@ -338,6 +353,8 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         if "=" not in item:
             raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
         key, raw = item.split("=", 1)
+        if not all(part.strip() for part in key.split(".")):
+            raise SomaError(f"override {item!r} has no setting name before '='; write e.g. --set spsa.n_pert=16")
         set_dotted(tree, key.strip(), yaml.safe_load(raw))
     return tree
 
@@ -356,6 +373,13 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
         first = exc.errors()[0]
         where = ".".join(str(p) for p in first["loc"]) or "config"
         info = schema.field_at(CampaignConfig, where)
+        section = CampaignConfig.model_fields.get(where)
+        if info is None and section is not None and isinstance(section.annotation, type):
+            example = next(iter(section.annotation.model_fields))
+            raise SomaError(
+                f"{origin}: {where} is a section, not a setting; set its fields, e.g. --set {where}.{example}=VALUE "
+                f"(docs/config.md lists them)"
+            ) from None
         if first["type"] == "extra_forbidden":
             guess = schema.nearest(CampaignConfig, where)
             hint = f"did you mean {guess}? " if guess else ""
@@ -391,7 +415,11 @@ def resolve(
         if not path.is_file():  # a FIFO would block the read, a directory cannot be read
             raise SomaError(f"config file {config_file} is not a regular file; pass a YAML file")
         try:
-            user = yaml.safe_load(path.read_text())
+            user = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeys)  # a SafeLoader
+        except UnicodeDecodeError as exc:
+            raise SomaError(
+                f"config file {config_file} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML"
+            ) from None
         except yaml.YAMLError as exc:
             raise SomaError(
                 f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax"
@@ -457,7 +485,14 @@ def load_campaign_config(store) -> CampaignConfig:
         from soma_cluster.targets import not_a_campaign
 
         raise not_a_campaign(store.url, [n for n in store.listdir("") if n not in LEASE_FILES])
-    return from_yaml_text(store.read_bytes(CONFIG_FILE).decode(), f"{store.url}/{CONFIG_FILE}")
+    raw = store.read_bytes(CONFIG_FILE)
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError:
+        raise SomaError(
+            f"{store.url}/{CONFIG_FILE} is not UTF-8 text (damaged); restore it from a backup or start a new campaign"
+        ) from None
+    return from_yaml_text(text, f"{store.url}/{CONFIG_FILE}")
 
 
 def versions() -> dict[str, str]:

@@ -167,3 +167,37 @@ UNKNOWN = [f"{path}x" for path, _ in LEAVES[::7]] + ["nosuchsection.field", "sps
 def test_unknown_key_is_refused_with_the_nearest_setting(key, tmp_path, parent):
     line = refuse(_argv("prepare", tmp_path, parent, ["--set", f"{key}=1"]), tmp_path, key.split(".")[0])
     assert "not a setting" in line or "is not a section" in line or "set spsa.n_pert to" in line, line
+
+
+# a --config file's own malformations (its values are the table above): name -> bytes
+CONFIG_FILES = {
+    "duplicate-key": b"n_experts: 4\nn_experts: 5\n",
+    "not-utf8": b"\xff\xfename: x\n",
+    "utf16": "n_experts: 4\n".encode("utf-16"),
+    "section-as-list": b"spsa: [1, 2]\n",
+    "section-as-scalar": b"router: 5\n",
+    "top-level-list": b"- a\n- b\n",
+    "top-level-scalar": b"42\n",
+    "empty": b"",
+    "comments-only": b"# nothing\n",
+    "bad-syntax": b"spsa: {n_pert: 4\n",
+    "tab-indent": b"spsa:\n\tn_pert: 4\n",
+    "binary-tag": b"spsa:\n  lr: !!binary aGVsbG8=\n",
+    "python-tag": b"spsa: !!python/object:os.system {}\n",
+    "deep-unknown": b"spsa:\n  n_pert:\n    deeper: 1\n",
+}
+SET_KEYS = ["=5", ".=5", "spsa..lr=1", "spsa.=1", " =1", "spsa", "spsa=5", "corpus=abc", "n_experts.x=1"]
+
+
+@pytest.mark.parametrize("name", sorted(CONFIG_FILES))
+def test_malformed_config_file_is_one_line(name, tmp_path, parent):
+    cfg = tmp_path.parent / f"{tmp_path.name}-{name}.yaml"
+    cfg.write_bytes(CONFIG_FILES[name])
+    line = refuse(_argv("prepare", tmp_path, parent, ["--config", str(cfg)]), tmp_path, str(cfg))
+    assert "Traceback" not in line
+
+
+@pytest.mark.parametrize("item", SET_KEYS)
+def test_malformed_set_item_is_one_line(item, tmp_path, parent):
+    line = refuse(_argv("prepare", tmp_path, parent, ["--set", item]), tmp_path, "")
+    assert "--set" in line or "override" in line, line
