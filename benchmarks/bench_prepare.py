@@ -60,6 +60,9 @@ PARALLEL = ("read", "sample", "embed", "count", "write")  # run as tasks in the 
 SERIAL = ("fit", "refit")  # the driver alone, in both engines
 GROUPS = ("driver", "workers", "ray", "tasks")  # tasks: the Ray tasks' own CPU, part of workers
 ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_USAGE_STATS_ENABLED": "0"}
+# one BLAS/OpenMP thread in every process (Ray already gives its 1-CPU workers one): CPU-s per MB is then the cost
+# of one core's work, and no idle BLAS thread spins on a host whose 2 cores are shared (spinning counts as CPU)
+THREADS = {k: "1" for k in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS")}
 
 
 class CpuMeter:
@@ -221,7 +224,7 @@ def run_one(args, corpus: str, camp: str, engine: str, workers: int, cluster: bo
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--engine", engine, "--workers", str(workers)]
     cmd += ["--corpus", corpus, "--campaign", camp, "--experts", str(args.experts), "--sample", str(args.sample)]
     cmd += ["--part-mb", str(args.part_mb)] + (["--cluster"] if cluster else [])
-    env = {**os.environ, **ENV, "PYTHONPATH": os.path.dirname(HERE)}
+    env = {**os.environ, **ENV, **THREADS, "PYTHONPATH": os.path.dirname(HERE)}
     if cluster:
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="soma-bench-ray-", dir="/tmp")
     try:
@@ -429,7 +432,12 @@ def serial(args) -> None:
         for n in args.fit_sizes:
             cmd = [sys.executable, os.path.abspath(__file__), "--fit-one", "--corpus", corpus, "--sample", str(n)]
             cmd += ["--experts", str(args.experts)]
-            res = subprocess.run(cmd, capture_output=True, text=True, env={**os.environ, **ENV})
+            res = subprocess.run(
+                cmd,
+                capture_output=True,
+                text=True,
+                env={**os.environ, **ENV, **THREADS, "PYTHONPATH": os.path.dirname(HERE)},
+            )
             if res.returncode:
                 sys.exit(f"fit at {n} failed:\n{res.stderr[-3000:]}")
             points.append(json.loads(res.stdout.strip().splitlines()[-1]))
@@ -531,19 +539,19 @@ def division(args) -> None:
             f"others' load {_others(r):.2f} cores.\n"
         )
         print(
-            "| stage | tasks | per node | mean s | slowest s | slowest / mean | task s per MB of part: min-max | "
-            "makespan of the tasks on 2 s | stage wall s | task CPU / wall |"
+            "| stage | tasks | per node | wall: mean s | slowest s | slowest / mean | CPU: mean s | most / mean "
+            "| task wall s per MB of part: min-max | makespan of the tasks on 2 s | stage wall s | task CPU / wall |"
         )
-        print("|---|---|---|---|---|---|---|---|---|---|")
+        print("|---|---|---|---|---|---|---|---|---|---|---|---|")
         for s in PARALLEL:
             ts = [t for t in r["tasks"] if t["stage"] == s]
-            sp = spread([t["wall_s"] for t in ts])
+            sp, spc = spread([t["wall_s"] for t in ts]), spread([t["cpu_s"] for t in ts])
             per_node = "/".join(str(sum(t["node"] == n for t in ts)) for n in nodes)
             cpu = sum(t["cpu_s"] for t in ts) / max(sum(t["wall_s"] for t in ts), 1e-9)
             rate = [t["wall_s"] / mb[t["part"]] for t in ts]
             print(
                 f"| {s} | {sp.tasks} | {per_node} | {sp.mean_s:.2f} | {sp.max_s:.2f} | {sp.ratio:.2f} | "
-                f"{min(rate):.3f}-{max(rate):.3f} | "
+                f"{spc.mean_s:.2f} | {spc.ratio:.2f} | {min(rate):.3f}-{max(rate):.3f} | "
                 f"{makespan([t['wall_s'] for t in sorted(ts, key=lambda t: t['end'])], 2):.1f} | "
                 f"{r['cpu'][s]['time']:.1f} | {cpu:.2f} |"
             )
@@ -560,11 +568,11 @@ def division(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("engines", "serial", "scale", "division"), default="engines")
-    p.add_argument("--gb", type=float, default=0.5)
+    p.add_argument("--gb", type=float, default=0.25)
     p.add_argument("--experts", type=int, default=16)
-    p.add_argument("--sample", type=int, default=40_000, help="router.sample_chunks (the paper: 400k)")
+    p.add_argument("--sample", type=int, default=20_000, help="router.sample_chunks (the paper: 400k)")
     p.add_argument("--part-mb", type=int, default=64, help="prepare.part_bytes in MB")
-    p.add_argument("--fit-sizes", type=int, nargs="+", default=[25_000, 50_000, 100_000])
+    p.add_argument("--fit-sizes", type=int, nargs="+", default=[25_000, 50_000, 100_000], help="serial: sample sizes")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fit-one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster", action="store_true", help=argparse.SUPPRESS)

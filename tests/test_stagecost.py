@@ -72,3 +72,19 @@ def test_parallel_wall_is_bound_by_workers_or_cores():
     assert parallel_wall(100.0, 120.0, 1, 2.0) == 100.0  # one worker: its tasks' CPU
     assert parallel_wall(100.0, 120.0, 2, 2.0) == 60.0  # two workers on two cores: all processes share them
     assert parallel_wall(100.0, 120.0, 2, 1.5) == 80.0  # others took half a core
+
+
+def test_stage_hooks_see_every_stage_of_a_local_prepare_in_order(tmp_path):
+    from conftest import micro_config
+
+    from pipelines import prepare as prep
+    from soma_cluster.storage import Store
+
+    seen: list[str] = []
+    prep.STAGE_HOOKS.append(seen.append)
+    try:
+        summary = prep.prepare(Store(str(tmp_path / "camp")), micro_config())
+    finally:
+        prep.STAGE_HOOKS.remove(seen.append)
+    assert seen == ["setup", "read", "sample", "fit", "embed", "refit", "count", "write"]
+    assert list(summary["stage_seconds"]) == seen[1:]  # the manifest's stages are the hooks' (setup is not one)
