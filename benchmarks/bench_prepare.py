@@ -138,7 +138,13 @@ def _config(args):
             "name": "bench-prepare",
             "n_experts": args.experts,
             "corpus": {"source": args.corpus, "max_bytes": 10**13, "test_fraction": 0.001},
-            "router": {"sample_chunks": args.sample, "max_features": 50_000, "min_df": 5, "svd_dim": 128},
+            "router": {
+                "sample_chunks": args.sample,
+                "refit_rows": args.refit_rows,
+                "max_features": 50_000,
+                "min_df": 5,
+                "svd_dim": 128,
+            },
             "prepare": {"engine": args.engine, "workers": args.workers, "part_bytes": args.part_mb * 10**6},
         },
     )
@@ -223,7 +229,7 @@ def run_one(args, corpus: str, camp: str, engine: str, workers: int, cluster: bo
     shutil.rmtree(camp, ignore_errors=True)
     cmd = [sys.executable, os.path.abspath(__file__), "--one", "--engine", engine, "--workers", str(workers)]
     cmd += ["--corpus", corpus, "--campaign", camp, "--experts", str(args.experts), "--sample", str(args.sample)]
-    cmd += ["--part-mb", str(args.part_mb)] + (["--cluster"] if cluster else [])
+    cmd += ["--part-mb", str(args.part_mb), "--refit-rows", str(args.refit_rows)] + (["--cluster"] if cluster else [])
     env = {**os.environ, **ENV, **THREADS, "PYTHONPATH": os.path.dirname(HERE)}
     if cluster:
         env["RAY_TMPDIR"] = tempfile.mkdtemp(prefix="soma-bench-ray-", dir="/tmp")
@@ -353,12 +359,13 @@ def check_projection(runs: dict, mb: float) -> None:
         "serial seconds: T = setup + serial + max(task CPU / workers, all CPU / cores), cores = 2 - others' load.\n"
     )
     print(
-        "| predicted | from | setup s | serial s | task CPU s | all CPU s | cores | predicted s | measured s | error |"
+        "| predicted | from | setup s | serial s | task CPU s | all CPU s: predicted | measured | cores | wall s: "
+        "predicted | measured | error |"
     )
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for w, src in ((1, 2), (2, 1)):
         r, s = runs[("ray", w)], runs[("ray", src)]
-        setup = sum(s["cpu"].get(x, {}).get("time", 0.0) for x in ("setup",))
+        setup = s["cpu"]["setup"]["time"]
         serial = sum(s["cpu"][x]["time"] for x in SERIAL)
         tasks = _cpu(s, PARALLEL, "tasks") / (s["bytes"] / 1e6) * mb
         allc = _cpu(s, PARALLEL) / (s["bytes"] / 1e6) * mb
@@ -366,8 +373,8 @@ def check_projection(runs: dict, mb: float) -> None:
         pred = setup + serial + parallel_wall(tasks, allc, w, cores)
         meas = sum(r["cpu"][x]["time"] for x in STAGES)
         print(
-            f"| ray {w} | ray {src} | {setup:.1f} | {serial:.1f} | {tasks:.1f} | {allc:.1f} | {cores:.2f} | "
-            f"{pred:.1f} | {meas:.1f} | {pred / meas - 1:+.0%} |"
+            f"| ray {w} | ray {src} | {setup:.1f} | {serial:.1f} | {tasks:.1f} | {allc:.1f} | {_cpu(r, PARALLEL):.1f} "
+            f"| {cores:.2f} | {pred:.1f} | {meas:.1f} | {pred / meas - 1:+.0%} |"
         )
     r = runs[("ray", 1)]
     proj = Projection(0.0, _cpu(r, PARALLEL) / mb)
@@ -482,7 +489,10 @@ def scale(args) -> None:
                 runs[(engine, gb)] = run_one(args, corpus, os.path.join(tmp, "camp"), engine, workers)
                 shutil.rmtree(os.path.join(tmp, "camp"), ignore_errors=True)
             shutil.rmtree(corpus, ignore_errors=True)
-        print(f"\nrouter sample {args.sample:,}, N = {args.experts}, parts of {args.part_mb} MB; shared host\n")
+        print(
+            f"\nrouter sample {args.sample:,}, refit rows {args.refit_rows:,}, N = {args.experts}, parts of "
+            f"{args.part_mb} MB; shared host\n"
+        )
         print(
             "| engine | corpus GB | parts | driver peak RSS MiB | worker peak private RSS MiB | wall s | others' load |"
         )
@@ -572,6 +582,7 @@ def main() -> None:
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--sample", type=int, default=20_000, help="router.sample_chunks (the paper: 400k)")
     p.add_argument("--part-mb", type=int, default=64, help="prepare.part_bytes in MB")
+    p.add_argument("--refit-rows", type=int, default=1_000_000, help="router.refit_rows (the driver's embeddings)")
     p.add_argument("--fit-sizes", type=int, nargs="+", default=[25_000, 50_000, 100_000], help="serial: sample sizes")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fit-one", action="store_true", help=argparse.SUPPRESS)
