@@ -465,6 +465,8 @@ def serial(args) -> None:
         if len(points) > 1:
             xs = [p["n"] for p in points]
             for key in ("fit_wall", "fit_cpu", "refit_cpu", "rss_mib"):
+                if min(p[key] for p in points) <= 0:
+                    continue  # below the clock's resolution: no power law
                 f = power_fit(xs, [p[key] for p in points])
                 print(
                     f"\n{key}: {f.a:.3g} * n^{f.b:.2f}; at 400,000: {f(400_000):.0f}; at 1,000,000: {f(1e6):.0f}",
@@ -558,6 +560,9 @@ def division(args) -> None:
             sp, spc = spread([t["wall_s"] for t in ts]), spread([t["cpu_s"] for t in ts])
             per_node = "/".join(str(sum(t["node"] == n for t in ts)) for n in nodes)
             cpu = sum(t["cpu_s"] for t in ts) / max(sum(t["wall_s"] for t in ts), 1e-9)
+            if not ts:  # e.g. no part had sequences below the sample's key
+                print(f"| {s} | 0 | - | - | - | - | - | - | - | - | {r['cpu'][s]['time']:.1f} | - |")
+                continue
             rate = [t["wall_s"] / mb[t["part"]] for t in ts]
             print(
                 f"| {s} | {sp.tasks} | {per_node} | {sp.mean_s:.2f} | {sp.max_s:.2f} | {sp.ratio:.2f} | "

@@ -12,6 +12,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 import uuid
 from dataclasses import asdict, dataclass
@@ -66,8 +67,12 @@ class TaskClock:
             time.time(),
         )
         # one file per task: appends from many processes (or nodes sharing the directory) never interleave
-        with open(os.path.join(self.where, f"{self.stage}-{self.part:05d}-{uuid.uuid4().hex[:8]}.json"), "w") as fh:
-            fh.write(t.line())
+        path = os.path.join(self.where, f"{self.stage}-{self.part:05d}-{uuid.uuid4().hex[:8]}.json")
+        try:
+            with open(path, "w") as fh:
+                fh.write(t.line())
+        except OSError as exc:  # a measurement aid never fails the prepare it measures (a node without the directory)
+            print(f"{TASK_TIMES_ENV}: could not record a {self.stage} task ({exc})", file=sys.stderr)
 
 
 def read_task_times(where: str) -> list[TaskTime]:
@@ -121,6 +126,8 @@ class PowerFit:
 def power_fit(xs: list[float], ys: list[float]) -> PowerFit:
     if len(xs) < 2:
         raise ValueError("a power law needs two points or more")
+    if min(xs) <= 0 or min(ys) <= 0:
+        raise ValueError(f"a power law fits positive points only: {list(zip(xs, ys, strict=True))}")
     b, log_a = np.polyfit(np.log(xs), np.log(ys), 1)
     return PowerFit(float(math.exp(log_a)), float(b))
 

@@ -88,3 +88,16 @@ def test_stage_hooks_see_every_stage_of_a_local_prepare_in_order(tmp_path):
         prep.STAGE_HOOKS.remove(seen.append)
     assert seen == ["setup", "read", "sample", "fit", "embed", "refit", "count", "write"]
     assert list(summary["stage_seconds"]) == seen[1:]  # the manifest's stages are the hooks' (setup is not one)
+
+
+def test_task_clock_never_fails_the_task_it_times(tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv(TASK_TIMES_ENV, str(tmp_path / "not-there"))  # a node without the directory
+    TaskClock("write", 7).done(lambda: "node-a")
+    assert "could not record a write task" in capsys.readouterr().err
+    assert not (tmp_path / "not-there").exists()
+
+
+def test_power_fit_refuses_points_a_log_cannot_take():
+    for xs, ys in (([1.0, 2.0], [0.0, 1.0]), ([0.0, 2.0], [1.0, 1.0]), ([1.0, 2.0], [-1.0, 1.0])):
+        with pytest.raises(ValueError, match="positive"):
+            power_fit(xs, ys)
