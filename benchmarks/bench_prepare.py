@@ -1,10 +1,10 @@
 """`soma prepare`'s cost, measured where 2 cores can measure it: CPU-seconds per MB of every stage in each engine,
 the driver's serial part, how evenly the tasks divide, and the Amdahl projection those give, checked.
 
-  PYTHONPATH=. python benchmarks/bench_prepare.py --part engines [--gb 0.5] [--experts 16] [--sample 40000]
+  PYTHONPATH=. python benchmarks/bench_prepare.py --part engines [--gb 0.25] [--experts 16] [--sample 20000]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part serial [--fit-sizes 25000 50000 100000] [--experts 256]
-  PYTHONPATH=. python benchmarks/bench_prepare.py --part scale [--gb 0.25]    (local, ray 1 at gb and 2 x gb)
-  PYTHONPATH=. python benchmarks/bench_prepare.py --part division [--gb 0.25] (head + 2 worker nodes)
+  PYTHONPATH=. python benchmarks/bench_prepare.py --part scale [--gb 0.1] [--refit-rows 50000]
+  PYTHONPATH=. python benchmarks/bench_prepare.py --part division [--gb 0.2] [--part-mb 32] [--uneven]
 
 engines: the local engine, then the Ray engine (Ray Data) with 1 and 2 CPU workers on a local Ray, each a fresh
 process. CPU is read from the OS (psutil, user + system), never estimated, at every stage boundary
@@ -15,13 +15,16 @@ process that exits keeps what it used (its own CPU is taken off the driver's). E
 (soma_cluster.stagecost.TaskClock: process CPU while the task's function ran), so the workers' CPU splits into
 the tasks' own work and what Ray's worker does around them (serialising into the object store, Ray Data's
 batch conversion, task start). Other engineers' processes are the machine's CPU less ours: reported as "others"
-and taken off the 2 cores in the projection's check. Campaigns are compared file for file (sha256).
+and taken off the 2 cores in the projection's check. Campaigns are compared file for file (sha256). Every process
+runs one BLAS/OpenMP thread (THREADS), so CPU-s/MB is one core's cost.
 
+scale: the local engine and the Ray engine (1 worker) at gb and 2 x gb: the driver's peak RSS at each, and each
+stage's marginal CPU-s/MB (what a run pays once left out; needs a steady load to mean anything).
 serial: the router fit on the driver (TF-IDF, SVD, balanced k-means, `fit_router`) and the offsets' refit on the
 sample (`fit_offsets`, warm), each sample size in a fresh process: wall, CPU seconds and peak RSS, fitted as
 a * n^b. division: a ray.cluster_utils.Cluster (head with 0 CPUs, 2 worker nodes with 1 CPU each, 127.0.0.1),
 parts' sizes and each stage's per-task times: slowest against the mean, and the stage's wall against the
-makespan its task times allow on 2 workers.
+makespan its task times allow on 2 workers (--uneven: one part twice the others).
 
 The corpus is bench_clustering's: JSONL files of documents built from random lines of the built-in text.
 Measurement records (dated runs, their commands and readings): docs/results/benchmarks/bench_prepare.md.
@@ -533,6 +536,11 @@ def division(args) -> None:
     tmp = tempfile.mkdtemp(prefix="soma-bench-division-", dir="/tmp")
     try:
         corpus, _ = _corpus(tmp, args.gb)
+        if args.uneven:  # the first two files as one: a part twice the others (a part is whole files)
+            first, second = sorted(os.listdir(corpus))[:2]
+            with open(os.path.join(corpus, first), "ab") as out, open(os.path.join(corpus, second), "rb") as src:
+                shutil.copyfileobj(src, out)
+            os.remove(os.path.join(corpus, second))
         sizes = sorted(os.path.getsize(os.path.join(corpus, f)) for f in os.listdir(corpus))
         r = run_one(args, corpus, os.path.join(tmp, "camp"), "ray", 0, cluster=True)
         nodes = sorted({t["node"] for t in r["tasks"]})
@@ -589,6 +597,7 @@ def main() -> None:
     p.add_argument("--part-mb", type=int, default=64, help="prepare.part_bytes in MB")
     p.add_argument("--refit-rows", type=int, default=1_000_000, help="router.refit_rows (the driver's embeddings)")
     p.add_argument("--fit-sizes", type=int, nargs="+", default=[25_000, 50_000, 100_000], help="serial: sample sizes")
+    p.add_argument("--uneven", action="store_true", help="division: one file (so one part) twice the others")
     p.add_argument("--one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--fit-one", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--cluster", action="store_true", help=argparse.SUPPRESS)
