@@ -18,6 +18,8 @@ keys and the manifests; the corpus never passes through it. The built-in corpus 
 machine, so its one part is read by the driver. Bad input found by a worker (a corrupt Parquet row group, a JSONL
 line that is not JSON, a missing column) comes back as one error naming the file; a failed prepare removes its
 staging, and, when the campaign directory was empty, everything it wrote (campaign.yaml included).
+Each task records its own CPU and wall seconds when SOMA_TASK_TIMES names a directory (soma_cluster.stagecost;
+benchmarks/bench_prepare.py), and does nothing more otherwise.
 """
 
 from __future__ import annotations
