@@ -13,7 +13,7 @@ import os
 import time
 from contextlib import contextmanager
 from dataclasses import replace
-from typing import Iterator
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -49,6 +49,9 @@ from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256
+
+STAGE_HOOKS: list[Callable[[str], None]] = []  # called with each stage's name as it ends ("setup": prepare_with
+# starts); benchmarks/bench_prepare.py reads every process's CPU there. Empty in normal use.
 
 
 class LocalEngine:
@@ -271,6 +274,11 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         now = time.monotonic()
         stages[name] = round(now - last, 3)
         last = now
+        for hook in STAGE_HOOKS:
+            hook(name)
+
+    for hook in STAGE_HOOKS:
+        hook("setup")
 
     parts = plan_parts(cfg.corpus, cfg.prepare.part_bytes)
     balanced = cfg.router.rule == "balanced"

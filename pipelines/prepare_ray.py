@@ -18,6 +18,8 @@ keys and the manifests; the corpus never passes through it. The built-in corpus 
 machine, so its one part is read by the driver. Bad input found by a worker (a corrupt Parquet row group, a JSONL
 line that is not JSON, a missing column) comes back as one error naming the file; a failed prepare removes its
 staging, and, when the campaign directory was empty, everything it wrote (campaign.yaml included).
+Each task records its own CPU and wall seconds when SOMA_TASK_TIMES names a directory (soma_cluster.stagecost;
+benchmarks/bench_prepare.py), and does nothing more otherwise.
 """
 
 from __future__ import annotations
@@ -38,6 +40,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.parts import SEQS, PartStats, count_part, embed_part, read_part, sample_part, write_part
 from soma_cluster.router import Router, load_router, save_router
 from soma_cluster.shards import rows_to_numpy
+from soma_cluster.stagecost import TaskClock
 from soma_cluster.storage import Store
 
 STAGING = ".soma-staging/prepare"  # hidden: listings leave it out, and all of .soma-staging/ goes at the end
@@ -50,8 +53,10 @@ def _part(row_json: str) -> Part:
 
 def _read(batch: dict, cfg_json: str, stage_url: str, options: dict, keep: int) -> dict:
     cfg = CampaignConfig.model_validate_json(cfg_json)
+    part = _part(batch["spec"][0])
+    clock = TaskClock("read", part.index)
     try:
-        st = read_part(cfg, _part(batch["spec"][0]), Store(stage_url, options), keep)
+        st = read_part(cfg, part, Store(stage_url, options), keep)
     except SomaError as exc:  # bad input comes back as data: Ray Data would wrap it in its own exception
         return {
             "stats": np.array([""], dtype=object),
@@ -61,6 +66,7 @@ def _read(batch: dict, cfg_json: str, stage_url: str, options: dict, keep: int) 
         }
     body = asdict(st)
     keys = body.pop("lowest_keys")
+    clock.done(_node_id)
     return {
         "stats": np.array([json.dumps(body)], dtype=object),
         "keys": np.array([keys.astype("<u8").tobytes()], dtype=object),
@@ -76,9 +82,12 @@ def _node_id() -> str:
 
 
 def _sample(batch: dict, seed: int, stage_url: str, options: dict, below: int, seq_bytes: int) -> pa.Table:
+    clock = TaskClock("sample", int(batch["part"][0]))
     with tempfile.TemporaryDirectory(prefix="soma-sample-") as tmp:
         keys, seqs = sample_part(seed, Store(stage_url, options), int(batch["part"][0]), below, tmp)
-    return pa.table({"key": pa.array(keys, pa.uint64()), "seq": pa.array(seqs, pa.binary(seq_bytes))})
+    out = pa.table({"key": pa.array(keys, pa.uint64()), "seq": pa.array(seqs, pa.binary(seq_bytes))})
+    clock.done(_node_id)
+    return out
 
 
 _ROUTER: dict[str, Router] = {}  # this worker process's router, by its files' digests: loaded once per process
@@ -97,6 +106,7 @@ def _router(stage_url: str, options: dict, router_dir: str) -> Router:
 
 
 def _embed(batch: dict, stage_url: str, options: dict, router_dir: str, seed: int, below: int | None) -> pa.Table:
+    clock = TaskClock("embed", int(batch["part"][0]))
     router = _router(stage_url, options, router_dir)
     with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
         keys, emb = embed_part(seed, router, Store(stage_url, options), int(batch["part"][0]), below, tmp)
@@ -104,13 +114,17 @@ def _embed(batch: dict, stage_url: str, options: dict, router_dir: str, seed: in
     rows = pa.FixedSizeBinaryArray.from_buffers(
         pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())]
     )
-    return pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
+    out = pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
+    clock.done(_node_id)
+    return out
 
 
 def _count(batch: dict, stage_url: str, options: dict, router_dir: str) -> dict:
     part = int(batch["part"][0])
+    clock = TaskClock("count", part)
     with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
         sizes = count_part(_router(stage_url, options, router_dir), Store(stage_url, options), part, tmp)
+    clock.done(_node_id)
     return {"part": np.array([part]), "sizes": sizes[None, :]}
 
 
@@ -125,6 +139,7 @@ def _write(
 ) -> dict:
     """A part's sequences into the campaign's shard files (every part's files are its own: no shuffle)."""
     part = int(batch["part"][0])
+    clock = TaskClock("write", part)
     with tempfile.TemporaryDirectory(prefix="soma-write-") as tmp:
         written = write_part(
             _router(stage_url, options, router_dir),
@@ -136,6 +151,7 @@ def _write(
             rows_per_file,
             tmp,
         )
+    clock.done(_node_id)
     return {"part": np.array([part]), "written": np.array([json.dumps(written)], dtype=object)}
 
 
