@@ -127,7 +127,7 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         raise SomaError(
             f"corpus {shown(cfg.corpus.source)}: the {n_test} held-out documents (of {n_docs}) fill no "
             f"{cfg.eval.window_bytes}-byte evaluation window; "
-            + more_test_documents(cfg.corpus, n_docs, sources, cfg.eval.window_bytes)
+            + more_test_documents(cfg.corpus, n_docs, sources, cfg.eval.window_bytes, read)
         )
     console.print(
         f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} "

@@ -355,8 +355,22 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
         key, raw = item.split("=", 1)
         if not all(part.strip() for part in key.split(".")):
             raise SomaError(f"override {item!r} has no setting name before '='; write e.g. --set spsa.n_pert=16")
-        set_dotted(tree, key.strip(), yaml.safe_load(raw))
+        try:
+            value = yaml.safe_load(raw)
+        except yaml.YAMLError as exc:
+            raise SomaError(
+                f"--set {key.strip()}: the value {raw!r} is not a YAML scalar ({_yaml_problem(exc)}); quote it as a "
+                f"string: --set '{key.strip()}=\"{raw}\"'"
+            ) from None
+        set_dotted(tree, key.strip(), value)
     return tree
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """A YAML error in a few words with where it is: 'found unexpected end of stream at line 2, column 1'."""
+    problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
+    mark = getattr(exc, "problem_mark", None)
+    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
 
 
 def merge_trees(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -422,7 +436,7 @@ def resolve(
             ) from None
         except yaml.YAMLError as exc:
             raise SomaError(
-                f"config file {config_file} is not valid YAML ({str(exc).splitlines()[0]}); fix its syntax"
+                f"config file {config_file} is not valid YAML ({_yaml_problem(exc)}); fix its syntax"
             ) from None
         if user is None:  # empty or comments only: almost surely not what was meant
             raise SomaError(

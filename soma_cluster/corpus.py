@@ -660,11 +660,18 @@ MIN_DOCUMENT_BYTES = 4096  # corpus.document_bytes's lower bound (soma_cluster.c
 HELD_OUT_DOCS = 4  # held-out documents to expect for a suggested fix: none with probability e^-4 < 2%
 
 
-def more_test_documents(cfg: CorpusConfig, n_docs: int, sources: dict[str, int], window_bytes: int) -> str:
+def more_test_documents(
+    cfg: CorpusConfig, n_docs: int, sources: dict[str, int], window_bytes: int, read_bytes: int = 0
+) -> str:
     """The fix for a corpus whose held-out documents fill no evaluation window: a fix that can work for it."""
     f = cfg.test_fraction
     if f == 0:
         return "set corpus.test_fraction above 0 (e.g. 0.02)"
+    if read_bytes >= cfg.max_bytes:  # the cap stopped the reading: there may be documents enough past it
+        return (
+            f"raise corpus.max_bytes (now {cfg.max_bytes:_}: reading stopped there, after {n_docs} documents), or "
+            f"eval.window_bytes (now {window_bytes}) if the documents are short"
+        )
     plain = sum(v for k, v in sources.items() if format_of(f"_.{k}").layout is Layout.TEXT)
     if cfg.source != "builtin" and plain * f >= 2 * window_bytes:  # bytes enough to hold out: too few documents
         size = int(plain * f / HELD_OUT_DOCS) // 1000 * 1000

@@ -84,5 +84,9 @@ def nearest(model: type[BaseModel], path: str) -> str | None:
     """The setting a mistyped dotted path most likely meant (None: nothing close)."""
     import difflib
 
-    found = difflib.get_close_matches(path, [p for p, _ in leaves(model)], n=1, cutoff=0.6)
+    paths = [p for p, _ in leaves(model)]
+    paths += sorted({p.rsplit(".", 1)[0] for p in paths if "." in p})  # the sections too
+    if path.lower() in paths:  # SPSA.n_pert
+        return path.lower()
+    found = difflib.get_close_matches(path.lower(), paths, n=1, cutoff=0.6)
     return found[0] if found else None
