@@ -226,6 +226,22 @@ class EvalConfig(_Section):
     batch: int = Field(32, ge=1)
 
 
+class TrackingConfig(_Section):
+    # experiment trackers the driver feeds (docs/tracking.md): views of the campaign directory, never its record;
+    # left out of the config's digest, like prepare.engine: how a campaign is watched is not what it is
+    backends: list[Literal["mlflow", "tensorboard"]] = Field(default_factory=list)  # empty: no tracking
+    # unset: MLFLOW_TRACKING_URI from the environment (a value set here wins over it)
+    mlflow_uri: str | None = None
+    # unset: MLFLOW_EXPERIMENT_NAME from the environment, else the campaign's name
+    experiment: str | None = None
+    # unset: TENSORBOARD_LOGDIR from the environment, else <campaign>/tensorboard (a local campaign only)
+    tensorboard_dir: str | None = None
+    queue_points: int = Field(20_000, ge=1)  # records held for a slow tracker; past it they are dropped, counted
+    retries: int = Field(2, ge=0)  # tries of a failed batch after the first, before it is dropped (counted)
+    timeout_s: float = Field(10.0, gt=0.0)  # one call to the tracker, at most
+    drain_s: float = Field(30.0, ge=0.0)  # at a stage's end, how long the driver waits for the queue to empty
+
+
 class CampaignConfig(_Section):
     name: str = "campaign"
     preset: str = "custom"
@@ -245,6 +261,7 @@ class CampaignConfig(_Section):
     budget: BudgetConfig = BudgetConfig()
     retry: RetryConfig = RetryConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "CampaignConfig":
@@ -266,9 +283,9 @@ class CampaignConfig(_Section):
 
     def digest(self) -> str:
         """A stable hash of the resolved config: tells 'same campaign' from 'a different one'. How prepare runs
-        (engine, workers) is left out: every engine makes the same campaign."""
+        (engine, workers) is left out: every engine makes the same campaign; so is how it is tracked."""
         blob = json.dumps(
-            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}}), sort_keys=True
+            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}, "tracking": True}), sort_keys=True
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
