@@ -25,7 +25,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.jobs import SEED_JOB, JobState, expert_jobs
 from soma_cluster.storage import Store
-from soma_cluster.tracking import Backend, Metric, Point, Stage, resolve_target, stage_point
+from soma_cluster.tracking import Backend, Metric, Point, Stage, resolve_target, settled, stage_point
 
 
 def stage_states(store: Store, cfg: CampaignConfig) -> dict[Stage, str]:
@@ -62,6 +62,7 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
     points += [stage_point(s, v) for s, v in stage_states(store, cfg).items()]
     if store.exists("eval/metrics.json"):
         points += eval_points(store, tracker.feed, store.read_json("eval/metrics.json"))
+    points = settled(points)
     report = {"schema": 1, "campaign": store.url, "key": key, "backends": {}}
     for sink in make_sinks(target, key, cfg.name, cfg, full=True):
         report["backends"][sink.name] = _fill(sink, points, target, store)

@@ -43,6 +43,7 @@ from soma_cluster.tracking import (
     campaign_points,
     merged,
     resolve_target,
+    settled,
     stage_point,
 )
 
@@ -189,6 +190,10 @@ class SinkThread:
         self.gap.add(points)
         time.sleep(COOLDOWN_S)
 
+    def closing(self) -> None:
+        """From now on the thread ends once its queue is empty."""
+        self._closing = True
+
     def close(self, wait_s: float) -> Outcome:
         """Send what is queued, waiting at most `wait_s`; what is left then is counted as missed."""
         self._closing = True
@@ -241,7 +246,7 @@ class Tracker:
         points = campaign_points(self.cfg, self.key, self.store.url, recorded_versions(text) or versions())
         for source, rec in merged(events, ledger):
             points += self.feed.on_record(source, rec)
-        return points
+        return settled(points)
 
     def on_event(self, rec: dict) -> None:
         points = self.feed.on_record(Source.EVENTS, rec)
@@ -262,6 +267,8 @@ class Tracker:
         """Drain (bounded by tracking.drain_s in all), then print each tracker's gap and (`record`: not for a
         driver fenced off its campaign) write it to the campaign."""
         deadline = time.monotonic() + self.cfg.tracking.drain_s
+        for t in self.threads:  # every sink drains at once: a tracker that is down does not eat another's time
+            t.closing()
         outcomes = [t.close(max(0.0, deadline - time.monotonic())) for t in self.threads]
         for o in outcomes:
             if o.gap.dropped:

@@ -24,6 +24,8 @@ class MlflowSink:
         # the client's own retries (7, with backoff: minutes) are replaced by the sink's bounded ones
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(timeout_s))))
+        # stdout holds a command's data only: no "View run ... at" line from the client when a run ends
+        os.environ["MLFLOW_SUPPRESS_PRINTING_URL_TO_STDOUT"] = "true"
         self.client = None
         self.exp_id: str | None = None
         self.runs: dict[str, str] = {}  # run name (PARENT or a job) -> MLflow run id
@@ -47,6 +49,8 @@ class MlflowSink:
                     marks.known[(name, m.key)] = {h.step for h in hist}
                     marks.high[(name, m.key)] = max(h.step for h in hist)
             marks.tags |= {(name, k): v for k, v in run.data.tags.items() if k.startswith(TAG)}
+            if run.info.status in ("FINISHED", "FAILED") and TAG + "state" in run.data.tags:
+                marks.tags[(name, "")] = run.data.tags[TAG + "state"]  # its end, as Marks keeps it
             if name == PARENT:
                 marks.params |= set(run.data.params)
                 art = TAG + "artifact."

@@ -324,7 +324,24 @@ class Marks:
                 return False
             self.artifacts[p.name] = p.sha
             return True
-        return True  # RunEnd: closing a run twice is harmless
+        end = (p.run, "")  # a run's end state, among its tags under an empty key
+        if self.tags.get(end) == p.state:
+            return False
+        self.tags[end] = p.state
+        return True
+
+
+def settled(points: list[Point]) -> list[Point]:
+    """A replay's points with each tag and run end at its last value only: a tracker holding a job's `finished`
+    is not told `running` again on the way (the live stream after it carries every change)."""
+    last: dict[tuple, int] = {}
+    for i, p in enumerate(points):
+        if isinstance(p, Tag):
+            last[("tag", p.run, p.key)] = i
+        elif isinstance(p, RunEnd):
+            last[("end", p.run)] = i
+    keep = set(last.values())
+    return [p for i, p in enumerate(points) if i in keep or not isinstance(p, (Tag, RunEnd))]
 
 
 @dataclass

@@ -279,3 +279,16 @@ def test_soma_track_refusals_and_a_tensorboard_backfill(tmp_path):
     assert doc["backends"]["tensorboard"]["points"] > 0
     again = yaml.safe_load(soma("track", store.url, "--backend", "tensorboard", "--json").stdout)
     assert again["backends"]["tensorboard"]["points"] == 0 and again["key"] == doc["key"]
+
+
+def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
+    from soma_cluster.tracking import settled
+
+    points = settled(replay(*retried_campaign()))
+    states = [p.value for p in points if isinstance(p, Tag) and p.key == "soma.state"]
+    assert states == ["finished"]  # not running, retrying, running, finished
+    m = Marks(known={})
+    assert m.admit(points) and m.admit(points) == []  # a second backfill sends nothing
+    held = Marks(tags={("expert-0000", "soma.state"): "finished", ("expert-0000", ""): "finished"})
+    assert not [p for p in held.admit(points) if isinstance(p, (Tag, RunEnd)) and p.run == "expert-0000" and
+                getattr(p, "key", "soma.state") == "soma.state"]  # fmt: skip
