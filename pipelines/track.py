@@ -11,6 +11,7 @@ from __future__ import annotations
 import time
 
 from pipelines.tracking import (
+    BACKOFF_S,
     BATCH_POINTS,
     GAPS,
     Tracker,
@@ -26,6 +27,8 @@ from soma_cluster.events import history
 from soma_cluster.jobs import SEED_JOB, JobState, expert_jobs
 from soma_cluster.storage import Store
 from soma_cluster.tracking import Backend, Metric, Point, Stage, resolve_target, settled, stage_point
+
+BACKFILL_TIMEOUT_S = 60.0  # one call to a tracker during a backfill, at most
 
 
 def stage_states(store: Store, cfg: CampaignConfig) -> dict[Stage, str]:
@@ -46,8 +49,10 @@ def stage_states(store: Store, cfg: CampaignConfig) -> dict[Stage, str]:
 
 def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = None) -> dict:
     """Send each tracker what it lacks of the record; returns, per backend, what was sent."""
-    if backends:
-        cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"backends": backends})})
+    # no driver waits on a backfill: each call may take BACKFILL_TIMEOUT_S (a loaded server), each batch is retried
+    patient = {"timeout_s": max(cfg.tracking.timeout_s, BACKFILL_TIMEOUT_S)}
+    patient |= {"backends": backends} if backends else {}
+    cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update=patient)})
     target = resolve_target(cfg, store.root if store.local else None)
     if not target.backends:
         raise SomaError(
@@ -65,32 +70,41 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
     points = settled(points)
     report = {"schema": 1, "campaign": store.url, "key": key, "backends": {}}
     for sink in make_sinks(target, key, cfg.name, cfg, full=True):
-        report["backends"][sink.name] = _fill(sink, points, target, store)
+        report["backends"][sink.name] = _fill(sink, points, target, store, cfg.tracking.retries)
     return report
 
 
-def _fill(sink, points: list[Point], target, store: Store) -> dict:
+def _fill(sink, points: list[Point], target, store: Store, retries: int) -> dict:
+    """Send the sink what it lacks; a failure is tried again `retries` times (what the tracker holds read again
+    each time), then ends the command with one line."""
     where = target.mlflow_uri if sink.name == Backend.MLFLOW else target.tensorboard_dir
     t0 = time.monotonic()
+    sent: list[Point] = []
     try:
-        marks = sink.open()
-        fresh = marks.admit(points)
-        for i in range(0, len(fresh), BATCH_POINTS):
-            sink.write(fresh[i : i + BATCH_POINTS])
-    except Exception as exc:
-        first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
-        raise SomaError(
-            f"{sink.name} at {where} failed during the backfill ({first}); start or fix the tracker, then run "
-            f"soma track {store.url} again (it sends only what is missing)"
-        ) from None
+        for attempt in range(retries + 1):
+            try:
+                fresh = sink.open().admit(points)
+                for i in range(0, len(fresh), BATCH_POINTS):
+                    sink.write(fresh[i : i + BATCH_POINTS])
+                    sent += fresh[i : i + BATCH_POINTS]
+                break
+            except Exception as exc:
+                if attempt < retries:
+                    time.sleep(BACKOFF_S * 2**attempt)
+                    continue
+                first = str(exc).splitlines()[0][:300] if str(exc) else type(exc).__name__
+                raise SomaError(
+                    f"{sink.name} at {where} failed during the backfill ({first}); start or fix the tracker, then "
+                    f"run soma track {store.url} again (it sends only what is missing)"
+                ) from None
     finally:
         sink.close()
-    metrics = [p for p in fresh if isinstance(p, Metric)]
-    if fresh:
-        store.append(GAPS, {"t": time.time(), "backend": sink.name, "filled": len(fresh)})
+    metrics = [p for p in sent if isinstance(p, Metric)]
+    if sent:
+        store.append(GAPS, {"t": time.time(), "backend": sink.name, "filled": len(sent)})
     return {
         "where": where,
-        "points": len(fresh),
+        "points": len(sent),
         "metrics": len(metrics),
         "runs": sorted({p.run for p in metrics}),
         "seconds": round(time.monotonic() - t0, 3),

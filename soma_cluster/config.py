@@ -15,7 +15,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from soma_cluster.errors import SomaError
 
@@ -240,6 +240,12 @@ class TrackingConfig(_Section):
     retries: int = Field(2, ge=0)  # tries of a failed batch after the first, before it is dropped (counted)
     timeout_s: float = Field(10.0, gt=0.0)  # one call to the tracker, at most
     drain_s: float = Field(30.0, ge=0.0)  # at a stage's end, how long the driver waits for the queue to empty
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, v: Any) -> Any:
+        # `--set tracking.backends=mlflow` (or "mlflow,tensorboard") reads as the list it means
+        return [b.strip() for b in v.split(",") if b.strip()] if isinstance(v, str) else v
 
 
 class CampaignConfig(_Section):
