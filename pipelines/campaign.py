@@ -317,9 +317,9 @@ class Driver:
         try:
             return self._run(hist)
         finally:
-            if self.tracker is not None:
+            if self.tracker is not None:  # bounded by tracking.drain_s; a fenced driver writes no gap record
                 self.tracker.stage(self._stage, "finished" if self.sched.finished and not self.stopped else "stopped")
-                self.tracker.close()
+                self.tracker.close(record=self.stopped != "lease lost")
 
     def _open_tracker(self, hist: dict) -> Tracker | None:
         """The campaign's experiment trackers (tracking.backends), fed from the records this driver writes: the
