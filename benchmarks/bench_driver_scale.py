@@ -192,11 +192,16 @@ class TimedDriver(Driver):
         return out
 
 
+def _stand_in(start, expert: int, share: float):
+    """One stand-in through the factory's keyword-only signature (start_worker's)."""
+    return start(campaign_url="", storage_options={}, experts=[expert], attempts=[0], num_gpus=share, num_cpus=0.0)
+
+
 def spawn_rate(share: float, k: int) -> float:
     """Actors per second this host starts (create k stand-ins, wait for setup, kill them)."""
     start = stand_in_factory(1, 0.0)
     t = time.monotonic()
-    actors = [start("", {}, [i], [0], share, 0.0) for i in range(k)]
+    actors = [_stand_in(start, i, share) for i in range(k)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     rate = k / (time.monotonic() - t)
     for a in actors:
@@ -209,7 +214,7 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     at once. Returns the loop's own ms per result (blocking for the first ready result excluded): what Ray
     itself costs per heartbeat on this host, the floor under the Driver's number."""
     start = stand_in_factory(10**9, chunk_s / 10)
-    actors = [start("", {}, [i], [0], share, 0.0) for i in range(slots)]
+    actors = [_stand_in(start, i, share) for i in range(slots)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     owner = {a.run_chunk.remote(10): a for a in actors}
     spent, done = 0.0, 0

@@ -85,6 +85,11 @@ def resolve_target(
             "tracking.backends holds mlflow but no tracking URI is set; set MLFLOW_TRACKING_URI=http://HOST:5000 "
             "or pass --set tracking.mlflow_uri=URI"
         )
+    if Backend.MLFLOW in backends and (uri.startswith("file:") or "://" not in uri):
+        raise SomaError(
+            f"MLflow tracking URI {uri!r} is a file store, which MLflow 3 no longer writes to; run a tracking server "
+            f"(mlflow server --backend-store-uri sqlite:///mlflow.db) and pass its http://HOST:PORT"
+        )
     if Backend.TENSORBOARD in backends and not logdir:
         if local_root is None:
             raise SomaError(
