@@ -294,3 +294,15 @@ def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
     held = Marks(tags={("expert-0000", "soma.state"): "finished", ("expert-0000", ""): "finished"})
     assert not [p for p in held.admit(points) if isinstance(p, (Tag, RunEnd)) and p.run == "expert-0000" and
                 getattr(p, "key", "soma.state") == "soma.state"]  # fmt: skip
+
+
+def test_an_experiments_arms_share_one_tracker_experiment(monkeypatch):
+    from pipelines.experiment import _tracked_as
+    from soma_cluster.experiments import load_spec
+
+    spec = load_spec("zo-compare")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert _tracked_as(cfg_with(backends=["mlflow"]), spec).tracking.experiment == "soma-zo-compare"
+    assert _tracked_as(cfg_with(experiment="mine"), spec).tracking.experiment == "mine"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    assert _tracked_as(cfg_with(), spec).tracking.experiment is None  # the environment's, at resolve time
