@@ -59,6 +59,10 @@ MODULES = {Backend.MLFLOW: "mlflow", Backend.TENSORBOARD: "tensorboard"}
 class Sink(Protocol):
     name: str
 
+    def load(self) -> None:
+        """Import the tracker's library, in the driver's thread before its loop: an import (seconds of CPU under
+        the interpreter lock) in the sink's thread would compete with the loop it must never slow."""
+
     def open(self) -> Marks:
         """Find or make the campaign's runs; what they already hold."""
 
@@ -163,6 +167,7 @@ class SinkThread:
             batch = self._take()
             if batch:
                 self._send(batch)
+                time.sleep(0)  # hand the interpreter lock back to the driver's loop between batches
             elif self._closing:
                 return
             else:
@@ -239,6 +244,7 @@ class Tracker:
         points = self.prologue(events or [], ledger or [])
         points += extra(self.feed) if extra is not None else []
         for t in self.threads:
+            t.sink.load()
             t.start(points)
 
     def prologue(self, events: list[dict], ledger: list[dict]) -> list[Point]:

@@ -30,6 +30,10 @@ class MlflowSink:
         self.exp_id: str | None = None
         self.runs: dict[str, str] = {}  # run name (PARENT or a job) -> MLflow run id
 
+    def load(self) -> None:
+        import mlflow.entities  # noqa: F401
+        import mlflow.tracking  # noqa: F401
+
     def open(self) -> Marks:
         from mlflow.tracking import MlflowClient
 

@@ -29,6 +29,10 @@ class TensorBoardSink:
         self.path = os.path.join(logdir, f"{campaign}-{key}")
         self.full, self.writer, self.has_config = full, None, False
 
+    def load(self) -> None:
+        import tensorboard.backend.event_processing.event_accumulator  # noqa: F401
+        import torch.utils.tensorboard  # noqa: F401
+
     def open(self) -> Marks:
         from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
         from torch.utils.tensorboard import SummaryWriter
@@ -50,13 +54,20 @@ class TensorBoardSink:
         return marks
 
     def write(self, points: list[Point]) -> None:
+        from tensorboard.compat.proto.summary_pb2 import Summary
+
+        # one event per (run, step, time): a heartbeat's five scalars cost one event, not five
+        events: dict[tuple[int, float], list] = {}
         for p in points:
             if isinstance(p, Metric):
-                self.writer.add_scalar(f"{p.run}/{p.key}", p.value, p.step, walltime=p.t)
+                value = Summary.Value(tag=f"{p.run}/{p.key}", simple_value=p.value)
+                events.setdefault((p.step, p.t), []).append(value)
             elif isinstance(p, Params) and p.values and not self.has_config:
                 self.has_config = True
                 rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(p.values.items()))
                 self.writer.add_text(CONFIG_TEXT, f"| parameter | value |\n|---|---|\n{rows}")
+        for (step, t), values in events.items():
+            self.writer.file_writer.add_summary(Summary(value=values), step, t)
         self.writer.flush()
 
     def close(self) -> None:
