@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv demo test lint prometheus clean
+.PHONY: venv demo test lint prometheus mlflow clean
 
 venv: $(STAMP)
 
@@ -42,5 +42,17 @@ prometheus:
 		|| echo "prometheus could not be installed: the Prometheus tests will be skipped" >&2; \
 	else echo "prometheus not installed (needs root and apt-get): the Prometheus tests will be skipped" >&2; fi
 
+# tests/test_tracking_mlflow.py runs a real MLflow tracking server: full mlflow, whose pyarrow<26 conflicts with
+# soma's pin, so in a venv of its own; where it cannot install (no network) those tests are skipped and say why
+MLFLOW_VENV := .venv-mlflow
+MLFLOW_STAMP := $(MLFLOW_VENV)/.installed
+mlflow: $(MLFLOW_STAMP)
+
+$(MLFLOW_STAMP):
+	@command -v $(PYTHON) >/dev/null || { echo "$(PYTHON) not found: the MLflow server tests will be skipped" >&2; exit 0; }; \
+	{ $(PYTHON) -m venv $(MLFLOW_VENV) && $(MLFLOW_VENV)/bin/python -m pip install --quiet mlflow==3.17.2 && touch $(MLFLOW_STAMP) \
+	  && echo "installed $$($(MLFLOW_VENV)/bin/mlflow --version 2>&1 | tail -1)"; } \
+	|| echo "mlflow could not be installed into $(MLFLOW_VENV): the MLflow server tests will be skipped" >&2
+
 clean:
-	rm -rf $(VENV) runs
+	rm -rf $(VENV) $(MLFLOW_VENV) runs

@@ -24,6 +24,11 @@ Ratios printed:
   bare Ray loop       the same wait/get/submit loop over the same stand-ins with no Driver in it, measured
                       first in the same run: the floor under "driver loop ms/hb"
 
+Tracking (--tracking): the same Driver at each N with experiment tracking off and on (TensorBoard into the
+campaign directory, and MLflow: --mlflow-uri, by default a loopback port where nothing listens, the worst case
+in which every call fails and is retried), alternating off/on/on/off (--repeats pairs), G = 1. Printed: the
+driver loop's ms per heartbeat, median over repeats, and on/off; the issue's target is on/off <= 1.05.
+
 Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal 192 s) the Driver run
 takes ~4 min on 2 cores and Ray Tune ~7.5 min. N = 1,024 at these settings is ~15 min a
 system; a spawn-bound quick look: `--experts 1024 --no-tune --chunks 2 --chunk-s 1`.
@@ -39,6 +44,7 @@ import argparse
 import math
 import os
 import shutil
+import statistics
 import tempfile
 import time
 
@@ -186,11 +192,16 @@ class TimedDriver(Driver):
         return out
 
 
+def _stand_in(start, expert: int, share: float):
+    """One stand-in through the factory's keyword-only signature (start_worker's)."""
+    return start(campaign_url="", storage_options={}, experts=[expert], attempts=[0], num_gpus=share, num_cpus=0.0)
+
+
 def spawn_rate(share: float, k: int) -> float:
     """Actors per second this host starts (create k stand-ins, wait for setup, kill them)."""
     start = stand_in_factory(1, 0.0)
     t = time.monotonic()
-    actors = [start("", {}, [i], [0], share, 0.0) for i in range(k)]
+    actors = [_stand_in(start, i, share) for i in range(k)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     rate = k / (time.monotonic() - t)
     for a in actors:
@@ -203,7 +214,7 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     at once. Returns the loop's own ms per result (blocking for the first ready result excluded): what Ray
     itself costs per heartbeat on this host, the floor under the Driver's number."""
     start = stand_in_factory(10**9, chunk_s / 10)
-    actors = [start("", {}, [i], [0], share, 0.0) for i in range(slots)]
+    actors = [_stand_in(start, i, share) for i in range(slots)]
     ray.get([a.setup.remote() for a in actors], timeout=600)
     owner = {a.run_chunk.remote(10): a for a in actors}
     spent, done = 0.0, 0
@@ -221,7 +232,21 @@ def ray_floor_ms(slots: int, share: float, calls: int, chunk_s: float) -> float:
     return 1e3 * spent / done
 
 
-def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False, pending: int | None = None) -> dict:
+def tracking_section(on: bool, args, campaign: str) -> dict:
+    if not on:
+        return {}
+    return {
+        "backends": ["tensorboard", "mlflow"],
+        "mlflow_uri": args.mlflow_uri,
+        "tensorboard_dir": os.path.join(campaign, "tensorboard"),
+        "drain_s": 5.0,  # after the loop: not in the loop's time
+    }
+
+
+def run_driver(
+    n: int, args, root: str, pack: int = 1, reuse: bool = False, pending: int | None = None, tracking: bool = False
+) -> dict:
+    where = tempfile.mkdtemp(prefix=f"driver-{n}-{pack}-{reuse}-{pending}-", dir=args.campaign_dir or root)
     cfg = resolve(
         "tiny",
         {
@@ -236,9 +261,10 @@ def run_driver(n: int, args, root: str, pack: int = 1, reuse: bool = False, pend
                 "max_pending": pending,
             },
             "retry": {"heartbeat_timeout_s": 600.0},
+            "tracking": tracking_section(tracking, args, where),
         },
     )
-    store = Store(tempfile.mkdtemp(prefix=f"driver-{n}-{pack}-{reuse}-{pending}-", dir=args.campaign_dir or root))
+    store = Store(where)
     driver = TimedDriver(
         store,
         cfg,
@@ -297,6 +323,26 @@ def run_tune(n: int, args, root: str) -> dict:
     }
 
 
+def compare_tracking(args, root: str, floor: float) -> None:
+    """Tracking off and on, alternating (off, on, on, off, ...), G = 1: the loop's ms per heartbeat of each."""
+    for n in args.experts:
+        got: dict[bool, list[dict]] = {False: [], True: []}
+        for i in range(args.repeats):
+            for on in (False, True) if i % 2 == 0 else (True, False):
+                r = run_driver(n, args, root, tracking=on)
+                got[on].append(r)
+                print(f"  N={n} tracking {'on ' if on else 'off'}: loop {r['collect_ms']:.3f} ms/hb, "
+                      f"wall {r['wall']:.1f} s, CPU {r['cpu_ms']:.2f} ms/hb", flush=True)  # fmt: skip
+        med = {on: statistics.median(r["collect_ms"] for r in rs) for on, rs in got.items()}
+        cpu = {on: statistics.median(r["cpu_ms"] for r in rs) for on, rs in got.items()}
+        print(
+            f"\n| N | tracking | driver loop ms/heartbeat (median of {args.repeats}) | driver CPU ms/heartbeat |\n"
+            f"|---|---|---|---|\n| {n} | off | {med[False]:.3f} | {cpu[False]:.2f} |\n"
+            f"| {n} | on (tensorboard + mlflow {args.mlflow_uri}) | {med[True]:.3f} | {cpu[True]:.2f} |\n"
+            f"N={n}: loop on/off = {med[True] / med[False]:.3f} (target <= 1.05); bare Ray loop {floor:.3f} ms"
+        )
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--experts", type=int, nargs="+", default=[256])
@@ -320,6 +366,11 @@ def main() -> None:
         ),
     )
     p.add_argument("--no-tune", action="store_true")
+    p.add_argument("--tracking", action="store_true", help="compare tracking off and on instead (docs/tracking.md)")
+    p.add_argument("--repeats", type=int, default=2, help="with --tracking: off/on pairs, alternating order")
+    p.add_argument(
+        "--mlflow-uri", default="http://127.0.0.1:9", help="with --tracking (default: nothing listens: a down tracker)"
+    )
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
     slots = int(args.gpus / args.share + 1e-9)
@@ -341,6 +392,8 @@ def main() -> None:
         )
         floor = ray_floor_ms(slots, args.share, 40 * slots, args.chunk_s)
         print(f"bare Ray loop (wait + get + submit, no Driver): {floor:.3f} ms per result", flush=True)
+        if args.tracking:
+            return compare_tracking(args, root, floor)
         rows = []
         for n in args.experts:
             systems = [

@@ -34,6 +34,7 @@ from pipelines.common import console, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.reopen import reopen_failed, reopen_unverified
 from pipelines.stopping import STOP, Stopped
+from pipelines.tracking import Tracker
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
@@ -47,6 +48,7 @@ from soma_cluster.messages import SetupReport
 from soma_cluster.schedule import POLL_S, Action, Chunk, Lost, Reuse, Scheduler, Start, Stop
 from soma_cluster.snapshot import SNAPSHOT, build, history_rows, scheduler_rows, summary_line
 from soma_cluster.storage import Store
+from soma_cluster.tracking import Stage
 from workers import actor_name, start_worker
 
 FLUSH_S = 0.25  # group commit: held log records are made durable at least this often
@@ -195,6 +197,7 @@ class Driver:
         self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, updates of all jobs) for the ETA
         self.lease = held(store.url)  # the campaign's lease, whose generation fences the workers
         self.stopped: str | None = None  # why this driver stopped before its jobs ended (a signal, lease lost)
+        self.tracker: Tracker | None = None  # the experiment trackers it feeds (pipelines/tracking.py), if any
 
     @property
     def outcome(self) -> dict[str, JobState]:
@@ -310,6 +313,31 @@ class Driver:
     # -- main loop ------------------------------------------------------------------------------------
     def run(self) -> dict[str, str]:
         hist = history(self.store)
+        self.tracker = self._open_tracker(hist)  # before restore: the events it writes are tracked too
+        try:
+            return self._run(hist)
+        finally:
+            if self.tracker is not None:  # bounded by tracking.drain_s; a fenced driver writes no gap record
+                self.tracker.stage(self._stage, "finished" if self.sched.finished and not self.stopped else "stopped")
+                self.tracker.close(record=self.stopped != "lease lost")
+
+    def _open_tracker(self, hist: dict) -> Tracker | None:
+        """The campaign's experiment trackers (tracking.backends), fed from the records this driver writes: the
+        scheduler's events and ledger records are handed to it as written (it only enqueues)."""
+        tracker = Tracker.open(self.store, self.cfg)
+        if tracker is None:
+            return None
+        tracker.start([ev for h in hist.values() for ev in h.events], Ledger(self.store).records())
+        self.sched.observe = tracker.on_event
+        self.sched.books.ledger.observe = tracker.on_ledger
+        tracker.stage(self._stage, "running")
+        return tracker
+
+    @property
+    def _stage(self) -> Stage:
+        return Stage.SEED if self.jobs == [SEED_JOB] else Stage.LAUNCH
+
+    def _run(self, hist: dict) -> dict[str, str]:
         self.sched.restore(hist)
         mine = set(self.jobs)
         self.others = history_rows(

@@ -686,6 +686,45 @@ def report(
 
 
 @app.command()
+def track(
+    campaign: str,
+    backend: Optional[list[str]] = typer.Option(
+        None,
+        "--backend",
+        "-b",
+        help="mlflow or tensorboard (repeatable; default: the campaign's tracking.backends, else "
+        "SOMA_TRACKING_BACKENDS)",
+    ),
+    take_over: bool = TakeOverOpt,
+    as_json: bool = JsonOpt,
+) -> None:
+    """Backfill the campaign's experiment trackers (MLflow, TensorBoard) from its record: events, ledger, config and
+    eval; only what a tracker lacks is sent (running it twice sends nothing more). Targets: docs/tracking.md."""
+
+    def go() -> None:
+        from pipelines.track import backfill
+        from soma_cluster.tracking import Backend
+
+        for b in backend or []:
+            if b not in tuple(Backend):
+                raise SomaError(f"--backend {b!r}: choose one of {', '.join(Backend)}")
+        store = open_store(campaign)
+        cfg = load_config(store)
+        with hold(store, "soma track", take_over):
+            done = backfill(store, cfg, list(backend or []))
+        if as_json:
+            return emit_json(done)
+        for name, r in done["backends"].items():
+            out.print(
+                f"{name} ({r['where']}): sent {r['points']} points, {r['metrics']} of them metrics, "
+                f"to {len(r['runs'])} runs",
+                markup=False,
+            )
+
+    _run(go)
+
+
+@app.command()
 def presets(as_json: bool = JsonOpt) -> None:
     """List the presets and the experiments."""
 

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pipelines.tracking import check_tracking, track_stage
 from soma_cluster.checkpoint import Checkpoint, checkpoint_steps, has_checkpoint, load_checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
@@ -37,6 +38,7 @@ from soma_cluster.router import Router, load_router
 from soma_cluster.shards import open_shard
 from soma_cluster.snapshot import SNAPSHOT
 from soma_cluster.storage import Store, sha256
+from soma_cluster.tracking import Stage
 from soma_cluster.trainer import Trainer, pick_device
 
 
@@ -190,11 +192,17 @@ def _paired(a: np.ndarray, b: np.ndarray, w: np.ndarray, scored: np.ndarray | No
 
 
 def evaluate(
-    store: Store, cfg: CampaignConfig, compare: tuple[Store, CampaignConfig] | None = None, require_all: bool = False
+    store: Store,
+    cfg: CampaignConfig,
+    compare: tuple[Store, CampaignConfig] | None = None,
+    require_all: bool = False,
+    track_tags: dict[str, str] | None = None,
 ) -> dict:
     """The routed ensemble, the seed and each expert on the campaign's test windows; with `compare`,
     another campaign's ensemble on the same windows and the paired difference. Experts without a checkpoint
-    are evaluated as the seed model and listed (`require_all`: refused instead, before any work)."""
+    are evaluated as the seed model and listed (`require_all`: refused instead, before any work). The numbers and
+    the report go to the campaign's trackers, if any, with `track_tags` on its run (`soma experiment`'s arm)."""
+    check_tracking(store, cfg)  # refused before the work, not after it
     t0 = time.monotonic()
     device = pick_device()
     ens = Ensemble.load(store, cfg)
@@ -260,6 +268,7 @@ def evaluate(
     metrics["curves_figure"] = plot_curves(store, cfg)
     store.write_json("eval/metrics.json", metrics)
     store.write_bytes("eval/report.md", report(cfg, metrics).encode())
+    track_stage(store, cfg, Stage.EVAL, "finished", metrics=metrics, tags=track_tags)
     return metrics
 
 

@@ -9,6 +9,7 @@ command again resumes: finished stages are skipped, unfinished experts continue 
 
 from __future__ import annotations
 
+import os
 import time
 
 import torch
@@ -66,6 +67,14 @@ def _start(arm, stores: dict[str, Store], cfgs: dict[str, CampaignConfig], show_
         train_seed(store, cfg, show_progress)
 
 
+def _tracked_as(cfg: CampaignConfig, spec: ExperimentSpec) -> CampaignConfig:
+    """Every arm in one tracker experiment (soma-NAME, unless the config or MLFLOW_EXPERIMENT_NAME names one), so
+    the baselines compare side by side there."""
+    if cfg.tracking.experiment is not None or os.environ.get("MLFLOW_EXPERIMENT_NAME"):
+        return cfg
+    return cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"experiment": f"soma-{spec.name}"})})
+
+
 def _same_windows(a: Store, b: Store) -> bool:
     return a.read_json("test/manifest.json")["sha256"] == b.read_json("test/manifest.json")["sha256"]
 
@@ -75,7 +84,8 @@ def _arm_result(
 ) -> dict:
     """Final metrics (paired against the reference arm on the same windows), curve and compute of one arm."""
     compare = ref if ref is not None and _same_windows(store, ref[0]) else None
-    metrics = evaluate(store, cfg, compare)
+    tags = {"experiment": spec.name, "arm": arm.name, "seed": str(cfg.seed)}
+    metrics = evaluate(store, cfg, compare, track_tags=tags)
     totals = Ledger(store).totals()
     hist = history(store)
     experts = [hist.get(expert_name(e)) for e in range(cfg.n_experts)]
@@ -168,6 +178,7 @@ def run_experiment(
     root = open_store(url)
     seeds = spec.seeds_at(scale)
     cfgs_by_seed = {s: arm_configs(spec, scale, s, user) for s in seeds}  # every config valid before anything runs
+    cfgs_by_seed = {s: {a: _tracked_as(c, spec) for a, c in cfgs.items()} for s, cfgs in cfgs_by_seed.items()}
     _claim(root, spec, scale, sets)
     t0 = time.monotonic()
     results: dict = {

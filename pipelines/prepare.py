@@ -20,6 +20,7 @@ import numpy as np
 from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, progress
 from pipelines.prepare_engine import Engine, Routed
+from pipelines.tracking import check_tracking, track_stage
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import (
     Part,
@@ -49,6 +50,7 @@ from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256
+from soma_cluster.tracking import Stage
 
 STAGE_HOOKS: list[Callable[[str], None]] = []  # called with each stage's name as it ends ("setup": prepare_with
 # starts); benchmarks/bench_prepare.py reads every process's CPU there. Empty in normal use.
@@ -204,6 +206,13 @@ def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> di
     """Run the stage; returns the shard summary. Idempotent for the same config, refuses another. The engine is
     cfg.prepare.engine (auto: ray when a Ray address is given). Checks the campaign can be written before it
     reads any data or starts Ray; a failure leaves the campaign as it found it (undone_on_failure)."""
+    check_tracking(store, cfg)  # a tracker configured but not installed is refused before anything is written
+    manifest = _prepare(store, cfg, address)
+    track_stage(store, cfg, Stage.PREPARE, "finished")
+    return manifest
+
+
+def _prepare(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
     if store.exists("campaign.yaml") and store.exists("shards/manifest.json"):
         claim_campaign(store, cfg)
         console.print(f"{store.url} is already prepared for this config; skipping prepare")

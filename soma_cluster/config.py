@@ -34,7 +34,8 @@ class _Section(BaseModel):
         annotation = cls.model_fields[info.field_name].annotation
         if isinstance(value, bool) and _numeric(annotation):
             raise ValueError("a number is needed, not true/false")
-        if annotation is str and isinstance(value, str) and value and not value.strip():
+        texts = str in (typing.get_args(annotation) or (annotation,))
+        if texts and isinstance(value, str) and value and not value.strip():
             raise ValueError("String should not be blank")  # a path, a column or a name of spaces only
         return value
 
@@ -262,6 +263,30 @@ class EvalConfig(_Section):
     batch: int = Field(32, ge=1, le=2**16)
 
 
+class TrackingConfig(_Section):
+    # experiment trackers the driver feeds (docs/tracking.md): views of the campaign directory, never its record;
+    # left out of the config's digest, like prepare.engine: how a campaign is watched is not what it is
+    backends: list[Literal["mlflow", "tensorboard"]] = Field(default_factory=list)  # empty: no tracking
+    # unset: MLFLOW_TRACKING_URI from the environment (a value set here wins over it)
+    mlflow_uri: str | None = Field(None, min_length=1)
+    # unset: MLFLOW_EXPERIMENT_NAME from the environment, else the campaign's name
+    experiment: str | None = Field(None, min_length=1)
+    # unset: TENSORBOARD_LOGDIR from the environment, else <campaign>/tensorboard (a local campaign only)
+    tensorboard_dir: str | None = Field(None, min_length=1)
+    # records held for a slow tracker; past it they are dropped, counted
+    queue_points: int = Field(20_000, ge=1, le=10_000_000)
+    retries: int = Field(2, ge=0, le=100)  # tries of a failed batch after the first, before it is dropped (counted)
+    timeout_s: float = Field(10.0, gt=0.0, le=3600.0)  # one call to the tracker, at most
+    # at a stage's end, how long the driver waits for the queue to empty
+    drain_s: float = Field(30.0, ge=0.0, le=3600.0)
+
+    @field_validator("backends", mode="before")
+    @classmethod
+    def _one_or_a_list(cls, v: Any) -> Any:
+        # `--set tracking.backends=mlflow` (or "mlflow,tensorboard") reads as the list it means
+        return [b.strip() for b in v.split(",") if b.strip()] if isinstance(v, str) else v
+
+
 class CampaignConfig(_Section):
     name: str = Field("campaign", min_length=1, max_length=200, pattern=r"^[^\x00-\x1f\x7f]+$")
     preset: str = Field("custom", min_length=1)
@@ -281,6 +306,7 @@ class CampaignConfig(_Section):
     budget: BudgetConfig = BudgetConfig()
     retry: RetryConfig = RetryConfig()
     eval: EvalConfig = EvalConfig()
+    tracking: TrackingConfig = TrackingConfig()
 
     @model_validator(mode="after")
     def _consistent(self) -> "CampaignConfig":
@@ -302,9 +328,9 @@ class CampaignConfig(_Section):
 
     def digest(self) -> str:
         """A stable hash of the resolved config: tells 'same campaign' from 'a different one'. How prepare runs
-        (engine, workers) is left out: every engine makes the same campaign."""
+        (engine, workers) is left out: every engine makes the same campaign; so is how it is tracked."""
         blob = json.dumps(
-            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}}), sort_keys=True
+            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}, "tracking": True}), sort_keys=True
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 

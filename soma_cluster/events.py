@@ -25,8 +25,11 @@ LOG = "events.jsonl"
 RETRY_FAILED = "retry_failed"  # the reason of a `reopened` event written by --retry-failed
 
 
-def emit(store: Store, event: Event, job: str, **fields) -> None:
-    store.append(LOG, {"event": event, "job": job, "t": time.time(), **fields})
+def emit(store: Store, event: Event, job: str, **fields) -> dict:
+    """Append the event; returns its record (what an observer, e.g. the experiment tracker, is handed)."""
+    rec = {"event": event, "job": job, "t": time.time(), **fields}
+    store.append(LOG, rec)
+    return rec
 
 
 @dataclass

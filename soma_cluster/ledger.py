@@ -13,6 +13,7 @@ import math
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Callable
 
 from soma_cluster.jobs import CATEGORIES, EXPERT_SPEND, Category
 from soma_cluster.messages import Usage
@@ -86,8 +87,9 @@ def hours_unit(devices: dict[str, float]) -> str:
 
 
 class Ledger:
-    def __init__(self, store: Store):
+    def __init__(self, store: Store, observe: Callable[[dict], None] | None = None):
         self.store = store
+        self.observe = observe  # handed each record written (the experiment tracker's feed), after the append
 
     def record(
         self,
@@ -107,24 +109,24 @@ class Ledger:
         if category not in CATEGORIES:
             raise ValueError(f"unknown ledger category {category!r}")
         rid = f"{category}/{expert if expert is not None else '-'}/{attempt}/{seq}"
-        self.store.append(
-            LOG,
-            {
-                "id": rid,
-                "category": category,
-                "expert": expert,
-                "attempt": attempt,
-                "seq": seq,
-                "gpu_seconds": float(gpu_seconds),
-                "wall_seconds": float(wall_seconds),
-                "forwards": int(forwards),
-                "tokens": int(tokens),
-                "step": step,
-                "note": note,
-                "device": device,
-                "t": time.time(),
-            },
-        )
+        rec = {
+            "id": rid,
+            "category": category,
+            "expert": expert,
+            "attempt": attempt,
+            "seq": seq,
+            "gpu_seconds": float(gpu_seconds),
+            "wall_seconds": float(wall_seconds),
+            "forwards": int(forwards),
+            "tokens": int(tokens),
+            "step": step,
+            "note": note,
+            "device": device,
+            "t": time.time(),
+        }
+        self.store.append(LOG, rec)
+        if self.observe is not None:
+            self.observe(rec)
 
     def records(self) -> list[dict]:
         """Records in write order, a repeated id (a replayed write) counted once."""

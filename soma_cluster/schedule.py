@@ -136,6 +136,8 @@ class Scheduler:
     rng: random.Random = field(default_factory=random.Random)
     # the latest checkpoint's metadata of a job (None if it has none): what a lost attempt kept
     latest: Callable[[Job], dict | None] = lambda job: None
+    # handed every event record written (the experiment tracker's feed: it must only enqueue, never block)
+    observe: Callable[[dict], None] | None = None
 
     def __post_init__(self) -> None:
         self.book = BudgetBook(self.cfg.budget)
@@ -202,7 +204,9 @@ class Scheduler:
 
     def _event(self, event: Event, job: Job, **fields) -> None:
         """Write the event, and move the job by the state machine."""
-        emit(self.store, event, job.name, **fields)
+        rec = emit(self.store, event, job.name, **fields)
+        if self.observe is not None:
+            self.observe(rec)
         self.state[job] = advance(self.state.get(job, JobState.PENDING), event, fields.get("cause"))
 
     # -- starting actors ------------------------------------------------------------------------------

@@ -1,0 +1,334 @@
+"""The driver's experiment tracking (docs/tracking.md): each tracker (a sink: MLflow, TensorBoard) is fed from a
+bounded queue by a thread of its own, so a tracker that is down or slow never slows or fails training.
+
+The driver turns each record it writes into points (soma_cluster/tracking.py's Feed, microseconds) and only
+enqueues them. A sink's thread sends them in batches; a batch that fails is tried `tracking.retries` more times
+with backoff, then dropped, and a queue past `tracking.queue_points` drops what arrives: both are counted, and
+at the end the gap is written to the campaign (tracking/gaps.jsonl) and printed. The campaign's own records
+stay the source of truth: `soma track CAMPAIGN` (backfill) runs the same Feed over them and sends what a
+tracker lacks.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import sys
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass
+from typing import Protocol
+
+from pipelines.common import console
+from soma_cluster.config import CONFIG_FILE, CampaignConfig, recorded_versions, versions
+from soma_cluster.errors import SomaError
+from soma_cluster.events import LOG as EVENTS
+from soma_cluster.ledger import Ledger
+from soma_cluster.storage import Store
+from soma_cluster.tracking import (
+    PARENT,
+    PIP_HINT,
+    TAG,
+    Artifact,
+    Backend,
+    Feed,
+    Gap,
+    Marks,
+    Point,
+    Source,
+    Stage,
+    Tag,
+    Target,
+    campaign_points,
+    merged,
+    resolve_target,
+    settled,
+    stage_point,
+)
+
+KEY_FILE = "tracking/key.json"  # the campaign's identity in its trackers: found again by it on resume
+GAPS = "tracking/gaps.jsonl"  # what a tracker missed, per driver: the record `soma track` reads as done by it
+POLL_S = 0.2  # a sink's thread looks for points this often (no wake-up per point: enqueueing stays cheap)
+BATCH_POINTS = 2000  # points per send
+BACKOFF_S = 0.5  # first retry's wait, doubled each retry
+COOLDOWN_S = 2.0  # after a batch failed every try: the queue fills meanwhile (bounded) instead of being drained
+MODULES = {Backend.MLFLOW: "mlflow", Backend.TENSORBOARD: "tensorboard"}
+
+
+class Sink(Protocol):
+    name: str
+
+    def load(self) -> None:
+        """Import the tracker's library, in the driver's thread before its loop: an import (seconds of CPU under
+        the interpreter lock) in the sink's thread would compete with the loop it must never slow."""
+
+    def open(self) -> Marks:
+        """Find or make the campaign's runs; what they already hold."""
+
+    def write(self, points: list[Point]) -> None:
+        """Send the points (raise on failure)."""
+
+    def close(self) -> None: ...
+
+
+def require_packages(backends: tuple[Backend, ...]) -> None:
+    missing = [MODULES[b] for b in backends if importlib.util.find_spec(MODULES[b]) is None]
+    if missing:
+        raise SomaError(
+            f"tracking.backends names {', '.join(missing)} but the package is not installed; {PIP_HINT} "
+            f"(or remove it from tracking.backends)"
+        )
+
+
+def check_tracking(store: Store, cfg: CampaignConfig) -> None:
+    """Refuse (SomaError) a tracking config that cannot work here, before a command writes anything."""
+    require_packages(resolve_target(cfg, store.root if store.local else None).backends)
+
+
+def campaign_key(store: Store, cfg: CampaignConfig) -> str:
+    """The campaign's identity in its trackers (its config id and a random part: two directories with one config
+    are two campaigns), written once into the campaign (by the holder of its lease) so any later driver or `soma track`
+    finds the same runs."""
+    if store.exists(KEY_FILE):
+        return store.read_json(KEY_FILE)["key"]
+    key = f"{cfg.digest()[:8]}-{uuid.uuid4().hex[:8]}"
+    store.write_json(KEY_FILE, {"key": key})  # by the lease's holder: no other command writes it meanwhile
+    return key
+
+
+def make_sinks(target: Target, key: str, name: str, cfg: CampaignConfig, full: bool = False) -> list[Sink]:
+    out: list[Sink] = []
+    for b in target.backends:
+        if b == Backend.MLFLOW:
+            from pipelines.tracking_mlflow import MlflowSink
+
+            out.append(MlflowSink(target.mlflow_uri, target.experiment, key, name, cfg.tracking.timeout_s, full))
+        else:
+            from pipelines.tracking_tb import TensorBoardSink
+
+            out.append(TensorBoardSink(target.tensorboard_dir, key, name, full))
+    return out
+
+
+@dataclass
+class Outcome:
+    """One sink's account at its close: points sent, and the gap (points it never got)."""
+
+    backend: str
+    sent: int
+    gap: Gap
+    error: str | None  # the last failure's text, if any
+
+
+class SinkThread:
+    """One sink, its bounded queue and its thread."""
+
+    def __init__(self, sink: Sink, cap: int, retries: int):
+        self.sink, self.cap, self.retries = sink, cap, retries
+        self.queue: deque[list[Point]] = deque()
+        self.size = 0  # points queued
+        self.lock = threading.Lock()
+        self.gap, self.sent, self.error = Gap(), 0, None
+        self.marks: Marks | None = None
+        self.prologue: list[Point] = []
+        self._closing = self._abandon = False
+        self._thread = threading.Thread(target=self._run, name=f"soma-track-{sink.name}", daemon=True)
+
+    def start(self, prologue: list[Point]) -> None:
+        """`prologue`: the points of the records written before this driver (not held against the bound)."""
+        self.prologue = prologue
+        self._thread.start()
+
+    def put(self, points: list[Point]) -> None:
+        """Never blocks: past the bound the points are dropped and counted."""
+        with self.lock:
+            if self.size + len(points) > self.cap:
+                self.gap.add(points)
+                return
+            self.queue.append(points)
+            self.size += len(points)
+
+    def _take(self) -> list[Point]:
+        out: list[Point] = []
+        with self.lock:
+            while self.queue and len(out) < BATCH_POINTS:
+                batch = self.queue.popleft()
+                self.size -= len(batch)
+                out += batch
+        return out
+
+    def _run(self) -> None:
+        if self.prologue:
+            for i in range(0, len(self.prologue), BATCH_POINTS):
+                self._send(self.prologue[i : i + BATCH_POINTS])
+            self.prologue = []
+        while not self._abandon:
+            batch = self._take()
+            if batch:
+                self._send(batch)
+                time.sleep(0)  # hand the interpreter lock back to the driver's loop between batches
+            elif self._closing:
+                return
+            else:
+                time.sleep(POLL_S)
+
+    def _send(self, points: list[Point]) -> None:
+        """Admit (what the tracker lacks), then write with bounded retries; a batch that fails them is dropped."""
+        for attempt in range(self.retries + 1):
+            if self._abandon:
+                self.gap.add(points)
+                return
+            try:
+                if self.marks is None:
+                    self.marks = self.sink.open()
+                fresh = self.marks.admit(points)
+                if fresh:
+                    self.sink.write(fresh)
+                self.sent += len(fresh)
+                return
+            except Exception as exc:  # a tracker's failure never reaches the driver
+                self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
+                self.marks = None  # read again from the tracker: what it holds after the failure
+                if attempt < self.retries:
+                    time.sleep(BACKOFF_S * 2**attempt)
+        self.gap.add(points)
+        time.sleep(COOLDOWN_S)
+
+    def closing(self) -> None:
+        """From now on the thread ends once its queue is empty."""
+        self._closing = True
+
+    def close(self, wait_s: float) -> Outcome:
+        """Send what is queued, waiting at most `wait_s`; what is left then is counted as missed."""
+        self._closing = True
+        if self._thread.is_alive():
+            self._thread.join(wait_s)
+        if self._thread.is_alive():
+            self._abandon = True
+            with self.lock:
+                left = [p for batch in self.queue for p in batch]
+                self.queue.clear()
+            self.gap.add(left + self.prologue)
+        try:
+            self.sink.close()
+        except Exception:  # a tracker's failure never reaches the driver
+            pass
+        return Outcome(self.sink.name, self.sent, self.gap, self.error)
+
+
+class Tracker:
+    """The campaign's trackers for one command (a stage): `on_event` / `on_ledger` take the records the driver
+    writes; `close()` reports and records what each tracker missed."""
+
+    def __init__(self, store: Store, cfg: CampaignConfig, key: str, sinks: list[Sink]):
+        self.store, self.cfg, self.key = store, cfg, key
+        self.feed = Feed()
+        self.threads = [SinkThread(s, cfg.tracking.queue_points, cfg.tracking.retries) for s in sinks]
+
+    @staticmethod
+    def open(store: Store, cfg: CampaignConfig, experiment: str | None = None) -> Tracker | None:
+        """The campaign's trackers (None when no backend is named, in the config or SOMA_TRACKING_BACKENDS). A
+        backend whose package is missing, or a target that cannot be resolved, is bad input (SomaError)."""
+        target = resolve_target(cfg, store.root if store.local else None, experiment=experiment)
+        if not target.backends:
+            return None
+        require_packages(target.backends)
+        key = campaign_key(store, cfg)
+        return Tracker(store, cfg, key, make_sinks(target, key, cfg.name, cfg))
+
+    def start(self, events: list[dict] | None = None, ledger: list[dict] | None = None, extra=None) -> None:
+        """Start the threads, first sending the points of the campaign's records so far (what a tracker lacks of
+        them: a resumed driver continues its runs; the parameters and tags of the campaign). `extra(feed)`: more
+        points, made once the records are replayed."""
+        points = self.prologue(events or [], ledger or [])
+        points += extra(self.feed) if extra is not None else []
+        for t in self.threads:
+            t.sink.load()
+            t.start(points)
+
+    def prologue(self, events: list[dict], ledger: list[dict]) -> list[Point]:
+        text = self.store.read_bytes(CONFIG_FILE).decode() if self.store.exists(CONFIG_FILE) else ""
+        points = campaign_points(self.cfg, self.key, self.store.url, recorded_versions(text) or versions())
+        for source, rec in merged(events, ledger):
+            points += self.feed.on_record(source, rec)
+        return settled(points)
+
+    def on_event(self, rec: dict) -> None:
+        points = self.feed.on_record(Source.EVENTS, rec)
+        if points:
+            self.put(points)
+
+    def on_ledger(self, rec: dict) -> None:
+        self.feed.on_record(Source.LEDGER, rec)
+
+    def put(self, points: list[Point]) -> None:
+        for t in self.threads:
+            t.put(points)
+
+    def stage(self, stage: Stage, state: str) -> None:
+        self.put([stage_point(stage, state)])
+
+    def close(self, record: bool = True) -> list[Outcome]:
+        """Drain (bounded by tracking.drain_s in all), then print each tracker's gap and (`record`: not for a
+        driver fenced off its campaign) write it to the campaign."""
+        deadline = time.monotonic() + self.cfg.tracking.drain_s
+        for t in self.threads:  # every sink drains at once: a tracker that is down does not eat another's time
+            t.closing()
+        outcomes = [t.close(max(0.0, deadline - time.monotonic())) for t in self.threads]
+        for o in outcomes:
+            if o.gap.dropped:
+                why = f" (last error: {o.error})" if o.error else ""
+                console.print(f"warning: {o.gap.line(o.backend, self.store.url)}{why}", markup=False, soft_wrap=True)
+                if record:
+                    self._record_gap(o)
+        return outcomes
+
+    def _record_gap(self, o: Outcome) -> None:
+        try:
+            self.store.append(
+                GAPS, {"t": time.time(), "backend": o.backend, "dropped": o.gap.dropped, "runs": o.gap.runs}
+            )
+        except Exception as exc:  # the gap is also on stderr; the record is a convenience
+            print(f"warning: could not record the tracking gap in {self.store.url}/{GAPS}: {exc}", file=sys.stderr)
+
+
+def record_of(store: Store) -> tuple[list[dict], list[dict]]:
+    """The campaign's events and ledger records, as written."""
+    return list(store.read_log(EVENTS)), Ledger(store).records()
+
+
+EVAL_ARTIFACTS = ("eval/report.md", "eval/curves.png", "eval/metrics.json")
+
+
+def eval_points(store: Store, feed: Feed, metrics: dict) -> list[Point]:
+    """`soma eval`'s numbers (at the evaluation's count in the ledger) and its files as artifacts."""
+    t = time.time()
+    files = [Artifact(name.split("/", 1)[1], store.read_bytes(name)) for name in EVAL_ARTIFACTS if store.exists(name)]
+    return feed.evaluation(metrics, t) + files
+
+
+def track_stage(
+    store: Store,
+    cfg: CampaignConfig,
+    stage: Stage,
+    state: str,
+    metrics: dict | None = None,
+    tags: dict[str, str] | None = None,
+    experiment: str | None = None,
+) -> None:
+    """A stage outside the driver loop (prepare, eval): its tag, `soma eval`'s `metrics` and files, `tags` for the
+    parent run, through a short-lived Tracker (the record replayed first: the parent run exists, holds the
+    campaign's parameters, and what a tracker missed of the record is sent)."""
+    tracker = Tracker.open(store, cfg, experiment)
+    if tracker is None:
+        return
+    events, ledger = record_of(store)
+
+    def extra(feed: Feed) -> list[Point]:
+        out: list[Point] = [stage_point(stage, state)]
+        out += [Tag(PARENT, TAG + k, v) for k, v in (tags or {}).items()]
+        return out + (eval_points(store, feed, metrics) if metrics is not None else [])
+
+    tracker.start(events, ledger, extra)
+    tracker.close()

@@ -1,0 +1,373 @@
+"""Experiment tracking, the decisions (no Ray, no tracker library): where a campaign is tracked, what is logged
+from its records, and which points a tracker already holds.
+
+The campaign directory is the record; a tracker (MLflow, TensorBoard) is a view of it. Every point logged is
+derived from the campaign's own records (events.jsonl, the ledger, campaign.yaml, eval/), by one `Feed` that the
+driver runs on the records as it writes them and `soma track` runs on the whole record afterwards: the same
+records make the same points, so a backfill logs exactly what a live run could not.
+
+A point's identity is (run, key, step): one run for the campaign (`PARENT`) and one per job. A tracker is never
+sent a step it holds: `Marks` keeps, per (run, key), the highest step logged (read back from the tracker when
+it opens, so a resumed driver continues the same runs in order, and a retried expert's steps up to its old high
+water are not logged again) and, for a backfill, every step it holds (so a gap in the middle is filled).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Mapping
+from dataclasses import dataclass, field
+from enum import StrEnum
+
+from soma_cluster.config import CampaignConfig
+from soma_cluster.errors import SomaError
+from soma_cluster.jobs import ENDS, EXPERT_SPEND, SEED_JOB, Category, Event, JobState, expert_name
+
+PARENT = "campaign"  # the campaign's own run; each job's run is named after the job (seed, expert-0007)
+TAG = "soma."  # prefix of every tag soma sets (soma.campaign finds a campaign's runs again)
+SEED_SPEND = (Category.SEED, Category.WASTED, Category.PREEMPTED)  # the seed job's GPU-seconds by category
+PIP_HINT = "pip install 'soma-cluster[tracking]'"
+
+
+class Backend(StrEnum):
+    MLFLOW = "mlflow"
+    TENSORBOARD = "tensorboard"
+
+
+class Source(StrEnum):
+    """Which campaign log a record comes from."""
+
+    EVENTS = "events"
+    LEDGER = "ledger"
+
+
+class Stage(StrEnum):
+    PREPARE = "prepare"
+    SEED = "seed"
+    LAUNCH = "launch"
+    EVAL = "eval"
+
+
+# -- where ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Target:
+    """Where a campaign is tracked, resolved from its config and the environment."""
+
+    backends: tuple[Backend, ...]
+    mlflow_uri: str | None
+    experiment: str
+    tensorboard_dir: str | None
+
+
+def resolve_target(
+    cfg: CampaignConfig, local_root: str | None, env: Mapping[str, str] = os.environ, experiment: str | None = None
+) -> Target:
+    """A value set in the config (campaign.yaml, --set) wins; an unset one is taken from the tool's environment
+    variable (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, TENSORBOARD_LOGDIR; the backends from
+    SOMA_TRACKING_BACKENDS, e.g. "mlflow,tensorboard", when tracking.backends is empty), else its default. `local_root`:
+    the campaign's directory when it is local (TensorBoard's default log dir is under it), else None.
+    `experiment`: the default experiment name when neither sets one (`soma experiment` names its arms')."""
+    t = cfg.tracking
+    names = list(t.backends) or [b.strip() for b in env.get("SOMA_TRACKING_BACKENDS", "").split(",") if b.strip()]
+    unknown = [b for b in names if b not in tuple(Backend)]
+    if unknown:
+        raise SomaError(
+            f"SOMA_TRACKING_BACKENDS names {', '.join(unknown)}; choose from {', '.join(Backend)} (comma-separated)"
+        )
+    backends = tuple(dict.fromkeys(Backend(b) for b in names))
+    uri = t.mlflow_uri or env.get("MLFLOW_TRACKING_URI") or None
+    name = t.experiment or env.get("MLFLOW_EXPERIMENT_NAME") or experiment or cfg.name
+    logdir = t.tensorboard_dir or env.get("TENSORBOARD_LOGDIR") or None
+    if Backend.MLFLOW in backends and not uri:
+        raise SomaError(
+            "tracking.backends holds mlflow but no tracking URI is set; set MLFLOW_TRACKING_URI=http://HOST:5000 "
+            "or pass --set tracking.mlflow_uri=URI"
+        )
+    if Backend.MLFLOW in backends and (uri.startswith("file:") or "://" not in uri):
+        raise SomaError(
+            f"MLflow tracking URI {uri!r} is a file store, which MLflow 3 no longer writes to; run a tracking server "
+            f"(mlflow server --backend-store-uri sqlite:///mlflow.db) and pass its http://HOST:PORT"
+        )
+    if Backend.TENSORBOARD in backends and not logdir:
+        if local_root is None:
+            raise SomaError(
+                "tracking.backends holds tensorboard and the campaign is not local; set TENSORBOARD_LOGDIR=DIR "
+                "or pass --set tracking.tensorboard_dir=DIR"
+            )
+        logdir = os.path.join(local_root, "tensorboard")
+    return Target(backends, uri, name, logdir)
+
+
+# -- what ----------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Metric:
+    run: str
+    key: str
+    step: int
+    value: float
+    t: float  # wall clock (s) of the record it came from
+
+
+@dataclass(frozen=True)
+class Tag:
+    run: str
+    key: str
+    value: str
+
+
+@dataclass(frozen=True)
+class Params:
+    """The campaign's parameters (its parent run's): set once, never changed."""
+
+    values: dict[str, str]
+
+
+@dataclass(frozen=True)
+class Artifact:
+    """A file of the campaign attached to its parent run, under `name`."""
+
+    name: str
+    data: bytes
+
+    @property
+    def sha(self) -> str:
+        return hashlib.sha256(self.data).hexdigest()
+
+
+@dataclass(frozen=True)
+class RunEnd:
+    """A job ended (its run is closed with this state; a reopened job's run opens again)."""
+
+    run: str
+    state: JobState
+
+
+Point = Metric | Tag | Params | Artifact | RunEnd
+
+
+def flatten(tree: Mapping, prefix: str = "") -> dict[str, str]:
+    """{"train": {"updates": 12}} -> {"train.updates": "12"}: a config as tracker parameters."""
+    out: dict[str, str] = {}
+    for k, v in tree.items():
+        if isinstance(v, Mapping):
+            out |= flatten(v, f"{prefix}{k}.")
+        else:
+            out[f"{prefix}{k}"] = str(v)
+    return out
+
+
+def campaign_points(cfg: CampaignConfig, key: str, url: str, versions: Mapping[str, str]) -> list[Point]:
+    """The parent run's parameters (the config, its digest, versions) and the tags a person filters by."""
+    params = flatten(cfg.model_dump(mode="json", exclude={"tracking": True}))
+    params |= {"config_digest": cfg.digest(), **{f"version.{k}": str(v) for k, v in versions.items()}}
+    tags = {"campaign": key, "campaign_id": cfg.digest()[:8], "url": url, "name": cfg.name, "preset": cfg.preset}
+    tags |= {"n_experts": str(cfg.n_experts), "role": "campaign"}
+    return [Params(params)] + [Tag(PARENT, TAG + k, v) for k, v in tags.items()]
+
+
+def stage_point(stage: Stage, state: str) -> Tag:
+    return Tag(PARENT, f"{TAG}stage.{stage}", state)
+
+
+def job_of(rec: dict) -> str | None:
+    """The job a ledger record's GPU-seconds belong to (None: the campaign's own, preprocessing or evaluation)."""
+    if rec.get("expert") is not None:
+        return expert_name(rec["expert"])
+    return SEED_JOB.name if rec["category"] in SEED_SPEND else None
+
+
+@dataclass
+class Feed:
+    """Campaign records in, tracker points out. Keeps what the points need from earlier records: each job's
+    GPU-seconds by category, its counted failures and preemptions, its highest step, the campaign's totals."""
+
+    gpu_s: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
+    totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    retries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    preemptions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
+    high: dict[str, int] = field(default_factory=dict)  # job -> the highest step of its heartbeats
+    ended: int = 0  # job ends seen: the step of the parent's totals
+    evals: int = 0  # evaluations in the ledger: the step of the eval metrics
+    _ledger_ids: set[str] = field(default_factory=set)
+
+    def on_record(self, source: Source, rec: dict) -> list[Point]:
+        return self._ledger(rec) if source == Source.LEDGER else self._event(rec)
+
+    def _ledger(self, rec: dict) -> list[Point]:
+        rid = rec.get("id")
+        if rid in self._ledger_ids:  # a replayed write is counted once, as Ledger.records does
+            return []
+        self._ledger_ids.add(rid)
+        job = job_of(rec)
+        if job is not None:
+            self.gpu_s[job][rec["category"]] += rec["gpu_seconds"]
+        self.totals[rec["category"]] += rec["gpu_seconds"]
+        if rec["category"] == Category.EVALUATION:
+            self.evals += 1
+        return []
+
+    def _event(self, rec: dict) -> list[Point]:
+        job, ev, t = rec["job"], rec["event"], rec.get("t", 0.0)
+        if ev == Event.HEARTBEAT:
+            return self._heartbeat(job, rec, t)
+        if ev == Event.STARTED:
+            return [Tag(job, TAG + "state", JobState.RUNNING)]
+        if ev == Event.FAILED:
+            self.retries[job] += 1 if rec.get("counted", True) else 0
+            return [Tag(job, TAG + "state", JobState.RETRYING), Tag(job, TAG + "retries", str(self.retries[job]))]
+        if ev == Event.PREEMPTED:
+            self.preemptions[job] += 1
+            return [
+                Tag(job, TAG + "state", JobState.PREEMPTED),
+                Tag(job, TAG + "preemptions", str(self.preemptions[job])),
+            ]
+        if ev == Event.REOPENED:
+            return [Tag(job, TAG + "state", JobState.PENDING)]
+        if ev in ENDS:
+            return self._end(job, JobState(ev), t)
+        return []
+
+    def _heartbeat(self, job: str, rec: dict, t: float) -> list[Point]:
+        step = int(rec["step"])
+        self.high[job] = max(self.high.get(job, -1), step)
+        values = {"train_loss": rec.get("loss"), "val_loss": rec.get("val"), "eps": rec.get("eps"), "lr": rec.get("lr")}
+        values["gpu_hours"] = sum(self.gpu_s[job].values()) / 3600.0
+        return [Metric(job, k, step, float(v), t) for k, v in values.items() if v is not None]
+
+    def _end(self, job: str, state: JobState, t: float) -> list[Point]:
+        """A job's end: its GPU-hours by category, retries and preemptions at its highest step; the campaign's
+        totals at the count of job ends so far (both steps only grow, so a tracker sees them in order)."""
+        step = self.high.get(job, 0)
+        cats = SEED_SPEND if job == SEED_JOB.name else EXPERT_SPEND
+        values = {f"gpu_hours/{c}": self.gpu_s[job][c] / 3600.0 for c in cats}
+        values |= {"retries": self.retries[job], "preemptions": self.preemptions[job], "final_step": step}
+        out: list[Point] = [Metric(job, k, step, float(v), t) for k, v in values.items()]
+        out += [Tag(job, TAG + "state", state), RunEnd(job, state)]
+        self.ended += 1
+        parent = {f"gpu_hours/{c}": self.totals[c] / 3600.0 for c in Category} | {"jobs_ended": self.ended}
+        return out + [Metric(PARENT, k, self.ended, float(v), t) for k, v in parent.items()]
+
+    def evaluation(self, m: Mapping, t: float) -> list[Point]:
+        """`soma eval`'s ensemble, seed and uniform nats/byte with their 95% intervals, at the evaluation's count
+        in the ledger (a later evaluation is a later step)."""
+        values: dict[str, float] = {}
+        for who in ("ensemble", "seed", "uniform"):
+            s = m.get(who) or {}
+            if s.get("nats_per_byte") is not None:
+                values[f"eval/{who}_nats_per_byte"] = s["nats_per_byte"]
+            for bound, v in zip(("lo", "hi"), s.get("ci95") or (), strict=False):
+                values[f"eval/{who}_ci95_{bound}"] = v
+        d = m.get("ensemble_minus_seed") or {}
+        if d.get("nats_per_byte") is not None:
+            values["eval/ensemble_minus_seed"] = d["nats_per_byte"]
+        step = max(self.evals, 1)
+        return [Metric(PARENT, k, step, float(v), t) for k, v in values.items()]
+
+
+def merged(events: Iterable[dict], ledger: Iterable[dict]) -> Iterator[tuple[Source, dict]]:
+    """The two logs in the order the driver wrote them (by time; a ledger record before the event of the same
+    instant, as the scheduler writes a heartbeat's record before its event)."""
+    tagged = [(r.get("t", 0.0), 0, i, Source.LEDGER, r) for i, r in enumerate(ledger)]
+    tagged += [(r.get("t", 0.0), 1, i, Source.EVENTS, r) for i, r in enumerate(events)]
+    for _, _, _, source, rec in sorted(tagged, key=lambda x: x[:3]):
+        yield source, rec
+
+
+# -- what a tracker holds ------------------------------------------------------------------------------------
+@dataclass
+class Marks:
+    """What one tracker already holds, so no point is sent twice. `high`: per (run, key) the highest step
+    logged; `known`: every step logged (read for a backfill only; None: not read, only `high` counts)."""
+
+    high: dict[tuple[str, str], int] = field(default_factory=dict)
+    known: dict[tuple[str, str], set[int]] | None = None
+    tags: dict[tuple[str, str], str] = field(default_factory=dict)
+    params: set[str] = field(default_factory=set)
+    artifacts: dict[str, str] = field(default_factory=dict)  # name -> sha256 of what was attached
+    kinds: tuple[type, ...] = (Metric, Tag, Params, Artifact, RunEnd)  # what the tracker keeps (others: not sent)
+    params_whole: bool = False  # the tracker took the parameters once, as a whole (TensorBoard's text)
+
+    def admit(self, points: Iterable[Point]) -> list[Point]:
+        """The points the tracker does not hold yet, in order; they are then taken as held."""
+        out: list[Point] = []
+        for p in points:
+            if not isinstance(p, self.kinds):
+                continue
+            if isinstance(p, Params):  # a tracker refuses a parameter changed: only those never logged
+                if self.params_whole:
+                    continue
+                fresh = {k: v for k, v in p.values.items() if k not in self.params}
+                self.params |= set(fresh)
+                out += [Params(fresh)] if fresh else []
+            elif self._new(p):
+                out.append(p)
+        return out
+
+    def _new(self, p: Point) -> bool:
+        if isinstance(p, Metric):
+            k = (p.run, p.key)
+            hi = self.high.get(k, -1)
+            if p.step > hi:
+                self.high[k] = p.step
+                if self.known is not None:
+                    self.known.setdefault(k, set()).add(p.step)
+                return True
+            steps = self.known.get(k) if self.known is not None else None
+            if steps is None or p.step in steps:
+                return False
+            steps.add(p.step)  # a gap below the high water: only a backfill (known read back) fills it
+            return True
+        if isinstance(p, Tag):
+            if self.tags.get((p.run, p.key)) == p.value:
+                return False
+            self.tags[(p.run, p.key)] = p.value
+            return True
+        if isinstance(p, Artifact):
+            if self.artifacts.get(p.name) == p.sha:
+                return False
+            self.artifacts[p.name] = p.sha
+            return True
+        end = (p.run, "")  # a run's end state, among its tags under an empty key
+        if self.tags.get(end) == p.state:
+            return False
+        self.tags[end] = p.state
+        return True
+
+
+def settled(points: list[Point]) -> list[Point]:
+    """A replay's points with each tag and run end at its last value only: a tracker holding a job's `finished`
+    is not told `running` again on the way (the live stream after it carries every change)."""
+    last: dict[tuple, int] = {}
+    for i, p in enumerate(points):
+        if isinstance(p, Tag):
+            last[("tag", p.run, p.key)] = i
+        elif isinstance(p, RunEnd):
+            last[("end", p.run)] = i
+    keep = set(last.values())
+    return [p for i, p in enumerate(points) if i in keep or not isinstance(p, (Tag, RunEnd))]
+
+
+@dataclass
+class Gap:
+    """Points a tracker never got (a queue full, a batch that failed its retries): counted, and per run the
+    step range they span, for the line that says what `soma track` will fill."""
+
+    dropped: int = 0
+    runs: dict[str, list[int]] = field(default_factory=dict)  # run -> [first step, last step] of its metrics
+
+    def add(self, points: Iterable[Point]) -> None:
+        for p in points:
+            self.dropped += 1
+            if isinstance(p, Metric):
+                lo, hi = self.runs.get(p.run, [p.step, p.step])
+                self.runs[p.run] = [min(lo, p.step), max(hi, p.step)]
+
+    def line(self, backend: str, url: str) -> str:
+        spans = ", ".join(f"{r} steps {lo}-{hi}" for r, (lo, hi) in sorted(self.runs.items())[:6])
+        more = f" and {len(self.runs) - 6} more runs" if len(self.runs) > 6 else ""
+        return (
+            f"tracking: {backend} missed {self.dropped} points ({spans or 'no metrics'}{more}); the campaign's record "
+            f"holds them: soma track {url} fills the gap"
+        )

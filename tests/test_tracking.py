@@ -1,0 +1,308 @@
+"""Experiment tracking without Ray or a server: where a campaign is tracked (config over environment), the points
+a campaign's records make, that no step is sent twice or out of order (resume, retry), that a gap is filled
+by a backfill, the bounded queue and its counted drops, and TensorBoard's files read back with its own reader."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+import yaml
+
+from pipelines.common import claim_campaign, open_store
+from pipelines.tracking import MODULES, SinkThread, require_packages
+from soma_cluster.config import from_yaml_text, resolve, to_yaml_text
+from soma_cluster.errors import SomaError
+from soma_cluster.tracking import (
+    PARENT,
+    Artifact,
+    Backend,
+    Feed,
+    Marks,
+    Metric,
+    Params,
+    RunEnd,
+    Source,
+    Tag,
+    merged,
+    resolve_target,
+)
+from tests.conftest import assert_one_line_error, micro_config, soma
+
+
+def cfg_with(**tracking):
+    return micro_config(tracking=tracking)
+
+
+# -- where --------------------------------------------------------------------------------------------------
+def test_config_wins_over_environment_and_environment_fills_the_rest(tmp_path):
+    env = {"MLFLOW_TRACKING_URI": "http://env:5000", "MLFLOW_EXPERIMENT_NAME": "from-env", "TENSORBOARD_LOGDIR": "/e"}
+    both = ["mlflow", "tensorboard"]
+    t = resolve_target(cfg_with(backends=both), str(tmp_path), env)
+    assert (t.mlflow_uri, t.experiment, t.tensorboard_dir) == ("http://env:5000", "from-env", "/e")
+    mine = cfg_with(backends=both, mlflow_uri="http://cfg:1", experiment="mine", tensorboard_dir="/c")
+    t = resolve_target(mine, str(tmp_path), env)
+    assert (t.mlflow_uri, t.experiment, t.tensorboard_dir) == ("http://cfg:1", "mine", "/c")
+    t = resolve_target(cfg_with(backends=["tensorboard"]), str(tmp_path), {})
+    assert t.tensorboard_dir == str(tmp_path / "tensorboard") and t.experiment == "micro"
+    assert resolve_target(cfg_with(), str(tmp_path), {}).backends == ()
+    t = resolve_target(cfg_with(), str(tmp_path), {"SOMA_TRACKING_BACKENDS": "tensorboard, mlflow", **env})
+    assert t.backends == (Backend.TENSORBOARD, Backend.MLFLOW)
+
+
+@pytest.mark.parametrize(
+    "tracking, env, local, needle",
+    [
+        ({"backends": ["mlflow"]}, {}, True, "MLFLOW_TRACKING_URI"),
+        ({"backends": ["tensorboard"]}, {}, False, "TENSORBOARD_LOGDIR"),
+        ({}, {"SOMA_TRACKING_BACKENDS": "wandb"}, True, "SOMA_TRACKING_BACKENDS names wandb"),
+        ({"backends": ["mlflow"], "mlflow_uri": "/tmp/mlruns"}, {}, True, "a file store"),
+        ({"backends": ["mlflow"]}, {"MLFLOW_TRACKING_URI": "file:///tmp/mlruns"}, True, "a file store"),
+    ],
+)
+def test_unresolvable_targets_are_refused_with_the_fix(tmp_path, tracking, env, local, needle):
+    with pytest.raises(SomaError, match=needle):
+        resolve_target(cfg_with(**tracking), str(tmp_path) if local else None, env)
+
+
+def test_a_missing_package_names_the_extra(monkeypatch):
+    monkeypatch.setitem(MODULES, Backend.MLFLOW, "no_such_tracking_package")
+    with pytest.raises(SomaError, match=r"pip install 'soma-cluster\[tracking\]'"):
+        require_packages((Backend.MLFLOW,))
+
+
+def test_tracking_is_not_part_of_what_a_campaign_is():
+    """Like prepare.engine, how a campaign is watched is left out of its digest (its id), and a campaign.yaml
+    written before the section existed loads as it did."""
+    plain, tracked = cfg_with(), cfg_with(backends=["mlflow"], mlflow_uri="http://x:1")
+    assert plain.digest() == tracked.digest()
+    tree = yaml.safe_load(to_yaml_text(plain).split("\n", 5)[5])
+    del tree["tracking"]
+    assert from_yaml_text(yaml.safe_dump(tree), "old.yaml").tracking.backends == []
+    with pytest.raises(SomaError, match="tracking.backends"):
+        resolve("tiny", {"tracking": {"backends": ["wandb"]}})
+
+
+# -- what ---------------------------------------------------------------------------------------------------
+def hb(job, attempt, step, t, loss=2.0, val=None):
+    return {"event": "heartbeat", "job": job, "t": t, "attempt": attempt, "step": step, "loss": loss, "val": val,
+            "eps": 0.01, "lr": 0.001, "gpu_seconds": 1.0}  # fmt: skip
+
+
+def led(expert, category, gpu_s, t, seq):
+    return {"id": f"{category}/{expert}/0/{seq}", "category": category, "expert": expert, "gpu_seconds": gpu_s, "t": t}
+
+
+def retried_campaign():
+    """expert-0000: steps 3, 6, 9 in attempt 0, a failure after 9 (checkpoint at 6), the retry's 9, 12, then its
+    end. The ledger: 36 s of training, 9 s wasted, preprocessing 72 s."""
+    events = [hb("expert-0000", 0, s, 10.0 + s) for s in (3, 6, 9)]
+    events += [{"event": "failed", "job": "expert-0000", "t": 20.0, "attempt": 0, "step": 9, "reason": "x"}]
+    events += [{"event": "started", "job": "expert-0000", "t": 21.0, "attempt": 1}]
+    events += [hb("expert-0000", 1, s, 22.0 + s, val=1.5 if s == 12 else None) for s in (9, 12)]
+    events += [{"event": "finished", "job": "expert-0000", "t": 40.0, "attempt": 1, "step": 12}]
+    ledger = [led(None, "preprocessing", 72.0, 1.0, 0)]
+    ledger += [led(0, "expert_training", 12.0, 10.0 + s, s) for s in (3, 6, 9)]
+    ledger += [led(0, "wasted", 9.0, 20.0, 100), led(0, "expert_training", 12.0, 34.0, 101)]
+    return events, ledger
+
+
+def replay(events, ledger):
+    feed, points = Feed(), []
+    for source, rec in merged(events, ledger):
+        points += feed.on_record(source, rec)
+    return points
+
+
+def series(points, run, key):
+    return [(p.step, p.value) for p in points if isinstance(p, Metric) and p.run == run and p.key == key]
+
+
+def test_a_retried_expert_logs_each_step_once_in_order_and_its_end():
+    points = Marks().admit(replay(*retried_campaign()))
+    assert [s for s, _ in series(points, "expert-0000", "train_loss")] == [3, 6, 9, 12]
+    assert series(points, "expert-0000", "val_loss") == [(12, 1.5)]
+    # GPU-hours so far at each heartbeat (the ledger record of the chunk comes first)
+    assert [round(v * 3600) for _, v in series(points, "expert-0000", "gpu_hours")] == [12, 24, 36, 57]
+    assert series(points, "expert-0000", "retries") == [(12, 1.0)]
+    assert series(points, "expert-0000", "gpu_hours/wasted") == [(12, 9.0 / 3600)]
+    assert series(points, PARENT, "gpu_hours/preprocessing") == [(1, 72.0 / 3600)]
+    assert RunEnd("expert-0000", "finished") in points
+    assert Tag("expert-0000", "soma.state", "finished") in points
+
+
+def test_a_resumed_driver_continues_after_what_the_tracker_holds():
+    """The first driver's tracker got steps up to 9; the second driver replays the whole record: only 12 and the
+    end go out, and a gap below the high water stays for the backfill, which fills it."""
+    events, ledger = retried_campaign()
+    first = Marks()
+    sent_first = first.admit(replay(events[:3], ledger[:4]))
+    held = {k: v for k, v in first.high.items()}
+    second = Marks(high=dict(held))
+    sent = second.admit(replay(events, ledger))
+    assert [s for s, _ in series(sent, "expert-0000", "train_loss")] == [12]
+    assert not set(series(sent, "expert-0000", "train_loss")) & set(series(sent_first, "expert-0000", "train_loss"))
+    # a backfill that knows every step the tracker holds (here: all but 6) sends 6 alone; with 6, nothing
+    every = {}
+    for p in replay(events, ledger):
+        if isinstance(p, Metric):
+            every.setdefault((p.run, p.key), set()).add(p.step)
+    known = {k: v - {6} if k[0] == "expert-0000" else set(v) for k, v in every.items()}
+    fill = Marks(high=dict(second.high), known=known).admit(replay(events, ledger))
+    assert {p.step for p in fill if isinstance(p, Metric)} == {6}
+    assert series(fill, "expert-0000", "train_loss") == [(6, 2.0)]
+    full = Marks(high=dict(second.high), known=every)
+    assert [p for p in full.admit(replay(events, ledger)) if isinstance(p, Metric)] == []
+
+
+def test_tags_params_and_artifacts_are_sent_once_each_value():
+    m = Marks()
+    assert len(m.admit([Tag("a", "k", "1"), Tag("a", "k", "1"), Tag("a", "k", "2")])) == 2
+    assert m.admit([Params({"x": "1"}), Params({"x": "2", "y": "3"})]) == [Params({"x": "1"}), Params({"y": "3"})]
+    assert len(m.admit([Artifact("r.md", b"a"), Artifact("r.md", b"a"), Artifact("r.md", b"b")])) == 2
+
+
+def test_eval_points_go_to_the_evaluations_count():
+    feed = Feed()
+    feed.on_record(Source.LEDGER, led(None, "evaluation", 0.0, 1.0, 5))
+    m = {"ensemble": {"nats_per_byte": 2.5, "ci95": [2.4, 2.6]}, "seed": {"nats_per_byte": 2.9, "ci95": [2.8, 3.0]}}
+    pts = feed.evaluation({**m, "uniform": {"nats_per_byte": 5.545}}, 1.0)
+    assert {p.key: (p.step, p.value) for p in pts}["eval/ensemble_ci95_hi"] == (1, 2.6)
+    assert {p.key for p in pts} >= {"eval/seed_nats_per_byte", "eval/uniform_nats_per_byte"}
+
+
+# -- the queue ----------------------------------------------------------------------------------------------
+class GatedSink:
+    """A tracker that answers only when `gate` is set (or fails while `down`): records what it got."""
+
+    name = "gated"
+
+    def __init__(self, down: bool = False):
+        self.gate, self.down, self.got, self.calls = threading.Event(), down, [], 0
+
+    def open(self) -> Marks:
+        return Marks()
+
+    def write(self, points) -> None:
+        self.calls += 1
+        if self.down:
+            raise ConnectionRefusedError("tracker down")
+        self.gate.wait(10)
+        self.got += points
+
+    def close(self) -> None:
+        pass
+
+
+def metric_points(n, run="expert-0000"):
+    return [Metric(run, "train_loss", s, 1.0, 0.0) for s in range(n)]
+
+
+def test_a_slow_tracker_never_blocks_the_driver_and_drops_past_the_bound():
+    sink = GatedSink()
+    thread = SinkThread(sink, cap=50, retries=0)
+    thread.start([])
+    t0 = time.perf_counter()
+    for i in range(200):  # the sink blocks; the driver's puts must not
+        thread.put([Metric("expert-0001", "train_loss", i, 1.0, 0.0)])
+    assert time.perf_counter() - t0 < 0.5
+    sink.gate.set()
+    out = thread.close(10)
+    assert out.sent + out.gap.dropped == 200 and out.gap.dropped >= 150 - 1
+    assert len({p.step for p in sink.got}) == out.sent  # each sent once
+    assert out.gap.runs["expert-0001"][1] == 199
+
+
+def test_a_failing_tracker_is_retried_a_bounded_number_of_times_then_counted():
+    sink = GatedSink(down=True)
+    thread = SinkThread(sink, cap=1000, retries=2)
+    thread.start(metric_points(5))
+    out = thread.close(20)
+    assert sink.calls == 3 and out.sent == 0 and out.gap.dropped == 5
+    assert "ConnectionRefusedError" in out.error
+    assert "expert-0000 steps 0-4" in out.gap.line("gated", "/c")
+
+
+def test_close_is_bounded_by_its_wait_and_counts_what_is_left():
+    sink = GatedSink()  # never opens its gate
+    thread = SinkThread(sink, cap=1000, retries=0)
+    thread.start(metric_points(3))
+    thread.put(metric_points(4, "seed"))
+    t0 = time.monotonic()
+    out = thread.close(0.5)
+    assert time.monotonic() - t0 < 2 and out.gap.dropped == 7 and out.sent == 0
+
+
+# -- TensorBoard, read back with its own reader -------------------------------------------------------------
+def test_tensorboard_resume_and_backfill_read_back(tmp_path):
+    pytest.importorskip("tensorboard")
+    from pipelines.tracking_tb import TensorBoardSink, read_scalars
+
+    events, ledger = retried_campaign()
+    points = replay(events, ledger)
+    first = TensorBoardSink(str(tmp_path), "k1", "micro")
+    marks = first.open()
+    sent = marks.admit([p for p in points if not (isinstance(p, Metric) and p.step == 6)])  # step 6 missed
+    first.write(sent[: len(sent) // 2])  # the driver dies halfway
+    first.close()
+    second = TensorBoardSink(str(tmp_path), "k1", "micro")  # a resumed driver
+    second.write(second.open().admit(points))
+    second.close()
+    got = read_scalars(first.path)
+    steps = [s for s, _ in got["expert-0000/train_loss"]]
+    assert steps == sorted(set(steps)) and 6 not in steps  # in order, once each; the gap stays
+    filler = TensorBoardSink(str(tmp_path), "k1", "micro", full=True)
+    fresh = filler.open().admit(points)
+    assert {(p.key, p.step) for p in fresh if isinstance(p, Metric)} == {
+        ("train_loss", 6),
+        ("gpu_hours", 6),
+        ("eps", 6),
+        ("lr", 6),
+    }
+    filler.write(fresh)
+    filler.close()
+    assert sorted(s for s, _ in read_scalars(first.path)["expert-0000/train_loss"]) == [3, 6, 9, 12]
+    again = TensorBoardSink(str(tmp_path), "k1", "micro", full=True)
+    assert [p for p in again.open().admit(points) if isinstance(p, Metric)] == []
+    again.close()
+
+
+# -- the command --------------------------------------------------------------------------------------------
+def test_soma_track_refusals_and_a_tensorboard_backfill(tmp_path):
+    store = open_store(str(tmp_path / "c"))
+    claim_campaign(store, micro_config())
+    assert_one_line_error(soma("track", store.url), "names no tracker", "--backend mlflow")
+    assert_one_line_error(soma("track", store.url, "--backend", "wandb"), "--backend 'wandb'")
+    proc = soma("track", store.url, "--backend", "tensorboard", "--json")
+    assert proc.returncode == 0, proc.stderr
+    doc = yaml.safe_load(proc.stdout)
+    assert doc["backends"]["tensorboard"]["where"] == str(tmp_path / "c" / "tensorboard")
+    assert doc["backends"]["tensorboard"]["points"] > 0
+    again = yaml.safe_load(soma("track", store.url, "--backend", "tensorboard", "--json").stdout)
+    assert again["backends"]["tensorboard"]["points"] == 0 and again["key"] == doc["key"]
+
+
+def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
+    from soma_cluster.tracking import settled
+
+    points = settled(replay(*retried_campaign()))
+    states = [p.value for p in points if isinstance(p, Tag) and p.key == "soma.state"]
+    assert states == ["finished"]  # not running, retrying, running, finished
+    m = Marks(known={})
+    assert m.admit(points) and m.admit(points) == []  # a second backfill sends nothing
+    held = Marks(tags={("expert-0000", "soma.state"): "finished", ("expert-0000", ""): "finished"})
+    assert not [p for p in held.admit(points) if isinstance(p, (Tag, RunEnd)) and p.run == "expert-0000" and
+                getattr(p, "key", "soma.state") == "soma.state"]  # fmt: skip
+
+
+def test_an_experiments_arms_share_one_tracker_experiment(monkeypatch):
+    from pipelines.experiment import _tracked_as
+    from soma_cluster.experiments import load_spec
+
+    spec = load_spec("zo-compare")
+    monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)
+    assert _tracked_as(cfg_with(backends=["mlflow"]), spec).tracking.experiment == "soma-zo-compare"
+    assert _tracked_as(cfg_with(experiment="mine"), spec).tracking.experiment == "mine"
+    monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
+    assert _tracked_as(cfg_with(), spec).tracking.experiment is None  # the environment's, at resolve time

@@ -1,0 +1,157 @@
+"""A real MLflow tracking server (tests/mlflowserver.py) and TensorBoard's own event reader: a tiny campaign
+tracked live, its MLflow server killed in the middle of `soma launch` (training finishes, the gap is reported
+and recorded), restarted, and `soma track` filling the gap from the campaign's record, twice (the second sends
+nothing). Read back with MLflow's client: every job's losses at each step once, in order, equal to its curve
+CSV; the eval numbers and files; the config as parameters. And a resumed driver's sink continuing a run."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from soma_cluster.curves import read_curve
+from soma_cluster.storage import Store
+from tests.conftest import soma
+from tests.mlflowserver import SKIP_REASON, MlflowServer, available
+from tests.test_tracking import replay, retried_campaign
+
+pytestmark = pytest.mark.skipif(not available(), reason=SKIP_REASON)
+pytest.importorskip("mlflow")
+pytest.importorskip("tensorboard")
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = MlflowServer().start()  # ~40 s to come up: started first, waited for where it is needed
+    yield s
+    s.close()
+
+
+def client(server):
+    from mlflow.tracking import MlflowClient
+
+    return MlflowClient(tracking_uri=server.uri)
+
+
+def runs_of(server, experiment: str) -> dict[str, object]:
+    c = client(server)
+    exp = c.get_experiment_by_name(experiment)
+    runs = c.search_runs([exp.experiment_id], max_results=1000)
+    return {r.data.tags.get("soma.job", "campaign"): r for r in runs}
+
+
+def steps_values(server, run, key: str) -> list[tuple[int, float]]:
+    return [(m.step, m.value) for m in client(server).get_metric_history(run.info.run_id, key)]
+
+
+def test_a_resumed_sink_continues_the_same_runs_in_order(server):
+    from pipelines.tracking_mlflow import MlflowSink
+
+    server.wait_ready()
+    points = replay(*retried_campaign())
+    first = MlflowSink(server.uri, "resume-test", "key-r", "micro", 10)
+    first.write(first.open().admit(points)[:9])  # the first driver is lost after 9 points
+    second = MlflowSink(server.uri, "resume-test", "key-r", "micro", 10)  # found again by the campaign's key
+    second.write(second.open().admit(points))
+    runs = runs_of(server, "resume-test")
+    assert set(runs) == {"campaign", "expert-0000"}
+    loss = steps_values(server, runs["expert-0000"], "train_loss")
+    assert [s for s, _ in loss] == [3, 6, 9, 12]  # once each, in the order sent
+    assert runs["expert-0000"].info.status == "FINISHED"
+    assert runs["expert-0000"].data.tags["mlflow.parentRunId"] == runs["campaign"].info.run_id
+
+
+def launch_killing_the_server(campaign: str, server: MlflowServer) -> subprocess.CompletedProcess:
+    """`soma launch`, with the tracking server killed once the first expert heartbeat is in events.jsonl."""
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "launch", campaign, "--no-progress"],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+    )
+    events = Path(campaign) / "events.jsonl"
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline and proc.poll() is None:
+        text = events.read_text() if events.exists() else ""
+        if any('"event": "heartbeat"' in x and '"job": "expert-' in x for x in text.splitlines()):
+            break
+        time.sleep(0.05)
+    server.kill()
+    out, err = proc.communicate(timeout=300)
+    return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
+
+
+def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_yaml, tmp_path, monkeypatch):
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    campaign = str(tmp_path / "c")
+    sets = ["--set", "tracking.backends=[mlflow,tensorboard]", "--set", "tracking.drain_s=15", "--set", "name=tracked"]
+    assert soma("prepare", campaign, "--config", micro_yaml, *sets).returncode == 0
+    server.wait_ready()
+    p = soma("seed", campaign, "--no-progress")
+    assert p.returncode == 0, p.stderr
+    store = Store(campaign)
+    runs = runs_of(server, "tracked")  # live: the seed stage, the campaign's parameters
+    assert [s for s, _ in steps_values(server, runs["seed"], "train_loss")] == [
+        r["step"] for r in read_curve(store, "seed")
+    ]
+    assert runs["campaign"].data.params["train.updates"] == "12" and "config_digest" in runs["campaign"].data.params
+    assert runs["campaign"].data.tags["soma.stage.seed"] == "finished"
+
+    t0 = time.monotonic()
+    p = launch_killing_the_server(campaign, server)
+    launch_s = time.monotonic() - t0
+    assert p.returncode == 0, p.stderr  # training finished, the tracker down
+    assert "tracking: mlflow missed" in p.stderr and f"soma track {campaign}" in p.stderr, p.stderr
+    gaps = [json.loads(x) for x in (Path(campaign) / "tracking" / "gaps.jsonl").read_text().splitlines()]
+    assert any(g["backend"] == "mlflow" and g["dropped"] > 0 for g in gaps)
+    assert not any(g["backend"] == "tensorboard" for g in gaps)  # the other tracker lost nothing
+    from pipelines.tracking_tb import read_scalars
+
+    tb = read_scalars(next((Path(campaign) / "tensorboard").iterdir()).as_posix())
+    for e in ("expert-0000", "expert-0001"):
+        curve = [(int(r["step"]), r["train_loss"]) for r in read_curve(store, e)]
+        got = tb[f"{e}/train_loss"]
+        assert [s for s, _ in got] == [s for s, _ in curve]  # each step once, in order
+        assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
+
+    server.start()  # back up (the same database) while `soma eval` runs: eval's own points miss it too
+    p = soma("eval", campaign)
+    assert p.returncode == 0, p.stderr
+    server.wait_ready()
+    p = soma("track", campaign, "--json")
+    assert p.returncode == 0, p.stderr
+    filled = json.loads(p.stdout)["backends"]
+    missed = {run for g in gaps if g["backend"] == "mlflow" for run in g["runs"]}  # what the launch reported
+    assert filled["mlflow"]["points"] > 0 and missed and missed <= set(filled["mlflow"]["runs"])
+
+    runs = runs_of(server, "tracked")
+    assert set(runs) == {"campaign", "seed", "expert-0000", "expert-0001"}
+    for job in ("seed", "expert-0000", "expert-0001"):
+        curve = [(int(r["step"]), r["train_loss"]) for r in read_curve(store, job)]
+        got = sorted(steps_values(server, runs[job], "train_loss"))
+        assert [s for s, _ in got] == [s for s, _ in curve]  # the gap is closed, nothing twice
+        assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
+        assert runs[job].data.tags["soma.state"] == "finished" and runs[job].info.status == "FINISHED"
+    parent = runs["campaign"]
+    m = store.read_json("eval/metrics.json")
+    assert parent.data.metrics["eval/ensemble_nats_per_byte"] == pytest.approx(m["ensemble"]["nats_per_byte"])
+    assert parent.data.metrics["eval/seed_ci95_hi"] == pytest.approx(m["seed"]["ci95"][1])
+    arts = {a.path for a in client(server).list_artifacts(parent.info.run_id)}
+    assert arts >= {"report.md", "curves.png", "metrics.json"}
+    assert {parent.data.tags[f"soma.stage.{s}"] for s in ("prepare", "seed", "launch", "eval")} == {"finished"}
+
+    again = json.loads(soma("track", campaign, "--json").stdout)["backends"]
+    assert again["mlflow"]["points"] == 0 and again["tensorboard"]["points"] == 0
+    print(
+        f"\nlaunch with the tracker killed: {launch_s:.1f} s; backfill sent {filled['mlflow']['points']} points; "
+        f"runs {sorted(runs)}; parent metrics {sorted(parent.data.metrics)}; artifacts {sorted(arts)}; "
+        f"expert-0000 metrics {sorted(runs['expert-0000'].data.metrics)}"
+    )
