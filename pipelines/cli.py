@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import os
 import sys
 import time
@@ -39,8 +40,17 @@ class _OneLineErrors(typer.core.TyperGroup):
     def main(self, *args, standalone_mode: bool = True, **kwargs):
         if not standalone_mode:
             return super().main(*args, standalone_mode=False, **kwargs)
+        if sys.stdout is None:  # started with stdout closed (>&-): its data would be lost without a word
+            print("error: standard output is closed; redirect it (> FILE, or > /dev/null to discard)", file=sys.stderr)
+            sys.exit(2)
+        sys.stdout = _Output(sys.stdout)
         try:
             code = super().main(*args, standalone_mode=False, **kwargs)
+            sys.stdout.flush()  # a full disk or a closed pipe behind stdout shows here, not at exit
+        except OutputFailed as exc:
+            code = 141 if exc.errno == errno.EPIPE else 2  # a reader that stopped (| head): as SIGPIPE would end us
+            if code == 2:
+                print(f"error: cannot write to standard output ({exc.strerror}); check where it goes", file=sys.stderr)
         except NoArgsIsHelpError as exc:  # `soma` or `soma CMD` alone: the help, as typer shows it
             print(exc.ctx.get_help())
             sys.exit(exc.exit_code)
@@ -53,6 +63,43 @@ class _OneLineErrors(typer.core.TyperGroup):
             print("stopped", file=sys.stderr)
             sys.exit(130)
         sys.exit(code if isinstance(code, int) else 0)
+
+
+class OutputFailed(Exception):
+    """Standard output could not be written (a full disk, a reader gone): not a campaign's storage error."""
+
+    def __init__(self, exc: OSError):
+        super().__init__(str(exc))
+        self.errno, self.strerror = exc.errno, exc.strerror
+
+
+class _Output:
+    """sys.stdout, whose write failures are told apart from the campaign's own storage errors; after one, stdout
+    goes to /dev/null so the interpreter's exit flush is quiet."""
+
+    def __init__(self, stream):
+        self._stream = stream
+
+    def __getattr__(self, name):
+        return getattr(self._stream, name)
+
+    def _failed(self, exc: OSError) -> OutputFailed:
+        null = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(null, self._stream.fileno())
+        os.close(null)
+        return OutputFailed(exc)
+
+    def write(self, text: str) -> int:
+        try:
+            return self._stream.write(text)
+        except OSError as exc:
+            raise self._failed(exc) from None
+
+    def flush(self) -> None:
+        try:
+            self._stream.flush()
+        except OSError as exc:
+            raise self._failed(exc) from None
 
 
 app = typer.Typer(
@@ -91,9 +138,15 @@ def _check_experts(value: Optional[int]) -> Optional[int]:
     return value
 
 
+MAX_SECONDS = 604_800.0  # a week: a longer interval or wait is a typo (and past it timestamps overflow)
+MAX_GPUS = 100_000.0
+
+
 def _check_positive(param: typer.CallbackParam, value: Optional[float]) -> Optional[float]:
-    if value is not None and not (0 < value < float("inf")):  # NaN and infinity too
-        _bad(f"{param.opts[0]} {value:g}: pass a positive finite number")
+    """Seconds (or, for --gpus, GPUs): positive and at most a week (100,000 GPUs); NaN and infinity refused."""
+    top = MAX_GPUS if param.name == "gpus" else MAX_SECONDS
+    if value is not None and not (0 < value <= top):  # NaN fails every comparison
+        _bad(f"{param.opts[0]} {value:g}: pass a positive number up to {top:,.0f}")
     return value
 
 
@@ -394,6 +447,8 @@ def evaluate(
         other = None
         if compare is not None:
             other_store = open_store(compare)
+            if other_store.local and store.local and os.path.realpath(other_store.root) == os.path.realpath(store.root):
+                raise SomaError(f"--compare {compare} is this campaign; pass another campaign to compare it with")
             other = (other_store, load_config(other_store))
         m = run(store, cfg, other, require_all)
         if as_json:
@@ -619,6 +674,13 @@ def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
 
         parent_store = open_store(parent)
         child = open_store(campaign)
+        if parent_store.local and child.local:
+            a, b = os.path.realpath(parent_store.root), os.path.realpath(child.root)
+            if b == a or b.startswith(a + os.sep) or a.startswith(b + os.sep):
+                raise SomaError(
+                    f"soma fork {parent} {campaign}: the new campaign must lie outside its parent (and hold no "
+                    "part of it); pass a new directory beside it"
+                )
         child.check_writable()
         tree = merge_trees(load_config(parent_store).model_dump(mode="json"), parse_overrides(set or []))
         run(parent_store, child, validated(tree, "fork overrides"))
@@ -666,16 +728,22 @@ def report(
         from soma_cluster.targets import EXPERIMENT_FILE, RESULTS_FILE, not_an_experiment
 
         stores = [open_store(d) for d in directories]
-        for store in stores:
-            store.check_writable()
         if readme:
+            if not os.path.isfile(readme):
+                raise SomaError(
+                    f"--readme {readme} is not a file; pass the README whose results section to rewrite "
+                    "(it must exist and hold one)"
+                )
             require_writable_dir(os.path.dirname(os.path.abspath(readme)), what="the README's directory")
-        done = []
-        for store in stores:
+        results = []
+        for store in stores:  # every directory is checked and read before any report is rewritten
+            store.check_writable()
             if not store.exists(RESULTS_FILE):
                 marker = store.read_json(EXPERIMENT_FILE) if store.exists(EXPERIMENT_FILE) else {}
                 raise not_an_experiment(store.url, store.listdir(""), marker.get("experiment"))
-            res = store.read_json(RESULTS_FILE)
+            results.append(store.read_json(RESULTS_FILE))
+        done = []
+        for store, res in zip(stores, results, strict=True):
             out.print(f"report: {write_report(store, res)}")
             done.append((store.url, res))
         if readme:

@@ -348,6 +348,12 @@ def _open_table(fh, path: str, fmt: Format, field: str):
         ) from None
     if field not in schema.names:
         raise corpus_error(path, f"has no column {field!r}", f"set corpus.text_field to one of {schema.names}")
+    if schema.names.count(field) > 1:  # Arrow allows it; which one is the text cannot be told
+        raise corpus_error(
+            path,
+            f"has {schema.names.count(field)} columns named {field!r}",
+            "write the file with one text column of that name, or set corpus.text_field to another column",
+        )
     kind = schema.field(field).type
     if not _is_text_type(kind):
         texts = [f.name for f in schema if _is_text_type(f.type)]

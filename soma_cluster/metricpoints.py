@@ -90,7 +90,14 @@ def new_updates(reading: Reading, seen: dict[str, float]) -> float:
 
 
 def campaign_labels(url: str, name: str, campaign_id: str) -> dict[str, str]:
-    return dict(zip(CAMPAIGN_KEYS, (url, name, campaign_id), strict=True))
+    """Label values in ASCII (Ray's metrics agent takes no other): a non-ASCII or non-UTF-8 path or name escaped as
+    \\xNN / \\uNNNN, so the series still tells campaigns apart."""
+    return dict(zip(CAMPAIGN_KEYS, (_ascii(url), _ascii(name), campaign_id), strict=True))
+
+
+def _ascii(text: str) -> str:
+    raw = text.encode("utf-8", "surrogateescape")  # a POSIX name's undecodable bytes come back as they were
+    return raw.decode("ascii", "backslashreplace")
 
 
 def reading(snap: dict) -> Reading:

@@ -200,3 +200,41 @@ def test_bad_option_value_is_one_line_naming_the_option(command, option, value, 
     assert result.exit_code == 2 and len(errors) == 1, (argv, value, result.stderr[-1500:], result.exception)
     assert option in errors[0] and "Traceback" not in result.stderr, errors[0]
     assert not any(tmp_path.iterdir()), argv  # refused before anything was made
+
+
+@pytest.mark.parametrize(
+    "redirect,code,line",
+    [
+        (">/dev/full", 2, "error: cannot write to standard output"),
+        (">&-", 2, "error: standard output is closed"),
+        ("| head -c 0", 141, None),  # a reader gone: as SIGPIPE would end the command, and silently
+    ],
+    ids=["full-disk", "closed", "reader-gone"],
+)
+def test_stdout_that_cannot_be_written_is_not_a_silent_success(redirect, code, line, prepared):
+    """Data goes to stdout: where it cannot go, the exit code says so (and a traceback never does)."""
+    cmd = f"{sys.executable} -m pipelines.cli status {prepared} --json {redirect}; echo rc=${{PIPESTATUS[0]}} >&2"
+    if not redirect.startswith("|"):
+        cmd = f"{sys.executable} -m pipelines.cli status {prepared} --json {redirect}; echo rc=$? >&2"
+    proc = subprocess.run(["bash", "-c", cmd], capture_output=True, text=True, timeout=120, env=_env())
+    assert f"rc={code}" in proc.stderr and "Traceback" not in proc.stderr, proc.stderr[-1500:]
+    errors = [x for x in proc.stderr.splitlines() if x.startswith("error:")]
+    assert errors == [] if line is None else len(errors) == 1 and errors[0].startswith(line), proc.stderr
+
+
+def test_commands_refuse_a_target_inside_another_and_check_every_directory_first(tmp_path, prepared):
+    runner = CliRunner()
+    child = runner.invoke(app, ["fork", str(prepared), str(prepared / "shards" / "child")], env={"RAY_ADDRESS": ""})
+    assert child.exit_code == 2 and "outside its parent" in child.stderr, child.stderr
+    same = runner.invoke(app, ["eval", str(prepared), "--compare", f"{prepared}/"], env={"RAY_ADDRESS": ""})
+    assert same.exit_code == 2, same.stderr
+    # soma report: a bad directory after a good one is found before the good one's report is rewritten
+    good = Store(str(tmp_path / "good"))
+    good.write_json("experiment.json", {"experiment": "summed", "scale": "small", "overrides": []})
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    before = snapshot(tmp_path)
+    result = runner.invoke(app, ["report", str(tmp_path / "good"), str(bad)], env={"RAY_ADDRESS": ""})
+    assert result.exit_code == 2 and "results.json" in result.stderr and snapshot(tmp_path) == before
+    result = runner.invoke(app, ["report", str(tmp_path / "good"), "--readme", str(tmp_path / "no.md")])
+    assert result.exit_code == 2 and "--readme" in result.stderr and snapshot(tmp_path) == before

@@ -409,6 +409,27 @@ def unreadable(fmt: Format, name: str) -> Case:
     return Case({name.encode(): data}, _fails("cannot be read (PermissionError)"), name.encode(), root_only=True)
 
 
+def duplicate_field(fmt: Format, name: str) -> Case:
+    """Two text fields of one name: a table cannot say which is the text (refused); a JSON object keeps the last
+    (JSON's rule); plain text is text."""
+    if fmt.layout is Layout.TABLE:
+        table = pa.Table.from_arrays([pa.array(TEXTS), pa.array(TEXTS[::-1])], names=["text", "text"])
+        sink = pa.BufferOutputStream()
+        if fmt.name == "parquet":
+            pq.write_table(table, sink)
+        else:
+            with ipc.new_file(sink, table.schema) as w:
+                w.write_table(table)
+        data = sink.getvalue().to_pybytes()
+        return Case({name.encode(): data}, _fails("has 2 columns named 'text'", "corpus.text_field", name))
+    raw = [b'{"text": "%s", "text": "%s"}' % (t.encode(), u.encode()) for t, u in zip(TEXTS, TEXTS[::-1], strict=True)]
+    data = _records(fmt, [], raw)
+    if fmt.layout is Layout.TEXT:
+        plain = b"".join(line + b"\n" for line in raw)
+        return Case({name.encode(): COMPRESS[fmt.compression](plain)}, Read([(name, plain)]))
+    return Case({name.encode(): data}, Read([(f"{name}:{i}", u.encode()) for i, u in enumerate(TEXTS[::-1])]))
+
+
 MALFORMATIONS: tuple[Callable[[Format, str], Case], ...] = (
     empty,
     empty_content,
@@ -420,6 +441,7 @@ MALFORMATIONS: tuple[Callable[[Format, str], Case], ...] = (
     utf16be_bom,
     not_utf8,
     wrong_field,
+    duplicate_field,
     missing_some,
     all_null,
     int_field,
