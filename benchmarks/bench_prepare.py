@@ -2,6 +2,7 @@
 the driver's serial part, how evenly the tasks divide, and the Amdahl projection those give, checked.
 
   PYTHONPATH=. python benchmarks/bench_prepare.py --part engines [--gb 0.25] [--experts 16] [--sample 20000]
+  PYTHONPATH=. python benchmarks/bench_prepare.py --part engines --gb 0.1 0.3 [--rounds 2] [--refit-rows 50000]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part serial [--fit-sizes 25000 50000 100000] [--experts 256]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part scale [--gb 0.1] [--refit-rows 50000]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part division [--gb 0.2] [--part-mb 32] [--uneven]
@@ -17,6 +18,13 @@ the tasks' own work and what Ray's worker does around them (serialising into the
 batch conversion, task start). Other engineers' processes are the machine's CPU less ours: reported as "others"
 and taken off the 2 cores in the projection's check. Campaigns are compared file for file (sha256). Every process
 runs one BLAS/OpenMP thread (THREADS), so CPU-s/MB is one core's cost.
+
+engines with two sizes (--gb SMALL BIG): the local engine and the Ray engine (1 worker) interleaved (local small,
+ray small, local big, ray big; --rounds times), each stage's CPU split as fixed + marginal x MB: the marginal
+CPU-s/MB (what one more MB costs: the goal's measure) without what a run pays once (Ray's start, a worker's imports,
+the router's load, a stage's scheduling). The task clock also reads the task's own thread, so Ray's threads in a
+worker process show as tasks less task thread. Use a --refit-rows below both corpora's sequences: the embeddings
+that travel to the driver are then a fixed cost, as at scale.
 
 scale: the local engine and the Ray engine (1 worker) at gb and 2 x gb: the driver's peak RSS at each, and each
 stage's marginal CPU-s/MB (what a run pays once left out; needs a steady load to mean anything).
@@ -316,6 +324,8 @@ def marginal(args) -> None:
     is paid once (Ray's and the workers' start, imports, the router's load, a stage's scheduling)."""
     if len(args.gb) != 2 or args.gb[0] >= args.gb[1]:
         sys.exit("error: --gb takes one size, or two (small then big) for marginal costs; e.g. --gb 0.1 0.3")
+    if args.rounds < 1:
+        sys.exit("error: --rounds must be 1 or more")
     tmp = tempfile.mkdtemp(prefix="soma-bench-marginal-", dir="/tmp")
     arms = [("local", 0), ("ray", 1)]
     try:
