@@ -2,6 +2,7 @@
 the driver's serial part, how evenly the tasks divide, and the Amdahl projection those give, checked.
 
   PYTHONPATH=. python benchmarks/bench_prepare.py --part engines [--gb 0.25] [--experts 16] [--sample 20000]
+  PYTHONPATH=. python benchmarks/bench_prepare.py --part engines --gb 0.1 0.3 [--rounds 2] [--refit-rows 50000]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part serial [--fit-sizes 25000 50000 100000] [--experts 256]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part scale [--gb 0.1] [--refit-rows 50000]
   PYTHONPATH=. python benchmarks/bench_prepare.py --part division [--gb 0.2] [--part-mb 32] [--uneven]
@@ -17,6 +18,13 @@ the tasks' own work and what Ray's worker does around them (serialising into the
 batch conversion, task start). Other engineers' processes are the machine's CPU less ours: reported as "others"
 and taken off the 2 cores in the projection's check. Campaigns are compared file for file (sha256). Every process
 runs one BLAS/OpenMP thread (THREADS), so CPU-s/MB is one core's cost.
+
+engines with two sizes (--gb SMALL BIG): the local engine and the Ray engine (1 worker) interleaved (local small,
+ray small, local big, ray big; --rounds times), each stage's CPU split as fixed + marginal x MB: the marginal
+CPU-s/MB (what one more MB costs: the goal's measure) without what a run pays once (Ray's start, a worker's imports,
+the router's load, a stage's scheduling). The task clock also reads the task's own thread, so Ray's threads in a
+worker process show as tasks less task thread. Use a --refit-rows below both corpora's sequences: the embeddings
+that travel to the driver are then a fixed cost, as at scale.
 
 scale: the local engine and the Ray engine (1 worker) at gb and 2 x gb: the driver's peak RSS at each, and each
 stage's marginal CPU-s/MB (what a run pays once left out; needs a steady load to mean anything).
@@ -184,6 +192,7 @@ def one(args) -> None:
     shutil.rmtree(times, ignore_errors=True)
     for name, st in stages.items():
         st["tasks"] = sum(t.cpu_s for t in tasks if t.stage == name)
+        st["thread"] = sum(t.thread_cpu_s for t in tasks if t.stage == name)  # the tasks' own threads: part of tasks
     print(
         json.dumps(
             {
@@ -274,9 +283,12 @@ def _others(run: dict) -> float:
 
 
 def engines(args) -> None:
+    if len(args.gb) > 1:
+        marginal(args)
+        return
     tmp = tempfile.mkdtemp(prefix="soma-bench-prepare-", dir="/tmp")
     try:
-        corpus, _ = _corpus(tmp, args.gb)
+        corpus, _ = _corpus(tmp, args.gb[0])
         arms = [("local", 0), ("ray", 1), ("ray", 2)]
         runs, files = {}, {}
         for engine, workers in arms:
@@ -303,6 +315,97 @@ def engines(args) -> None:
             )
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def marginal(args) -> None:
+    """engines at two corpus sizes: local and Ray (1 worker) interleaved, small then big, `rounds` times. Each
+    stage's CPU as fixed + marginal x MB: the marginal CPU-s/MB (the difference of a round's two runs over the
+    difference of their MB) is what the corpus's size pays; the fixed part (the small run less marginal x its MB)
+    is paid once (Ray's and the workers' start, imports, the router's load, a stage's scheduling)."""
+    if len(args.gb) != 2 or args.gb[0] >= args.gb[1]:
+        sys.exit("error: --gb takes one size, or two (small then big) for marginal costs; e.g. --gb 0.1 0.3")
+    if args.rounds < 1:
+        sys.exit("error: --rounds must be 1 or more")
+    tmp = tempfile.mkdtemp(prefix="soma-bench-marginal-", dir="/tmp")
+    arms = [("local", 0), ("ray", 1)]
+    try:
+        corpora = {gb: _corpus(tmp, gb, f"corpus-{gb}")[0] for gb in args.gb}
+        rounds, same = [], True
+        for _ in range(args.rounds):
+            runs = {}
+            for gb in args.gb:
+                files = []
+                for engine, workers in arms:
+                    camp = os.path.join(tmp, "camp")
+                    runs[(engine, gb)] = run_one(args, corpora[gb], camp, engine, workers)
+                    files.append(digests(camp))
+                    shutil.rmtree(camp, ignore_errors=True)
+                same = same and files[0] == files[1]
+            rounds.append(runs)
+        marginal_report(args, rounds, same)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+def _fixed_marginal(rounds: list[dict], engine: str, gbs, stages, group: str | None) -> tuple[float, float]:
+    """(fixed CPU-s, marginal CPU-s/MB) of `stages` in one engine, each the mean over the rounds."""
+    fixed, marg = [], []
+    for runs in rounds:
+        lo, hi = runs[(engine, gbs[0])], runs[(engine, gbs[1])]
+        m = (_cpu(hi, stages, group) - _cpu(lo, stages, group)) / ((hi["bytes"] - lo["bytes"]) / 1e6)
+        marg.append(m)
+        fixed.append(_cpu(lo, stages, group) - m * lo["bytes"] / 1e6)
+    return sum(fixed) / len(fixed), sum(marg) / len(marg)
+
+
+def marginal_report(args, rounds: list[dict], same: bool) -> None:
+    gbs = args.gb
+    r0 = rounds[0]
+    print(
+        f"\nN = {args.experts}, router sample {args.sample:,}, refit rows {args.refit_rows:,}, parts of "
+        f"{args.part_mb} MB; {len(rounds)} round(s) of local, ray 1 at "
+        + " and ".join(f"{r0[('local', g)]['bytes'] / 1e9:.3f} GB ({r0[('local', g)]['parts']} parts)" for g in gbs)
+        + f"; campaigns identical across engines at each size: {same}; others' load per run (cores): "
+        + "; ".join(", ".join(f"{e} {g} {_others(r):.2f}" for (e, g), r in runs.items()) for runs in rounds)
+    )
+    print(
+        "\nEach stage's CPU (every process of the run) = fixed + marginal x MB, from the two sizes (mean of the "
+        "rounds). ray 1's marginal split: tasks (the task processes' CPU while a task ran; of which task thread: the "
+        "task's own thread, the rest Ray's threads in that process), worker overhead (worker processes outside "
+        "the tasks), driver, Ray (raylet, gcs_server, agents).\n"
+    )
+    print(
+        "| stage | local: CPU-s/MB | fixed CPU-s | ray 1: CPU-s/MB | fixed CPU-s | tasks | of which task thread "
+        "| worker overhead | driver "
+        "| Ray | ray / local per MB |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    rows = [(s, (s,)) for s in STAGES] + [("parallel (read..write)", PARALLEL), ("serial (fit, refit)", SERIAL)]
+    for label, stages in rows:
+        lf, lm = _fixed_marginal(rounds, "local", gbs, stages, None)
+        rf, rm = _fixed_marginal(rounds, "ray", gbs, stages, None)
+        split = [
+            _fixed_marginal(rounds, "ray", gbs, stages, g)[1] for g in ("tasks", "thread", "workers", "driver", "ray")
+        ]
+        ratio = f"{rm / lm:.2f}x" if lm > 1e-4 else "-"
+        print(
+            f"| {label} | {lm:.4f} | {lf:.1f} | {rm:.4f} | {rf:.1f} | {split[0]:.4f} | {split[1]:.4f} | "
+            f"{split[2] - split[0]:.4f} | {split[3]:.4f} | {split[4]:.4f} | {ratio} |"
+        )
+    per_round = []
+    for runs in rounds:
+        one = [runs]
+        per_round.append(
+            _fixed_marginal(one, "ray", gbs, PARALLEL, None)[1] / _fixed_marginal(one, "local", gbs, PARALLEL, None)[1]
+        )
+    print("\nparallel stages, ray / local per MB in each round: " + ", ".join(f"{x:.2f}x" for x in per_round))
+    for runs in rounds:
+        print(
+            "wall s: "
+            + ", ".join(f"{e} {g}: {r['wall']:.0f}" for (e, g), r in runs.items())
+            + "; parallel stages' CPU-s, all: "
+            + ", ".join(f"{e} {g}: {_cpu(r, PARALLEL):.1f}" for (e, g), r in runs.items())
+        )
 
 
 def stage_table(runs: dict, arms: list, mb: float) -> None:
@@ -488,7 +591,7 @@ def scale(args) -> None:
     arms = [("local", 0), ("ray", 1)]
     try:
         runs = {}
-        for gb in (args.gb, 2 * args.gb):
+        for gb in (args.gb[0], 2 * args.gb[0]):
             corpus, _ = _corpus(tmp, gb, f"corpus-{gb}")
             for engine, workers in arms:
                 runs[(engine, gb)] = run_one(args, corpus, os.path.join(tmp, "camp"), engine, workers)
@@ -513,7 +616,7 @@ def scale(args) -> None:
             "| ray / local |"
         )
         print("|---|---|---|---|---|---|---|---|---|---|")
-        small, big = args.gb, 2 * args.gb
+        small, big = args.gb[0], 2 * args.gb[0]
         for label, stages in [(x, (x,)) for x in PARALLEL] + [("parallel", PARALLEL), ("serial (fit, refit)", SERIAL)]:
             cells = []
             for engine in ("local", "ray"):
@@ -535,7 +638,7 @@ def scale(args) -> None:
 def division(args) -> None:
     tmp = tempfile.mkdtemp(prefix="soma-bench-division-", dir="/tmp")
     try:
-        corpus, _ = _corpus(tmp, args.gb)
+        corpus, _ = _corpus(tmp, args.gb[0])
         if args.uneven:  # the first two files as one: a part twice the others (a part is whole files)
             first, second = sorted(os.listdir(corpus))[:2]
             with open(os.path.join(corpus, first), "ab") as out, open(os.path.join(corpus, second), "rb") as src:
@@ -591,7 +694,8 @@ def division(args) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--part", choices=("engines", "serial", "scale", "division"), default="engines")
-    p.add_argument("--gb", type=float, default=0.25)
+    p.add_argument("--gb", type=float, nargs="+", default=[0.25], help="engines: two sizes give marginal costs")
+    p.add_argument("--rounds", type=int, default=1, help="engines with two --gb: interleaved rounds")
     p.add_argument("--experts", type=int, default=16)
     p.add_argument("--sample", type=int, default=20_000, help="router.sample_chunks (the paper: 400k)")
     p.add_argument("--part-mb", type=int, default=64, help="prepare.part_bytes in MB")

@@ -111,9 +111,9 @@ def _embed(batch: dict, stage_url: str, options: dict, router_dir: str, seed: in
     with tempfile.TemporaryDirectory(prefix="soma-embed-") as tmp:
         keys, emb = embed_part(seed, router, Store(stage_url, options), int(batch["part"][0]), below, tmp)
     width = emb.shape[1] * 4  # rows as fixed-size binary: an empty refit sample converts too
-    rows = pa.FixedSizeBinaryArray.from_buffers(
-        pa.binary(width), len(emb), [None, pa.py_buffer(np.ascontiguousarray(emb).tobytes())]
-    )
+    # the array's own memory as the column's buffer (no copy of it in the task; Ray copies it once into the store)
+    data = pa.py_buffer(np.ascontiguousarray(emb))
+    rows = pa.FixedSizeBinaryArray.from_buffers(pa.binary(width), len(emb), [None, data])
     out = pa.table({"key": pa.array(keys, pa.uint64()), "emb": rows})
     clock.done(_node_id)
     return out

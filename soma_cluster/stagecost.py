@@ -35,6 +35,7 @@ class TaskTime:
     cpu_s: float
     wall_s: float
     end: float  # time.time() when the task finished
+    thread_cpu_s: float = 0.0  # the task's own thread alone: cpu_s less it is the process's other threads (Ray's)
 
     def line(self) -> str:
         return json.dumps(asdict(self))
@@ -51,7 +52,7 @@ class TaskClock:
         self.stage, self.part = stage, part
         self.where = os.environ.get(TASK_TIMES_ENV)
         if self.where:
-            self.cpu, self.wall = time.process_time(), time.perf_counter()
+            self.cpu, self.wall, self.thread = time.process_time(), time.perf_counter(), time.thread_time()
 
     def done(self, node: Callable[[], str]) -> None:
         """Record the task (node: asked only when recording, its Ray node id)."""
@@ -65,6 +66,7 @@ class TaskClock:
             time.process_time() - self.cpu,
             time.perf_counter() - self.wall,
             time.time(),
+            time.thread_time() - self.thread,
         )
         # one file per task: appends from many processes (or nodes sharing the directory) never interleave
         path = os.path.join(self.where, f"{self.stage}-{self.part:05d}-{uuid.uuid4().hex[:8]}.json")

@@ -42,6 +42,7 @@ def test_task_clock_records_the_task_own_cpu_and_wall(tmp_path, monkeypatch):
     ]
     embed = got[0]
     assert 0.04 <= embed.cpu_s < embed.wall_s and embed.wall_s >= 0.15
+    assert 0.04 <= embed.thread_cpu_s <= embed.cpu_s + 0.01  # this thread's share of the process's CPU
 
 
 def test_spread_and_makespan():
