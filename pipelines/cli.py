@@ -447,8 +447,6 @@ def evaluate(
         other = None
         if compare is not None:
             other_store = open_store(compare)
-            if other_store.local and store.local and os.path.realpath(other_store.root) == os.path.realpath(store.root):
-                raise SomaError(f"--compare {compare} is this campaign; pass another campaign to compare it with")
             other = (other_store, load_config(other_store))
         m = run(store, cfg, other, require_all)
         if as_json:

@@ -411,7 +411,10 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
         return CampaignConfig.model_validate(tree)
     except ValidationError as exc:
         first = exc.errors()[0]
-        where = ".".join(str(p) for p in first["loc"]) or "config"
+        loc = list(first["loc"])
+        while loc and isinstance(loc[-1], int):  # an item of a list setting: the setting is named
+            loc.pop()
+        where = ".".join(str(p) for p in loc) or "config"
         info = schema.field_at(CampaignConfig, where)
         section = CampaignConfig.model_fields.get(where)
         if info is None and section is not None and isinstance(section.annotation, type):

@@ -75,6 +75,10 @@ def allowed(info: FieldInfo) -> str:
         text = "a non-empty string" if info.metadata else "a string"
     elif typing.get_origin(kind) is dict:
         text = "a mapping"
+    elif typing.get_origin(kind) is list:
+        (item,) = typing.get_args(kind)
+        members = typing.get_args(item) if typing.get_origin(item) is Literal else ()
+        text = f"a list of {', '.join(map(str, members))} (or one name, or names with commas)" if members else "a list"
     else:
         text = getattr(kind, "__name__", str(kind))
     return f"{text}, or null" if nullable else text
