@@ -134,7 +134,7 @@ def _check_scale(value: str) -> str:
 def _check_experts(value: Optional[int]) -> Optional[int]:
     limit = dict(schema.bounds(CampaignConfig.model_fields["n_experts"]))["<="]
     if value is not None and not 1 <= value <= limit:
-        _bad(f"--experts/-n {value}: a campaign has 1 to {limit:_} experts; pass e.g. -n 4")
+        _bad(f"--experts/-n {value}: a campaign needs at least 1 expert (and at most {limit:_}); pass e.g. -n 4")
     return value
 
 

@@ -278,7 +278,7 @@ class Tracker:
         outcomes = [t.close(max(0.0, deadline - time.monotonic())) for t in self.threads]
         for o in outcomes:
             if o.gap.dropped:
-                why = f" (last error: {o.error})" if o.error else ""
+                why = f"; last error: {o.error}" if o.error else ""
                 console.print(f"warning: {o.gap.line(o.backend, self.store.url)}{why}", markup=False, soft_wrap=True)
                 if record:
                     self._record_gap(o)

@@ -369,5 +369,5 @@ class Gap:
         more = f" and {len(self.runs) - 6} more runs" if len(self.runs) > 6 else ""
         return (
             f"tracking: {backend} missed {self.dropped} points ({spans or 'no metrics'}{more}); the campaign's record "
-            f"holds them: soma track {url} fills the gap"
+            f"holds them; to fill the gap run: soma track {url}"
         )

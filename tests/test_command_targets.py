@@ -127,9 +127,16 @@ def test_the_table_covers_every_command_with_a_directory_argument():
     assert covered == with_dirs and len(CASES) >= 50, (covered, with_dirs, len(CASES))
 
 
+@pytest.fixture(scope="module")
+def wrong(tmp_path_factory, prepared) -> tuple[Path, dict[str, Path]]:
+    """The wrong targets, made once: every case must leave them as they are (each checks it did)."""
+    root = tmp_path_factory.mktemp("targets")
+    return root, targets(root, prepared)
+
+
 @pytest.mark.parametrize("command,argument,kind", CASES, ids=[f"{c}:{a}={k}" for c, a, k in CASES])
-def test_wrong_target_names_the_command_that_makes_it_right(command, argument, kind, tmp_path, prepared):
-    kinds = targets(tmp_path, prepared)
+def test_wrong_target_names_the_command_that_makes_it_right(command, argument, kind, wrong):
+    tmp_path, kinds = wrong
     fresh = tmp_path / "fresh" / "new"
     # the other directory arguments get a valid value: a new path for the one a command makes, else the campaign
     good = {"campaign": str(fresh), "parent": str(kinds["prepared-only"]), "directory": str(fresh)}

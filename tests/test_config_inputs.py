@@ -156,13 +156,14 @@ def test_every_command_with_set_is_in_the_rotation():
 @pytest.mark.parametrize("path,label,value", CASES, ids=[f"{p}={lbl}" for p, lbl, _ in CASES])
 def test_bad_setting_is_refused_by_every_command_that_takes_set(path, label, value, tmp_path, parent):
     """Through soma prepare, through one more --set command in turn (each sees a quarter of the table: the
-    commands share the parsing, so this finds a command that skips it at a quarter of the cost), and in a --config
-    file."""
+    commands share the parsing, so this finds a command that skips it at a quarter of the cost), and, for every
+    other case (half of each field's values), in a --config file."""
     line = refuse(_argv("prepare", tmp_path, parent, ["--set", f"{path}={value}"]), tmp_path, path)
     assert f"set {path} to " in line, line  # what the field takes
     other = [c for c in SET_COMMANDS if c != "prepare"][CASES.index((path, label, value)) % (len(SET_COMMANDS) - 1)]
     refuse(_argv(other, tmp_path, parent, ["--set", f"{path}={value}"]), tmp_path, path)
-    # the same value in a --config file layered over the preset
+    if CASES.index((path, label, value)) % 2:
+        return  # the --config form for every other case: it shares the validation with --set
     cfg = tmp_path.parent / f"{tmp_path.name}.yaml"
     cfg.write_text(yaml.safe_dump(_tree(path, yaml.safe_load(value))))
     refuse(_argv("prepare", tmp_path, parent, ["--config", str(cfg)]), tmp_path, path)

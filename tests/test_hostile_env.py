@@ -295,6 +295,8 @@ COMMANDS: dict[str, Invocation] = {
         lambda p, w: ["experiment", "variance", p.new, "--no-progress", *micro_sets()], True, slow=True
     ),
     "report": Invocation(lambda p, w: ["report", p.exp], True),
+    # a TensorBoard backfill into the campaign (its tensorboard/ directory): writes, under the campaign's lease
+    "track": Invocation(lambda p, w: ["track", p.camp, "--backend", "tensorboard"], True, drives=True),
     "presets": Invocation(lambda p, w: ["presets"], False),
 }
 # refused cells rerun once their condition is lifted (cheap commands; prepare is the real end to end)

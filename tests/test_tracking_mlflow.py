@@ -122,9 +122,9 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
         assert [s for s, _ in got] == [s for s, _ in curve]  # each step once, in order
         assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
 
-    server.start()  # back up (the same database) while `soma eval` runs: eval's own points miss it too
-    p = soma("eval", campaign)
+    p = soma("eval", campaign)  # with the server still down: eval's own points miss it too
     assert p.returncode == 0, p.stderr
+    server.start()  # back up (the same database); only `soma track` can close the gap now
     server.wait_ready()
     p = soma("track", campaign, "--json")
     assert p.returncode == 0, p.stderr
