@@ -17,7 +17,7 @@ from typer.testing import CliRunner
 
 from pipelines.cli import app
 from soma_cluster import schema
-from soma_cluster.config import CampaignConfig, resolve, to_yaml_text
+from soma_cluster.config import CampaignConfig, resolve, set_dotted, to_yaml_text
 from soma_cluster.errors import SomaError
 
 LEAVES = list(schema.leaves(CampaignConfig))
@@ -92,12 +92,9 @@ def test_the_range_edges_are_accepted():
 
 
 def _tree(path: str, value) -> dict:
+    """{section: {field: value}} for a dotted path, as --set builds it."""
     tree: dict = {}
-    node = tree
-    keys = path.split(".")
-    for key in keys[:-1]:
-        node = node.setdefault(key, {})
-    node[keys[-1]] = value
+    set_dotted(tree, path, value)
     return tree
 
 
