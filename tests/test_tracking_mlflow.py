@@ -130,7 +130,9 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
     assert p.returncode == 0, p.stderr
     filled = json.loads(p.stdout)["backends"]
     missed = {run for g in gaps if g["backend"] == "mlflow" for run in g["runs"]}  # what the launch reported
-    assert filled["mlflow"]["points"] > 0 and missed and missed <= set(filled["mlflow"]["runs"])
+    # a batch the server stored just before it died is reported missed yet found whole by the backfill (it reads
+    # what the tracker holds first), so the backfill fills a part of what was reported, never a run outside it
+    assert filled["mlflow"]["points"] > 0 and missed and set(filled["mlflow"]["runs"]) <= missed
 
     runs = runs_of(server, "tracked")
     assert set(runs) == {"campaign", "seed", "expert-0000", "expert-0001"}
