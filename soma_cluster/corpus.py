@@ -3,8 +3,8 @@
 The built-in corpus is real text already on the machine (Python's own docs and sources, license
 texts, man/info pages and package docs where present); nothing is downloaded. A user corpus is a
 local or s3:// path: a file or a directory of files, each read in the format its name says (FORMATS:
-plain text, JSONL, either also .gz/.bz2/.xz, Parquet, Arrow IPC). docs/prepare.md says what a document
-is in each.
+plain text, JSONL, either also .gz/.bz2/.xz/.lzma, Parquet, Arrow IPC). docs/prepare.md says what a document
+is in each, and which files a directory gives (hidden names left out, links followed once).
 """
 
 from __future__ import annotations
@@ -27,13 +27,15 @@ from pathlib import Path
 from typing import Callable, Iterable, Iterator
 
 import fsspec
+import numpy as np
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
 from soma_cluster.config import CorpusConfig
 from soma_cluster.errors import SomaError
-from soma_cluster.formats import Format, Layout, format_of
+from soma_cluster.formats import Format, Layout, format_of, refused
 from soma_cluster.storage import storage_options_from_env, transient_errors, with_s3_defaults
 
 MIN_DOC_BYTES = 64
@@ -225,22 +227,56 @@ def _text_docs(blocks: Iterator[bytes], name: str, kind: str, size: int) -> Iter
         yield Document(text_doc_id(name, offset + at), kind, bytes(buf[at:]))
 
 
-def _lines(blocks: Iterator[bytes]) -> Iterator[tuple[int, bytes]]:
-    """(index, line) of a byte stream, without the newline; a line longer than a block is joined once."""
+MAX_RECORD_BYTES = 64 << 20  # a JSONL line or table value longer than this is refused, so memory stays bounded
+
+
+class _LongRecord(Exception):
+    def __init__(self, index: int, size: int):
+        self.index, self.size = index, size  # the line's index (from 0) and its length in bytes
+
+
+def _lines(blocks: Iterator[bytes], limit: int) -> Iterator[tuple[int, bytes]]:
+    """(index, line) of a byte stream, without the newline; a line longer than a block is joined once. A line longer
+    than `limit` bytes raises _LongRecord with its full length, counted without holding more than `limit` of it."""
     pending: list[bytes] = []  # the start of a line that has not ended yet
-    i = 0
+    held = i = 0  # held: bytes in pending
     for block in blocks:
         *whole, rest = block.split(b"\n")
         if whole:
             whole[0] = b"".join([*pending, whole[0]])
-            pending = []
+            pending, held = [], 0
         for line in whole:
+            if len(line) > limit:
+                raise _LongRecord(i, len(line))
             yield i, line
             i += 1
         pending.append(rest)
+        held += len(rest)
+        if held > limit:
+            raise _LongRecord(i, held + _rest_of_line(blocks))
     tail = b"".join(pending)
     if tail:
         yield i, tail
+
+
+def _rest_of_line(blocks: Iterator[bytes]) -> int:
+    """How many bytes the stream holds up to its next newline (or its end), read and dropped."""
+    n = 0
+    for block in blocks:
+        end = block.find(b"\n")
+        if end >= 0:
+            return n + end
+        n += len(block)
+    return n
+
+
+def _too_long(path: str, what: str, size: int, fix: str) -> SomaError:
+    return corpus_error(
+        path,
+        f"{what} is {size:,} bytes, more than the {MAX_RECORD_BYTES:,} ({MAX_RECORD_BYTES / 2**20:g} MiB) a record "
+        "may hold",
+        f"{fix} (a record is never cut), or remove it",
+    )
 
 
 _JSON_TYPES = {dict: "an object", list: "an array", str: "a string", bool: "a boolean", int: "a number",
@@ -265,8 +301,17 @@ def _jsonl_docs(
     """A JSONL file's documents: each line an object whose `field` is a string (null or absent: no document). A
     line that is not JSON or not an object, or a `field` of another type, is an error naming the line; a file
     with records but text in none of them is an error naming corpus.text_field; one without records is skipped."""
+    try:
+        yield from _jsonl_records(blocks, path, name, kind, field, skipped)
+    except _LongRecord as exc:
+        raise _too_long(path, f"line {exc.index + 1}", exc.size, "split it into records of at most that size") from None
+
+
+def _jsonl_records(
+    blocks: Iterator[bytes], path: str, name: str, kind: str, field: str, skipped: dict[str, list[str]]
+) -> Iterator[Document]:
     records, found, first = 0, 0, None
-    for i, raw in _lines(blocks):
+    for i, raw in _lines(blocks, MAX_RECORD_BYTES):
         line = raw.decode("utf-8", "surrogateescape")
         if not line.strip():
             continue
@@ -331,7 +376,9 @@ def _open_table(fh, path: str, fmt: Format, field: str):
         if fmt.name == "parquet":
             pf = pq.ParquetFile(fh)
             schema, groups, unit = pf.schema_arrow, pf.num_row_groups, "row group"
-            group = lambda g: pf.iter_batches(batch_size=4096, columns=[field], row_groups=[g])  # noqa: E731
+            group = lambda g: pf.iter_batches(  # noqa: E731
+                batch_size=_parquet_batch_rows(pf.metadata.row_group(g), field), columns=[field], row_groups=[g]
+            )
         else:
             try:
                 reader = ipc.open_file(fh)
@@ -388,11 +435,11 @@ def _table_docs(
             for batch in batches:
                 col = batch.column(0)
                 col = col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
-                rows += len(col)
-                for value in col.cast(pa.large_binary()).to_pylist():
+                for value in _values(col.cast(pa.large_binary()), path, rows):
                     if value is not None:
                         yield Document(f"{name}:{i}", kind, value)
                         i += 1
+                rows += len(col)
         except (pa.ArrowException, OSError) as exc:
             of = f" of {groups}" if groups is not None else ""
             raise corpus_error(
@@ -405,6 +452,35 @@ def _table_docs(
         raise corpus_error(
             path, f"column {field!r} is null in all its {rows} rows", "set corpus.text_field to the text column"
         )
+
+
+BATCH_BYTES = 16 << 20  # about how many bytes of a table's text column become Python bytes at once
+
+
+def _parquet_batch_rows(meta: pq.RowGroupMetaData, field: str) -> int:
+    """Rows per batch for about BATCH_BYTES of the text column (from the row group's uncompressed size), at most
+    4096: a row group of few, long texts is decoded a few rows at a time."""
+    chunks = (meta.column(j) for j in range(meta.num_columns))
+    size = next((c.total_uncompressed_size for c in chunks if c.path_in_schema == field), 0)
+    return max(1, min(4096, BATCH_BYTES * meta.num_rows // max(1, size)))
+
+
+def _values(col: pa.LargeBinaryArray, path: str, before: int) -> Iterator[bytes | None]:
+    """A column's values as bytes (None for null), in slices of about BATCH_BYTES; a value longer than
+    MAX_RECORD_BYTES is an error naming its row (`before`: the rows of the file before this column's first)."""
+    lengths = pc.fill_null(pc.binary_length(col), 0).to_numpy(zero_copy_only=False)
+    long = np.flatnonzero(lengths > MAX_RECORD_BYTES)
+    if len(long):
+        row = int(long[0])
+        raise _too_long(
+            path, f"row {before + row + 1}", int(lengths[row]), "split its text into rows of at most that size"
+        )
+    ends = np.cumsum(lengths, dtype=np.int64)
+    start = 0
+    while start < len(col):
+        stop = max(start + 1, int(np.searchsorted(ends, (ends[start - 1] if start else 0) + BATCH_BYTES, "right")))
+        yield from col.slice(start, stop - start).to_pylist()
+        start = stop
 
 
 SNIFF_BYTES = 8192
@@ -496,18 +572,26 @@ _SPECIAL = (
     (stat.S_ISBLK, "block device"),
     (stat.S_ISDIR, "directory"),
 )
+# Why a listed name is left out without being opened (reported with the files skipped while read: SKIP_*)
+SKIP_HIDDEN = "hidden (name starts with a dot)"  # .git/, .DS_Store, editors' swap files: not text a user means
+SKIP_LOOP = "link loop (to a directory above it)"  # walking it would never end
+SKIP_SEEN = "read already (under another name)"  # its text is not taken twice
 
 
-def _require_regular(path: str, root: bool = False) -> None:
-    """A local corpus path is a regular file, found by stat alone: opening a FIFO blocks until a writer comes,
-    and a device never ends."""
+def _stat(path: str) -> os.stat_result:
+    """os.stat of a local corpus path, links followed: a broken link or a loop of links is one error naming it."""
     try:
-        mode = os.stat(path).st_mode
+        return os.stat(path)
     except FileNotFoundError:
         raise corpus_error(path, "is a broken symbolic link (or vanished)", "remove it or point it at a file") from None
     except OSError as exc:
         what = "is a symbolic link loop" if exc.errno == errno.ELOOP else f"cannot be read ({type(exc).__name__})"
         raise corpus_error(path, what, "fix it (its permissions, its link) or remove it") from None
+
+
+def _require_regular(path: str, mode: int, root: bool = False) -> None:
+    """A local corpus path is a regular file, found by stat alone: opening a FIFO blocks until a writer comes,
+    and a device never ends."""
     for test, kind in _SPECIAL:
         if test(mode):
             fix = "pass a text file or a directory of them" if root else "remove it from the corpus directory"
@@ -521,10 +605,18 @@ def _unreachable(source: str, exc: BaseException) -> SomaError:
     )
 
 
-def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list[tuple[str, str, int]]:
-    """(path, path relative to the corpus root, size in bytes) of every file to read, in relative-path
-    order. A local special file (FIFO, socket, device) or broken link is refused here, before any file is
-    opened."""
+@dataclass(frozen=True)
+class Listed:
+    path: str  # as the corpus's filesystem names it
+    name: str  # relative to the corpus root ("/"-separated; a directory left out ends in "/")
+    size: int  # on disk, in bytes
+    skip: str = ""  # why it is left out unread (SKIP_HIDDEN, SKIP_LOOP, SKIP_SEEN), "" if it is read
+
+
+def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list[Listed]:
+    """Every file to read and every name left out unread, in relative-path order (the order of the documents,
+    whatever the walk). A local special file (FIFO, socket, device), broken link, link loop or archive is refused
+    here, before any file is opened."""
     try:
         info = fs.info(root)
     except FileNotFoundError:
@@ -539,22 +631,123 @@ def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list
         raise SomaError(f"corpus path {shown(source)} is a symbolic link loop; point corpus.source at a file") from None
     except transient_errors() as exc:
         raise _unreachable(source, exc) from None
-    is_dir = info["type"] == "directory"
-    if is_dir:
-        base = root.rstrip("/")
-        found = fs.find(base, detail=True)
-        files = [(p, p[len(base) :].lstrip("/"), int(d.get("size") or 0)) for p, d in found.items()]
-        files = sorted(
-            ((p, rel, n) for p, rel, n in files if not rel.rsplit("/", 1)[-1].startswith(".")), key=lambda f: f[1]
-        )
+    if info["type"] != "directory":
+        if _is_local(fs):
+            _require_regular(root, _stat(root).st_mode, root=True)
+        files = [Listed(root, root.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0))]
+    elif _is_local(fs):
+        files = _LocalWalk(root).listing()
     else:
-        files = [(root, root.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0))]
-    if _is_local(fs):
-        if not is_dir:
-            _require_regular(root, root=True)
-        for path, _, _ in files:
-            _require_regular(path)
+        files = _store_files(fs, root)
+    for f in files:
+        why = None if f.skip else refused(f.name.rsplit("/", 1)[-1])
+        if why:
+            raise corpus_error(f.path, *why)
     return files
+
+
+def _store_files(fs: fsspec.AbstractFileSystem, root: str) -> list[Listed]:
+    """An object store's files under `root`; a key with a hidden part (a/.cache/b) is left out, listed once by its
+    first hidden part (`a/.cache/`), however many keys it holds."""
+    base = root.rstrip("/")
+    files, hidden = [], set()
+    for p, d in fs.find(base, detail=True).items():
+        parts = p[len(base) :].lstrip("/").split("/")
+        dot = next((i for i, part in enumerate(parts) if part.startswith(".")), None)
+        if dot is None:
+            files.append(Listed(p, "/".join(parts), int(d.get("size") or 0)))
+        else:
+            hidden.add("/".join(parts[: dot + 1]) + ("/" if dot < len(parts) - 1 else ""))
+    files += [Listed(f"{base}/{h.rstrip('/')}", h, 0, SKIP_HIDDEN) for h in hidden]
+    return sorted(files, key=lambda f: f.name)
+
+
+class _LocalWalk:
+    """A local corpus directory's files, symbolic links followed. Every real directory is walked once (by device
+    and inode): the real tree first, then the directories that links point at, in the order found, so a link to
+    a directory inside the corpus is left out as read already, and one to a directory above it (or above the
+    root) as a loop; a file reached by two names is read under the first, preferring its real one."""
+
+    def __init__(self, root: str):
+        real = os.path.realpath(root)
+        # the root and every directory above it: a link to any of them is a loop
+        self.above = frozenset(self._key(d) for d in _with_parents(real))
+        self.seen = set(self.above)
+        self.dirs: deque[tuple[str, str, str, frozenset]] = deque([(root, "", real, self.above)])
+        self.links: deque[tuple[str, str, frozenset, tuple[int, int]]] = deque()
+        self.found: list[tuple[str, str, int, str, bool]] = []  # (name, path, size, real path, via a link)
+        self.left_out: list[Listed] = []
+
+    @staticmethod
+    def _key(path: str) -> tuple[int, int]:
+        st = os.stat(path)
+        return st.st_dev, st.st_ino
+
+    def listing(self) -> list[Listed]:
+        while self.dirs or self.links:
+            if self.dirs:
+                self._scan(*self.dirs.popleft())
+                continue
+            path, name, above, key = self.links.popleft()
+            if key in above:
+                self.left_out.append(Listed(path, name + "/", 0, SKIP_LOOP))
+            elif key in self.seen:
+                self.left_out.append(Listed(path, name + "/", 0, SKIP_SEEN))
+            else:
+                self.seen.add(key)
+                self.dirs.append((path, name, os.path.realpath(path), above | {key}))
+        first: dict[str, str] = {}  # real path -> the name it is read under: its real one first, else the lowest
+        for name, _, _, real, _ in sorted(self.found, key=lambda f: (f[4], f[0])):
+            first.setdefault(real, name)
+        files = [
+            Listed(path, name, size) if first[real] == name else Listed(path, name, 0, SKIP_SEEN)
+            for name, path, size, real, _ in self.found
+        ]
+        return sorted(files + self.left_out, key=lambda f: f.name)
+
+    def _scan(self, path: str, name: str, real: str, above: frozenset) -> None:
+        try:
+            entries = sorted(os.scandir(path), key=lambda e: e.name)
+        except OSError as exc:
+            raise corpus_error(
+                path, f"cannot be listed ({type(exc).__name__})", "fix its permissions or remove it"
+            ) from None
+        for e in entries:
+            sub = f"{name}/{e.name}" if name else e.name
+            if e.name.startswith("."):  # never opened nor followed
+                self.left_out.append(Listed(e.path, sub + "/" * _quiet_is_dir(e), 0, SKIP_HIDDEN))
+                continue
+            st = _stat(e.path)  # links followed: a broken one, or a loop of links, is an error here
+            key = (st.st_dev, st.st_ino)
+            if not stat.S_ISDIR(st.st_mode):
+                _require_regular(e.path, st.st_mode)
+                link = e.is_symlink()
+                self.found.append(
+                    (sub, e.path, st.st_size, os.path.realpath(e.path) if link else f"{real}/{e.name}", link)
+                )
+            elif e.is_symlink():
+                self.links.append((e.path, sub, above, key))  # followed once the real tree is walked
+            elif key in self.seen:  # a bind mount of a directory walked already, or of one above it
+                self.left_out.append(Listed(e.path, sub + "/", 0, SKIP_LOOP if key in above else SKIP_SEEN))
+            else:
+                self.seen.add(key)
+                self.dirs.append((e.path, sub, f"{real}/{e.name}", above | {key}))
+
+
+def _quiet_is_dir(e: os.DirEntry) -> bool:
+    try:
+        return e.is_dir()
+    except OSError:
+        return False
+
+
+def _with_parents(path: str) -> Iterator[str]:
+    while True:
+        yield path
+        parent = os.path.dirname(path)
+        if parent == path:
+            return
+        path = parent
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
@@ -576,6 +769,7 @@ class CorpusFile:
     name: str  # relative to the corpus root: the key of its documents (test split, shards)
     budget: int  # document bytes it may give: corpus.max_bytes less the on-disk sizes of the files before it
     size: int = 0  # on disk, as listed
+    skip: str = ""  # why it is left out unread (a hidden name, a link loop, ...): reported with the skipped files
 
 
 @dataclass(frozen=True)
@@ -601,16 +795,20 @@ def plan_parts(cfg: CorpusConfig, part_bytes: int) -> list[Part]:
     parts: list[Part] = []
     group: list[CorpusFile] = []
     before = grouped = 0
-    for path, name, size in _corpus_files(fs, cfg.source, root):
+    for f in _corpus_files(fs, cfg.source, root):
         if before >= cfg.max_bytes:
             break
-        group.append(CorpusFile(path, name, cfg.max_bytes - before, size))
-        before += size
-        grouped += size
+        group.append(CorpusFile(f.path, f.name, cfg.max_bytes - before, f.size, f.skip))
+        if f.skip:  # read by no one: it only travels with its part to be reported
+            continue
+        before += f.size
+        grouped += f.size
         if grouped >= part_bytes:
             parts.append(Part(len(parts), tuple(group)))
             group, grouped = [], 0
-    if group:
+    if group and parts and all(f.skip for f in group):  # names left out after the last file: no part of their own
+        parts[-1] = Part(parts[-1].index, parts[-1].files + tuple(group))
+    elif group:
         parts.append(Part(len(parts), tuple(group)))
     return parts
 
@@ -626,6 +824,9 @@ def part_documents(
     fs, _ = corpus_fs(cfg)
     skipped = {} if skipped is None else skipped
     for f in part.files:
+        if f.skip:
+            skipped.setdefault(f.skip, []).append(f.name)
+            continue
         total = 0
         try:
             for doc in _forced(_user_file_docs(fs, f, cfg, skipped), cfg):

@@ -25,7 +25,9 @@ class Format:
     compression: str | None = None  # fsspec's codec name
 
 
-COMPRESSIONS = ((".gz", "gzip"), (".bz2", "bz2"), (".xz", "xz"))  # decompressed while read, by name
+# decompressed while read, by name; "lzma" (fsspec's lzma.LZMAFile, which detects the container) reads both the
+# legacy LZMA-alone files that `lzma`/`xz --format=lzma` write and .xz data under that name
+COMPRESSIONS = ((".gz", "gzip"), (".bz2", "bz2"), (".xz", "xz"), (".lzma", "lzma"))
 # Every format `prepare` reads, first match wins: the one source of truth for the reader, the docs and the tests
 # (tests/test_corpus_formats.py generates its malformation table from it).
 FORMATS: tuple[Format, ...] = (
@@ -36,6 +38,18 @@ FORMATS: tuple[Format, ...] = (
     *(Format(f"text{s}", s, Layout.TEXT, c) for s, c in COMPRESSIONS),
     Format("text", "", Layout.TEXT),
 )
+
+
+# Names `prepare` refuses before reading anything, with the fix: an archive is many files in one, which the reader does
+# not open (reading a zip's members would make one file many, each with its own format, encoding and skip reasons).
+REFUSED: tuple[tuple[str, str, str], ...] = (
+    (".zip", "is a zip archive, which prepare does not open", "unzip it into the corpus directory and remove the .zip"),
+)
+
+
+def refused(name: str) -> tuple[str, str] | None:
+    """(what the file is, the fix) if a corpus file of this name is refused, else None."""
+    return next(((what, fix) for suffix, what, fix in REFUSED if name.lower().endswith(suffix)), None)
 
 
 def format_of(name: str, setting: str = "auto") -> Format:

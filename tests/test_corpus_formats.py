@@ -26,7 +26,7 @@ from conftest import assert_one_line_error, soma
 from s3server import s3  # noqa: F401
 
 from soma_cluster.config import CorpusConfig
-from soma_cluster.corpus import is_test_doc, shown, text_doc_id, user_documents
+from soma_cluster.corpus import SKIP_HIDDEN, SKIP_SEEN, is_test_doc, shown, text_doc_id, user_documents
 from soma_cluster.errors import SomaError
 from soma_cluster.formats import FORMATS, Format, Layout
 
@@ -37,6 +37,7 @@ COMPRESS: dict[str | None, Callable[[bytes], bytes]] = {
     "gzip": lambda b: gzip.compress(b, mtime=0),
     "bz2": bz2.compress,
     "xz": lzma.compress,
+    "lzma": lambda b: lzma.compress(b, format=lzma.FORMAT_ALONE),  # the legacy container `lzma` writes
 }
 TEXTS = ["The first document, long enough to be one. " * 4, "A second one, café and naïve. " * 5, "Third. " * 30]
 
@@ -57,11 +58,13 @@ class Fails:
 
 @dataclass
 class Case:
-    files: dict[bytes, bytes | str] = field(default_factory=dict)  # name -> content, or "fifo", "loop", "dangling"
+    # name -> content, or "fifo", "loop", "dangling", "->TARGET" (a symbolic link to TARGET)
+    files: dict[bytes, bytes | str] = field(default_factory=dict)
     expect: Read | Fails = Read([])
     name: bytes = b""  # the file the outcome is about
     root_only: bool = False  # root reads what chmod 000 hides
     settings: dict = field(default_factory=dict)  # corpus.* besides source and max_bytes
+    skipped: dict[str, list[str]] | None = None  # what the reader reports left out, by reason (None: not checked)
 
 
 # -- the malformations: (format, file name) -> Case ------------------------------------------------------------
@@ -394,6 +397,28 @@ def _special(kind: str, needles: tuple[str, ...]) -> Callable[[Format, str], Cas
     return make
 
 
+def hidden(fmt: Format, name: str) -> Case:
+    """Hidden copies (a dot file, a file in a dot directory): left out unopened, reported by name, a hidden directory
+    once; the good file beside them is read."""
+    data, good = _good(fmt, TEXTS, "a-good" + fmt.suffix)
+    files = {
+        b"a-good" + fmt.suffix.encode(): data,
+        b"." + name.encode(): b"\x00junk",
+        b".git/objects/" + name.encode(): data,
+    }
+    files[b"sub/.#" + name.encode()] = "fifo"  # never opened: a hidden FIFO does not block
+    return Case(files, good, skipped={SKIP_HIDDEN: [".git/", "." + name, "sub/.#" + name]})
+
+
+def linked(fmt: Format, name: str) -> Case:
+    """A file reached through a link (into a hidden store, as Hugging Face's cache and git-annex lay files out) is
+    read under the link's name; a second link to a directory already read is left out, reported."""
+    data, good = _good(fmt, TEXTS, name)
+    files = {b".blobs/0123": data, name.encode(): "->.blobs/0123", b"d/inner.txt": b"inner text\n" * 9, b"e": "->d"}
+    docs = [("d/inner.txt", b"inner text\n" * 9), *good.docs]
+    return Case(files, Read(docs), skipped={SKIP_HIDDEN: [".blobs/"], SKIP_SEEN: ["e/"]})
+
+
 def dir_named_like_file(fmt: Format, name: str) -> Case:
     """A directory called x.parquet (or x.jsonl.gz) holds files: they are read in their own formats."""
     return Case(
@@ -464,6 +489,8 @@ MALFORMATIONS: tuple[Callable[[Format, str], Case], ...] = (
     _special("dangling", ("is a broken symbolic link", "remove it or point it at a file")),
     dir_named_like_file,
     unreadable,
+    hidden,
+    linked,
 )
 
 
@@ -486,6 +513,8 @@ def write_case(root: Path, case: Case) -> None:
             os.symlink(name, path)
         elif content == "dangling":
             os.symlink(b"gone" + name, path)
+        elif isinstance(content, str) and content.startswith("->"):
+            os.symlink(content[2:], path)
         else:
             with open(path, "wb") as fh:
                 fh.write(content)
@@ -493,14 +522,16 @@ def write_case(root: Path, case: Case) -> None:
                 os.chmod(path, 0)
 
 
-def read_corpus(source: str, **settings) -> list[tuple[str, bytes]]:
+def read_corpus(source: str, skipped: dict | None = None, **settings) -> list[tuple[str, bytes]]:
     cfg = CorpusConfig(source=source, max_bytes=MAX_BYTES, **settings)
-    return [(d.doc_id, d.data) for d in user_documents(cfg)]
+    return [(d.doc_id, d.data) for d in user_documents(cfg, skipped)]
 
 
 def check(case: Case, source: str, shown_name: str) -> None:
     if isinstance(case.expect, Read):
-        assert read_corpus(source, **case.settings) == case.expect.docs
+        skipped: dict[str, list[str]] = {}
+        assert read_corpus(source, skipped, **case.settings) == case.expect.docs
+        assert case.skipped is None or skipped == case.skipped, skipped
         assert all(is_test_doc(doc_id, 0.5, 0) in (True, False) for doc_id, _ in case.expect.docs)  # any name hashes
         return
     with pytest.raises(SomaError) as info:
@@ -545,6 +576,9 @@ S3_SAMPLE = [
     ("text.gz", huge_record),
     ("text.xz", garbage),
     ("text", empty),
+    ("text.lzma", truncated),
+    ("jsonl.lzma", utf16_bom),
+    ("jsonl", hidden),
 ]
 
 
@@ -557,10 +591,10 @@ def test_malformation_on_s3(s3, monkeypatch, fmt_name, malformation):  # noqa: F
     case = malformation(fmt, name)
     prefix = f"{fmt_name}-{malformation.__name__}"
     fs = s3.fs()
-    for rel, content in case.files.items():
-        fs.pipe(f"{s3.bucket}/{prefix}/{rel.decode()}", content)
+    for rel, content in case.files.items():  # a special file is an object like any other on S3
+        fs.pipe(f"{s3.bucket}/{prefix}/{rel.decode()}", content if isinstance(content, bytes) else b"special")
     check(case, s3.url(prefix), name)
-    assert sorted(s3.objects(prefix)) == [f"{s3.bucket}/{prefix}/{rel.decode()}" for rel in case.files]
+    assert sorted(s3.objects(prefix)) == sorted(f"{s3.bucket}/{prefix}/{rel.decode()}" for rel in case.files)
 
 
 # -- plain text is cut into documents (corpus.document_bytes) ------------------------------------------------
