@@ -585,17 +585,20 @@ def _stat(path: str) -> os.stat_result:
     except FileNotFoundError:
         raise corpus_error(path, "is a broken symbolic link (or vanished)", "remove it or point it at a file") from None
     except OSError as exc:
-        what = "is a symbolic link loop" if exc.errno == errno.ELOOP else f"cannot be read ({type(exc).__name__})"
+        # a bare OSError says nothing by its name (a path longer than PATH_MAX: "File name too long")
+        why = type(exc).__name__ + (f": {exc.strerror}" if type(exc) is OSError and exc.strerror else "")
+        what = "is a symbolic link loop" if exc.errno == errno.ELOOP else f"cannot be read ({why})"
         raise corpus_error(path, what, "fix it (its permissions, its link) or remove it") from None
 
 
-def _require_regular(path: str, mode: int, root: bool = False) -> None:
+def _require_regular(path: str, mode: int, root: bool = False, link: bool = False) -> None:
     """A local corpus path is a regular file, found by stat alone: opening a FIFO blocks until a writer comes,
     and a device never ends."""
     for test, kind in _SPECIAL:
         if test(mode):
             fix = "pass a text file or a directory of them" if root else "remove it from the corpus directory"
-            raise SomaError(f"corpus path {shown(path)} is a {kind}, not a regular file; {fix}")
+            what = f"a symbolic link to a {kind}" if link else f"a {kind}"
+            raise SomaError(f"corpus path {shown(path)} is {what}, not a regular file; {fix}")
 
 
 def _unreachable(source: str, exc: BaseException) -> SomaError:
@@ -633,7 +636,7 @@ def _corpus_files(fs: fsspec.AbstractFileSystem, source: str, root: str) -> list
         raise _unreachable(source, exc) from None
     if info["type"] != "directory":
         if _is_local(fs):
-            _require_regular(root, _stat(root).st_mode, root=True)
+            _require_regular(root, _stat(root).st_mode, root=True, link=os.path.islink(root))
         files = [Listed(root, root.rstrip("/").rsplit("/", 1)[-1], int(info.get("size") or 0))]
     elif _is_local(fs):
         files = _LocalWalk(root).listing()
@@ -720,8 +723,8 @@ class _LocalWalk:
             st = _stat(e.path)  # links followed: a broken one, or a loop of links, is an error here
             key = (st.st_dev, st.st_ino)
             if not stat.S_ISDIR(st.st_mode):
-                _require_regular(e.path, st.st_mode)
-                link = e.is_symlink()
+                link = e.is_symlink()  # then its real path names it when reached twice
+                _require_regular(e.path, st.st_mode, link=link)
                 self.found.append(
                     (sub, e.path, st.st_size, os.path.realpath(e.path) if link else f"{real}/{e.name}", link)
                 )

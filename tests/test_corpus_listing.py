@@ -148,6 +148,16 @@ def test_a_broken_link_in_a_linked_directory_is_an_error_naming_it(tmp_path):
     assert "remove it or point it at a file" in line
 
 
+def test_a_link_to_a_fifo_or_a_device_is_refused_unopened(tmp_path):
+    os.mkfifo(tmp_path / "fifo")
+    tree(tmp_path, {"c/a.txt": TEXT, "c/q.txt": "->../fifo"})
+    line = error_of(str(tmp_path / "c"))
+    assert f"{tmp_path / 'c' / 'q.txt'} is a symbolic link to a FIFO" in line and "remove it" in line, line
+    (tmp_path / "c" / "q.txt").unlink()
+    os.symlink("/dev/zero", tmp_path / "c" / "z.txt")  # would never end
+    assert "z.txt is a symbolic link to a character device" in error_of(str(tmp_path / "c"))
+
+
 def test_a_bind_mount_of_the_root_inside_it_is_a_loop(tmp_path):
     root = tree(tmp_path / "c", {"a.txt": TEXT, "mnt/keep": TEXT})
     proc = subprocess.run(["mount", "--bind", str(root), str(root / "mnt")], capture_output=True, text=True)
@@ -203,6 +213,16 @@ def test_a_jsonl_line_at_the_cap_is_read_and_one_byte_more_is_refused(tmp_path):
     line = error_of(str(tmp_path))
     assert f"a.jsonl.gz line 1 is {MAX_RECORD_BYTES + 1:,} bytes, more than the 67,108,864 (64 MiB)" in line, line
     assert "split it into records of at most that size" in line and "or remove it" in line
+
+
+def test_the_cap_holds_for_a_last_line_without_newline_and_counts_a_crlf(tmp_path, monkeypatch):
+    monkeypatch.setattr(corpus, "MAX_RECORD_BYTES", 100)  # the rule at a size that makes the edges cheap
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "' + b"x" * 88 + b'"}')  # line 2: 100 bytes
+    assert read(str(tmp_path))[0] == [("a.jsonl:0", b"ok"), ("a.jsonl:1", b"x" * 88)]
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "ok"}\n{"text": "' + b"x" * 300 + b'"}')
+    assert "a.jsonl line 2 is 312 bytes, more than the 100" in error_of(str(tmp_path))
+    (tmp_path / "a.jsonl").write_bytes(b'{"text": "' + b"x" * 88 + b'"}\r\n')  # the \r is the line's: 101 bytes
+    assert "a.jsonl line 1 is 101 bytes" in error_of(str(tmp_path))
 
 
 def _peak_python_bytes(run) -> int:
