@@ -530,6 +530,11 @@ def _user_file_docs(
     if f.size == 0:  # in every format (a 0-byte .bz2 is not even a valid empty stream)
         skipped.setdefault(SKIP_EMPTY, []).append(name)
         return
+    if fmt.layout is Layout.TABLE and _is_local(fs):
+        # mapped: an Arrow record batch (as large as its writer made it) is the file's pages, not a copy on the heap
+        with pa.memory_map(os.fsencode(path)) as fh:
+            yield from _table_docs(fh, path, name, kind, fmt, cfg.text_field, skipped)
+        return
     with fs.open(path, "rb", compression=fmt.compression) as fh:
         if fmt.layout is Layout.TABLE:
             yield from _table_docs(fh, path, name, kind, fmt, cfg.text_field, skipped)

@@ -10,6 +10,7 @@ import json
 import lzma
 import os
 import subprocess
+import sys
 import tracemalloc
 import zipfile
 from pathlib import Path
@@ -296,6 +297,38 @@ def test_parquet_long_texts_are_decoded_a_few_rows_at_a_time(tmp_path):
     peak = _peak_python_bytes(lambda: seen.extend((d.doc_id, d.data[:1], len(d.data)) for d in docs()))
     assert seen == [(f"long.parquet:{i}", t[:1], len(t)) for i, t in enumerate(texts)]
     assert peak < corpus.BATCH_BYTES + (8 << 20), peak
+
+
+ANON_PEAK = """
+import sys
+from soma_cluster.config import CorpusConfig
+from soma_cluster.corpus import user_documents
+def anon():  # resident memory that no file backs, in MiB
+    return next(int(ln.split()[1]) for ln in open("/proc/self/status") if ln.startswith("RssAnon")) / 1024
+base, peak, n = anon(), 0.0, 0
+for doc in user_documents(CorpusConfig(source=sys.argv[1], max_bytes=10**12)):
+    n, peak = n + len(doc.data), max(peak, anon())
+print(n, peak - base)
+"""
+
+
+def test_a_large_arrow_batch_is_mapped_not_copied(tmp_path):
+    """One Arrow record batch of 96 MiB (its writer's choice): read from the file's mapped pages, the reader's
+    anonymous memory grows by about a slice of BATCH_BYTES, not by the batch (140 MiB when read through a file
+    object). Measured in a fresh process, whose memory holds nothing else."""
+    texts = [bytes([65 + i % 26]) * (1 << 20) for i in range(96)]
+    _table(tmp_path / "one.arrow", texts, row_group=len(texts))
+    del texts
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(Path(__file__).parents[1]), os.environ.get("PYTHONPATH")])),
+    }
+    out = subprocess.run(
+        [sys.executable, "-c", ANON_PEAK, str(tmp_path)], capture_output=True, text=True, timeout=120, env=env
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    n, peak = out.stdout.split()
+    assert int(n) == 96 << 20 and float(peak) < 72, out.stdout
 
 
 # -- the Ray engine ships parts as JSON ------------------------------------------------------------------------------
