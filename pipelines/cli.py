@@ -6,6 +6,7 @@ import errno
 import os
 import sys
 import time
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
 
 from pipelines.stopping import STOP, Stopped
@@ -18,7 +19,9 @@ if CLI_PROCESS:
 
 import typer  # noqa: E402
 import typer.core  # noqa: E402
-from typer._click.exceptions import ClickException, NoArgsIsHelpError  # noqa: E402  (typer 0.29 carries its own click)
+from typer._click.core import ParameterSource  # noqa: E402
+from typer._click.exceptions import ClickException, NoArgsIsHelpError, UsageError  # noqa: E402  (typer 0.29's click)
+from typer._click.globals import get_current_context  # noqa: E402
 
 from pipelines.campaign_lease import hold  # noqa: E402
 from pipelines.common import claim_campaign, emit_json, load_config, open_store, out  # noqa: E402
@@ -102,6 +105,83 @@ class _Output:
             raise self._failed(exc) from None
 
 
+@dataclass(frozen=True)
+class OptionPair:
+    """Two inputs of one command that only make sense together (needs: `option` has no effect without `other`) or
+    not at all (they contradict). A name is a parameter's (`stride`, `retry_failed`) or `set:KEY` for a --set item
+    of that key; each pair given wrongly is one `error:` line naming both, exit 2, before the command runs."""
+
+    command: str
+    option: str
+    other: str
+    needs: bool
+    why: str  # what the option does (needs) or why both cannot hold (contradicts)
+
+
+OPTION_PAIRS = (
+    OptionPair("eval", "stride", "text", True, "it is the window stride of long-document mode"),
+    OptionPair("eval", "compare", "text", False, "--compare pairs the test windows, --text scores other documents"),
+    OptionPair("status", "interval", "watch", True, "it is the time between refreshes"),
+    OptionPair("status", "count", "watch", True, "it stops the refreshes"),
+    OptionPair("status", "wait", "watch", True, "it is how long a watch waits for a driver"),
+    OptionPair("resume", "experts", "retry_failed", True, "naming experts says which failed ones to reopen"),
+    OptionPair("prepare", "corpus", "set:corpus.source", False, "both set corpus.source"),
+    OptionPair("prepare", "experts", "set:n_experts", False, "both set n_experts"),
+)
+
+
+def _shown(command: typer.core.TyperCommand, name: str) -> str:
+    """An input as the user writes it: --stride, --experts/-n, EXPERTS, --set n_experts=..."""
+    if name.startswith("set:"):
+        return f"--set {name[4:]}=..."
+    param = next(p for p in command.params if p.name == name)
+    if param.param_type_name == "argument":
+        return name.upper()
+    return "/".join(sorted(param.opts, key=len, reverse=True))
+
+
+def _given(ctx: typer.Context, name: str) -> bool:
+    if name.startswith("set:"):  # a --set item of that key (spaces around it allowed, as parse_overrides does)
+        return any(item.split("=", 1)[0].strip() == name[4:] for item in ctx.params.get("set") or [])
+    given = ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
+    return given and ctx.params.get(name) not in (None, (), [])  # an argument of nargs=-1 given no value: ()
+
+
+def _check_pairs(ctx: typer.Context) -> None:
+    for pair in OPTION_PAIRS:
+        if pair.command != ctx.info_name or not _given(ctx, pair.option):
+            continue
+        a, b = _shown(ctx.command, pair.option), _shown(ctx.command, pair.other)
+        if pair.needs and not _given(ctx, pair.other):
+            raise UsageError(f"{a} has no effect without {b} ({pair.why}); pass {b} too, or leave out {a}", ctx)
+        if not pair.needs and _given(ctx, pair.other):
+            raise UsageError(f"{a} and {b} contradict ({pair.why}); pass one of them", ctx)
+
+
+def _check_repeats(command: typer.core.TyperCommand, ctx: typer.Context, args: list[str]) -> None:
+    """An option that takes one value, given twice: click keeps the last silently, so the first (a --config file,
+    a --preset) would be dropped without a word."""
+    _, _, order = command.make_parser(ctx).parse_args(args=list(args))  # every occurrence, in order
+    for param in {id(p): p for p in order}.values():
+        single = param.param_type_name == "option" and not (param.multiple or param.is_flag or param.count)
+        if single and (n := sum(p is param for p in order)) > 1:
+            name = "/".join(sorted(param.opts, key=len, reverse=True))
+            raise UsageError(f"{name} given {n} times; pass it once (only the last would count)", ctx)
+
+
+class _Checked(typer.core.TyperCommand):
+    """Every command: a single-value option given twice, and the OPTION_PAIRS given wrongly, are bad usage."""
+
+    def parse_args(self, ctx, args):
+        if args:  # no arguments at all: typer's help
+            _check_repeats(self, ctx, args)
+        return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        _check_pairs(ctx)
+        return super().invoke(ctx)
+
+
 app = typer.Typer(
     cls=_OneLineErrors,
     add_completion=False,
@@ -175,7 +255,9 @@ PresetOpt = typer.Option(
     callback=_check_preset,
     help=f"preset: {', '.join(preset_names())} (soma_cluster/presets/*.yaml)",
 )
-ConfigOpt = typer.Option(None, "--config", "-c", help="YAML file layered over the preset")
+ConfigOpt = typer.Option(
+    None, "--config", "-c", help="YAML file layered over the preset; - (or a pipe, a FIFO) reads it from standard input"
+)
 SetOpt = typer.Option(None, "--set", "-s", help="override, e.g. --set spsa.n_pert=16 (repeatable)")
 CorpusOpt = typer.Option(None, "--corpus", help="corpus path or s3:// URL (default: the built-in corpus)")
 ExpertsOpt = typer.Option(None, "--experts", "-n", callback=_check_experts, help="number of experts N (at least 1)")
@@ -385,12 +467,7 @@ def resume(
     """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash, or a stop for its environment:
     exit 4). With --retry-failed, experts that failed permanently are reopened first (after their cause is fixed)."""
 
-    def go() -> None:
-        if experts and not retry_failed:
-            raise SomaError(
-                f"experts named ({' '.join(experts)}) without --retry-failed; pass --retry-failed to reopen them, "
-                f"or name none to resume the campaign"
-            )
+    def go() -> None:  # EXPERTS without --retry-failed: OPTION_PAIRS
         _launch(
             campaign,
             address,
@@ -517,10 +594,11 @@ def status(
 
     def go() -> None:
         from pipelines.status import Watch, load_status, print_full, render, watch_step
+        from soma_cluster.snapshot import fmt_span
 
         store = open_store(campaign)
         if watch and not store.exists("campaign.yaml"):  # a job that starts with soma prepare: watch from its start
-            print(f"soma: {store.url} is not prepared yet; waiting up to {wait:.0f} s for it", file=sys.stderr)
+            print(f"soma: {store.url} is not prepared yet; waiting up to {fmt_span(wait)} for it", file=sys.stderr)
             deadline = time.monotonic() + wait
             while not store.exists("campaign.yaml") and time.monotonic() < deadline:  # bounded by --wait
                 time.sleep(min(interval, 5.0))
@@ -543,11 +621,11 @@ def status(
             if step is Watch.RUNNING:
                 idle_since, told = now, False
             elif step is Watch.WAITING and not told:
-                print(f"soma: no driver runs {store.url} now; waiting up to {wait:.0f} s for one", file=sys.stderr)
+                print(f"soma: no driver runs {store.url} now; waiting up to {fmt_span(wait)} for one", file=sys.stderr)
                 told = True
             if step is Watch.NO_DRIVER:
                 print(
-                    f"soma: no driver took {store.url} in {wait:.0f} s; start one (soma launch / soma resume "
+                    f"soma: no driver took {store.url} in {fmt_span(wait)}; start one (soma launch / soma resume "
                     f"{store.url}) or watch longer (--wait)",
                     file=sys.stderr,
                 )
@@ -604,6 +682,11 @@ def plan(
             )
         addr = _address(address)
         remote = addr.text
+        if not addr.remote and get_current_context().get_parameter_source("wait") is ParameterSource.COMMANDLINE:
+            raise SomaError(
+                f"--wait {wait:g} has no effect without a Ray cluster (it waits for a worker of one to time the "
+                "calibration); pass --address HOST:PORT (or set RAY_ADDRESS), or leave out --wait"
+            )
         if addr.remote:
             from pipelines.raysession import ray_session
 
@@ -824,6 +907,9 @@ def presets(as_json: bool = JsonOpt) -> None:
 
     _run(go)
 
+
+for _info in app.registered_commands:  # every command, one added later included, checks its inputs (_Checked)
+    _info.cls = _Checked
 
 if __name__ == "__main__":
     app()

@@ -12,13 +12,13 @@ import platform
 import re
 import typing
 from importlib import resources
-from pathlib import Path
 from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, ValidationInfo, field_validator, model_validator
 
 from soma_cluster import schema
+from soma_cluster.configinput import ConfigText, read_config
 from soma_cluster.errors import SomaError
 from soma_cluster.formats import FormatSetting
 
@@ -392,11 +392,16 @@ def parse_overrides(items: list[str]) -> dict[str, Any]:
     return tree
 
 
-def _yaml_problem(exc: yaml.YAMLError) -> str:
+def _yaml_problem(exc: yaml.YAMLError, text: str = "") -> str:
     """A YAML error in a few words with where it is: 'found unexpected end of stream at line 2, column 1'."""
     problem = getattr(exc, "problem", None) or str(exc).splitlines()[0]
     mark = getattr(exc, "problem_mark", None)
-    return f"{problem} at line {mark.line + 1}, column {mark.column + 1}" if mark is not None else problem
+    if mark is not None:
+        return f"{problem} at line {mark.line + 1}, column {mark.column + 1}"
+    if isinstance(exc, yaml.reader.ReaderError) and text:  # a character YAML refuses (NUL, a control): a position
+        at = exc.position
+        return f"{problem} at line {text.count(chr(10), 0, at) + 1}, column {at - text.rfind(chr(10), 0, at)}"
+    return problem
 
 
 def merge_trees(base: dict[str, Any], top: dict[str, Any]) -> dict[str, Any]:
@@ -450,34 +455,31 @@ def resolve(
     tree["preset"] = preset
     origin = f"preset {preset}"
     if config_file is not None:
-        if not config_file.strip():
-            raise SomaError("--config is empty; pass a YAML file of settings or leave it out")
-        path = Path(config_file)
-        if not path.exists():
-            raise SomaError(f"config file {config_file!r} not found; pass an existing YAML file")
-        if not path.is_file():  # a FIFO would block the read, a directory cannot be read
-            raise SomaError(f"config file {config_file} is not a regular file; pass a YAML file")
-        try:
-            user = yaml.load(path.read_bytes().decode("utf-8"), Loader=_UniqueKeys)  # a SafeLoader
-        except UnicodeDecodeError as exc:
-            raise SomaError(
-                f"config file {config_file} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML"
-            ) from None
-        except yaml.YAMLError as exc:
-            raise SomaError(
-                f"config file {config_file} is not valid YAML ({_yaml_problem(exc)}); fix its syntax"
-            ) from None
-        if user is None:  # empty or comments only: almost surely not what was meant
-            raise SomaError(
-                f"config file {config_file} is empty (no settings); write the sections to change in it "
-                f"(e.g. spsa: {{n_pert: 16}}, as in soma_cluster/presets/tiny.yaml) or leave out --config"
-            )
-        if not isinstance(user, dict):
-            raise SomaError(f"config file {config_file} must hold a mapping of sections; see soma_cluster/presets/")
-        tree, origin = merge_trees(tree, user), f"config file {config_file}"
+        source = read_config(config_file)
+        tree, origin = merge_trees(tree, _user_tree(source)), source.label
     if overrides:
         tree, origin = merge_trees(tree, overrides), "overrides"
     return validated(tree, origin)
+
+
+def _user_tree(source: ConfigText) -> dict[str, Any]:
+    """--config's settings: UTF-8 YAML (a BOM allowed, CRLF or LF), one mapping of sections, no key twice."""
+    label = source.label
+    try:
+        text = source.raw.decode("utf-8")
+        user = yaml.load(text, Loader=_UniqueKeys)  # a SafeLoader
+    except UnicodeDecodeError as exc:
+        raise SomaError(f"{label} is not UTF-8 text (byte {exc.start}); save it as UTF-8 YAML") from None
+    except yaml.YAMLError as exc:
+        raise SomaError(f"{label} is not valid YAML ({_yaml_problem(exc, text)}); fix its syntax") from None
+    if user is None:  # empty or comments only: almost surely not what was meant
+        raise SomaError(
+            f"{label} is empty (no settings); write the sections to change in it "
+            f"(e.g. spsa: {{n_pert: 16}}, as in soma_cluster/presets/tiny.yaml) or leave out --config"
+        )
+    if not isinstance(user, dict):
+        raise SomaError(f"{label} must hold a mapping of sections; see soma_cluster/presets/")
+    return user
 
 
 # campaign.yaml carries, in comment lines, the sha256 of the config it was written with and a short one per

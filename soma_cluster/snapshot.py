@@ -166,3 +166,20 @@ def summary_line(snap: dict) -> str:
 def fmt_duration(s: float) -> str:
     s = int(round(s))
     return f"{s // 3600}:{s % 3600 // 60:02d}:{s % 60:02d}"
+
+
+_SPANS = (("d", 86_400), ("h", 3_600), ("min", 60), ("s", 1))
+
+
+def fmt_span(s: float) -> str:
+    """A span of seconds as a person reads it, in its two largest units (the smaller rounded): '7 d', '2 h 5 min',
+    '1 min 30 s'; under a minute as given ('0.5 s', '45 s')."""
+    if s < 59.5:
+        return f"{s:.3g} s"
+    n = round(s)
+    for _ in range(2):  # again when rounding carried into the next unit (86,370 s: 1 d, not 24 h)
+        i = next(i for i, (_, size) in enumerate(_SPANS) if n >= size)
+        (big, size), (small, step) = _SPANS[i], _SPANS[min(i + 1, len(_SPANS) - 1)]
+        n = round(n / step) * step
+    whole, rest = divmod(n, size)
+    return f"{whole} {big}" + (f" {rest // step} {small}" if rest else "")

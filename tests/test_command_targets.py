@@ -13,6 +13,7 @@ import re
 import shutil
 import subprocess
 import sys
+import threading
 import typing
 from pathlib import Path
 
@@ -20,7 +21,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from pipelines.cli import app
+from pipelines.cli import OPTION_PAIRS, _Checked, _shown, app
+from soma_cluster.snapshot import fmt_span
 from soma_cluster.storage import Store
 
 GROUP = typer.main.get_command(app)
@@ -243,3 +245,97 @@ def test_commands_refuse_a_target_inside_another_and_check_every_directory_first
     assert result.exit_code == 2 and "results.json" in result.stderr and snapshot(tmp_path) == before
     result = runner.invoke(app, ["report", str(tmp_path / "good"), "--readme", str(tmp_path / "no.md")])
     assert result.exit_code == 2 and "--readme" in result.stderr and snapshot(tmp_path) == before
+
+
+# -- inputs that only make sense together, or not at all ----------------------------------------------------------
+SAMPLE = {"text": "DOCS", "compare": "OTHER", "corpus": "CORPUS", "experts": "3"}  # any value: refused before use
+
+
+def _given(command: str, name: str) -> list[str]:
+    """How the user gives one input of an OptionPair: a flag, an option with a value, an argument, a --set item."""
+    if name.startswith("set:"):
+        return ["--set", f"{name[4:]}=4"]
+    param = next(p for p in GROUP.commands[command].params if p.name == name)
+    if param.param_type_name == "argument":
+        return [SAMPLE.get(name, "x")]
+    opt = max(param.opts, key=len)
+    return [opt] if param.is_flag else [opt, SAMPLE.get(name, "2")]
+
+
+PAIR_CASES = [(p.command, p.option, p.other, p.needs) for p in OPTION_PAIRS]
+
+
+def test_every_command_checks_its_inputs_and_every_pair_names_real_inputs():
+    assert all(isinstance(GROUP.commands[c], _Checked) for c in COMMANDS), COMMANDS
+    for command, option, other, _ in PAIR_CASES:
+        _given(command, option), _given(command, other)  # raises StopIteration for a name the command lacks
+    assert {(c, o) for c, o, _, _ in PAIR_CASES} >= {("eval", "stride"), ("status", "wait"), ("eval", "compare")}
+
+
+@pytest.mark.parametrize("command,option,other,needs", PAIR_CASES, ids=[f"{c}:{o}+{x}" for c, o, x, _ in PAIR_CASES])
+def test_an_input_without_its_partner_or_with_its_contradiction_is_one_line(command, option, other, needs, tmp_path):
+    """needs: the option alone is refused naming both, and with its partner passes the check; contradicts: both
+    together are refused naming both, and either alone passes it. Refused before anything is read or written."""
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    bad = _given(command, option) + ([] if needs else _given(command, other))
+    result = CliRunner().invoke(app, [*argv, *bad], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (bad, result.stderr[-1500:], result.exception)
+    word = "has no effect without" if needs else "contradict"
+    a, b = (_shown(GROUP.commands[command], n) for n in (option, other))
+    assert word in errors[0] and a in errors[0] and b in errors[0], errors[0]
+    assert not any(tmp_path.iterdir()), bad
+    # the check lets the right use through (a file as every directory stops the command right after it)
+    (tmp_path / "file").write_text("not a directory\n")
+    argv = argv_for(command, "", str(tmp_path / "file"), {k: str(tmp_path / "file") for k in DIRECTORY_ARGS})
+    good = _given(command, option) + (_given(command, other) if needs else [])
+    result = CliRunner().invoke(app, [*argv, *good], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    assert result.exit_code == 2 and word not in result.stderr and "is a file" in result.stderr, result.stderr
+
+
+def single_value_options() -> list[tuple[str, str]]:
+    return [
+        (name, max(p.opts, key=len))
+        for name in COMMANDS
+        for p in GROUP.commands[name].params
+        if p.param_type_name == "option" and not (p.multiple or p.is_flag or p.count)
+    ]
+
+
+@pytest.mark.parametrize("command,option", single_value_options(), ids=[f"{c}{o}" for c, o in single_value_options()])
+def test_a_single_value_option_given_twice_is_one_line(command, option, tmp_path):
+    """click keeps the last silently: `--config a.yaml --config b.yaml` would drop a.yaml without a word."""
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    result = CliRunner().invoke(app, [*argv, option, "1", f"{option}=1"], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (command, option, result.stderr[-1500:])
+    assert option in errors[0] and "given 2 times" in errors[0], errors[0]
+    assert not any(tmp_path.iterdir())
+
+
+def test_plan_wait_without_a_cluster_is_refused(prepared, tmp_path):
+    camp = tmp_path / "camp"
+    shutil.copytree(prepared, camp)
+    result = CliRunner().invoke(app, ["plan", str(camp), "--wait", "5"], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "--wait 5 has no effect without a Ray cluster" in errors[0]
+    assert not (camp / "plan").exists(), result.stderr
+
+
+def test_watch_wait_is_shown_in_human_units(tmp_path):
+    """A week's --wait reads '7 d', not 604800 s (the watch of a campaign not prepared yet says it at once)."""
+    assert [fmt_span(s) for s in (0.5, 45, 90, 300, 7500, 86_370, 90_000, 604_800)] == [
+        "0.5 s", "45 s", "1 min 30 s", "5 min", "2 h 5 min", "1 d", "1 d 1 h", "7 d"
+    ]  # fmt: skip
+    argv = [sys.executable, "-m", "pipelines.cli", "status", str(tmp_path / "c"), "--watch", "--wait", "604800"]
+    proc = subprocess.Popen(argv, stderr=subprocess.PIPE, text=True, env=_env())
+    timer = threading.Timer(60, proc.kill)  # bounded: the line comes after the imports, in seconds
+    timer.start()
+    try:
+        line = proc.stderr.readline()
+    finally:
+        timer.cancel()
+        proc.kill()
+        proc.wait(timeout=30)
+        proc.stderr.close()
+    assert "is not prepared yet; waiting up to 7 d for it" in line, line

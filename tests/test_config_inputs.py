@@ -7,6 +7,11 @@ is read or written: exit 2, one `error:` line naming the field and what it takes
 
 from __future__ import annotations
 
+import os
+import socket
+import subprocess
+import sys
+import time
 import typing
 from pathlib import Path
 
@@ -18,6 +23,7 @@ from typer.testing import CliRunner
 from pipelines.cli import app
 from soma_cluster import schema
 from soma_cluster.config import CampaignConfig, resolve, set_dotted, to_yaml_text
+from soma_cluster.configinput import STDIN_LABEL, read_config
 from soma_cluster.errors import SomaError
 
 LEAVES = list(schema.leaves(CampaignConfig))
@@ -133,9 +139,9 @@ def _tree_of(root: Path) -> list[str]:
     return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
 
 
-def refuse(argv: list[str], case: Path, path: str) -> str:
+def refuse(argv: list[str], case: Path, path: str, stdin: bytes | None = None) -> str:
     before = _tree_of(case)
-    result = CliRunner().invoke(app, argv, env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    result = CliRunner().invoke(app, argv, input=stdin, env={"COLUMNS": "300", "RAY_ADDRESS": ""})
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and len(errors) == 1, (argv, result.stderr[-1500:], result.exception)
     assert path in errors[0], (path, errors[0])
@@ -197,13 +203,128 @@ SET_KEYS = ["=5", ".=5", "spsa..lr=1", "spsa.=1", " =1", "spsa", "spsa=5", "corp
 
 @pytest.mark.parametrize("name", sorted(CONFIG_FILES))
 def test_malformed_config_file_is_one_line(name, tmp_path, parent):
+    """As a file, and the same bytes on standard input (`--config -`): the same checks, the same one line."""
     cfg = tmp_path.parent / f"{tmp_path.name}-{name}.yaml"
     cfg.write_bytes(CONFIG_FILES[name])
     line = refuse(_argv("prepare", tmp_path, parent, ["--config", str(cfg)]), tmp_path, str(cfg))
     assert "Traceback" not in line
+    piped = refuse(_argv("prepare", tmp_path, parent, ["--config", "-"]), tmp_path, STDIN_LABEL, CONFIG_FILES[name])
+    assert piped.replace(STDIN_LABEL, "X") == line.replace(f"config file {cfg}", "X"), (piped, line)
 
 
 @pytest.mark.parametrize("item", SET_KEYS)
 def test_malformed_set_item_is_one_line(item, tmp_path, parent):
     line = refuse(_argv("prepare", tmp_path, parent, ["--set", item]), tmp_path, "")
     assert "--set" in line or "override" in line, line
+
+
+# --config from a stream, through the real CLI in its own process (a real pipe, FIFO, terminal or closed stdin):
+# id -> (a bash line in which {soma} is `python -m pipelines.cli prepare CAMPAIGN`, what the one error line says)
+STREAMS = {
+    "closed": ("{soma} --config - <&-", ["--config - (standard input): standard input is closed"]),
+    "dev-stdin-closed": ("{soma} --config /dev/stdin <&-", ["config file /dev/stdin: standard input is closed"]),
+    "empty-pipe": ("printf '' | {soma} --config -", ["--config - (standard input) is empty"]),
+    "dev-null": ("{soma} --config - < /dev/null", ["--config - (standard input) is empty"]),
+    "bom-crlf": (
+        r"printf '\xef\xbb\xbfspsa:\r\n  n_pert: -3\r\n' | {soma} --config -",
+        ["--config - (standard input): spsa.n_pert", "got -3"],
+    ),
+    "nul-byte": (r"printf 'spsa:\n  n_pert: 4\x00\n' | {soma} --config -", ["#x0000", "at line 2, column 12"]),
+    "duplicate-key-crlf": (r"printf 'n_experts: 4\r\nn_experts: 5\r\n' | {soma} --config -", ["appears twice"]),
+    "bad-syntax-line": (r"printf 'spsa:\n  n_pert: [4\n' | {soma} --config -", ["not valid YAML", "line 3"]),
+    "100MB-stream": ("head -c 100000000 /dev/zero | {soma} --config -", ["(standard input) holds over 1,048,576"]),
+    "dev-zero": ("{soma} --config /dev/zero", ["config file /dev/zero holds over", "1 MiB"]),
+    "with-set": ("printf 'n_experts: 3\\n' | {soma} --config - --set n_experts=0", ["overrides: n_experts"]),
+    "dev-stdin-pipe": ("printf 'n_experts: 0\\n' | {soma} --config /dev/stdin", ["config file /dev/stdin: n_experts"]),
+    "dev-stdin-file": ("{soma} --config /dev/stdin < {dir}/zero.yaml", ["config file /dev/stdin: n_experts"]),
+    "process-substitution": ("{soma} --config <(printf 'n_experts: 0\\n')", ["config file /dev/fd/", "n_experts"]),
+    "proc-self-fd": ("{soma} --config /proc/self/fd/7 7< <(printf 'n_experts: 0\\n')", ["/proc/self/fd/7: n_experts"]),
+    "fifo-late-writer": (
+        "mkfifo {dir}/f; (sleep 1; printf 'n_experts: 0\\n' > {dir}/f) >/dev/null 2>&1 & {soma} --config {dir}/f",
+        ["config file {dir}/f: n_experts"],
+    ),
+    "given-twice": ("printf 'n_experts: 3\\n' | {soma} --config - --config -", ["--config/-c given 2 times"]),
+    "file-then-stdin": ("{soma} -c {dir}/zero.yaml --config - < /dev/null", ["--config/-c given 2 times"]),
+    "directory": ("{soma} --config {dir}", ["config file {dir} is a directory"]),
+    "utf16-pipe": ("printf '\\xff\\xfen\\x00' | {soma} --config -", ["(standard input) is not UTF-8 text (byte 0)"]),
+}
+
+
+def _env() -> dict[str, str]:
+    return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+
+
+@pytest.mark.parametrize("case", sorted(STREAMS))
+def test_config_from_a_stream_is_checked_as_a_file_is(case, tmp_path):
+    shell, needles = STREAMS[case]
+    (tmp_path / "zero.yaml").write_text("n_experts: 0\n")
+    soma = f"{sys.executable} -m pipelines.cli prepare {tmp_path / 'camp'}"
+    t0 = time.monotonic()
+    proc = subprocess.run(
+        ["bash", "-c", shell.format(soma=soma, dir=tmp_path)], capture_output=True, text=True, timeout=120, env=_env()
+    )
+    errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and len(errors) == 1, (case, proc.returncode, proc.stderr[-1500:])
+    for needle in needles:
+        assert needle.format(dir=tmp_path) in errors[0], (case, errors[0])
+    assert "Traceback" not in proc.stderr and not (tmp_path / "camp").exists(), case
+    assert time.monotonic() - t0 < 60, case  # a 100 MB stream is cut at the cap, not read to its end
+
+
+def test_a_terminal_or_a_socket_on_stdin_is_one_line_not_a_hang(tmp_path):
+    """`--config -` at an interactive shell would wait for typing forever: refused at once. A socket as stdin (a
+    service manager's) is read as a pipe is with `-`; /dev/stdin cannot reopen it and says so."""
+    primary, tty = os.openpty()
+    try:
+        for arg in ("-", "/dev/stdin"):
+            argv = [sys.executable, "-m", "pipelines.cli", "prepare", str(tmp_path / "c"), "--config", arg]
+            proc = subprocess.run(argv, stdin=tty, capture_output=True, text=True, timeout=60, env=_env())
+            errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+            assert proc.returncode == 2 and len(errors) == 1 and "is a terminal" in errors[0], proc.stderr[-1500:]
+    finally:
+        os.close(primary)
+        os.close(tty)
+    for arg, needle in (("-", "--config - (standard input): n_experts"), ("/dev/stdin", "is a socket")):
+        ours, theirs = socket.socketpair()
+        with ours, theirs:
+            ours.sendall(b"n_experts: 0\n")
+            ours.shutdown(socket.SHUT_WR)
+            argv = [sys.executable, "-m", "pipelines.cli", "prepare", str(tmp_path / "c"), "--config", arg]
+            proc = subprocess.run(argv, stdin=theirs, capture_output=True, text=True, timeout=60, env=_env())
+        errors = [line for line in proc.stderr.splitlines() if line.startswith("error:")]
+        assert proc.returncode == 2 and len(errors) == 1 and needle in errors[0], (arg, proc.stderr[-1500:])
+    assert not (tmp_path / "c").exists()
+
+
+def test_a_stream_that_gives_nothing_is_refused_after_the_idle_time(tmp_path):
+    """A FIFO no writer opens, or a pipe whose writer never writes nor closes: one line after idle_s, no hang."""
+    os.mkfifo(tmp_path / "fifo")
+    r, w = os.pipe()
+    try:
+        os.write(w, b"n_experts: 4\n")  # some bytes, then a writer that stays open
+        for path in (str(tmp_path / "fifo"), f"/proc/self/fd/{r}"):
+            t0 = time.monotonic()
+            with pytest.raises(SomaError, match="nothing arrived for 0.3 s") as exc:
+                read_config(path, idle_s=0.3)
+            assert 0.25 < time.monotonic() - t0 < 10 and path in str(exc.value), exc.value
+    finally:
+        os.close(r)
+        os.close(w)
+
+
+def test_a_piped_config_is_recorded_as_the_file_would_be(tmp_path, micro_yaml):
+    """The campaign records the resolved config (campaign.yaml), whichever way it came: the same bytes as the file
+    makes, and the file, a pipe and /dev/stdin each find the campaign already prepared for their config."""
+    camp = tmp_path / "camp"
+    text = Path(micro_yaml).read_bytes()
+    argv = [sys.executable, "-m", "pipelines.cli", "prepare", str(camp)]
+    proc = subprocess.run([*argv, "--config", "-"], input=text, capture_output=True, timeout=300, env=_env())
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert (camp / "campaign.yaml").read_text() == to_yaml_text(resolve("tiny", None, micro_yaml))
+    before = (camp / "campaign.yaml").read_bytes()
+    windows = b"\xef\xbb\xbf" + text.replace(b"\n", b"\r\n")  # a BOM and CRLF: the same settings
+    for config, stdin in ((micro_yaml, None), ("/dev/stdin", text), ("-", windows)):
+        proc = subprocess.run([*argv, "--config", config], input=stdin, capture_output=True, timeout=300, env=_env())
+        said = b" ".join(proc.stderr.split())
+        assert proc.returncode == 0 and b"already prepared for this config" in said, proc.stderr[-3000:]
+    assert (camp / "campaign.yaml").read_bytes() == before
