@@ -11,6 +11,7 @@ Needs the tensorboard package (the `tracking` extra).
 
 from __future__ import annotations
 
+import itertools
 import os
 import time
 
@@ -51,26 +52,17 @@ def read_run(path: str) -> tuple[list[Rec], float | None]:
     return recs, start
 
 
-def read_scalars(path: str) -> dict[str, list[tuple[int, float]]]:
-    """Every scalar tag in a run directory -> its (step, value) points, as TensorBoard's EventAccumulator reads
-    them (in the order written)."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
-
-    acc = EventAccumulator(path, size_guidance={"scalars": 0, "tensors": 0})
-    acc.Reload()
-    return {tag: [(e.step, e.value) for e in acc.Scalars(tag)] for tag in acc.Tags()["scalars"]}
-
-
 def _events(recs: list[Rec]) -> list:
-    """One event per (step, wall time), its values in the order given: a heartbeat's five scalars, one event."""
+    """The records as events, in their order: one event per run of records at one (step, wall time), so a
+    heartbeat's five scalars cost one event (grouping beyond a run could put a tag's later step first)."""
     from tensorboard.compat.proto.event_pb2 import Event
     from tensorboard.compat.proto.summary_pb2 import Summary
 
-    grouped: dict[tuple[int, float], list] = {}
-    for r in recs:
-        v = Summary.Value(tag=r.tag, simple_value=r.value) if isinstance(r.value, float) else r.value
-        grouped.setdefault((r.step, r.t), []).append(v)
-    return [Event(wall_time=t, step=step, summary=Summary(value=vs)) for (step, t), vs in grouped.items()]
+    out: list = []
+    for (step, t), group in itertools.groupby(recs, key=lambda r: (r.step, r.t)):
+        vs = [Summary.Value(tag=r.tag, simple_value=r.value) if isinstance(r.value, float) else r.value for r in group]
+        out.append(Event(wall_time=t, step=step, summary=Summary(value=vs)))
+    return out
 
 
 def _header(t: float, restart: bool) -> list:

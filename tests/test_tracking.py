@@ -59,6 +59,7 @@ def test_config_wins_over_environment_and_environment_fills_the_rest(tmp_path):
         ({}, {"SOMA_TRACKING_BACKENDS": "wandb"}, True, "SOMA_TRACKING_BACKENDS names wandb"),
         ({"backends": ["mlflow"], "mlflow_uri": "/tmp/mlruns"}, {}, True, "a file store"),
         ({"backends": ["mlflow"]}, {"MLFLOW_TRACKING_URI": "file:///tmp/mlruns"}, True, "a file store"),
+        ({"backends": ["tensorboard"]}, {"TENSORBOARD_LOGDIR": "s3://b/tb"}, False, "not a local directory"),
     ],
 )
 def test_unresolvable_targets_are_refused_with_the_fix(tmp_path, tracking, env, local, needle):
