@@ -5,7 +5,6 @@ and scalar tag (no downsampling)."""
 
 from __future__ import annotations
 
-import os
 import subprocess
 import tempfile
 import time
@@ -74,10 +73,9 @@ def data_server(logdir: str, timeout_s: float = 30.0) -> Shown:
 
 
 def shown(logdir: str) -> dict[str, Shown]:
-    """{loader: what it shows}: "data_server" where its binary exists for this platform, and "python"."""
+    """{loader: what it shows}: "data_server" (TensorBoard's default) where its binary exists for this platform,
+    and "python"."""
     import tensorboard_data_server
 
-    out = {"python": python_loader(logdir)}
-    if tensorboard_data_server.server_binary() and os.path.isdir(logdir):
-        out["data_server"] = data_server(logdir)
-    return out
+    out = {"data_server": data_server(logdir)} if tensorboard_data_server.server_binary() else {}
+    return out | {"python": python_loader(logdir)}

@@ -240,6 +240,7 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     """Its data server drops a tag's points at or past a step that goes back (a restart), its Python loader draws
     them in file order: a gap filled by appending hid steps 9 and 12 in the one and put 6 last in the other."""
     pytest.importorskip("tensorboard")
+    from pipelines.track import _fill
     from pipelines.tracking_tb import TensorBoardSink
     from tests.tbloaders import shown
 
@@ -256,17 +257,10 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     for loader, runs in shown(str(tmp_path)).items():
         steps = [s for s, _ in runs["micro-k1"]["expert-0000/train_loss"]]
         assert steps == [3, 9, 12], loader  # in order, once each; the gap stays
-    filler = TensorBoardSink(str(tmp_path), "k1", "micro", full=True)
-    fresh = filler.open().admit(points)
-    assert {(p.key, p.step) for p in fresh if isinstance(p, Metric)} == {
-        ("train_loss", 6),
-        ("gpu_hours", 6),
-        ("eps", 6),
-        ("lr", 6),
-    }
-    filler.write(fresh)
-    assert filler.finish() == ["events.out.tfevents.soma-00000001", "events.out.tfevents.soma-00000002"]
-    filler.close()
+    store = open_store(str(tmp_path / "c"))  # the backfill's own step (pipelines/track.py) records what it filled
+    target = resolve_target(cfg_with(backends=["tensorboard"], tensorboard_dir=str(tmp_path)), None)
+    report = _fill(TensorBoardSink(str(tmp_path), "k1", "micro", full=True), points, target, store, retries=0)
+    assert (report["points"], report["metrics"], report["runs"]) == (4, 4, ["expert-0000"])  # 4 metrics of step 6
     whole = {f"{p.run}/{p.key}": [] for p in points if isinstance(p, Metric)}
     for p in Marks().admit(points):  # each step's first value, in step order: the campaign's curves
         if isinstance(p, Metric):
@@ -277,11 +271,10 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
         }, loader
         for t, pts in whole.items():
             assert [v for _, v in runs["micro-k1"][t]] == pytest.approx([v for _, v in pts], rel=1e-6), (loader, t)
+    assert report["replaced"] == ["events.out.tfevents.soma-00000001", "events.out.tfevents.soma-00000002"]
     assert [x.name for x in (tmp_path / "micro-k1").iterdir()] == ["events.out.tfevents.soma-00000003"]
-    again = TensorBoardSink(str(tmp_path), "k1", "micro", full=True)
-    assert [p for p in again.open().admit(points) if isinstance(p, Metric)] == []
-    assert again.finish() == []  # in order already: nothing rewritten
-    again.close()
+    again = _fill(TensorBoardSink(str(tmp_path), "k1", "micro", full=True), points, target, store, retries=0)
+    assert (again["points"], again["replaced"]) == (0, [])  # in order already: nothing sent or rewritten
 
 
 def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path):

@@ -100,9 +100,9 @@ def test_an_outage_in_the_middle_is_filled_as_tensorboard_shows_it(tmp_path, mic
         p = soma("track", campaign, "--json")
         track_s = time.monotonic() - t0
         assert p.returncode == 0, p.stderr
+        assert_shows_the_campaign(tb, store, jobs)
         doc = json.loads(p.stdout)["backends"]["tensorboard"]
         assert doc["points"] > 0 and doc["replaced"], doc  # replaced: some point fell below a tag's last step
-        assert_shows_the_campaign(tb, store, jobs)
         again = json.loads(soma("track", campaign, "--json").stdout)["backends"]["tensorboard"]
         assert again["points"] == 0 and again["replaced"] == [], again
         assert_shows_the_campaign(tb, store, jobs)
