@@ -1,7 +1,7 @@
 """A tiny campaign tracked in TensorBoard only, as TensorBoard's own loaders (tests/tbloaders.py) show it: its log
-directory (a tmpfs) turned read-only in the middle of `soma launch` (training finishes, the driver drops what it
-cannot write, writes on once the directory is back, reports and records the gap), then `soma track` filling the
-gap below points written after it, twice (the second sends and rewrites nothing). Needs root for the mount."""
+directory (a tmpfs) read-only at the start of `soma launch` (training finishes, the driver drops what it cannot
+write, writes on once the directory is back, reports and records the gap), then `soma track` filling the gap
+below points written after it, twice (the second sends and rewrites nothing). Needs root for the mount."""
 
 from __future__ import annotations
 
@@ -42,19 +42,18 @@ def expert_heartbeats(campaign: str) -> int:
 
 
 def launch_with_an_outage(campaign: str, tb: Path) -> subprocess.CompletedProcess:
-    """`soma launch`, its TensorBoard directory read-only from the first expert heartbeat until two more."""
+    """`soma launch` with its TensorBoard directory read-only until just after the first expert heartbeat: the
+    sink's first write (of that heartbeat's points, within POLL_S) fails and is dropped (retries=0), and while it
+    cools down (COOLDOWN_S) the later heartbeats queue up, to be written once the directory is back."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
     cmd = [sys.executable, "-m", "pipelines.cli", "launch", campaign, "--no-progress"]
-    proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
+    _remount(tb, "ro")
     try:
+        proc = subprocess.Popen(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
         deadline = time.monotonic() + 180
         while expert_heartbeats(campaign) < 1 and proc.poll() is None and time.monotonic() < deadline:
             time.sleep(0.02)
-        _remount(tb, "ro")
-        seen = expert_heartbeats(campaign)
-        while expert_heartbeats(campaign) < seen + 2 and proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.02)
-        time.sleep(0.5)  # the sink's thread tries within POLL_S of a heartbeat
+        time.sleep(0.3)
     finally:
         _remount(tb, "rw")
     out, err = proc.communicate(timeout=300)
@@ -86,6 +85,7 @@ def test_an_outage_in_the_middle_is_filled_as_tensorboard_shows_it(tmp_path, mic
         campaign = str(tmp_path / "c")
         sets = ["--set", "tracking.backends=[tensorboard]", "--set", f"tracking.tensorboard_dir={tb}"]
         sets += ["--set", "tracking.retries=0"]  # a batch that fails once is dropped: the outage leaves a gap
+        sets += ["--set", "spsa.n_pert=64"]  # an expert's heartbeats ~0.3 s apart: later ones come after the outage
         assert soma("prepare", campaign, "--config", micro_yaml, *sets).returncode == 0
         assert soma("seed", campaign, "--no-progress").returncode == 0
         p = launch_with_an_outage(campaign, tb)
