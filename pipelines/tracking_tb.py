@@ -171,9 +171,12 @@ class TensorBoardSink:
             raise
 
     def _rewrite(self, recs: list[Rec]) -> list[str]:
-        """The run in step order into one fresh file, written under a name no loader reads, synced, renamed in
-        after every other file (loaders reading meanwhile take it for a restart and show it alone), then our old
-        files deleted. A crash in between leaves a run that reads right and is rewritten by the next backfill."""
+        """The run in step order into one fresh file, written under a name no loader reads, synced, and renamed in
+        after every other file: from that instant both loaders show the fresh file alone (the data server takes
+        its steps for a restart, the Python loader drops what it read at its second session start). Then our old
+        files are emptied, not deleted: TensorBoard's Python loader, left running, never moves on from an event
+        file deleted under it, but it does from an empty one. Our files emptied by an earlier rewrite (long read
+        past) are deleted. A crash in between leaves a run that reads right and is tidied by the next backfill."""
         os.makedirs(self.path, exist_ok=True)
         names = os.listdir(self.path)
         seq = next_seq(names)
@@ -189,12 +192,14 @@ class TensorBoardSink:
             _unlink(tmp)
             raise
         _sync_dir(self.path)
-        retired = [n for n in names if seq_of(n) is not None]
-        for n in retired + [n for n in names if n.startswith(TMP_PREFIX)]:
+        ours = {n: os.path.getsize(os.path.join(self.path, n)) for n in names if seq_of(n) is not None}
+        for n in [n for n, size in ours.items() if size == 0] + [n for n in names if n.startswith(TMP_PREFIX)]:
             os.unlink(os.path.join(self.path, n))
-        _sync_dir(self.path)
+        retired = sorted(n for n, size in ours.items() if size > 0)
+        for n in retired:
+            os.truncate(os.path.join(self.path, n), 0)
         self.runs, self.ordered, self.file = runs, True, None
-        return sorted(retired)
+        return retired
 
 
 def _unlink(path: str) -> None:
