@@ -5,7 +5,7 @@ The sink writes event files of its own, in TensorBoard's record format, named so
 TensorBoard reads a run in) is write order (soma_cluster/tbrun.py). When it opens it reads back every event file
 of the run, so a resumed driver appends only later steps, to a file of its own. A backfill (`soma track`) whose
 points fall below a tag's last step rewrites the run in step order (one fresh file, renamed in, then our old
-files deleted), since TensorBoard's loader would take a step going back for a restart and hide the later ones.
+files emptied), since TensorBoard's loader would take a step going back for a restart and hide the later ones.
 Needs the tensorboard package (the `tracking` extra).
 """
 

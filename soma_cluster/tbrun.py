@@ -8,7 +8,7 @@ read. So a point appended below a tag's last step (a backfilled gap) hides the t
 draws the curve backwards in the other. Both show the campaign's curves when, read in filename order, every tag's
 steps strictly increase: the live driver keeps that (it appends only steps past a tag's highest, to a file that
 sorts after the others), and a backfill that fills a gap rewrites the run: one fresh file in step order, renamed
-in after the others, then the old ones retired.
+in after the others, then the old ones emptied.
 """
 
 from __future__ import annotations
