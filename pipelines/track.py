@@ -79,14 +79,16 @@ def _fill(sink, points: list[Point], target, store: Store, retries: int) -> dict
     each time), then ends the command with one line."""
     where = target.mlflow_uri if sink.name == Backend.MLFLOW else target.tensorboard_dir
     t0 = time.monotonic()
-    sent: list[Point] = []
+    sent: list[Point] | None = None  # what the tracker lacked when first read: all of it is held once this returns
+    replaced: list[str] = []
     try:
         for attempt in range(retries + 1):
             try:
                 fresh = sink.open().admit(points)
+                sent = fresh if sent is None else sent  # a retry sends the rest of what a failed attempt left
                 for i in range(0, len(fresh), BATCH_POINTS):
                     sink.write(fresh[i : i + BATCH_POINTS])
-                    sent += fresh[i : i + BATCH_POINTS]
+                replaced = sink.finish()
                 break
             except Exception as exc:
                 if attempt < retries:
@@ -99,6 +101,7 @@ def _fill(sink, points: list[Point], target, store: Store, retries: int) -> dict
                 ) from None
     finally:
         sink.close()
+    sent = sent or []
     metrics = [p for p in sent if isinstance(p, Metric)]
     if sent:
         store.append(GAPS, {"t": time.time(), "backend": sink.name, "filled": len(sent)})
@@ -107,5 +110,6 @@ def _fill(sink, points: list[Point], target, store: Store, retries: int) -> dict
         "points": len(sent),
         "metrics": len(metrics),
         "runs": sorted({p.run for p in metrics}),
+        "replaced": replaced,
         "seconds": round(time.monotonic() - t0, 3),
     }

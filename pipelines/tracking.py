@@ -69,6 +69,11 @@ class Sink(Protocol):
     def write(self, points: list[Point]) -> None:
         """Send the points (raise on failure)."""
 
+    def finish(self) -> list[str]:
+        """A backfill's last step, after its writes (raise on failure): what the sink still holds back is made
+        final. Returns the tracker's files it replaced (TensorBoard: a run with points below a tag's last step is
+        rewritten in step order); none elsewhere."""
+
     def close(self) -> None: ...
 
 

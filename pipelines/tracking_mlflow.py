@@ -138,5 +138,8 @@ class MlflowSink:
                 self.client.log_artifact(self.runs[PARENT], path)
             self.client.set_tag(self.runs[PARENT], f"{TAG}artifact.{p.name}", p.sha)
 
+    def finish(self) -> list[str]:
+        return []  # every batch was logged by write()
+
     def close(self) -> None:
         pass

@@ -271,7 +271,7 @@ class TrackingConfig(_Section):
     mlflow_uri: str | None = Field(None, min_length=1)
     # unset: MLFLOW_EXPERIMENT_NAME from the environment, else the campaign's name
     experiment: str | None = Field(None, min_length=1)
-    # unset: TENSORBOARD_LOGDIR from the environment, else <campaign>/tensorboard (a local campaign only)
+    # a local directory; unset: TENSORBOARD_LOGDIR from the environment, else <campaign>/tensorboard (a local campaign)
     tensorboard_dir: str | None = Field(None, min_length=1)
     # records held for a slow tracker; past it they are dropped, counted
     queue_points: int = Field(20_000, ge=1, le=10_000_000)

@@ -97,6 +97,12 @@ def resolve_target(
                 "or pass --set tracking.tensorboard_dir=DIR"
             )
         logdir = os.path.join(local_root, "tensorboard")
+    if Backend.TENSORBOARD in backends and "://" in logdir:
+        raise SomaError(
+            f"TensorBoard log dir {logdir!r} is not a local directory; soma writes its event files on a local file "
+            f"system (a rewrite renames them in place): set TENSORBOARD_LOGDIR or tracking.tensorboard_dir to a "
+            f"local path, and sync it to {logdir} if TensorBoard reads from there"
+        )
     return Target(backends, uri, name, logdir)
 
 

@@ -1,6 +1,6 @@
 """Experiment tracking without Ray or a server: where a campaign is tracked (config over environment), the points
 a campaign's records make, that no step is sent twice or out of order (resume, retry), that a gap is filled
-by a backfill, the bounded queue and its counted drops, and TensorBoard's files read back with its own reader."""
+by a backfill, the bounded queue and its counted drops, and TensorBoard's files as its own loaders show them."""
 
 from __future__ import annotations
 
@@ -59,6 +59,7 @@ def test_config_wins_over_environment_and_environment_fills_the_rest(tmp_path):
         ({}, {"SOMA_TRACKING_BACKENDS": "wandb"}, True, "SOMA_TRACKING_BACKENDS names wandb"),
         ({"backends": ["mlflow"], "mlflow_uri": "/tmp/mlruns"}, {}, True, "a file store"),
         ({"backends": ["mlflow"]}, {"MLFLOW_TRACKING_URI": "file:///tmp/mlruns"}, True, "a file store"),
+        ({"backends": ["tensorboard"]}, {"TENSORBOARD_LOGDIR": "s3://b/tb"}, False, "not a local directory"),
     ],
 )
 def test_unresolvable_targets_are_refused_with_the_fix(tmp_path, tracking, env, local, needle):
@@ -234,10 +235,14 @@ def test_close_is_bounded_by_its_wait_and_counts_what_is_left():
     assert time.monotonic() - t0 < 2 and out.gap.dropped == 7 and out.sent == 0
 
 
-# -- TensorBoard, read back with its own reader -------------------------------------------------------------
-def test_tensorboard_resume_and_backfill_read_back(tmp_path):
+# -- TensorBoard, read back with its own loaders --------------------------------------------------------------
+def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
+    """Its data server drops a tag's points at or past a step that goes back (a restart), its Python loader draws
+    them in file order: a gap filled by appending hid steps 9 and 12 in the one and put 6 last in the other."""
     pytest.importorskip("tensorboard")
-    from pipelines.tracking_tb import TensorBoardSink, read_scalars
+    from pipelines.track import _fill
+    from pipelines.tracking_tb import TensorBoardSink
+    from tests.tbloaders import shown
 
     events, ledger = retried_campaign()
     points = replay(events, ledger)
@@ -246,26 +251,79 @@ def test_tensorboard_resume_and_backfill_read_back(tmp_path):
     sent = marks.admit([p for p in points if not (isinstance(p, Metric) and p.step == 6)])  # step 6 missed
     first.write(sent[: len(sent) // 2])  # the driver dies halfway
     first.close()
-    second = TensorBoardSink(str(tmp_path), "k1", "micro")  # a resumed driver
+    second = TensorBoardSink(str(tmp_path), "k1", "micro")  # a resumed driver, to a file of its own
     second.write(second.open().admit(points))
     second.close()
-    got = read_scalars(first.path)
-    steps = [s for s, _ in got["expert-0000/train_loss"]]
-    assert steps == sorted(set(steps)) and 6 not in steps  # in order, once each; the gap stays
-    filler = TensorBoardSink(str(tmp_path), "k1", "micro", full=True)
-    fresh = filler.open().admit(points)
-    assert {(p.key, p.step) for p in fresh if isinstance(p, Metric)} == {
-        ("train_loss", 6),
-        ("gpu_hours", 6),
-        ("eps", 6),
-        ("lr", 6),
-    }
-    filler.write(fresh)
-    filler.close()
-    assert sorted(s for s, _ in read_scalars(first.path)["expert-0000/train_loss"]) == [3, 6, 9, 12]
-    again = TensorBoardSink(str(tmp_path), "k1", "micro", full=True)
-    assert [p for p in again.open().admit(points) if isinstance(p, Metric)] == []
-    again.close()
+    for loader, runs in shown(str(tmp_path)).items():
+        steps = [s for s, _ in runs["micro-k1"]["expert-0000/train_loss"]]
+        assert steps == [3, 9, 12], loader  # in order, once each; the gap stays
+    store = open_store(str(tmp_path / "c"))  # the backfill's own step (pipelines/track.py) records what it filled
+    target = resolve_target(cfg_with(backends=["tensorboard"], tensorboard_dir=str(tmp_path)), None)
+    report = _fill(TensorBoardSink(str(tmp_path), "k1", "micro", full=True), points, target, store, retries=0)
+    assert (report["points"], report["metrics"], report["runs"]) == (4, 4, ["expert-0000"])  # 4 metrics of step 6
+    whole = {f"{p.run}/{p.key}": [] for p in points if isinstance(p, Metric)}
+    for p in Marks().admit(points):  # each step's first value, in step order: the campaign's curves
+        if isinstance(p, Metric):
+            whole[f"{p.run}/{p.key}"].append((p.step, p.value))
+    for loader, runs in shown(str(tmp_path)).items():  # float32 in an event: equal to 1e-7
+        assert {t: [s for s, _ in pts] for t, pts in runs["micro-k1"].items()} == {
+            t: [s for s, _ in pts] for t, pts in whole.items()
+        }, loader
+        for t, pts in whole.items():
+            assert [v for _, v in runs["micro-k1"][t]] == pytest.approx([v for _, v in pts], rel=1e-6), (loader, t)
+    assert report["replaced"] == ["events.out.tfevents.soma-00000001", "events.out.tfevents.soma-00000002"]
+    sizes = {x.name: x.stat().st_size for x in (tmp_path / "micro-k1").iterdir()}
+    assert [n for n, size in sorted(sizes.items()) if size] == ["events.out.tfevents.soma-00000003"]  # the rest: empty
+    again = _fill(TensorBoardSink(str(tmp_path), "k1", "micro", full=True), points, target, store, retries=0)
+    assert (again["points"], again["replaced"]) == (0, [])  # in order already: nothing sent or rewritten
+
+
+def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path):
+    """A driver SIGKILLed mid-write leaves a record cut short, where every reader stops in that file: the next
+    driver reads what is whole, sends the rest to a new file, and TensorBoard shows every step once."""
+    pytest.importorskip("tensorboard")
+    from pipelines.tracking_tb import TensorBoardSink
+    from tests.tbloaders import shown
+
+    points = replay(*retried_campaign())
+    first = TensorBoardSink(str(tmp_path), "k1", "micro")
+    first.write(first.open().admit(points))
+    first.close()
+    (f,) = (tmp_path / "micro-k1").iterdir()
+    f.write_bytes(f.read_bytes()[:-7])  # the last event (the campaign's totals at the job's end) cut short
+    second = TensorBoardSink(str(tmp_path), "k1", "micro")
+    resent = [p for p in second.open().admit(points) if isinstance(p, Metric)]
+    assert resent and {p.run for p in resent} == {PARENT}
+    second.write(resent)
+    second.close()
+    want = sorted((p.step, p.value) for p in points if isinstance(p, Metric) and p.key == "jobs_ended")
+    for loader, runs in shown(str(tmp_path)).items():
+        assert runs["micro-k1"]["campaign/jobs_ended"] == want, loader
+        assert [s for s, _ in runs["micro-k1"]["expert-0000/train_loss"]] == [3, 6, 9, 12], loader
+
+
+def test_a_tensorboard_run_is_in_order_only_when_every_tag_rises_in_read_order():
+    from soma_cluster.tbrun import Rec, appends_in_order, event_file, held, in_order, next_seq, read_order, seq_of
+
+    ours = [event_file(n) for n in (1, 2, 10)]
+    theirs = ["events.out.tfevents.1796489499.vm.23000.0", "notes.txt", ".soma-rewrite-3", "events.out.tfevents.x"]
+    assert read_order(ours[::-1] + theirs) == [theirs[0], *ours, theirs[3]]  # by name; no temp file, no notes
+    assert [seq_of(n) for n in ours + theirs] == [1, 2, 10, None, None, None, None] and next_seq(ours) == 11
+    assert next_seq(theirs) == 1
+
+    def recs(file, tag, *steps):
+        return [Rec(file, tag, s, float(s), float(s)) for s in steps]
+
+    a, b = ours[0], ours[1]
+    assert in_order(recs(a, "x/loss", 3, 6) + recs(b, "x/loss", 9) + recs(b, "y/loss", 1))
+    assert not in_order(recs(a, "x/loss", 3, 9) + recs(b, "x/loss", 6))  # a gap filled by appending
+    assert not in_order(recs(a, "x/loss", 3, 6) + recs(b, "x/loss", 6))  # a step twice (a rewrite cut short)
+    assert not in_order(recs(theirs[0], "x/loss", 3) + recs(a, "x/loss", 6))  # another writer's points, not ours
+    assert in_order(recs(theirs[0], "x/loss", 3) + recs(a, "x/loss", 3, 6))  # ... copied into ours by a rewrite
+    run = held(recs(a, "x/loss", 3, 9) + recs(b, "x/loss", 6) + [Rec(b, "x/loss", 9, 0.0, -1.0)])
+    assert [(r.step, r.value) for r in run["x/loss"]] == [(3, 3.0), (6, 6.0), (9, 9.0)]  # a step's first value
+    assert appends_in_order(run, [("x/loss", 10), ("x/loss", 11), ("z/new", 0)])
+    assert not appends_in_order(run, [("x/loss", 11), ("x/loss", 10)]) and not appends_in_order(run, [("x/loss", 9)])
 
 
 # -- the command --------------------------------------------------------------------------------------------

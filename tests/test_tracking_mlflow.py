@@ -1,8 +1,9 @@
-"""A real MLflow tracking server (tests/mlflowserver.py) and TensorBoard's own event reader: a tiny campaign
-tracked live, its MLflow server killed in the middle of `soma launch` (training finishes, the gap is reported
-and recorded), restarted, and `soma track` filling the gap from the campaign's record, twice (the second sends
+"""A real MLflow tracking server (tests/mlflowserver.py) and TensorBoard's own loaders: a tiny campaign tracked
+live, its MLflow server killed in the middle of `soma launch` (training finishes, the gap is reported and
+recorded), restarted, and `soma track` filling the gap from the campaign's record, twice (the second sends
 nothing). Read back with MLflow's client: every job's losses at each step once, in order, equal to its curve
-CSV; the eval numbers and files; the config as parameters. And a resumed driver's sink continuing a run."""
+CSV (TensorBoard's too); the eval numbers and files; the config as parameters. And a resumed driver's sink
+continuing a run."""
 
 from __future__ import annotations
 
@@ -113,14 +114,15 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
     gaps = [json.loads(x) for x in (Path(campaign) / "tracking" / "gaps.jsonl").read_text().splitlines()]
     assert any(g["backend"] == "mlflow" and g["dropped"] > 0 for g in gaps)
     assert not any(g["backend"] == "tensorboard" for g in gaps)  # the other tracker lost nothing
-    from pipelines.tracking_tb import read_scalars
+    from tests.tbloaders import shown
 
-    tb = read_scalars(next((Path(campaign) / "tensorboard").iterdir()).as_posix())
-    for e in ("expert-0000", "expert-0001"):
-        curve = [(int(r["step"]), r["train_loss"]) for r in read_curve(store, e)]
-        got = tb[f"{e}/train_loss"]
-        assert [s for s, _ in got] == [s for s, _ in curve]  # each step once, in order
-        assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
+    for loader, tb in shown(str(Path(campaign) / "tensorboard")).items():  # as TensorBoard's own loaders show it
+        (run,) = tb.values()
+        for e in ("expert-0000", "expert-0001"):
+            curve = [(int(r["step"]), r["train_loss"]) for r in read_curve(store, e)]
+            got = run[f"{e}/train_loss"]
+            assert [s for s, _ in got] == [s for s, _ in curve], loader  # each step once, in order
+            assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
 
     p = soma("eval", campaign)  # with the server still down: eval's own points miss it too
     assert p.returncode == 0, p.stderr
