@@ -84,11 +84,19 @@ def _write_records(fh, events: list) -> None:
     fh.flush()
 
 
+def run_dir_name(campaign: str, key: str) -> str:
+    """The run directory's name: the campaign's name with its path separators made "_" (a name may hold "/" or "..",
+    which must not place the run outside the log dir), then the campaign key, which keeps names unique."""
+    for sep in {os.sep, os.altsep or os.sep, "/"}:
+        campaign = campaign.replace(sep, "_")
+    return f"{campaign}-{key}"
+
+
 class TensorBoardSink:
     name = "tensorboard"
 
     def __init__(self, logdir: str, key: str, campaign: str, full: bool = False):
-        self.path = os.path.join(logdir, f"{campaign}-{key}")
+        self.path = os.path.join(logdir, run_dir_name(campaign, key))
         self.full = full
         self.file: str | None = None  # the event file this sink appends to (made at its first write)
         self.runs: dict[str, list[Rec]] = {}  # what the run holds: per tag, one record per step, in step order

@@ -278,6 +278,21 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     assert (again["points"], again["replaced"]) == (0, [])  # in order already: nothing sent or rewritten
 
 
+@pytest.mark.parametrize("name", ["../../escape", "team/exp 1", "..", "a/../b", "mü-κ 実験"])
+def test_a_campaign_name_never_places_its_run_outside_the_log_dir(tmp_path, name):
+    pytest.importorskip("tensorboard")
+    from pipelines.tracking_tb import TensorBoardSink
+
+    logdir = tmp_path / "tb"
+    logdir.mkdir()
+    sink = TensorBoardSink(str(logdir), "k1", name)
+    sink.write(sink.open().admit(replay(*retried_campaign())))
+    sink.close()
+    runs = [p for p in logdir.iterdir()]
+    assert len(runs) == 1 and runs[0].is_dir() and runs[0].name.endswith("-k1") and "/" not in runs[0].name
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["tb"]  # nothing beside the log dir
+
+
 def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path):
     """A driver SIGKILLed mid-write leaves a record cut short, where every reader stops in that file: the next
     driver reads what is whole, sends the rest to a new file, and TensorBoard shows every step once."""
