@@ -373,6 +373,8 @@ def main() -> None:
     )
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
+    if args.campaign_dir:  # made if missing, as a campaign directory is
+        os.makedirs(args.campaign_dir, exist_ok=True)
     slots = int(args.gpus / args.share + 1e-9)
     root = tempfile.mkdtemp(prefix="soma-bench-", dir="/tmp")
     ray.init(
