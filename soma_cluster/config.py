@@ -358,11 +358,15 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 class _UniqueKeys(yaml.SafeLoader):
-    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last silently). A
+    merge key (`<<: *anchor`, as configs kept in a ConfigMap or CI file share settings) is YAML's own: the keys it
+    brings in may be set again beside it (that is what it is for), so only the mapping's own keys are checked."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # no constructor of its own: the base class flattens it
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(

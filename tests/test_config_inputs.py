@@ -246,6 +246,14 @@ STREAMS = {
     "given-twice": ("printf 'n_experts: 3\\n' | {soma} --config - --config -", ["--config/-c given 2 times"]),
     "file-then-stdin": ("{soma} -c {dir}/zero.yaml --config - < /dev/null", ["--config/-c given 2 times"]),
     "directory": ("{soma} --config {dir}", ["config file {dir} is a directory"]),
+    # YAML merge keys (`<<: *anchor`) are YAML's own: merged values are checked, a key beside `<<` overrides its
+    # value (no "twice"), and a mapping's own key given twice is still refused
+    "merge-key-merged": (r"printf 'spsa:\n  <<: {{n_pert: -3}}\n' | {soma} --config -", ["spsa.n_pert", "got -3"]),
+    "merge-key-override": (
+        r"printf 'seed_stage: &s {{updates: 6}}\ntrain:\n  <<: *s\n  updates: -3\n' | {soma} --config -",
+        ["train.updates", "got -3"],
+    ),
+    "merge-key-twice": (r"printf 'spsa:\n  <<: {{lr: 1}}\n  batch: 4\n  batch: 5\n' | {soma} --config -", ["twice"]),
     "utf16-pipe": ("printf '\\xff\\xfen\\x00' | {soma} --config -", ["(standard input) is not UTF-8 text (byte 0)"]),
 }
 
