@@ -186,7 +186,8 @@ class _Checked(typer.core.TyperCommand):
     """Every command: a single-value option given twice, and the OPTION_PAIRS given wrongly, are bad usage."""
 
     def parse_args(self, ctx, args):
-        if args:  # no arguments at all: typer's help
+        # no arguments at all, or --help among them (asked for, it is given, as click gives it past other errors)
+        if args and not set(args) & set(ctx.help_option_names):
             _check_repeats(self, ctx, args)
         return super().parse_args(ctx, args)
 

@@ -331,6 +331,16 @@ def test_a_single_value_option_given_twice_is_one_line(command, option, tmp_path
     assert not any(tmp_path.iterdir())
 
 
+@pytest.mark.parametrize("command,option", single_value_options(), ids=[f"{c}{o}" for c, o in single_value_options()])
+def test_help_is_given_whatever_else_the_line_holds(command, option, tmp_path):
+    """`soma prepare X -n 2 -n 3 --help`: the user asked how the command is used; an error that says to run
+    --help would not answer."""
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    result = CliRunner().invoke(app, [*argv, option, "1", f"{option}=1", "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0 and "Usage:" in result.stdout and option in result.stdout, result.stderr[-500:]
+    assert not any(tmp_path.iterdir())
+
+
 def test_plan_wait_without_a_cluster_is_refused(prepared, tmp_path):
     camp = tmp_path / "camp"
     shutil.copytree(prepared, camp)
