@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import typing
@@ -463,7 +464,22 @@ def resolve(
         tree, origin = merge_trees(tree, _user_tree(source)), source.label
     if overrides:
         tree, origin = merge_trees(tree, overrides), "overrides"
-    return validated(tree, origin)
+    return _absolute_logdir(validated(tree, origin))
+
+
+def _absolute_logdir(cfg: CampaignConfig) -> CampaignConfig:
+    """A new campaign's tracking.tensorboard_dir is absolute: campaign.yaml keeps it, and every later command (a
+    resume from another directory, soma track, a Ray job) would resolve a relative one, or a literal ~, from its
+    own working directory, splitting the run. (A campaign.yaml written before this check loads as it is.)"""
+    logdir = cfg.tracking.tensorboard_dir
+    if logdir is None or "://" in logdir or os.path.isabs(logdir):  # a URL is refused, with its fix, by tracking
+        return cfg
+    example = os.path.abspath(os.path.expanduser(logdir))
+    raise SomaError(
+        f"tracking.tensorboard_dir {logdir!r} is not an absolute path; campaign.yaml keeps it, and each later command "
+        f"would resolve it from its own working directory{' (~ is not expanded)' if logdir.startswith('~') else ''}: "
+        f"pass an absolute one, e.g. --set tracking.tensorboard_dir={example}"
+    )
 
 
 def _user_tree(source: ConfigText) -> dict[str, Any]:
