@@ -298,7 +298,7 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     assert (again["points"], again["replaced"]) == (0, [])  # in order already: nothing sent or rewritten
 
 
-@pytest.mark.parametrize("name", ["../../escape", "team/exp 1", "..", "a/../b", "mü-κ 実験"])
+@pytest.mark.parametrize("name", ["../../escape", "team/exp 1", "..", "a/../b", "mü-κ 実験", "実" * 200, "é" * 200])
 def test_a_campaign_name_never_places_its_run_outside_the_log_dir(tmp_path, name):
     pytest.importorskip("tensorboard")
     from pipelines.tracking_tb import TensorBoardSink
