@@ -377,23 +377,50 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _leaves(value: Any, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The settings one --set item sets: its key, or each key under it when its value is a mapping."""
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*path, str(k)))]
+    return [path]
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`["spsa.n_pert=16", "corpus.source=/data"]` -> nested dict; values are parsed as YAML scalars."""
+    """`["spsa.n_pert=16", "corpus.source=/data"]` -> nested dict; values are parsed as YAML scalars. A setting
+    given by two items (`n_experts=8 ... n_experts=4`, `spsa.lr=1` and `spsa={lr: 2}`) is refused: only the last
+    would count, as for an option given twice; a section's mapping and another of its fields merge."""
     tree: dict[str, Any] = {}
+    given: dict[tuple[str, ...], str] = {}  # each setting set so far -> the item that set it
     for item in items:
-        if "=" not in item:
-            raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
-        key, raw = item.split("=", 1)
-        if not all(part.strip() for part in key.split(".")):
-            raise SomaError(f"override {item!r} has no setting name before '='; write e.g. --set spsa.n_pert=16")
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise SomaError(
-                f"--set {key.strip()}: the value {raw!r} is not a YAML scalar ({_yaml_problem(exc)}); quote it as a "
-                f"string: --set '{key.strip()}=\"{raw}\"'"
-            ) from None
-        set_dotted(tree, key.strip(), value)
+        one = _parse_override(item)
+        for leaf in _leaves(one, ()):
+            for path, first in given.items():
+                if path[: len(leaf)] == leaf or leaf[: len(path)] == path:  # the same, or one inside the other
+                    key = ".".join(max(path, leaf, key=len))
+                    raise SomaError(
+                        f"--set {key} is given twice ({first!r}, then {item!r}); pass it once (only the last would "
+                        f"count)"
+                    )
+            given[leaf] = item
+        tree = merge_trees(tree, one)
+    return tree
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    """One --set item as a tree: `spsa.n_pert=16` -> {"spsa": {"n_pert": 16}}."""
+    tree: dict[str, Any] = {}
+    if "=" not in item:
+        raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
+    key, raw = item.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):
+        raise SomaError(f"override {item!r} has no setting name before '='; write e.g. --set spsa.n_pert=16")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise SomaError(
+            f"--set {key.strip()}: the value {raw!r} is not a YAML scalar ({_yaml_problem(exc)}); quote it as a "
+            f"string: --set '{key.strip()}=\"{raw}\"'"
+        ) from None
+    set_dotted(tree, key.strip(), value)
     return tree
 
 
