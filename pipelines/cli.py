@@ -141,10 +141,23 @@ def _shown(command: typer.core.TyperCommand, name: str) -> str:
 
 
 def _given(ctx: typer.Context, name: str) -> bool:
-    if name.startswith("set:"):  # a --set item of that key (spaces around it allowed, as parse_overrides does)
-        return any(item.split("=", 1)[0].strip() == name[4:] for item in ctx.params.get("set") or [])
+    if name.startswith("set:"):  # a --set item of that key, or of its section holding it (corpus={source: X})
+        return any(_sets(item, name[4:]) for item in ctx.params.get("set") or [])
     given = ctx.get_parameter_source(name) is ParameterSource.COMMANDLINE
     return given and ctx.params.get(name) not in (None, (), [])  # an argument of nargs=-1 given no value: ()
+
+
+def _sets(item: str, dotted: str) -> bool:
+    """Whether one --set item sets `dotted`, read as the command will read it (spaces around the key allowed)."""
+    try:
+        node = parse_overrides([item])
+    except SomaError:  # malformed: the command's own parse says so, in its one line
+        return False
+    for part in dotted.split("."):
+        if not isinstance(node, dict) or part not in node:
+            return False
+        node = node[part]
+    return True
 
 
 def _check_pairs(ctx: typer.Context) -> None:
@@ -173,7 +186,8 @@ class _Checked(typer.core.TyperCommand):
     """Every command: a single-value option given twice, and the OPTION_PAIRS given wrongly, are bad usage."""
 
     def parse_args(self, ctx, args):
-        if args:  # no arguments at all: typer's help
+        # no arguments at all, or --help among them (asked for, it is given, as click gives it past other errors)
+        if args and not set(args) & set(ctx.help_option_names):
             _check_repeats(self, ctx, args)
         return super().parse_args(ctx, args)
 

@@ -84,11 +84,17 @@ def _write_records(fh, events: list) -> None:
     fh.flush()
 
 
+NAME_BYTES = 200  # of the campaign's name in its run directory's name: with "-KEY", under a file name's 255 bytes
+
+
 def run_dir_name(campaign: str, key: str) -> str:
     """The run directory's name: the campaign's name with its path separators made "_" (a name may hold "/" or "..",
-    which must not place the run outside the log dir), then the campaign key, which keeps names unique."""
+    which must not place the run outside the log dir), cut to NAME_BYTES of UTF-8 (200 characters of CJK are 600
+    bytes, which no file system takes), then the campaign key, which keeps names unique."""
     for sep in {os.sep, os.altsep or os.sep, "/"}:
         campaign = campaign.replace(sep, "_")
+    while len(campaign.encode("utf-8", "surrogateescape")) > NAME_BYTES:  # a name that fits is kept as it was
+        campaign = campaign[:-1]
     return f"{campaign}-{key}"
 
 

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import platform
 import re
 import typing
@@ -358,11 +359,15 @@ def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:
 
 
 class _UniqueKeys(yaml.SafeLoader):
-    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last silently)."""
+    """YAML's safe loader that refuses a key given twice in one mapping (plain YAML keeps the last silently). A
+    merge key (`<<: *anchor`, as configs kept in a ConfigMap or CI file share settings) is YAML's own: the keys it
+    brings in may be set again beside it (that is what it is for), so only the mapping's own keys are checked."""
 
     def construct_mapping(self, node, deep=False):
         seen = set()
         for key_node, _ in node.value:
+            if key_node.tag == "tag:yaml.org,2002:merge":  # no constructor of its own: the base class flattens it
+                continue
             key = self.construct_object(key_node, deep=deep)
             if key in seen:
                 raise yaml.constructor.ConstructorError(
@@ -372,23 +377,50 @@ class _UniqueKeys(yaml.SafeLoader):
         return super().construct_mapping(node, deep)
 
 
+def _leaves(value: Any, path: tuple[str, ...]) -> list[tuple[str, ...]]:
+    """The settings one --set item sets: its key, or each key under it when its value is a mapping."""
+    if isinstance(value, dict) and value:
+        return [leaf for k, v in value.items() for leaf in _leaves(v, (*path, str(k)))]
+    return [path]
+
+
 def parse_overrides(items: list[str]) -> dict[str, Any]:
-    """`["spsa.n_pert=16", "corpus.source=/data"]` -> nested dict; values are parsed as YAML scalars."""
+    """`["spsa.n_pert=16", "corpus.source=/data"]` -> nested dict; values are parsed as YAML scalars. A setting
+    given by two items (`n_experts=8 ... n_experts=4`, `spsa.lr=1` and `spsa={lr: 2}`) is refused: only the last
+    would count, as for an option given twice; a section's mapping and another of its fields merge."""
     tree: dict[str, Any] = {}
+    given: dict[tuple[str, ...], str] = {}  # each setting set so far -> the item that set it
     for item in items:
-        if "=" not in item:
-            raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
-        key, raw = item.split("=", 1)
-        if not all(part.strip() for part in key.split(".")):
-            raise SomaError(f"override {item!r} has no setting name before '='; write e.g. --set spsa.n_pert=16")
-        try:
-            value = yaml.safe_load(raw)
-        except yaml.YAMLError as exc:
-            raise SomaError(
-                f"--set {key.strip()}: the value {raw!r} is not a YAML scalar ({_yaml_problem(exc)}); quote it as a "
-                f"string: --set '{key.strip()}=\"{raw}\"'"
-            ) from None
-        set_dotted(tree, key.strip(), value)
+        one = _parse_override(item)
+        for leaf in _leaves(one, ()):
+            for path, first in given.items():
+                if path[: len(leaf)] == leaf or leaf[: len(path)] == path:  # the same, or one inside the other
+                    key = ".".join(max(path, leaf, key=len))
+                    raise SomaError(
+                        f"--set {key} is given twice ({first!r}, then {item!r}); pass it once (only the last would "
+                        f"count)"
+                    )
+            given[leaf] = item
+        tree = merge_trees(tree, one)
+    return tree
+
+
+def _parse_override(item: str) -> dict[str, Any]:
+    """One --set item as a tree: `spsa.n_pert=16` -> {"spsa": {"n_pert": 16}}."""
+    tree: dict[str, Any] = {}
+    if "=" not in item:
+        raise SomaError(f"override {item!r} is not key=value; write e.g. --set spsa.n_pert=16")
+    key, raw = item.split("=", 1)
+    if not all(part.strip() for part in key.split(".")):
+        raise SomaError(f"override {item!r} has no setting name before '='; write e.g. --set spsa.n_pert=16")
+    try:
+        value = yaml.safe_load(raw)
+    except yaml.YAMLError as exc:
+        raise SomaError(
+            f"--set {key.strip()}: the value {raw!r} is not a YAML scalar ({_yaml_problem(exc)}); quote it as a "
+            f"string: --set '{key.strip()}=\"{raw}\"'"
+        ) from None
+    set_dotted(tree, key.strip(), value)
     return tree
 
 
@@ -459,7 +491,22 @@ def resolve(
         tree, origin = merge_trees(tree, _user_tree(source)), source.label
     if overrides:
         tree, origin = merge_trees(tree, overrides), "overrides"
-    return validated(tree, origin)
+    return _absolute_logdir(validated(tree, origin))
+
+
+def _absolute_logdir(cfg: CampaignConfig) -> CampaignConfig:
+    """A new campaign's tracking.tensorboard_dir is absolute: campaign.yaml keeps it, and every later command (a
+    resume from another directory, soma track, a Ray job) would resolve a relative one, or a literal ~, from its
+    own working directory, splitting the run. (A campaign.yaml written before this check loads as it is.)"""
+    logdir = cfg.tracking.tensorboard_dir
+    if logdir is None or "://" in logdir or os.path.isabs(logdir):  # a URL is refused, with its fix, by tracking
+        return cfg
+    example = os.path.abspath(os.path.expanduser(logdir))
+    raise SomaError(
+        f"tracking.tensorboard_dir {logdir!r} is not an absolute path; campaign.yaml keeps it, and each later command "
+        f"would resolve it from its own working directory{' (~ is not expanded)' if logdir.startswith('~') else ''}: "
+        f"pass an absolute one, e.g. --set tracking.tensorboard_dir={example}"
+    )
 
 
 def _user_tree(source: ConfigText) -> dict[str, Any]:

@@ -53,10 +53,11 @@ def refused(name: str) -> tuple[str, str] | None:
 
 
 def format_of(name: str, setting: str = "auto") -> Format:
-    """The format a corpus file is read in: by its name, or corpus.format's (`setting`) when not auto."""
+    """The format a corpus file is read in: by its name, in any case (`PART-0.PARQUET`, `A.JSONL.GZ`, as a
+    .ZIP is refused in any case), or corpus.format's (`setting`) when not auto."""
     if setting != "auto":
         return next(f for f in FORMATS if f.name == setting)
-    return next(f for f in FORMATS if name.endswith(f.suffix))
+    return next(f for f in FORMATS if name.lower().endswith(f.suffix))
 
 
 FormatSetting = Literal[("auto", *(f.name for f in FORMATS))]  # corpus.format's choices

@@ -293,6 +293,24 @@ def test_an_input_without_its_partner_or_with_its_contradiction_is_one_line(comm
     assert result.exit_code == 2 and word not in result.stderr and "is a file" in result.stderr, result.stderr
 
 
+SECTION_SETS = [
+    (p.command, p.option, p.other[4:]) for p in OPTION_PAIRS if p.other.startswith("set:") and "." in p.other
+]
+
+
+@pytest.mark.parametrize("command,option,key", SECTION_SETS, ids=[f"{c}:{o}+{k}" for c, o, k in SECTION_SETS])
+def test_a_contradiction_through_the_setting_s_section_is_refused_too(command, option, key, tmp_path):
+    """`--corpus A --set 'corpus={source: B}'` sets corpus.source twice as surely as `--set corpus.source=B`:
+    refused naming both, not decided silently for one of them."""
+    section, field = key.split(".", 1)
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    bad = _given(command, option) + ["--set", f"{section}={{{field}: 4}}"]
+    result = CliRunner().invoke(app, [*argv, *bad], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1 and "contradict" in errors[0], (bad, result.stderr[-1500:])
+    assert not any(tmp_path.iterdir()), bad
+
+
 def single_value_options() -> list[tuple[str, str]]:
     return [
         (name, max(p.opts, key=len))
@@ -310,6 +328,16 @@ def test_a_single_value_option_given_twice_is_one_line(command, option, tmp_path
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and len(errors) == 1, (command, option, result.stderr[-1500:])
     assert option in errors[0] and "given 2 times" in errors[0], errors[0]
+    assert not any(tmp_path.iterdir())
+
+
+@pytest.mark.parametrize("command,option", single_value_options(), ids=[f"{c}{o}" for c, o in single_value_options()])
+def test_help_is_given_whatever_else_the_line_holds(command, option, tmp_path):
+    """`soma prepare X -n 2 -n 3 --help`: the user asked how the command is used; an error that says to run
+    --help would not answer."""
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    result = CliRunner().invoke(app, [*argv, option, "1", f"{option}=1", "--help"], env={"COLUMNS": "300"})
+    assert result.exit_code == 0 and "Usage:" in result.stdout and option in result.stdout, result.stderr[-500:]
     assert not any(tmp_path.iterdir())
 
 

@@ -22,7 +22,7 @@ from typer.testing import CliRunner
 
 from pipelines.cli import app
 from soma_cluster import schema
-from soma_cluster.config import CampaignConfig, resolve, set_dotted, to_yaml_text
+from soma_cluster.config import CampaignConfig, parse_overrides, resolve, set_dotted, to_yaml_text
 from soma_cluster.configinput import STDIN_LABEL, read_config
 from soma_cluster.errors import SomaError
 
@@ -218,6 +218,31 @@ def test_malformed_set_item_is_one_line(item, tmp_path, parent):
     assert "--set" in line or "override" in line, line
 
 
+# one setting given by two --set items: only the last would count, as for an option given twice
+SET_TWICE = [
+    (["n_experts=8", "n_experts=4"], "n_experts"),
+    (["spsa.n_pert=2", " spsa.n_pert =2"], "spsa.n_pert"),
+    (["spsa.n_pert=2", "spsa={n_pert: 4, batch: 8}"], "spsa.n_pert"),
+    (["spsa={lr: 0.1}", "spsa.lr=0.2"], "spsa.lr"),
+    (["spsa.n_pert=2", "spsa=5"], "spsa.n_pert"),
+]
+
+
+@pytest.mark.parametrize("items,key", SET_TWICE, ids=[" ".join(i) for i, _ in SET_TWICE])
+def test_a_setting_given_by_two_set_items_is_one_line(items, key, tmp_path, parent):
+    command = SET_COMMANDS[SET_TWICE.index((items, key)) % len(SET_COMMANDS)]  # the parsing is shared: one each
+    argv = _argv(command, tmp_path, parent, [a for item in items for a in ("--set", item)])
+    line = refuse(argv, tmp_path, f"--set {key} is given twice")
+    assert repr(items[0]) in line and repr(items[1]) in line, line
+
+
+def test_a_section_s_mapping_and_another_of_its_fields_merge_in_either_order():
+    """`spsa.n_pert=2` then `spsa={batch: 8}` used to drop n_pert (the mapping replaced the section)."""
+    for items in (["spsa.n_pert=2", "spsa={batch: 8}"], ["spsa={batch: 8}", "spsa.n_pert=2"]):
+        cfg = resolve("tiny", parse_overrides(items))
+        assert (cfg.spsa.n_pert, cfg.spsa.batch) == (2, 8), items
+
+
 # --config from a stream, through the real CLI in its own process (a real pipe, FIFO, terminal or closed stdin):
 # id -> (a bash line in which {soma} is `python -m pipelines.cli prepare CAMPAIGN`, what the one error line says)
 STREAMS = {
@@ -246,6 +271,14 @@ STREAMS = {
     "given-twice": ("printf 'n_experts: 3\\n' | {soma} --config - --config -", ["--config/-c given 2 times"]),
     "file-then-stdin": ("{soma} -c {dir}/zero.yaml --config - < /dev/null", ["--config/-c given 2 times"]),
     "directory": ("{soma} --config {dir}", ["config file {dir} is a directory"]),
+    # YAML merge keys (`<<: *anchor`) are YAML's own: merged values are checked, a key beside `<<` overrides its
+    # value (no "twice"), and a mapping's own key given twice is still refused
+    "merge-key-merged": (r"printf 'spsa:\n  <<: {{n_pert: -3}}\n' | {soma} --config -", ["spsa.n_pert", "got -3"]),
+    "merge-key-override": (
+        r"printf 'seed_stage: &s {{updates: 6}}\ntrain:\n  <<: *s\n  updates: -3\n' | {soma} --config -",
+        ["train.updates", "got -3"],
+    ),
+    "merge-key-twice": (r"printf 'spsa:\n  <<: {{lr: 1}}\n  batch: 4\n  batch: 5\n' | {soma} --config -", ["twice"]),
     "utf16-pipe": ("printf '\\xff\\xfen\\x00' | {soma} --config -", ["(standard input) is not UTF-8 text (byte 0)"]),
 }
 

@@ -419,6 +419,14 @@ def linked(fmt: Format, name: str) -> Case:
     return Case(files, Read(docs), skipped={SKIP_HIDDEN: [".blobs/"], SKIP_SEEN: ["e/"]})
 
 
+def upper_case_name(fmt: Format, name: str) -> Case:
+    """A name in capitals (X.PARQUET, X.JSONL.GZ: made on Windows, or by a tool that shouts): read in its format,
+    as a .ZIP is refused in any case, not taken for plain text or skipped as not text."""
+    upper = name.upper()
+    data, good = _good(fmt, TEXTS, upper)
+    return Case({upper.encode(): data}, good, upper.encode())
+
+
 def dir_named_like_file(fmt: Format, name: str) -> Case:
     """A directory called x.parquet (or x.jsonl.gz) holds files: they are read in their own formats."""
     return Case(
@@ -488,6 +496,7 @@ MALFORMATIONS: tuple[Callable[[Format, str], Case], ...] = (
     _special("loop", ("is a symbolic link loop", "remove it")),
     _special("dangling", ("is a broken symbolic link", "remove it or point it at a file")),
     dir_named_like_file,
+    upper_case_name,
     unreadable,
     hidden,
     linked,

@@ -4,6 +4,7 @@ by a backfill, the bounded queue and its counted drops, and TensorBoard's files 
 
 from __future__ import annotations
 
+import os
 import threading
 import time
 
@@ -49,6 +50,25 @@ def test_config_wins_over_environment_and_environment_fills_the_rest(tmp_path):
     assert resolve_target(cfg_with(), str(tmp_path), {}).backends == ()
     t = resolve_target(cfg_with(), str(tmp_path), {"SOMA_TRACKING_BACKENDS": "tensorboard, mlflow", **env})
     assert t.backends == (Backend.TENSORBOARD, Backend.MLFLOW)
+
+
+@pytest.mark.parametrize("logdir", ["~/tb", "tb", "./tb/runs", "../tb"])
+def test_a_new_campaign_s_tensorboard_dir_is_absolute_and_an_old_one_still_loads(logdir, tmp_path, monkeypatch):
+    """campaign.yaml keeps tracking.tensorboard_dir: relative (or a literal ~, which no shell expands inside
+    --set) each later command would place the run under its own working directory. Refused for a new campaign,
+    naming an absolute path; a campaign.yaml written with one before loads as it is."""
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(SomaError) as info:
+        resolve("tiny", {"tracking": {"tensorboard_dir": logdir}})
+    line = str(info.value)
+    example = os.path.abspath(os.path.expanduser(logdir))  # what the user meant, from here
+    assert "not an absolute path" in line and line.endswith(f"--set tracking.tensorboard_dir={example}"), line
+    assert ("~ is not expanded" in line) == logdir.startswith("~"), line
+    assert resolve("tiny", {"tracking": {"tensorboard_dir": str(tmp_path / "tb")}}).tracking.tensorboard_dir
+    cfg = cfg_with()
+    old = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update={"tensorboard_dir": logdir})})
+    assert from_yaml_text(to_yaml_text(old), "campaign.yaml").tracking.tensorboard_dir == logdir
+    assert list(tmp_path.iterdir()) == []
 
 
 @pytest.mark.parametrize(
@@ -278,7 +298,7 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     assert (again["points"], again["replaced"]) == (0, [])  # in order already: nothing sent or rewritten
 
 
-@pytest.mark.parametrize("name", ["../../escape", "team/exp 1", "..", "a/../b", "mü-κ 実験"])
+@pytest.mark.parametrize("name", ["../../escape", "team/exp 1", "..", "a/../b", "mü-κ 実験", "実" * 200, "é" * 200])
 def test_a_campaign_name_never_places_its_run_outside_the_log_dir(tmp_path, name):
     pytest.importorskip("tensorboard")
     from pipelines.tracking_tb import TensorBoardSink
