@@ -43,6 +43,8 @@ def read_run(path: str) -> tuple[list[Rec], float | None]:
     recs: list[Rec] = []
     start = None
     for name in read_order(os.listdir(path)):
+        if not os.path.isfile(os.path.join(path, name)):  # a directory named like an event file: not one
+            continue
         for raw in RawEventFileLoader(os.path.join(path, name)).Load():
             ev = Event.FromString(raw)
             start = ev.wall_time if start is None else min(start, ev.wall_time)

@@ -313,6 +313,21 @@ def test_a_campaign_name_never_places_its_run_outside_the_log_dir(tmp_path, name
     assert sorted(p.name for p in tmp_path.iterdir()) == ["tb"]  # nothing beside the log dir
 
 
+def test_a_directory_named_like_an_event_file_is_not_read_as_one(tmp_path):
+    pytest.importorskip("tensorboard")
+    from pipelines.tracking_tb import TensorBoardSink, run_dir_name
+
+    points = replay(*retried_campaign())
+    run = tmp_path / run_dir_name("micro", "k1")
+    (run / "events.out.tfevents.soma-00000009").mkdir(parents=True)  # a user's (or a sync tool's) directory
+    sink = TensorBoardSink(str(tmp_path), "k1", "micro")
+    sink.write(sink.open().admit(points))
+    sink.close()
+    again = TensorBoardSink(str(tmp_path), "k1", "micro")
+    assert again.open().admit(points) == []  # what the first wrote is read back whole: nothing to send
+    assert (run / "events.out.tfevents.soma-00000009").is_dir()
+
+
 def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path):
     """A driver SIGKILLed mid-write leaves a record cut short, where every reader stops in that file: the next
     driver reads what is whole, sends the rest to a new file, and TensorBoard shows every step once."""
