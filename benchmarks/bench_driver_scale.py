@@ -236,7 +236,7 @@ def tracking_section(on: bool, args, campaign: str) -> dict:
     if not on:
         return {}
     return {
-        "backends": ["tensorboard", "mlflow"],
+        "backends": args.backends.split(","),
         "mlflow_uri": args.mlflow_uri,
         "tensorboard_dir": os.path.join(campaign, "tensorboard"),
         "drain_s": 5.0,  # after the loop: not in the loop's time
@@ -338,7 +338,8 @@ def compare_tracking(args, root: str, floor: float) -> None:
         print(
             f"\n| N | tracking | driver loop ms/heartbeat (median of {args.repeats}) | driver CPU ms/heartbeat |\n"
             f"|---|---|---|---|\n| {n} | off | {med[False]:.3f} | {cpu[False]:.2f} |\n"
-            f"| {n} | on (tensorboard + mlflow {args.mlflow_uri}) | {med[True]:.3f} | {cpu[True]:.2f} |\n"
+            f"| {n} | on ({args.backends.replace(',', ' + ')}; mlflow at {args.mlflow_uri}) | {med[True]:.3f} "
+            f"| {cpu[True]:.2f} |\n"
             f"N={n}: loop on/off = {med[True] / med[False]:.3f} (target <= 1.05); bare Ray loop {floor:.3f} ms"
         )
 
@@ -370,6 +371,11 @@ def main() -> None:
     p.add_argument("--repeats", type=int, default=2, help="with --tracking: off/on pairs, alternating order")
     p.add_argument(
         "--mlflow-uri", default="http://127.0.0.1:9", help="with --tracking (default: nothing listens: a down tracker)"
+    )
+    p.add_argument(
+        "--backends",
+        default="tensorboard,mlflow",
+        help="with --tracking: the trackers turned on (one at a time: which costs)",
     )
     p.add_argument("--campaign-dir", help="where the Driver's campaign (events, ledger) goes; /dev/shm: no disk syncs")
     args = p.parse_args()
