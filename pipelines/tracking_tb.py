@@ -93,8 +93,7 @@ def run_dir_name(campaign: str, key: str) -> str:
     """The run directory's name: the campaign's name with its path separators made "_" (a name may hold "/" or "..",
     which must not place the run outside the log dir), cut to NAME_BYTES of UTF-8 (200 characters of CJK are 600
     bytes, which no file system takes), then the campaign key, which keeps names unique."""
-    for sep in {os.sep, os.altsep or os.sep, "/"}:
-        campaign = campaign.replace(sep, "_")
+    campaign = campaign.replace("/", "_")  # POSIX's one separator (Ray's clusters run on Linux)
     while len(campaign.encode("utf-8", "surrogateescape")) > NAME_BYTES:  # a name that fits is kept as it was
         campaign = campaign[:-1]
     return f"{campaign}-{key}"
