@@ -137,6 +137,11 @@ def _shown(command: typer.core.TyperCommand, name: str) -> str:
     param = next(p for p in command.params if p.name == name)
     if param.param_type_name == "argument":
         return name.upper()
+    return _written(param)
+
+
+def _written(param) -> str:
+    """An option as its help lists it, long name first: --experts/-n."""
     return "/".join(sorted(param.opts, key=len, reverse=True))
 
 
@@ -178,8 +183,7 @@ def _check_repeats(command: typer.core.TyperCommand, ctx: typer.Context, args: l
     for param in {id(p): p for p in order}.values():
         single = param.param_type_name == "option" and not (param.multiple or param.is_flag or param.count)
         if single and (n := sum(p is param for p in order)) > 1:
-            name = "/".join(sorted(param.opts, key=len, reverse=True))
-            raise UsageError(f"{name} given {n} times; pass it once (only the last would count)", ctx)
+            raise UsageError(f"{_written(param)} given {n} times; pass it once (only the last would count)", ctx)
 
 
 class _Checked(typer.core.TyperCommand):

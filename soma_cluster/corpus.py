@@ -679,7 +679,7 @@ class _LocalWalk:
     def __init__(self, root: str):
         real = os.path.realpath(root)
         # the root and every directory above it: a link to any of them is a loop
-        self.above = frozenset(self._key(d) for d in _with_parents(real))
+        self.above = frozenset(self._key(d) for d in (real, *Path(real).parents))
         self.seen = set(self.above)
         self.dirs: deque[tuple[str, str, str, frozenset]] = deque([(root, "", real, self.above)])
         self.links: deque[tuple[str, str, frozenset, tuple[int, int]]] = deque()
@@ -747,15 +747,6 @@ def _quiet_is_dir(e: os.DirEntry) -> bool:
         return e.is_dir()
     except OSError:
         return False
-
-
-def _with_parents(path: str) -> Iterator[str]:
-    while True:
-        yield path
-        parent = os.path.dirname(path)
-        if parent == path:
-            return
-        path = parent
 
 
 def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
