@@ -9,12 +9,13 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
 import urllib.request
 from pathlib import Path
+
+from ports import free_port
 
 REPO = Path(__file__).resolve().parent.parent
 BINARY = os.environ.get("SOMA_TEST_MLFLOW") or str(REPO / ".venv-mlflow" / "bin" / "mlflow")
@@ -26,12 +27,6 @@ START_S = 180.0  # a cold start imports all of mlflow: ~40 s on a loaded 2-core 
 
 def available() -> bool:
     return os.access(BINARY, os.X_OK)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class MlflowServer:

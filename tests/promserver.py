@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import shutil
 import signal
-import socket
 import subprocess
 import tempfile
 import time
@@ -15,20 +14,16 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
+from ports import free_port
+
 BINARY = shutil.which("prometheus")
 SKIP_REASON = "the prometheus binary is not installed (make prometheus: Debian's package, as .ci/run does)"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 class Prometheus:
     def __init__(self, sd_file: str, scrape_s: float = 1.0):
         self.root = Path(tempfile.mkdtemp(prefix="soma-prom-"))
-        self.port = _free_port()
+        self.port = free_port()
         config = {
             "global": {"scrape_interval": f"{scrape_s:g}s", "evaluation_interval": f"{scrape_s:g}s"},
             "scrape_configs": [

@@ -16,13 +16,9 @@ import time
 import uuid
 from pathlib import Path
 
+from ports import free_port
+
 MARKER = "SOMA_TEST_RAY_HEAD"
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def marked_pids(marker: str) -> list[int]:

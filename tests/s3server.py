@@ -10,7 +10,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,15 +19,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
+from ports import free_port
 
 HERE = Path(__file__).resolve().parent
 START_TIMEOUT_S = 30.0
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _answers(port: int, timeout: float = 1.0) -> bool:

@@ -8,7 +8,6 @@ from __future__ import annotations
 import os
 import re
 import shutil
-import socket
 import tempfile
 import time
 import urllib.request
@@ -18,6 +17,7 @@ import pytest
 for mod in ("aiohttp_cors", "opencensus", "prometheus_client"):
     pytest.importorskip(mod, reason="the metrics endpoint needs ray[default] (pip install '.[metrics]')")
 
+from ports import free_port  # noqa: E402
 from test_faults import config  # noqa: E402
 
 from pipelines.campaign import Driver  # noqa: E402
@@ -25,12 +25,6 @@ from pipelines.prepare import prepare  # noqa: E402
 from soma_cluster.jobs import SEED_JOB, expert_jobs  # noqa: E402
 from soma_cluster.ledger import Ledger  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @pytest.fixture(scope="module")
