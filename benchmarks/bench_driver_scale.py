@@ -27,7 +27,11 @@ Ratios printed:
 Tracking (--tracking): the same Driver at each N with experiment tracking off and on (TensorBoard into the
 campaign directory, and MLflow: --mlflow-uri, by default a loopback port where nothing listens, the worst case
 in which every call fails and is retried), alternating off/on/on/off (--repeats pairs), G = 1. Printed: the
-driver loop's ms per heartbeat, median over repeats, and on/off; the issue's target is on/off <= 1.05.
+driver loop's ms per heartbeat, median over repeats, and on/off; the issue's target is on/off <= 1.05. Each run
+also prints where the time goes: the loop thread's own CPU per heartbeat (what it computes; the rest of its time
+it waits, for a core or the interpreter lock), the garbage collector's pauses per heartbeat (and how many were
+full passes; a pause stalls the loop, whichever thread set it off), the tracker calls made inside the loop
+(turning records into points and enqueueing them), and each sink thread's own CPU (/proc/self/task/TID/schedstat).
 
 Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal 192 s) the Driver run
 takes ~4 min on 2 cores and Ray Tune ~7.5 min. N = 1,024 at these settings is ~15 min a
@@ -41,6 +45,7 @@ Measurement records (dated runs, their commands and readings): docs/results/benc
 from __future__ import annotations
 
 import argparse
+import gc
 import math
 import os
 import shutil
@@ -160,6 +165,7 @@ class TimedDriver(Driver):
     def __init__(self, *args, **kwargs):
         super().__init__(*args, **kwargs)
         self.collect_s, self.append_s, self.results = 0.0, 0.0, 0
+        self.loop_cpu_s = 0.0  # the loop thread's own CPU in its sweeps (blocking included: it spends ~none)
         write, flush = self.store._write_lines, self.store.flush
 
         def timed_write(log, lines):
@@ -174,22 +180,80 @@ class TimedDriver(Driver):
 
         self.store._write_lines, self.store.flush = timed_write, timed_flush
 
+    def _open_tracker(self, hist):
+        """The tracker's calls in the loop are timed (they are part of collect_s too), and each sink thread's own
+        CPU is read from /proc just before the tracker closes (its threads end then)."""
+        tracker = super()._open_tracker(hist)
+        self.feed_s, self.sink_cpu = 0.0, {}
+        if tracker is None:
+            return None
+        for name in ("on_event", "on_ledger"):
+            call = getattr(tracker, name)
+
+            def timed(rec, call=call):
+                t = time.perf_counter()
+                call(rec)
+                self.feed_s += time.perf_counter() - t
+
+            (self.sched if name == "on_event" else self.sched.books.ledger).observe = timed
+        close = tracker.close
+
+        def timed_close(record=True):
+            for th in tracker.threads:
+                self.sink_cpu[th.sink.name] = thread_cpu_s(th._thread.native_id)
+            return close(record)
+
+        tracker.close = timed_close
+        return tracker
+
     def _collect(self, uid, ref, result=None):
         self.results += len(self.sched.units[uid].live())
         return super()._collect(uid, ref, result)
 
     def _sweep(self) -> None:
         """All the loop's time in a sweep except blocking for the first result (or sleeping)."""
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.thread_time()
         self.blocked = 0.0
         super()._sweep()
         self.collect_s += time.perf_counter() - t - self.blocked
+        self.loop_cpu_s += time.thread_time() - c
 
     def _block(self, refs):
         t = time.perf_counter()
         out = super()._block(refs)
         self.blocked += time.perf_counter() - t
         return out
+
+
+def thread_cpu_s(tid: int | None) -> float:
+    """A thread of this process: its seconds on a CPU so far (the kernel's schedstat, in ns)."""
+    try:
+        with open(f"/proc/self/task/{tid}/schedstat") as fh:
+            return int(fh.read().split()[0]) / 1e9
+    except (OSError, ValueError, IndexError):
+        return float("nan")
+
+
+class GcClock:
+    """The interpreter's garbage collections while it is entered: their seconds (every thread waits for them) and
+    how many were full (the oldest generation: they traverse every object the process holds)."""
+
+    def __init__(self):
+        self.seconds, self.full, self._t = 0.0, 0, 0.0
+
+    def _tick(self, phase: str, info: dict) -> None:
+        if phase == "start":
+            self._t = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self._t
+            self.full += info["generation"] == 2
+
+    def __enter__(self) -> "GcClock":
+        gc.callbacks.append(self._tick)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._tick)
 
 
 def _stand_in(start, expert: int, share: float):
@@ -272,8 +336,10 @@ def run_driver(
         show_progress=False,
         actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates),
     )
+    gc_clock = GcClock()
     cpu, t = time.process_time(), time.monotonic()
-    outcome = driver.run()
+    with gc_clock:
+        outcome = driver.run()
     wall, cpu = time.monotonic() - t, time.process_time() - cpu
     assert set(outcome.values()) == {"finished"} and len(outcome) == n, outcome
     hist = history(store).values()
@@ -288,6 +354,11 @@ def run_driver(
         "collect_ms": driver.collect_s * per,
         "append_ms": driver.append_s * per,
         "cpu_ms": cpu * per,
+        "gc_ms": gc_clock.seconds * per,
+        "loop_cpu_ms": driver.loop_cpu_s * per,
+        "feed_ms": getattr(driver, "feed_s", 0.0) * per,
+        "sink_cpu_ms": {k: v * per for k, v in getattr(driver, "sink_cpu", {}).items()},
+        "full_gcs": gc_clock.full,
     }
 
 
@@ -331,8 +402,13 @@ def compare_tracking(args, root: str, floor: float) -> None:
             for on in (False, True) if i % 2 == 0 else (True, False):
                 r = run_driver(n, args, root, tracking=on)
                 got[on].append(r)
-                print(f"  N={n} tracking {'on ' if on else 'off'}: loop {r['collect_ms']:.3f} ms/hb, "
-                      f"wall {r['wall']:.1f} s, CPU {r['cpu_ms']:.2f} ms/hb", flush=True)  # fmt: skip
+                print(f"  N={n} tracking {'on ' if on else 'off'}: loop {r['collect_ms']:.3f} ms/hb "
+                      f"(its thread's CPU {r['loop_cpu_ms']:.3f}), "
+                      f"wall {r['wall']:.1f} s, CPU {r['cpu_ms']:.2f} ms/hb, garbage collection "
+                      f"{r['gc_ms']:.3f} ms/hb ({r['full_gcs']} full); in the loop, feeding the trackers "
+                      f"{r['feed_ms']:.3f} ms/hb; sink threads' CPU "
+                      f"{', '.join(f'{k} {v:.3f}' for k, v in r['sink_cpu_ms'].items()) or '-'} ms/hb",
+                      flush=True)  # fmt: skip
         med = {on: statistics.median(r["collect_ms"] for r in rs) for on, rs in got.items()}
         cpu = {on: statistics.median(r["cpu_ms"] for r in rs) for on, rs in got.items()}
         print(

@@ -30,7 +30,7 @@ from ray.exceptions import (
 )
 
 from pipelines.campaign_lease import held, holding
-from pipelines.common import console, progress
+from pipelines.common import console, frozen_heap, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.reopen import reopen_failed, reopen_unverified
 from pipelines.stopping import STOP, Stopped
@@ -366,7 +366,11 @@ class Driver:
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
             # a SIGINT/SIGTERM only sets STOP.requested here: the loop ends between two results, with the state whole
-            with STOP.cooperative(), self.store.batch(background=True, wait_s=self.cfg.retry.infra_wait_s):
+            with (
+                STOP.cooperative(),
+                self.store.batch(background=True, wait_s=self.cfg.retry.infra_wait_s),
+                frozen_heap(),
+            ):
                 flushed = time.monotonic()
                 try:
                     while not self.sched.finished and STOP.requested is None:

@@ -1,7 +1,8 @@
-"""Shared driver plumbing: open a campaign directory, the console, progress bars."""
+"""Shared driver plumbing: open a campaign directory, the console, progress bars, the heap under a long loop."""
 
 from __future__ import annotations
 
+import gc
 import os
 import sys
 from contextlib import contextmanager
@@ -86,3 +87,17 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
     )
     with bar:
         yield bar
+
+
+@contextmanager
+def frozen_heap() -> Iterator[None]:
+    """Around a long loop: what the process holds when it begins (the libraries it imported: torch, Ray, pyarrow,
+    the trackers; a resumed campaign's history) is left out of the garbage collector's full passes meanwhile.
+    Each full pass otherwise walks all of it, ~0.25 s on a loaded 2-core host (benchmarks/bench_driver_scale.py
+    measures these pauses), and stalls the loop while it runs. Given back to the collector at the end: garbage
+    among those objects is then collected as before."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()

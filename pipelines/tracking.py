@@ -52,7 +52,8 @@ GAPS = "tracking/gaps.jsonl"  # what a tracker missed, per driver: the record `s
 POLL_S = 0.2  # a sink's thread looks for points this often (no wake-up per point: enqueueing stays cheap)
 BATCH_POINTS = 2000  # points per send
 BACKOFF_S = 0.5  # first retry's wait, doubled each retry
-COOLDOWN_S = 2.0  # after a batch failed every try: the queue fills meanwhile (bounded) instead of being drained
+COOLDOWN_S = 2.0  # after a batch failed every try: the queue fills meanwhile (bounded) instead of being drained;
+COOLDOWN_MAX_S = 30.0  # doubled after each such batch up to this, back to COOLDOWN_S after a batch gets through
 MODULES = {Backend.MLFLOW: "mlflow", Backend.TENSORBOARD: "tensorboard"}
 
 
@@ -127,17 +128,28 @@ class Outcome:
 
 
 class SinkThread:
-    """One sink, its bounded queue and its thread."""
+    """One sink, its bounded queue and its thread.
 
-    def __init__(self, sink: Sink, cap: int, retries: int):
+    A tracker that keeps failing costs the driver's process little: after a batch fails every try the thread
+    waits (COOLDOWN_S, doubled after each failed batch up to COOLDOWN_MAX_S) while the queue fills up to its
+    bound and then drops, counted. Closing wakes it at once; a batch that then fails every try ends the drain, and
+    what is left is counted as missed at once, not after tracking.drain_s spent on a tracker that just refused."""
+
+    def __init__(
+        self, sink: Sink, cap: int, retries: int, cooldown_s: float = COOLDOWN_S, cooldown_max_s: float = COOLDOWN_MAX_S
+    ):
         self.sink, self.cap, self.retries = sink, cap, retries
+        self.cooldown_s, self.cooldown_max_s = cooldown_s, max(cooldown_s, cooldown_max_s)
+        self.cooldown = cooldown_s  # the next wait after a failed batch
         self.queue: deque[list[Point]] = deque()
         self.size = 0  # points queued
-        self.lock = threading.Lock()
+        self.lock = threading.Lock()  # the queue and the gap: the driver's thread and this one both add to the gap
         self.gap, self.sent, self.error = Gap(), 0, None
         self.marks: Marks | None = None
         self.prologue: list[Point] = []
+        self.inflight: list[Point] = []  # the batch taken to be sent (set under the lock as it leaves the queue)
         self._closing = self._abandon = False
+        self._wake = threading.Event()  # set by closing(): ends a poll or a cool-down at once
         self._thread = threading.Thread(target=self._run, name=f"soma-track-{sink.name}", daemon=True)
 
     def start(self, prologue: list[Point]) -> None:
@@ -161,65 +173,100 @@ class SinkThread:
                 batch = self.queue.popleft()
                 self.size -= len(batch)
                 out += batch
+            self.inflight = out
         return out
 
+    def _miss(self, points: list[Point]) -> None:
+        with self.lock:
+            if not self._abandon:  # once abandoned, close() has counted the batch in flight
+                self.gap.add(points)
+            self.inflight = []
+
     def _run(self) -> None:
-        if self.prologue:
-            for i in range(0, len(self.prologue), BATCH_POINTS):
-                self._send(self.prologue[i : i + BATCH_POINTS])
-            self.prologue = []
+        while not self._abandon:
+            with self.lock:  # a close() that gives up takes the rest of the prologue under the same lock
+                batch, self.prologue = self.prologue[:BATCH_POINTS], self.prologue[BATCH_POINTS:]
+                self.inflight = batch
+            if not batch:
+                break
+            if not self._sent(batch):
+                return self._give_up()
         while not self._abandon:
             batch = self._take()
             if batch:
-                self._send(batch)
+                if not self._sent(batch):
+                    return self._give_up()
                 time.sleep(0)  # hand the interpreter lock back to the driver's loop between batches
             elif self._closing:
                 return
             else:
-                time.sleep(POLL_S)
+                self._wake.wait(POLL_S)
 
-    def _send(self, points: list[Point]) -> None:
-        """Admit (what the tracker lacks), then write with bounded retries; a batch that fails them is dropped."""
+    def _sent(self, batch: list[Point]) -> bool:
+        """Send one batch; False when the thread is to give up: the batch failed every try, all of them made while
+        closing (a batch that failed before closing began leaves the next one its try: the tracker may be back)."""
+        closing = self._closing
+        return self._send(batch) or not closing
+
+    def _give_up(self, abandon: bool = False) -> None:
+        """What is queued is missed, now: closing, and the tracker failed a batch every try (not worth the drain's
+        time), or the drain's time is up (then also the batch in flight, whose fate is unknown: counted as missed,
+        and the backfill, which reads what the tracker holds first, sends it only if it is not there)."""
+        with self.lock:
+            self._abandon = self._abandon or abandon
+            left = [p for batch in self.queue for p in batch]
+            self.queue.clear()
+            self.size = 0
+            self.gap.add(self.prologue + left + (self.inflight if abandon else []))
+            self.prologue, self.inflight = [], []
+
+    def _send(self, points: list[Point]) -> bool:
+        """Admit (what the tracker lacks), then write with bounded retries; a batch that fails them is dropped.
+        True when the batch got through."""
         for attempt in range(self.retries + 1):
             if self._abandon:
-                self.gap.add(points)
-                return
+                return False  # counted by close()
             try:
                 if self.marks is None:
                     self.marks = self.sink.open()
                 fresh = self.marks.admit(points)
                 if fresh:
                     self.sink.write(fresh)
-                self.sent += len(fresh)
-                return
+                with self.lock:
+                    self.sent += len(fresh)
+                    self.inflight = []
+                self.cooldown = self.cooldown_s
+                return True
             except Exception as exc:  # a tracker's failure never reaches the driver
                 self.error = f"{type(exc).__name__}: {str(exc).splitlines()[0][:200] if str(exc) else ''}"
                 self.marks = None  # read again from the tracker: what it holds after the failure
                 if attempt < self.retries:
                     time.sleep(BACKOFF_S * 2**attempt)
-        self.gap.add(points)
-        time.sleep(COOLDOWN_S)
+        self._miss(points)
+        if not self._closing:
+            self._wake.wait(self.cooldown)
+            self.cooldown = min(self.cooldown * 2, self.cooldown_max_s)
+        return False
 
     def closing(self) -> None:
-        """From now on the thread ends once its queue is empty."""
+        """From now on the thread ends once its queue is empty (or once the tracker fails a batch every try)."""
         self._closing = True
+        self._wake.set()
 
     def close(self, wait_s: float) -> Outcome:
         """Send what is queued, waiting at most `wait_s`; what is left then is counted as missed."""
-        self._closing = True
+        self.closing()
         if self._thread.is_alive():
             self._thread.join(wait_s)
         if self._thread.is_alive():
-            self._abandon = True
-            with self.lock:
-                left = [p for batch in self.queue for p in batch]
-                self.queue.clear()
-            self.gap.add(left + self.prologue)
+            self._give_up(abandon=True)  # the thread, still in a call to the tracker, adds nothing to the gap now
+        with self.lock:
+            gap = Gap(self.gap.dropped, {run: list(span) for run, span in self.gap.runs.items()})
         try:
             self.sink.close()
         except Exception:  # a tracker's failure never reaches the driver
             pass
-        return Outcome(self.sink.name, self.sent, self.gap, self.error)
+        return Outcome(self.sink.name, self.sent, gap, self.error)
 
 
 class Tracker:

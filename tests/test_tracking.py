@@ -255,6 +255,43 @@ def test_close_is_bounded_by_its_wait_and_counts_what_is_left():
     assert time.monotonic() - t0 < 2 and out.gap.dropped == 7 and out.sent == 0
 
 
+def test_a_tracker_that_stays_down_is_tried_less_often_and_closing_does_not_wait_on_it():
+    sink = GatedSink(down=True)
+    thread = SinkThread(sink, cap=100_000, retries=0, cooldown_s=0.3, cooldown_max_s=1.2)
+    thread.start([])
+    t0, n = time.monotonic(), 0
+    while time.monotonic() - t0 < 4 and n < 1000:  # bounded: 4 s of a point every ~10 ms
+        thread.put([Metric("expert-0000", "train_loss", n, 1.0, 0.0)])
+        n += 1
+        time.sleep(0.01)
+    tries = sink.calls  # tried at ~0, 0.3, 0.9, 2.1, 3.3 s (cool-downs 0.3, 0.6, 1.2, 1.2)
+    assert 3 <= tries <= 6, tries  # a fixed 0.3 s cool-down would have tried ~13 times in these 4 s
+    assert thread.cooldown == 1.2
+    t1 = time.monotonic()
+    out = thread.close(20)  # wakes the thread from its cool-down: one more try, then the rest is missed
+    assert time.monotonic() - t1 < 3 and sink.calls == tries + 1  # not the 20 s it was given
+    assert out.sent == 0 and out.gap.dropped == n and out.gap.runs == {"expert-0000": [0, n - 1]}
+
+
+def test_the_cool_down_starts_over_once_the_tracker_is_back():
+    sink = GatedSink(down=True)
+    sink.gate.set()
+    thread = SinkThread(sink, cap=1000, retries=0, cooldown_s=0.1, cooldown_max_s=5.0)
+    thread.start(metric_points(3))
+    deadline = time.monotonic() + 5
+    while thread.cooldown < 0.4 and time.monotonic() < deadline:  # bounded: two failed batches double it twice
+        thread.put(metric_points(1, "seed"))
+        time.sleep(0.05)
+    assert thread.cooldown >= 0.4
+    sink.down = False
+    thread.put([Metric("seed", "train_loss", 7, 1.0, 0.0)])
+    while not sink.got and time.monotonic() < deadline + 5:  # bounded: the next try after the cool-down
+        time.sleep(0.05)
+    assert sink.got and thread.cooldown == 0.1
+    out = thread.close(5)
+    assert out.sent == len(sink.got) >= 1 and out.gap.dropped >= 3  # the prologue's batch failed, counted
+
+
 # -- TensorBoard, read back with its own loaders --------------------------------------------------------------
 def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     """Its data server drops a tag's points at or past a step that goes back (a restart), its Python loader draws
