@@ -31,7 +31,7 @@ driver loop's ms per heartbeat, median over repeats, and on/off; the issue's tar
 also prints where the time goes: the loop thread's own CPU per heartbeat (what it computes; the rest of its time
 it waits, for a core or the interpreter lock), the garbage collector's pauses per heartbeat (and how many were
 full passes; a pause stalls the loop, whichever thread set it off), the tracker calls made inside the loop
-(turning records into points and enqueueing them), and each sink thread's own CPU (/proc/self/task/TID/schedstat).
+(turning records into points and enqueueing them), and each sink thread's own CPU (time.pthread_getcpuclockid).
 
 Not a test. With the defaults (N = 256, 16 slots, 12 s of work per expert: ideal 192 s) the Driver run
 takes ~4 min on 2 cores and Ray Tune ~7.5 min. N = 1,024 at these settings is ~15 min a
@@ -166,6 +166,7 @@ class TimedDriver(Driver):
         super().__init__(*args, **kwargs)
         self.collect_s, self.append_s, self.results = 0.0, 0.0, 0
         self.loop_cpu_s = 0.0  # the loop thread's own CPU in its sweeps (blocking included: it spends ~none)
+        self.feed_s, self.sink_cpu = 0.0, {}  # with tracking on: see _open_tracker
         write, flush = self.store._write_lines, self.store.flush
 
         def timed_write(log, lines):
@@ -182,9 +183,8 @@ class TimedDriver(Driver):
 
     def _open_tracker(self, hist):
         """The tracker's calls in the loop are timed (they are part of collect_s too), and each sink thread's own
-        CPU is read from /proc just before the tracker closes (its threads end then)."""
+        CPU is read from its CPU clock just before the tracker closes (its threads end then)."""
         tracker = super()._open_tracker(hist)
-        self.feed_s, self.sink_cpu = 0.0, {}
         if tracker is None:
             return None
         for name in ("on_event", "on_ledger"):
@@ -200,7 +200,7 @@ class TimedDriver(Driver):
 
         def timed_close(record=True):
             for th in tracker.threads:
-                self.sink_cpu[th.sink.name] = thread_cpu_s(th._thread.native_id)
+                self.sink_cpu[th.sink.name] = time.clock_gettime(time.pthread_getcpuclockid(th._thread.ident))
             return close(record)
 
         tracker.close = timed_close
@@ -223,15 +223,6 @@ class TimedDriver(Driver):
         out = super()._block(refs)
         self.blocked += time.perf_counter() - t
         return out
-
-
-def thread_cpu_s(tid: int | None) -> float:
-    """A thread of this process: its seconds on a CPU so far (the kernel's schedstat, in ns)."""
-    try:
-        with open(f"/proc/self/task/{tid}/schedstat") as fh:
-            return int(fh.read().split()[0]) / 1e9
-    except (OSError, ValueError, IndexError):
-        return float("nan")
 
 
 class GcClock:
@@ -336,9 +327,8 @@ def run_driver(
         show_progress=False,
         actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates),
     )
-    gc_clock = GcClock()
     cpu, t = time.process_time(), time.monotonic()
-    with gc_clock:
+    with GcClock() as gc_clock:
         outcome = driver.run()
     wall, cpu = time.monotonic() - t, time.process_time() - cpu
     assert set(outcome.values()) == {"finished"} and len(outcome) == n, outcome
@@ -356,8 +346,8 @@ def run_driver(
         "cpu_ms": cpu * per,
         "gc_ms": gc_clock.seconds * per,
         "loop_cpu_ms": driver.loop_cpu_s * per,
-        "feed_ms": getattr(driver, "feed_s", 0.0) * per,
-        "sink_cpu_ms": {k: v * per for k, v in getattr(driver, "sink_cpu", {}).items()},
+        "feed_ms": driver.feed_s * per,
+        "sink_cpu_ms": {k: v * per for k, v in driver.sink_cpu.items()},
         "full_gcs": gc_clock.full,
     }
 

@@ -11,6 +11,7 @@ tracker lacks.
 
 from __future__ import annotations
 
+import copy
 import importlib.util
 import sys
 import threading
@@ -189,24 +190,18 @@ class SinkThread:
                 self.inflight = batch
             if not batch:
                 break
-            if not self._sent(batch):
+            if not self._send(batch):
                 return self._give_up()
         while not self._abandon:
             batch = self._take()
             if batch:
-                if not self._sent(batch):
+                if not self._send(batch):
                     return self._give_up()
                 time.sleep(0)  # hand the interpreter lock back to the driver's loop between batches
             elif self._closing:
                 return
             else:
                 self._wake.wait(POLL_S)
-
-    def _sent(self, batch: list[Point]) -> bool:
-        """Send one batch; False when the thread is to give up: the batch failed every try, all of them made while
-        closing (a batch that failed before closing began leaves the next one its try: the tracker may be back)."""
-        closing = self._closing
-        return self._send(batch) or not closing
 
     def _give_up(self, abandon: bool = False) -> None:
         """What is queued is missed, now: closing, and the tracker failed a batch every try (not worth the drain's
@@ -222,7 +217,9 @@ class SinkThread:
 
     def _send(self, points: list[Point]) -> bool:
         """Admit (what the tracker lacks), then write with bounded retries; a batch that fails them is dropped.
-        True when the batch got through."""
+        False when the thread is to give up: the batch failed every try, all of them made while closing (a batch
+        that failed before closing began leaves the next one its try: the tracker may be back)."""
+        closing = self._closing
         for attempt in range(self.retries + 1):
             if self._abandon:
                 return False  # counted by close()
@@ -246,7 +243,7 @@ class SinkThread:
         if not self._closing:
             self._wake.wait(self.cooldown)
             self.cooldown = min(self.cooldown * 2, self.cooldown_max_s)
-        return False
+        return not closing
 
     def closing(self) -> None:
         """From now on the thread ends once its queue is empty (or once the tracker fails a batch every try)."""
@@ -261,7 +258,7 @@ class SinkThread:
         if self._thread.is_alive():
             self._give_up(abandon=True)  # the thread, still in a call to the tracker, adds nothing to the gap now
         with self.lock:
-            gap = Gap(self.gap.dropped, {run: list(span) for run, span in self.gap.runs.items()})
+            gap = copy.deepcopy(self.gap)
         try:
             self.sink.close()
         except Exception:  # a tracker's failure never reaches the driver
