@@ -104,6 +104,15 @@ class _Output:
         except OSError as exc:
             raise self._failed(exc) from None
 
+    def write_bytes(self, data: bytes) -> None:
+        """Raw bytes (soma sample's output need not be UTF-8), after any text already written, flushed at once."""
+        try:
+            self._stream.flush()
+            self._stream.buffer.write(data)
+            self._stream.buffer.flush()
+        except OSError as exc:
+            raise self._failed(exc) from None
+
 
 @dataclass(frozen=True)
 class OptionPair:
@@ -127,6 +136,7 @@ OPTION_PAIRS = (
     OptionPair("resume", "experts", "retry_failed", True, "naming experts says which failed ones to reopen"),
     OptionPair("prepare", "corpus", "set:corpus.source", False, "both set corpus.source"),
     OptionPair("prepare", "experts", "set:n_experts", False, "both set n_experts"),
+    OptionPair("sample", "prompt", "prompt_file", False, "both give the prompt"),
 )
 
 
@@ -922,6 +932,92 @@ def presets(as_json: bool = JsonOpt) -> None:
             out.print(name, markup=False)
         for name in experiment_names():
             out.print(f"experiment {name}", markup=False)
+
+    _run(go)
+
+
+DeviceOpt = typer.Option(None, "--device", help="torch device: cpu, cuda or cuda:N (default: cuda when available)")
+
+
+def _check_temperature(value: float) -> float:
+    if not 0 < value <= 1000:  # NaN fails every comparison
+        _bad(f"--temperature {value:g}: pass a number > 0 and at most 1000 (--top-k 1 samples greedily)")
+    return value
+
+
+@app.command()
+def score(
+    campaign: str,
+    inputs: Optional[list[str]] = typer.Argument(
+        None, metavar="[FILE ...|-]", help="files, directories (their files) or - (standard input); none: stdin"
+    ),
+    lines: bool = typer.Option(False, "--lines", help="each line of an input is a document"),
+    device: Optional[str] = DeviceOpt,
+) -> None:
+    """Score documents with the routed ensemble (a campaign or a soma export): one JSON line per document on stdout
+    (bytes, scored_bytes, nats, nats/byte, bits/byte, windows, experts), any length (docs/inference.md)."""
+
+    def go() -> None:
+        from pipelines.inference import score as run
+
+        t = run(campaign, list(inputs or []), lines, device, None)
+        per = f": {t['nats'] / t['scored_bytes']:.4f} nats/byte" if t["scored_bytes"] else ""
+        print(
+            f"scored {t['documents']} document(s), {t['scored_bytes']:,} of {t['bytes']:,} bytes{per}", file=sys.stderr
+        )
+
+    _run(go)
+
+
+@app.command()
+def sample(
+    campaign: str,
+    prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="the text to continue (repeatable: a batch)"),
+    prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="a file (or -) whose bytes are the prompt"),
+    max_bytes: int = typer.Option(256, "--max-bytes", min=0, max=10_000_000, help="bytes to generate"),
+    temperature: float = typer.Option(1.0, "--temperature", callback=_check_temperature, help="> 0; 1: as trained"),
+    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, max=256, help="sample among the k likeliest bytes"),
+    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="random seed (default: fresh)"),
+    as_json: bool = typer.Option(False, "--json", help="one JSON line per prompt (text, base64, route)"),
+    device: Optional[str] = DeviceOpt,
+) -> None:
+    """Generate bytes after a prompt with the routed ensemble (a campaign or a soma export), streamed to stdout as
+    they are drawn; the route is fixed on the prompt (docs/inference.md)."""
+
+    def go() -> None:
+        from pipelines.inference import load, prompts, sample
+
+        open_store(campaign)  # a wrong target is named before a prompt is read
+        texts = prompts(list(prompt or []), prompt_file)
+        lm = load(campaign, device)
+        sample(lm, texts, max_bytes, temperature, top_k, seed, as_json, sys.stdout.write_bytes)
+
+    _run(go)
+
+
+@app.command()
+def export(
+    campaign: str,
+    directory: str,
+    dtype: str = typer.Option("float32", "--dtype", help="weights as float32, float16 or bfloat16"),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Write the routed ensemble as a self-contained DIRECTORY (weights in safetensors, router, config, model card)
+    that soma score, soma sample and RoutedLM.load read without the campaign and without Ray."""
+
+    def go() -> None:
+        from pipelines.inference import export_campaign
+
+        r = export_campaign(campaign, directory, dtype)
+        if as_json:
+            return emit_json({"schema": 1, **r})
+        subs = f"; the seed model stands in for {', '.join(r['substituted'])}" if r["substituted"] else ""
+        out.print(
+            f"exported {r['experts']} experts ({r['dtype']}) to {r['export']}: {r['bytes'] / 1e6:.2f} MB, "
+            f"{100 * r['ratio']:.0f}% of the {r['checkpoint_bytes'] / 1e6:.2f} MB of checkpoints it came from{subs}",
+            markup=False,
+            soft_wrap=True,
+        )
 
     _run(go)
 

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import numpy as np
 
-from pipelines.evaluate import Ensemble, _load, _summary
+from pipelines.evaluate import Ensemble, _summary
 from soma_cluster.checkpoint import checkpoint_steps
 from soma_cluster.config import CampaignConfig
-from soma_cluster.ensemble import bootstrap_weights, load_windows
+from soma_cluster.ensemble import bootstrap_weights, load_windows, require_checkpoint
 from soma_cluster.jobs import EXPERT_SPEND, SEED_JOB, Category, Job, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.router import load_router
@@ -43,7 +43,7 @@ def curve(store: Store, cfg: CampaignConfig, max_points: int = 12) -> list[dict]
     router = load_router(store)
     records = Ledger(store).records()
     base_s = sum(r["gpu_seconds"] for r in records if r["category"] in ALWAYS)
-    seed = _load(store, SEED_JOB.model_dir, "the seed model")
+    seed = require_checkpoint(store, SEED_JOB.model_dir, "the seed model")
     seed_fw = seed.meta["state"]["forwards"]
     first = Ensemble.load(store, cfg, router=router)
     points = [
@@ -52,7 +52,9 @@ def curve(store: Store, cfg: CampaignConfig, max_points: int = 12) -> list[dict]
     for s in steps:
         # each expert at its latest checkpoint not after s (experts that stopped early stay where they stopped)
         cks = {
-            e: _load(store, Job(e).model_dir, expert_name(e), f"step-{max(x for x in kept[e] if x <= s):06d}")
+            e: require_checkpoint(
+                store, Job(e).model_dir, expert_name(e), f"step-{max(x for x in kept[e] if x <= s):06d}"
+            )
             for e in range(cfg.n_experts)
             if any(x <= s for x in kept[e])
         }

@@ -12,7 +12,7 @@ import numpy as np
 import torch
 
 from pipelines.tracking import check_tracking, track_stage
-from soma_cluster.checkpoint import Checkpoint, checkpoint_steps, has_checkpoint, load_checkpoint
+from soma_cluster.checkpoint import Checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
 from soma_cluster.curves import DIR as CURVES
@@ -24,14 +24,13 @@ from soma_cluster.ensemble import (
     bootstrap_weights,
     ci,
     evaluate_ensemble,
+    load_models,
     load_windows,
     strided_windows,
-    substitute_for,
     window_logprobs,
 )
 from soma_cluster.errors import SomaError
-from soma_cluster.events import history
-from soma_cluster.jobs import SEED_JOB, TERMINAL, Category, Job, JobState, expert_name
+from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.router import Router, load_router
@@ -40,13 +39,6 @@ from soma_cluster.snapshot import SNAPSHOT
 from soma_cluster.storage import Store, sha256
 from soma_cluster.tracking import Stage
 from soma_cluster.trainer import Trainer, pick_device
-
-
-def _load(store: Store, directory: str, what: str, name: str | None = None) -> Checkpoint:
-    if not has_checkpoint(store, directory):
-        command = "soma seed" if directory == "seed" else "soma launch (or soma resume)"
-        raise SomaError(f"{what} has no checkpoint under {store.url}/{directory}; run {command} {store.url} first")
-    return load_checkpoint(store, directory, name)
 
 
 def _own_shard_val(store: Store, cfg: CampaignConfig, e: int, ck: Checkpoint, device: torch.device) -> float:
@@ -82,23 +74,9 @@ class Ensemble:
     def load(
         cls, store: Store, cfg: CampaignConfig, step: int | None = None, router: Router | None = None
     ) -> "Ensemble":
-        """The latest checkpoints, or those of one step (every expert must have one there). Without `step`, an
-        expert that never wrote a checkpoint is substituted by the seed model (ensemble.substitute_for says when)."""
-        name = None if step is None else f"step-{step:06d}"
-        seed = _load(store, SEED_JOB.model_dir, "the seed model").tensors
-        past = None  # the events log, read only if an expert has no checkpoint (minutes on S3 at N = 256)
-        cks, subs = {}, {}
-        for e in range(cfg.n_experts):
-            d = Job(e).model_dir
-            sub = None
-            if step is None and not has_checkpoint(store, d) and not checkpoint_steps(store, d):
-                past = history(store) if past is None else past
-                sub = substitute_for(e, past.get(expert_name(e)))
-            if sub is None:
-                cks[e] = _load(store, d, expert_name(e), name)
-            else:
-                subs[e] = sub
-        return cls(cfg, router or load_router(store), cks, seed, subs)
+        """The latest checkpoints, or those of one step (ensemble.load_models)."""
+        models = load_models(store, cfg.n_experts, step)
+        return cls(cfg, router or load_router(store), models.checkpoints, models.seed.tensors, models.substituted)
 
     def run(self, win: Windows, context: int, device: torch.device):
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}

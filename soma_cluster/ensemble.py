@@ -24,10 +24,11 @@ import pyarrow.ipc as ipc
 import torch
 
 from soma_cluster import fused
+from soma_cluster.checkpoint import Checkpoint, checkpoint_steps, has_checkpoint, load_checkpoint
 from soma_cluster.config import ModelConfig
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.events import JobHistory
-from soma_cluster.jobs import ENDED_WITH_CHECKPOINT
+from soma_cluster.events import JobHistory, history
+from soma_cluster.jobs import ENDED_WITH_CHECKPOINT, SEED_JOB, Job, expert_name
 from soma_cluster.model import Layout, forward_blocks, target_logprobs
 from soma_cluster.router import Router, router_text
 from soma_cluster.shards import rows_to_numpy
@@ -210,6 +211,12 @@ class EnsembleResult:
     seed_windows: int = 0  # windows the seed model scored in place of missing experts (each once)
 
 
+def route_windows(router: Router, prefixes: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Each window's experts and mixture weights from the bytes the router reads (its first prefix_bytes):
+    top, weights (n, m)."""
+    return router.route(router.embed([router_text(p) for p in prefixes]))
+
+
 SEED_UNIT = -1  # the evaluation unit of the seed model standing in for missing experts
 
 
@@ -291,14 +298,18 @@ def evaluate_ensemble(
     batch: int,
     device: torch.device,
     seed: tuple[torch.Tensor, torch.Tensor] | None = None,
+    routed: tuple[np.ndarray, np.ndarray] | None = None,
 ) -> EnsembleResult:
-    """Route each window by its first prefix_bytes, run every expert once over all the windows routed to
-    it, mix. The experts of a pass run together on the expert axis (see plan_passes): N = 256 narrow
+    """Route each window by its first prefix_bytes (or take `routed`: (top, weights) (n, m) from the router, for
+    windows padded past their end, whose padding the router must not read), run every expert once over all the
+    windows routed to it, mix. The experts of a pass run together on the expert axis (see plan_passes): N = 256 narrow
     experts cost a few wide passes instead of 256 thin ones. Experts missing from `experts` are served by
     `seed` (body, head) under `unit_routes`' rule, as one more unit in the same passes."""
     t0 = time.perf_counter()
-    texts = [router_text(bytes(w[: router.cfg.prefix_bytes])) for w in win.data]
-    top, weights = router.route(router.embed(texts))
+    if routed is None:
+        top, weights = route_windows(router, [bytes(w[: router.cfg.prefix_bytes]) for w in win.data])
+    else:
+        top, weights = routed
     t1 = time.perf_counter()
     routes = unit_routes(top, weights, set(experts))
     models = dict(experts)
@@ -330,3 +341,40 @@ def evaluate_ensemble(
     counts = {e: n for e in range(router.n_experts) if (n := int((top == e).sum())) or e in experts}
     seed_windows = len(routes[SEED_UNIT][0]) if SEED_UNIT in routes else 0
     return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1, seed_windows)
+
+
+@dataclass
+class CampaignModels:
+    """The checkpoints a campaign's ensemble is made of: each expert's latest (or a chosen step's), the seed model's,
+    and the experts the seed stands in for because they have none (see substitute_for)."""
+
+    checkpoints: dict[int, Checkpoint]
+    seed: Checkpoint
+    substituted: dict[int, Substitute]
+
+
+def require_checkpoint(store: Store, directory: str, what: str, name: str | None = None) -> Checkpoint:
+    if not has_checkpoint(store, directory):
+        command = "soma seed" if directory == SEED_JOB.model_dir else "soma launch (or soma resume)"
+        raise SomaError(f"{what} has no checkpoint under {store.url}/{directory}; run {command} {store.url} first")
+    return load_checkpoint(store, directory, name)
+
+
+def load_models(store: Store, n_experts: int, step: int | None = None) -> CampaignModels:
+    """The latest checkpoints, or those of one step (every expert must have one there). Without `step`, an expert
+    that never wrote a checkpoint is substituted by the seed model (substitute_for says when)."""
+    name = None if step is None else f"step-{step:06d}"
+    seed = require_checkpoint(store, SEED_JOB.model_dir, "the seed model")
+    past = None  # the events log, read only if an expert has no checkpoint (minutes on S3 at N = 256)
+    cks, subs = {}, {}
+    for e in range(n_experts):
+        d = Job(e).model_dir
+        sub = None
+        if step is None and not has_checkpoint(store, d) and not checkpoint_steps(store, d):
+            past = history(store) if past is None else past
+            sub = substitute_for(e, past.get(expert_name(e)))
+        if sub is None:
+            cks[e] = require_checkpoint(store, d, expert_name(e), name)
+        else:
+            subs[e] = sub
+    return CampaignModels(cks, seed, subs)

@@ -223,29 +223,42 @@ def embed(head: torch.Tensor, x: torch.Tensor, copies: int) -> torch.Tensor:
     return emb if copies == g else emb.repeat_interleave(copies // g, dim=0)
 
 
+class BodyState:
+    """C copies of the body advanced one time block at a time, the LSTM states of every layer kept between calls:
+    forward_blocks reads a sequence this way, and generation feeds it one byte per call (O(1) per byte)."""
+
+    def __init__(self, cfg: ModelConfig, body: torch.Tensor, batch: int, compiled: bool = False):
+        self.layout = Layout(cfg)
+        self.w = self.layout.views(body)
+        self.copies = body.shape[0]
+        self.lstm = [LSTMState(self.w[f"b{k}.w_ih"], self.w[f"b{k}.w_hh"], batch, compiled) for k in range(cfg.depth)]
+
+    def advance(self, emb: torch.Tensor) -> torch.Tensor:
+        """Embeddings of the next block (1 or C, Tb, B, e) -> h (C, Tb, B, e), the states carried on."""
+        w, h = self.w, emb
+        if self.layout.wide:
+            h = copy_matmul(h.expand(self.copies, -1, -1, -1), w["proj_in"])  # (C, Tb, B, d)
+        for k, state in enumerate(self.lstm):
+            h = h + state.run(layer_norm(h, w[f"b{k}.ln1"]))
+            h = h + mlp(layer_norm(h, w[f"b{k}.ln2"]), w[f"b{k}.w1"], w[f"b{k}.w2"])
+        h = layer_norm(h, w["lnf"])
+        if self.layout.wide:
+            h = copy_matmul(h, w["proj_out"])  # (C, Tb, B, e)
+        return h
+
+
 def forward_blocks(
     cfg: ModelConfig, body: torch.Tensor, head: torch.Tensor, x: torch.Tensor, compiled: bool = False, block: int = 0
 ):
     """Yield (t0, t1, h) for consecutive time blocks, h (C, t1-t0, B, e). Every layer advances one block
     at a time (its LSTM state carried over), so the working set is (C, block, B, 4d), not (C, T, B, 4d):
     at the paper's shape the whole-sequence activations are gigabytes and memory-bound. block 0 = T."""
-    layout = Layout(cfg)
-    w = layout.views(body)
-    p = body.shape[0]
-    emb = embed(head, x, p)  # (1 or C, T, B, e)
-    t_len, b = emb.shape[1], emb.shape[2]
-    states = [LSTMState(w[f"b{k}.w_ih"], w[f"b{k}.w_hh"], b, compiled) for k in range(cfg.depth)]
+    emb = embed(head, x, body.shape[0])  # (1 or C, T, B, e)
+    t_len = emb.shape[1]
+    state = BodyState(cfg, body, emb.shape[2], compiled)
     step = block or t_len
     for t0 in range(0, t_len, step):
-        h = emb[:, t0 : t0 + step]
-        if layout.wide:
-            h = copy_matmul(h.expand(p, -1, -1, -1), w["proj_in"])  # (C, Tb, B, d)
-        for k in range(cfg.depth):
-            h = h + states[k].run(layer_norm(h, w[f"b{k}.ln1"]))
-            h = h + mlp(layer_norm(h, w[f"b{k}.ln2"]), w[f"b{k}.w1"], w[f"b{k}.w2"])
-        h = layer_norm(h, w["lnf"])
-        if layout.wide:
-            h = copy_matmul(h, w["proj_out"])  # (C, Tb, B, e)
+        h = state.advance(emb[:, t0 : t0 + step])
         yield t0, t0 + h.shape[1], h
 
 

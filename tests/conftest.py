@@ -122,6 +122,24 @@ def text_corpus(tmp_path_factory) -> Path:
     return root
 
 
+@pytest.fixture(scope="session")
+def trained_campaign(tmp_path_factory, text_corpus) -> Path:
+    """A micro campaign of 3 experts (top-2 routing), prepared, seeded and launched by the real CLI in its own
+    processes (its Ray comes and goes with them). Read-only: a test that writes copies it."""
+    root = tmp_path_factory.mktemp("trained")
+    cfg = root / "micro3.yaml"
+    cfg.write_text(yaml.safe_dump({**MICRO, "n_experts": 3, "router": {**MICRO["router"], "top_k": 2}}))
+    camp = root / "c"
+    for args in (
+        ["prepare", str(camp), "--config", str(cfg), "--corpus", str(text_corpus)],
+        ["seed", str(camp), "--no-progress"],
+        ["launch", str(camp), "--no-progress"],
+    ):
+        proc = soma(*args, timeout=600)
+        assert proc.returncode == 0, (args, proc.stderr[-3000:])
+    return camp
+
+
 @pytest.fixture(scope="module")
 def ray_local():
     import ray

@@ -29,7 +29,13 @@ GROUP = typer.main.get_command(app)
 COMMANDS = sorted(GROUP.commands)
 DIRECTORY_ARGS = {"campaign", "parent", "directory", "directories"}
 # (command, argument) that make a new directory: a missing or empty one is what they want, not a wrong target
-MAKES = {("prepare", "campaign"), ("demo", "campaign"), ("experiment", "directory"), ("fork", "campaign")}
+MAKES = {
+    ("prepare", "campaign"),
+    ("demo", "campaign"),
+    ("experiment", "directory"),
+    ("fork", "campaign"),
+    ("export", "directory"),
+}
 # arguments that are not directories, with a valid value
 OTHER_ARGS = {"name": "variance"}
 NAMES_A_COMMAND = re.compile(rf"\bsoma ({'|'.join(COMMANDS)})\b")
@@ -93,6 +99,9 @@ def _needs_more_than_prepare(command: str, argument: str) -> bool:
         ("report", "directories"),
         ("experiment", "directory"),
         ("demo", "campaign"),  # a different campaign's directory (demo's preset is not this config)
+        ("score", "campaign"),  # the trained ensemble: a seed at least
+        ("sample", "campaign"),
+        ("export", "campaign"),
     }
 
 

@@ -1,0 +1,233 @@
+"""`soma score`, `soma sample` and `soma export`: the commands over soma_cluster.lm (docs/inference.md)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import sys
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import fsspec
+
+from pipelines.common import console, open_store
+from soma_cluster.errors import SomaError
+from soma_cluster.export import EXPORT_FILE
+from soma_cluster.jobs import expert_name
+from soma_cluster.lm import READ_BYTES, RoutedLM
+from soma_cluster.storage import Store, storage_options_from_env
+
+STDIN = "-"
+
+
+def load(url: str, device: str | None, step: int | None = None) -> RoutedLM:
+    """The ensemble of a campaign or an export, with what qualifies it said on stderr (say_notes)."""
+    store = open_store(url)
+    lm = RoutedLM.load(url, device=device, step=step, storage_options=store.storage_options)
+    say_notes(store, lm.substituted, lm.n_experts, lm.experts)
+    return lm
+
+
+def say_notes(store: Store, substituted: dict, n_experts: int, present) -> None:
+    """On stderr: the experts the seed model stands in for, and a campaign still being trained (its latest
+    checkpoints are what is read)."""
+    if substituted:
+        subs = ", ".join(f"{expert_name(s.expert)} ({s.end})" for s in list(substituted.values())[:8])
+        console.print(
+            f"note: the seed model stands in for {len(substituted)} of {n_experts} experts with no checkpoint: "
+            f"{subs}{', ...' if len(substituted) > 8 else ''}",
+            markup=False,
+            soft_wrap=True,
+        )
+    if store.exists(EXPORT_FILE):
+        return
+    from pipelines.evaluate import in_progress
+
+    running = in_progress(store, n_experts, present)
+    if running["experts"] or running["driver"]:
+        by = f"; {running['driver']} holds it" if running["driver"] else ""
+        console.print(
+            f"note: {store.url} is still being trained ({len(running['experts'])} expert(s) not ended{by}): "
+            "their latest checkpoints are used",
+            markup=False,
+            soft_wrap=True,
+        )
+
+
+# -- soma score ---------------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class Source:
+    """One input of soma score: a file (local or remote) or standard input."""
+
+    name: str  # as the user wrote it, or the path found under a directory they named
+    url: str | None  # None: standard input
+
+    def chunks(self) -> Iterator[bytes]:
+        if self.url is None:
+            while piece := sys.stdin.buffer.read(READ_BYTES):
+                yield piece
+            return
+        fs, path = fsspec.core.url_to_fs(self.url, **storage_options_from_env(self.url))
+        with fs.open(path, "rb") as f:
+            while piece := f.read(READ_BYTES):
+                yield piece
+
+
+def sources(inputs: list[str]) -> list[Source]:
+    """Every input checked before anything is scored: files as they are, directories as the regular files under them
+    (sorted, hidden names left out), - as standard input (once)."""
+    if not inputs:
+        if sys.stdin is None or sys.stdin.isatty():
+            raise SomaError("no input: pass FILE ... (files or directories) or - to read standard input")
+        inputs = [STDIN]
+    if inputs.count(STDIN) > 1:
+        raise SomaError("- (standard input) given more than once; it can be read once")
+    out = []
+    for name in inputs:
+        if name == STDIN:
+            out.append(Source(STDIN, None))
+            continue
+        if not name.strip():
+            raise SomaError("an input is empty; pass a file, a directory or -")
+        fs, path = fsspec.core.url_to_fs(name, **storage_options_from_env(name))
+        try:
+            if fs.isdir(path):
+                found = sorted(p for p in fs.find(path) if not any(x.startswith(".") for x in p.split("/")))
+                if not found:
+                    raise SomaError(f"{name} is a directory with no files to score; pass files or a directory of them")
+                out += [Source(_url(fs, p), _url(fs, p)) for p in found]
+            elif fs.isfile(path):
+                out.append(Source(name, _url(fs, path)))
+            else:
+                raise SomaError(f"{name} not found; pass an existing file or directory (or - for standard input)")
+        except PermissionError:
+            raise SomaError(f"{name} cannot be read (permission denied); check its permissions") from None
+    return out
+
+
+def _url(fs, path: str) -> str:
+    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
+    return path if local else fs.unstrip_protocol(path)
+
+
+def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
+    """Each line of a stream (without its newline), one at a time: a file of any size in bounded memory."""
+    rest = b""
+    for piece in chunks:
+        rest += piece
+        *lines, rest = rest.split(b"\n")
+        yield from lines
+    if rest:
+        yield rest
+
+
+def score(url: str, inputs: list[str], lines: bool, device: str | None, step: int | None) -> dict:
+    """JSON Lines on stdout, one record per document as soon as it is scored; the totals returned (for stderr)."""
+    srcs = sources(inputs)
+    lm = load(url, device, step)
+    docs: list[tuple[str, int | None]] = []
+
+    def documents() -> Iterator[Iterator[bytes]]:
+        for src in srcs:
+            if lines:
+                for n, line in enumerate(_lines(src.chunks()), start=1):
+                    docs.append((src.name, n))
+                    yield iter((line,))
+            else:
+                docs.append((src.name, None))
+                yield src.chunks()
+
+    nats = scored = total = count = 0
+    for i, s in enumerate(lm.score_streams(documents())):
+        name, line = docs[i]
+        rec = {"source": name, **({"line": line} if line is not None else {}), **s.as_dict()}
+        sys.stdout.write(json.dumps(rec) + "\n")
+        sys.stdout.flush()
+        nats, scored, total, count = nats + s.nats, scored + s.scored_bytes, total + s.bytes, count + 1
+    return {"documents": count, "bytes": total, "scored_bytes": scored, "nats": nats}
+
+
+# -- soma sample --------------------------------------------------------------------------------------------------
+def prompts(given: list[str], prompt_file: str | None) -> list[bytes]:
+    """--prompt (each one a prompt) or --prompt-file (the file, or standard input with -, is one prompt)."""
+    if prompt_file is None:
+        return [p.encode("utf-8", "surrogateescape") for p in given] or [b""]
+    if prompt_file == STDIN:
+        return [sys.stdin.buffer.read()]
+    if not os.path.isfile(prompt_file):
+        raise SomaError(f"--prompt-file {prompt_file} is not a file; pass a file (or - for standard input)")
+    try:
+        with open(prompt_file, "rb") as f:
+            return [f.read()]
+    except OSError as exc:
+        raise SomaError(f"--prompt-file {prompt_file} cannot be read ({exc.strerror}); check it") from None
+
+
+def sample(
+    lm: RoutedLM,
+    texts: list[bytes],
+    max_bytes: int,
+    temperature: float,
+    top_k: int | None,
+    seed: int | None,
+    as_json: bool,
+    write_bytes,
+) -> None:
+    """One prompt without --json: its bytes streamed to stdout as they are drawn. Several, or --json: one JSON line
+    per prompt once the batch is done."""
+    for t in texts:
+        kept = lm.prompt_kept(t)
+        if len(t) > len(kept):
+            console.print(
+                f"note: a prompt of {len(t):,} bytes is longer than the model's context; generation reads its last "
+                f"{len(kept):,} bytes",
+                markup=False,
+            )
+    if len(texts) == 1 and not as_json:
+        for piece in lm.stream(texts[0], max_bytes, temperature, top_k, seed):
+            write_bytes(piece)
+        return
+    outs = lm.generate(texts, max_bytes, temperature, top_k, seed)
+    for t, o in zip(texts, outs, strict=True):
+        rec = {
+            "prompt": t.decode("utf-8", "replace"),
+            "text": o.decode("utf-8", "replace"),
+            "base64": base64.b64encode(o).decode(),
+            "bytes": len(o),
+            "prompt_bytes_read": len(lm.prompt_kept(t)) if t else 0,
+            "route": lm.route(lm.prompt_kept(t)).as_dict(),
+        }
+        sys.stdout.write(json.dumps(rec) + "\n")
+        sys.stdout.flush()
+
+
+# -- soma export --------------------------------------------------------------------------------------------------
+def export_campaign(url: str, directory: str, dtype: str) -> dict:
+    """The campaign's latest checkpoints as an export directory (soma_cluster.export)."""
+    from soma_cluster.config import load_campaign_config
+    from soma_cluster.ensemble import load_models
+    from soma_cluster.export import DTYPES, check_target, export
+
+    if dtype not in DTYPES:
+        raise SomaError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    src = open_store(url)
+    if src.exists(EXPORT_FILE):
+        raise SomaError(f"{url} is an export already; soma export reads a campaign (soma prepare makes one)")
+    if not src.exists("campaign.yaml"):
+        raise SomaError(f"{url} is not a campaign (soma prepare makes one, soma launch trains it)")
+    dest = Store(directory, storage_options_from_env(directory))
+    if _inside(src, dest):
+        raise SomaError(f"{directory} is inside the campaign {url}; pass a directory outside it to soma export")
+    check_target(dest)  # before the checkpoints are read
+    cfg = load_campaign_config(src)
+    models = load_models(src, cfg.n_experts)
+    say_notes(src, models.substituted, cfg.n_experts, models.checkpoints)
+    return export(src, cfg, models, dest, dtype)
+
+
+def _inside(src: Store, dest: Store) -> bool:
+    if not (src.local and dest.local):
+        return dest.url.rstrip("/").startswith(src.url.rstrip("/") + "/")
+    a, b = os.path.realpath(src.root), os.path.realpath(dest.root)
+    return b == a or b.startswith(a + os.sep)

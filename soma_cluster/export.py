@@ -1,0 +1,330 @@
+"""`soma export`: the routed ensemble as a self-contained directory that RoutedLM.load reads without the campaign
+and without Ray.
+
+    <dir>/soma-export.json     format and version, the campaign's config, each expert's step, the experts the seed
+                               stands in for, the dtype, and the sha256 of every other file (checksummed itself)
+    <dir>/weights.safetensors  experts.index (P,) int64, experts.body (P, M), experts.head (1 or P, 256, e): one
+                               head when every expert shares it; seed.body (M,), seed.head (256, e). Weights only:
+                               no Adam moments, no schedule state
+    <dir>/router/              the campaign's router files, as they are (router.json, arrays.safetensors,
+                               vocabulary.json)
+    <dir>/README.md            the model card: data by source, recipe, test losses, compute, limits
+
+A local export is written into a hidden sibling directory and renamed into place at the end, so a killed export
+leaves no directory a reader could take for an export (the next export removes the hidden one of a dead process).
+On S3 the files are written first and soma-export.json last: without it there is no export.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import shutil
+import uuid
+
+import torch
+from safetensors import SafetensorError
+from safetensors.torch import load as st_load
+from safetensors.torch import save as st_save
+
+from soma_cluster.config import CampaignConfig, versions
+from soma_cluster.ensemble import CampaignModels, Substitute
+from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.jobs import expert_name
+from soma_cluster.ledger import Ledger
+from soma_cluster.storage import Store, sha256
+
+EXPORT_FILE = "soma-export.json"
+FORMAT = "soma-export"
+VERSION = 1  # what this code writes and the newest it reads
+WEIGHTS = "weights.safetensors"
+ROUTER_FILES = ("router/router.json", "router/arrays.safetensors", "router/vocabulary.json")
+CARD = "README.md"
+DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+TMP_MARK = ".soma-export-"  # hidden sibling: .<name>.soma-export-<pid>-<hex>
+
+
+def _tensors(cfg: CampaignConfig, models: CampaignModels, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    present = sorted(models.checkpoints)
+    bodies = [models.checkpoints[e].tensors["body"] for e in present]
+    heads = [models.checkpoints[e].tensors["head"] for e in present]
+    shared = all(torch.equal(h, heads[0]) for h in heads)
+    seed = models.seed.tensors
+    out = {
+        "experts.index": torch.tensor(present, dtype=torch.int64),
+        "experts.body": torch.stack(bodies) if bodies else seed["body"].new_zeros(0, seed["body"].numel()),
+        "experts.head": (torch.stack(heads[:1] if shared else heads) if heads else seed["head"][None]),
+        "seed.body": seed["body"],
+        "seed.head": seed["head"],
+    }
+    return {k: v if k == "experts.index" else v.to(dtype).contiguous() for k, v in out.items()}
+
+
+def checkpoint_bytes(store: Store, models: CampaignModels) -> int:
+    """What the same models take as checkpoints (tensors with Adam moments, and their metadata)."""
+    from soma_cluster.jobs import SEED_JOB, Job
+
+    total = 0
+    for directory, ck in [(Job(e).model_dir, ck) for e, ck in models.checkpoints.items()] + [
+        (SEED_JOB.model_dir, models.seed)
+    ]:
+        for suffix in (".safetensors", ".json"):
+            total += store.fs.size(store.full(f"{directory}/{ck.name}{suffix}"))
+    return total
+
+
+def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store, dtype: str = "float32") -> dict:
+    """Write the export of `models` (load_models of `src`) to `dest`, which must not hold anything yet."""
+    if dtype not in DTYPES:
+        raise SomaError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_target(dest)
+    blobs = {WEIGHTS: st_save(_tensors(cfg, models, DTYPES[dtype]))}
+    for rel in ROUTER_FILES:
+        blobs[rel] = src.read_bytes(rel)
+    metrics = src.read_json("eval/metrics.json") if src.exists("eval/metrics.json") else None
+    sources = (src.read_json("shards/manifest.json").get("corpus") or {}) if src.exists("shards/manifest.json") else {}
+    manifest = {
+        "format": FORMAT,
+        "version": VERSION,
+        "written_by": versions(),
+        "campaign": {"url": src.url, "name": cfg.name, "config_digest": cfg.digest()},
+        "config": cfg.model_dump(mode="json"),
+        "dtype": dtype,
+        "steps": {expert_name(e): int(ck.meta["state"]["step"]) for e, ck in sorted(models.checkpoints.items())},
+        "seed_step": int(models.seed.meta["state"]["step"]),
+        "substituted": [
+            {"expert": expert_name(s.expert), "end": s.end, "step": s.step, "reason": s.reason}
+            for s in models.substituted.values()
+        ],
+    }
+    blobs[CARD] = model_card(cfg, manifest, sources, metrics, Ledger(src).totals().as_dict()).encode()
+    manifest["files"] = {rel: sha256(b) for rel, b in blobs.items()}
+    _write(dest, blobs, manifest)
+    size = sum(len(b) for b in blobs.values())
+    ck_size = checkpoint_bytes(src, models) + sum(len(blobs[r]) for r in ROUTER_FILES)
+    return {
+        "export": dest.url,
+        "bytes": size,
+        "checkpoint_bytes": ck_size,
+        "ratio": size / ck_size if ck_size else None,
+        "dtype": dtype,
+        "experts": len(models.checkpoints),
+        "substituted": [s["expert"] for s in manifest["substituted"]],
+    }
+
+
+def check_target(dest: Store) -> None:
+    """An export goes to a new (or empty) directory: anything already there is someone's and is never replaced."""
+    if dest.local:
+        if os.path.lexists(dest.root) and not os.path.isdir(dest.root):
+            raise SomaError(f"{dest.root} is a file; pass a new directory for the export (soma export)")
+        names = os.listdir(dest.root) if os.path.isdir(dest.root) else []
+    else:
+        names = dest.listdir("")
+    if names:
+        what = "an export" if EXPORT_FILE in names else "files"
+        raise SomaError(
+            f"{dest.url} already holds {what} ({', '.join(sorted(names)[:3])}); pass a new directory to soma export, "
+            "or remove that one first"
+        )
+
+
+def _write(dest: Store, blobs: dict[str, bytes], manifest: dict) -> None:
+    if not dest.local:  # an object store: the manifest last, so a half-written export is no export
+        for rel, blob in blobs.items():
+            dest.write_bytes(rel, blob)
+        dest.write_json(EXPORT_FILE, manifest)
+        return
+    root = os.path.abspath(dest.root)
+    parent, name = os.path.split(root)
+    os.makedirs(parent, exist_ok=True)
+    sweep_temps(parent, name)
+    tmp = os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
+    try:
+        staging = Store(tmp)
+        for rel, blob in blobs.items():
+            staging.write_bytes(rel, blob)
+        staging.write_json(EXPORT_FILE, manifest)
+        try:
+            os.rename(tmp, root)  # onto nothing, or onto an empty directory
+        except OSError:
+            check_target(dest)  # someone wrote there meanwhile: say so, as for any occupied target
+            raise
+    finally:
+        if os.path.lexists(tmp):
+            shutil.rmtree(tmp, ignore_errors=True)
+
+
+def sweep_temps(parent: str, name: str) -> list[str]:
+    """Remove the hidden staging directories of exports to `name` whose process is gone (killed mid-export)."""
+    removed = []
+    prefix = f".{name}{TMP_MARK}"
+    for entry in os.listdir(parent):
+        if not entry.startswith(prefix):
+            continue
+        pid = entry[len(prefix) :].split("-")[0]
+        if pid.isdigit() and not _alive(int(pid)):
+            shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
+            removed.append(entry)
+    return removed
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+# -- reading ----------------------------------------------------------------------------------------------------
+def read_manifest(store: Store) -> dict:
+    manifest = store.read_json(EXPORT_FILE)
+    if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
+        raise SomaError(f"{store.url}/{EXPORT_FILE} is not a soma export manifest; make one with soma export")
+    if manifest["version"] > VERSION:
+        raise SomaError(
+            f"{store.url} is export format {manifest['version']}, written by soma-cluster "
+            f"{manifest.get('written_by', {}).get('soma-cluster', '?')}; this soma-cluster reads format {VERSION} "
+            "and older: upgrade soma-cluster, or export again with this one"
+        )
+    return manifest
+
+
+def read_blob(store: Store, manifest: dict, rel: str) -> bytes:
+    try:
+        blob = store.read_bytes(rel)
+    except FileNotFoundError:
+        raise SomaError(f"{store.url}/{rel} is missing; export again (soma export CAMPAIGN DIR)") from None
+    if sha256(blob) != manifest["files"].get(rel):
+        raise ChecksumError(
+            f"{store.url}/{rel} fails its checksum (truncated or corrupt); export again (soma export CAMPAIGN DIR)"
+        )
+    return blob
+
+
+def read_export(store: Store, device: torch.device):
+    """The RoutedLM an export holds, every file checked against its sha256 first."""
+    from soma_cluster.lm import RoutedLM
+    from soma_cluster.router import load_router
+
+    manifest = read_manifest(store)
+    for rel in manifest["files"]:
+        read_blob(store, manifest, rel) if rel in ROUTER_FILES else None  # load_router rereads; checked here first
+    try:
+        cfg = CampaignConfig.model_validate(manifest["config"])
+    except ValueError as exc:
+        raise SomaError(f"{store.url}/{EXPORT_FILE}: its config does not validate here ({exc}); export again") from None
+    try:
+        t = st_load(read_blob(store, manifest, WEIGHTS))
+    except SafetensorError:
+        raise ChecksumError(f"{store.url}/{WEIGHTS} is not a safetensors file; export again") from None
+    index = t["experts.index"].tolist()
+    heads = t["experts.head"]
+    experts = {e: (t["experts.body"][i], heads[i if len(heads) > 1 else 0]) for i, e in enumerate(index)}
+    subs = {
+        int(s["expert"].rsplit("-", 1)[1]): Substitute(
+            int(s["expert"].rsplit("-", 1)[1]), s["end"], s["step"], s["reason"]
+        )
+        for s in manifest["substituted"]
+    }
+    steps = {int(n.rsplit("-", 1)[1]): s for n, s in manifest["steps"].items()}
+    seed = (t["seed.body"], t["seed.head"])
+    return RoutedLM(cfg, load_router(store), experts, seed, subs, store.url, device, steps)
+
+
+# -- the model card ---------------------------------------------------------------------------------------------
+def _loss(m: dict | None) -> str:
+    if not m:
+        return "n/a"
+    lo, hi = m.get("ci95", [math.nan, math.nan])
+    return f"{m['nats_per_byte']:.4f} [{lo:.4f}, {hi:.4f}] nats/byte ({m['nats_per_byte'] / math.log(2):.4f} bits/byte)"
+
+
+def model_card(cfg: CampaignConfig, manifest: dict, corpus: dict, metrics: dict | None, ledger: dict) -> str:
+    """README.md of an export: what the model is, its data, how it was trained, how good it is, what it cost."""
+    sources = corpus.get("sources") or {}
+    total = sum(sources.values()) or 1
+    src_rows = (
+        "\n".join(f"| {k} | {v:,} | {100 * v / total:.1f}% |" for k, v in sorted(sources.items())) or "| - | - | - |"
+    )
+    subs = manifest["substituted"]
+    sub_text = (
+        f"\n**Partial campaign: {len(subs)} of {cfg.n_experts} experts have no checkpoint; the seed model stands in "
+        f"for them** ({', '.join(s['expert'] + ' (' + s['end'] + ')' for s in subs)}). `RoutedLM.seed_fallback` and "
+        "every score's `seed_fallback` name them.\n"
+        if subs
+        else ""
+    )
+    if metrics:
+        evaluation = (
+            f"Test set of the campaign ({metrics['windows']} windows of {cfg.eval.window_bytes} bytes from "
+            f"{metrics['documents']} held-out documents, {metrics['scored_bytes']:,} scored bytes; 95% intervals from "
+            "a paired document bootstrap):\n\n| model | test loss |\n|---|---|\n"
+            f"| routed ensemble | {_loss(metrics.get('ensemble'))} |\n"
+            f"| seed model (N = 1) | {_loss(metrics.get('seed'))} |\n"
+            "| uniform over bytes | 5.5452 nats/byte (8 bits/byte) |\n"
+        )
+        if not metrics.get("complete", True):
+            evaluation += "\nThat evaluation ran on a partial or still-training campaign (its report says which).\n"
+    else:
+        evaluation = "Not evaluated: `soma eval CAMPAIGN` before exporting puts the test losses here.\n"
+    steps = manifest["steps"].values()
+    gpu = ledger.get("gpu_hours", {})
+    return f"""# {cfg.name}: a SOMA routed ensemble of {cfg.n_experts} byte-level LSTM experts
+
+Exported by soma-cluster {manifest["written_by"].get("soma-cluster", "?")} from `{manifest["campaign"]["url"]}`
+(config digest {manifest["campaign"]["config_digest"]}), weights in {manifest["dtype"]}.
+{sub_text}
+## Use
+
+```python
+from soma_cluster.lm import RoutedLM
+lm = RoutedLM.load("THIS_DIRECTORY")
+lm.score("some text").bits_per_byte
+lm.generate("Once upon a time", max_bytes=200, temperature=0.8, top_k=40, seed=0)
+```
+
+or `soma score THIS_DIRECTORY FILE` and `soma sample THIS_DIRECTORY --prompt "..."` (docs/inference.md).
+
+## Model
+
+N = {cfg.n_experts} experts, each a byte-level recurrent model: a tied byte embedding (256 x {cfg.model.embed_dim},
+head {cfg.model.head}), {cfg.model.depth} pre-norm residual blocks of a bias-free LSTM and a GELU MLP at width
+d = {cfg.model.d}. A router (TF-IDF -> SVD {cfg.router.svd_dim} -> centroids, rule {cfg.router.rule}) reads the first
+{cfg.router.prefix_bytes} bytes of a window and mixes the next-byte probabilities of its top
+{min(cfg.router.top_k, cfg.n_experts)} experts ({cfg.router.weighting} weights).
+
+## Data
+
+{corpus.get("bytes", 0):,} bytes in {corpus.get("documents", "?")} documents (corpus `{cfg.corpus.source}`), clustered
+into {cfg.n_experts} shards of {cfg.shards.seq_bytes}-byte sequences; each expert trained on its own shard only.
+
+| source | bytes | share |
+|---|---|---|
+{src_rows}
+
+## Training
+
+SOMA: zero-order training (SPSA, {cfg.spsa.n_pert} probe directions, batch {cfg.spsa.batch} x {cfg.spsa.seq_len}
+bytes, Adam, eps = lr = {cfg.spsa.lr}), no backpropagation; experts never communicate. The seed model trained
+{manifest["seed_step"]} updates on the whole corpus and every expert started from it; the experts trained
+{min(steps, default=0)}-{max(steps, default=0)} updates (target {cfg.train.updates}).
+
+## Evaluation
+
+{evaluation}
+## Compute (from the campaign's ledger)
+
+{ledger.get("gpu_hours_total", 0.0):.4f} aggregate {ledger.get("unit", "GPU-hours")}:
+{", ".join(f"{k} {v:.4f}" for k, v in gpu.items())}.
+
+## Limits
+
+A byte-level LSTM ensemble trained by a zero-order method: it models bytes of text like its corpus and is far from a
+chat or instruction-following model. SOMA beats other zero-order training at matched compute; it does not beat
+backpropagation, which remains far better per GPU-hour. It reads at most {cfg.eval.window_bytes - 1} bytes of
+context; its samples are statistical text, not facts.
+"""
