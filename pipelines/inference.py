@@ -112,14 +112,14 @@ def _url(fs, path: str) -> str:
 
 
 def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Each line of a stream (without its newline), one at a time: a file of any size in bounded memory."""
+    """Each line of a stream without its newline (\n, or \r\n), one at a time: bounded memory for any file."""
     rest = b""
     for piece in chunks:
         rest += piece
         *lines, rest = rest.split(b"\n")
-        yield from lines
+        yield from (line.removesuffix(b"\r") for line in lines)
     if rest:
-        yield rest
+        yield rest.removesuffix(b"\r")
 
 
 def score(url: str, inputs: list[str], lines: bool, device: str | None, step: int | None) -> dict:

@@ -47,10 +47,16 @@ def micro_config(**sections):
     return resolve("tiny", tree)
 
 
-def soma(*args, timeout=300):
+def soma(*args, timeout=300, input_text: str | None = None):
+    """The CLI in a real process; `input_text` is its standard input (else it reads an empty one)."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
     return subprocess.run(
-        [sys.executable, "-m", "pipelines.cli", *args], capture_output=True, text=True, timeout=timeout, env=env
+        [sys.executable, "-m", "pipelines.cli", *args],
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env=env,
+        input=input_text if input_text is not None else "",
     )
 
 
