@@ -33,10 +33,11 @@ from pipelines.campaign_lease import held, holding
 from pipelines.common import console, frozen_heap, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.reopen import reopen_failed, reopen_unverified
+from pipelines.revise import LiveRevisions, log_applied, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
 from soma_cluster.checkpoint import latest_meta
-from soma_cluster.config import CampaignConfig
+from soma_cluster.config import CONFIG_FILE, CampaignConfig, load_campaign_config
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.events import history, require_seed
@@ -186,7 +187,8 @@ class Driver:
         self.inflight: dict[int, object] = {}  # unit id -> the one call it is running (setup or a chunk)
         self.placing: dict[int, object] = {}  # unit id -> its `holding` call, for actors asked of Ray's queue
         self._placing_polled = -math.inf
-        self.campaign_id = cfg.digest()[:8]
+        # what the campaign was prepared with names it (actors, metrics): a revision (soma set) does not rename it
+        self.campaign_id = (load_campaign_config(store) if store.exists(CONFIG_FILE) else cfg).digest()[:8]
         self._gpus, self._gpus_at = 0.0, -math.inf  # cluster GPUs, and when they were last read
         self._queued_polled = -math.inf
         self.metrics = CampaignMetrics(store.url, cfg.name, self.campaign_id)
@@ -198,6 +200,7 @@ class Driver:
         self.lease = held(store.url)  # the campaign's lease, whose generation fences the workers
         self.stopped: str | None = None  # why this driver stopped before its jobs ended (a signal, lease lost)
         self.tracker: Tracker | None = None  # the experiment trackers it feeds (pipelines/tracking.py), if any
+        self.revising: LiveRevisions | None = None  # config revisions (soma set) written while it runs
 
     @property
     def outcome(self) -> dict[str, JobState]:
@@ -219,10 +222,10 @@ class Driver:
 
     def _capacity(self) -> float:
         """Actors to keep queued or running: what the GPUs present hold (at least one), plus the demand shown to an
-        autoscaler (resources.max_pending; all remaining jobs by default)."""
+        autoscaler (resources.max_pending; all remaining jobs by default), at most resources.max_actors."""
         r = self.cfg.resources
         extra = r.max_pending if r.max_pending is not None else (0 if r.reuse_actors else math.inf)
-        return max(1, self._slots()) + extra
+        return min(max(1, self._slots()) + extra, r.max_actors or math.inf)
 
     # -- carrying out the scheduler's actions ---------------------------------------------------------
     def _apply(self, actions: list[Action]) -> None:
@@ -241,7 +244,7 @@ class Driver:
                     [j.expert for j in a.unit.jobs], [c.attempt for c in a.unit.accounts.values()]
                 )
             elif isinstance(a, Chunk):
-                self.inflight[uid] = self.actors[uid].run_chunk.remote(a.updates, a.caps)
+                self.inflight[uid] = self.actors[uid].run_chunk.remote(a.updates, a.caps, a.targets)
             elif isinstance(a, Stop):
                 self.inflight.pop(uid, None)
                 self.placing.pop(uid, None)
@@ -339,6 +342,7 @@ class Driver:
 
     def _run(self, hist: dict) -> dict[str, str]:
         self.sched.restore(hist)
+        self.revising = LiveRevisions(self.store)
         mine = set(self.jobs)
         self.others = history_rows(
             self.cfg, hist, self.sched.books.at_start, [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine]
@@ -491,7 +495,26 @@ class Driver:
                 f"({expert_name(e)}; hard-stop bound {per:.2f}); {sum(o.gpu_s > per for o in over.values())} past it"
             )
 
+    def _revise(self) -> None:
+        """A revision written while this driver runs (soma set): in force from this poll on. Caps reach every
+        worker with its next chunk (a lowered one stops it there, budget_exhausted, with a checkpoint), targets too;
+        ended experts it lets train on are pending again."""
+        found = self.revising.poll() if self.revising is not None else None
+        if found is None:
+            return
+        new, revs = found
+        ended = {j: (end, self.sched.seen[j].step) for j, end in self.sched.outcome.items()}
+        names = set(reopened_names(ended, self.cfg, new))
+        self.sched.revise(new, [j for j in self.sched.outcome if j.name in names])
+        self.cfg = new
+        log_applied(self.store, revs, self.sched.observe)
+        for r in revs:
+            console.print(f"config revision {r.rev} applied ({r.by}): {r.line()}", markup=False)
+        if names:
+            console.print(f"{len(names)} ended expert(s) train on: {', '.join(sorted(names)[:8])}", markup=False)
+
     def _sweep(self) -> None:
+        self._revise()
         self._apply(self.sched.requests(self._capacity(), self._slots()))
         if self.inflight:
             owner = {ref: uid for uid, ref in self.inflight.items()}
@@ -561,6 +584,7 @@ def launch(
     if retry_failed is not None:
         reopen_failed(store, expert_jobs(cfg), retry_failed)
     reopen_unverified(store, expert_jobs(cfg))  # an expert is finished only while its last checkpoint verifies
+    take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
     cap = cfg.budget.campaign_gpu_hours
     spent = Ledger(store).totals().gpu_hours
     hist = history(store)

@@ -936,6 +936,52 @@ def presets(as_json: bool = JsonOpt) -> None:
     _run(go)
 
 
+@app.command("set")
+def set_(
+    campaign: str,
+    changes: list[str] = typer.Argument(..., metavar="KEY=VALUE ...", help="e.g. budget.campaign_gpu_hours=2.0"),
+    wait: Optional[float] = typer.Option(
+        None, "--wait", callback=_check_positive, help="with a driver running: wait this many seconds for it to apply"
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Change a campaign's budgets, retries, concurrency or train.updates, running or not: a new revision of its
+    config, applied by the running driver within a second (else by the next soma resume). Ended experts the change
+    lets train on continue from their latest checkpoint (docs/cli.md, "Changing a campaign")."""
+
+    def go() -> None:
+        from pipelines.revise import set_config
+
+        store = open_store(campaign)
+        load_config(store)  # not a campaign (or a damaged revision): refused before anything is written
+        r = set_config(store, list(changes), wait)
+        if as_json:
+            return emit_json(r)
+        rev = r["revision"]
+        out.print(f"revision {rev['rev']} of {store.url}: {_changed(rev)} (by {rev['by']})", markup=False)
+        n = len(r["reopens"])
+        trains = f"; {n} ended expert(s) will train on from their latest checkpoint" if n else ""
+        if r["driver"] is None:
+            out.print(f"no driver holds the campaign: soma resume {store.url} applies it{trains}", markup=False)
+        elif r["applied"]:
+            out.print(f"applied by {r['driver']} after {r['applied_after_s']:.1f} s{trains}", markup=False)
+        elif r["applied"] is False:
+            raise SomaError(
+                f"{r['driver']} did not apply revision {rev['rev']} within --wait {wait:g} s; it is recorded, and the "
+                f"driver (or the next soma resume {store.url}) applies it"
+            )
+        else:
+            out.print(
+                f"{r['driver']} applies it within a second (or, if it ends first, soma resume){trains}", markup=False
+            )
+
+    _run(go)
+
+
+def _changed(rev: dict) -> str:
+    return ", ".join(f"{k} {rev['was'].get(k)} -> {v}" for k, v in rev["set"].items())
+
+
 DeviceOpt = typer.Option(None, "--device", help="torch device: cpu, cuda or cuda:N (default: cuda when available)")
 
 

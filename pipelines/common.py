@@ -15,6 +15,7 @@ from soma_cluster.config import CONFIG_FILE as CONFIG
 from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE_FILES
+from soma_cluster.revisions import config_in_force
 from soma_cluster.storage import Store, storage_options_from_env
 from soma_cluster.targets import occupied
 
@@ -44,7 +45,8 @@ def open_store(url: str, storage_options: dict | None = None) -> Store:
 
 
 def load_config(store: Store) -> CampaignConfig:
-    return load_campaign_config(store)
+    """The config in force: campaign.yaml with its revisions (soma set; soma_cluster/revisions.py)."""
+    return config_in_force(store)
 
 
 def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> bool:
@@ -52,7 +54,7 @@ def claim_campaign(store: Store, cfg: CampaignConfig, write: bool = True) -> boo
     an empty or absent directory is claimed (unless write=False: only checked, its bucket included);
     anything else is refused, never overwritten. An edited campaign.yaml is refused (load_config)."""
     if store.exists(CONFIG):
-        existing = load_config(store)
+        existing = load_campaign_config(store)  # what it was prepared with (revisions change it later)
         if existing.digest() != cfg.digest():
             raise SomaError(
                 f"{store.url} already holds a different campaign ({existing.name}, preset {existing.preset}); "

@@ -33,6 +33,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
+from soma_cluster.revisions import revisions
 from soma_cluster.router import Router, load_router
 from soma_cluster.shards import open_shard
 from soma_cluster.snapshot import SNAPSHOT
@@ -230,6 +231,8 @@ def evaluate(
         "byte_tokens_per_second": len(win.data) * (win.data.shape[1] - 1) / total_s,
         "parameters": campaign_param_count(cfg.model, cfg.n_experts),
         "device": str(device),
+        "config_digest": cfg.digest(),  # the config in force: campaign.yaml and its revisions (soma set)
+        "config_revision": len(revisions(store)),
     }
     if compare is not None:
         other_store, other_cfg = compare
@@ -448,7 +451,8 @@ def report(cfg: CampaignConfig, m: dict) -> str:
     return f"""# soma-cluster evaluation: {cfg.name} (preset {cfg.preset})
 
 N = {cfg.n_experts} experts, d = {cfg.model.d}, {m["parameters"]:,} parameters; top-{m["top_k"]} {m["weighting"]} \
-routing by the {m.get("rule", "nearest")} rule;
+routing by the {m.get("rule", "nearest")} rule; config {m.get("config_digest", "?")} (revision \
+{m.get("config_revision", 0)});
 {m["windows"]} test windows of {cfg.eval.window_bytes} bytes from {m["documents"]} held-out documents, \
 {m["scored_bytes"]:,} scored bytes.
 {progress_lines(m)}{substitution_lines(m)}

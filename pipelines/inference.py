@@ -12,10 +12,13 @@ from dataclasses import dataclass
 import fsspec
 
 from pipelines.common import console, open_store
+from pipelines.evaluate import in_progress
+from soma_cluster.ensemble import load_models
 from soma_cluster.errors import SomaError
-from soma_cluster.export import EXPORT_FILE
+from soma_cluster.export import DTYPES, EXPORT_FILE, check_target, export
 from soma_cluster.jobs import expert_name
 from soma_cluster.lm import READ_BYTES, RoutedLM
+from soma_cluster.revisions import config_in_force
 from soma_cluster.storage import Store, storage_options_from_env
 
 STDIN = "-"
@@ -42,8 +45,6 @@ def say_notes(store: Store, substituted: dict, n_experts: int, present) -> None:
         )
     if store.exists(EXPORT_FILE):
         return
-    from pipelines.evaluate import in_progress
-
     running = in_progress(store, n_experts, present)
     if running["experts"] or running["driver"]:
         by = f"; {running['driver']} holds it" if running["driver"] else ""
@@ -205,10 +206,6 @@ def sample(
 # -- soma export --------------------------------------------------------------------------------------------------
 def export_campaign(url: str, directory: str, dtype: str) -> dict:
     """The campaign's latest checkpoints as an export directory (soma_cluster.export)."""
-    from soma_cluster.config import load_campaign_config
-    from soma_cluster.ensemble import load_models
-    from soma_cluster.export import DTYPES, check_target, export
-
     if dtype not in DTYPES:
         raise SomaError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     src = open_store(url)
@@ -220,7 +217,7 @@ def export_campaign(url: str, directory: str, dtype: str) -> dict:
     if _inside(src, dest):
         raise SomaError(f"{directory} is inside the campaign {url}; pass a directory outside it to soma export")
     check_target(dest)  # before the checkpoints are read
-    cfg = load_campaign_config(src)
+    cfg = config_in_force(src)
     models = load_models(src, cfg.n_experts)
     say_notes(src, models.substituted, cfg.n_experts, models.checkpoints)
     return export(src, cfg, models, dest, dtype)

@@ -18,6 +18,7 @@ from soma_cluster.events import history
 from soma_cluster.jobs import EXPERT_SPEND, TERMINAL, Category, Event, JobState
 from soma_cluster.lease import LEASE, Holder, LeaseRecord, Verdict, judge, process_alive
 from soma_cluster.ledger import Ledger
+from soma_cluster.revisions import revisions
 from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
 
@@ -55,6 +56,12 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
     )
     snap["plan_vs_actual"] = plan_vs_actual(store, snap) if store.exists(PLAN) else None
     snap["lease"] = lease_view(store)
+    # the budgets in force now (`cfg` has every revision: soma set), though the snapshot may predate the newest
+    snap["budget"] = {
+        "expert_gpu_hours": cfg.budget.expert_gpu_hours,
+        "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
+    }
+    snap["config_revision"] = len(revisions(store))
     return snap
 
 
@@ -202,7 +209,8 @@ def header(snap: dict) -> Text:
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0) or "nothing yet"
     b = snap["budget"]
     caps = ", ".join(f"{k.replace('_gpu_hours', '')} cap {v}" for k, v in b.items() if v is not None)
-    lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps})" if caps else ""))
+    rev = f", config revision {snap['config_revision']}" if snap.get("config_revision") else ""
+    lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps}{rev})" if caps or rev else ""))
     if not snap["final"] and not stopped(snap) and snap["source"] == "driver":
         lines.append(
             f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA "

@@ -219,6 +219,9 @@ class ResourcesConfig(_Section):
     # requested at once (the cluster grows to the campaign's width); with reuse_actors, None means 0, so
     # that freed actors take the remaining jobs. 0: only what fits now (a fixed cluster never grows)
     max_pending: int | None = Field(None, ge=0, le=1_000_000)
+    # actors queued or running at once, at most; None: what the GPUs and max_pending allow. `soma set` changes it on a
+    # running campaign: lowering it stops no running actor, fewer start as they end
+    max_actors: int | None = Field(None, ge=1, le=1_000_000)
     # a GPU share whose actor finds no CUDA device is an error naming the node, unless this is set: then
     # it trains on the CPU and its ledger records say so ("logical GPU-hours on cpu")
     allow_cpu: bool = False

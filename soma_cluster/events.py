@@ -23,6 +23,7 @@ from soma_cluster.storage import Store
 
 LOG = "events.jsonl"
 RETRY_FAILED = "retry_failed"  # the reason of a `reopened` event written by --retry-failed
+EXTENDED = "extended"  # the reason of a `reopened` event written because a config revision let the job train on
 
 
 def emit(store: Store, event: Event, job: str, **fields) -> dict:
@@ -63,10 +64,11 @@ class JobHistory:
 
     def ended(self, attempt: int) -> str | None:
         """How `attempt` ended (failed, preempted, or a terminal state), or None if the log never says or a
-        later `reopened` voided its end (its last checkpoint was lost: as if interrupted at the one kept)."""
+        later `reopened` voided its end (its last checkpoint was lost: as if interrupted at the one kept). A job
+        reopened to train on (--retry-failed, or an extension: soma set) keeps its attempts' ends."""
         end = None
         for ev in self.events:
-            if ev["event"] == Event.REOPENED and ev.get("reason") != RETRY_FAILED:
+            if ev["event"] == Event.REOPENED and ev.get("reason") not in (RETRY_FAILED, EXTENDED):
                 end = None
             elif ev.get("attempt") == attempt and ev["event"] in ATTEMPT_ENDS:
                 end = ev["event"]

@@ -21,6 +21,7 @@ import math
 import os
 import shutil
 import uuid
+from dataclasses import dataclass
 
 import torch
 from safetensors import SafetensorError
@@ -30,8 +31,10 @@ from safetensors.torch import save as st_save
 from soma_cluster.config import CampaignConfig, versions
 from soma_cluster.ensemble import CampaignModels, Substitute
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.jobs import expert_name
+from soma_cluster.jobs import SEED_JOB, Job, expert_name
 from soma_cluster.ledger import Ledger
+from soma_cluster.revisions import revisions
+from soma_cluster.router import Router, load_router
 from soma_cluster.storage import Store, sha256
 
 EXPORT_FILE = "soma-export.json"
@@ -62,8 +65,6 @@ def _tensors(cfg: CampaignConfig, models: CampaignModels, dtype: torch.dtype) ->
 
 def checkpoint_bytes(store: Store, models: CampaignModels) -> int:
     """What the same models take as checkpoints (tensors with Adam moments, and their metadata)."""
-    from soma_cluster.jobs import SEED_JOB, Job
-
     total = 0
     for directory, ck in [(Job(e).model_dir, ck) for e, ck in models.checkpoints.items()] + [
         (SEED_JOB.model_dir, models.seed)
@@ -87,7 +88,12 @@ def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store,
         "format": FORMAT,
         "version": VERSION,
         "written_by": versions(),
-        "campaign": {"url": src.url, "name": cfg.name, "config_digest": cfg.digest()},
+        "campaign": {
+            "url": src.url,
+            "name": cfg.name,
+            "config_digest": cfg.digest(),
+            "config_revision": len(revisions(src)),
+        },
         "config": cfg.model_dump(mode="json"),
         "dtype": dtype,
         "steps": {expert_name(e): int(ck.meta["state"]["step"]) for e, ck in sorted(models.checkpoints.items())},
@@ -205,11 +211,20 @@ def read_blob(store: Store, manifest: dict, rel: str) -> bytes:
     return blob
 
 
-def read_export(store: Store, device: torch.device):
-    """The RoutedLM an export holds, every file checked against its sha256 first."""
-    from soma_cluster.lm import RoutedLM
-    from soma_cluster.router import load_router
+@dataclass
+class Exported:
+    """What an export holds, checked: the arguments of a RoutedLM (soma_cluster/lm.py builds it)."""
 
+    config: CampaignConfig
+    router: Router
+    experts: dict[int, tuple[torch.Tensor, torch.Tensor]]
+    seed: tuple[torch.Tensor, torch.Tensor]
+    substituted: dict[int, Substitute]
+    steps: dict[int, int]
+
+
+def read_export(store: Store) -> Exported:
+    """An export's models, every file checked against its sha256 first."""
     manifest = read_manifest(store)
     for rel in manifest["files"]:
         read_blob(store, manifest, rel) if rel in ROUTER_FILES else None  # load_router rereads; checked here first
@@ -231,8 +246,7 @@ def read_export(store: Store, device: torch.device):
         for s in manifest["substituted"]
     }
     steps = {int(n.rsplit("-", 1)[1]): s for n, s in manifest["steps"].items()}
-    seed = (t["seed.body"], t["seed.head"])
-    return RoutedLM(cfg, load_router(store), experts, seed, subs, store.url, device, steps)
+    return Exported(cfg, load_router(store), experts, (t["seed.body"], t["seed.head"]), subs, steps)
 
 
 # -- the model card ---------------------------------------------------------------------------------------------

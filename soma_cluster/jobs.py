@@ -52,6 +52,7 @@ class Event(StrEnum):
     FAILED_PERMANENTLY = "failed_permanently"
     REOPENED = "reopened"  # an ended job is pending again (pipelines/reopen.py)
     FORKED = "forked"  # the campaign was forked from a parent (job "campaign")
+    CONFIG_REVISED = "config_revised"  # a driver applied a config revision (job "campaign"; soma_cluster/revisions.py)
 
 
 class JobState(StrEnum):
@@ -88,11 +89,14 @@ class AttemptCause(StrEnum):
     RETRY = "retry"  # after a failure
     RESUMED = "resumed"  # after its driver was lost, or its checkpoint
     PREEMPTED = "preempted"  # after a preemption
+    EXTENDED = "extended"  # an ended job given more to train (a config revision: soma set), from its checkpoint
 
     @property
     def startup_category(self) -> Category | None:
-        """The ledger category of its start-up; None: the job's own (its useful work's category)."""
-        return {AttemptCause.NEW: None, AttemptCause.PREEMPTED: Category.PREEMPTED}.get(self, Category.WASTED)
+        """The ledger category of its start-up; None: the job's own (its useful work's category): a first start,
+        or one to train further after an extension, which no loss caused."""
+        own = (AttemptCause.NEW, AttemptCause.EXTENDED)
+        return None if self in own else {AttemptCause.PREEMPTED: Category.PREEMPTED}.get(self, Category.WASTED)
 
     @property
     def waiting(self) -> JobState:

@@ -42,6 +42,7 @@ import torch
 from soma_cluster.config import CampaignConfig, load_campaign_config
 from soma_cluster.ensemble import SEED_UNIT, Substitute, Windows, evaluate_ensemble, load_models, route_windows
 from soma_cluster.errors import SomaError
+from soma_cluster.export import EXPORT_FILE, read_export
 from soma_cluster.model import BodyState, embed
 from soma_cluster.router import Router, load_router
 from soma_cluster.storage import Store, storage_options_from_env
@@ -202,13 +203,12 @@ class RoutedLM:
     ) -> "RoutedLM":
         """A campaign directory (local or s3://, its latest checkpoints or those of `step`) or a `soma export`
         directory. s3:// endpoints and credentials come from the environment as for every soma command."""
-        from soma_cluster.export import EXPORT_FILE, read_export
-
         store = Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
         if store.exists(EXPORT_FILE):
             if step is not None:
                 raise SomaError(f"{url} is an export: it holds one step of each expert; leave out step")
-            return read_export(store, pick(device))
+            x = read_export(store)
+            return cls(x.config, x.router, x.experts, x.seed, x.substituted, store.url, device, x.steps)
         if not store.exists("campaign.yaml"):
             raise SomaError(
                 f"{url} is neither a campaign (soma prepare makes one) nor an export (soma export makes one)"

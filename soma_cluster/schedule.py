@@ -24,7 +24,7 @@ from typing import Callable
 from soma_cluster.accounting import NOTHING, Account, Books, Settlement
 from soma_cluster.budget import BudgetBook
 from soma_cluster.config import CampaignConfig
-from soma_cluster.events import JobHistory, emit
+from soma_cluster.events import EXTENDED, JobHistory, emit
 from soma_cluster.failures import error_cause
 from soma_cluster.jobs import (
     TERMINAL,
@@ -98,6 +98,7 @@ class Chunk:
     unit: Unit
     updates: int
     caps: dict[int | None, float | None]
+    targets: dict[int | None, int] = field(default_factory=dict)  # each job's update target now (it may grow)
 
 
 @dataclass(frozen=True)
@@ -198,6 +199,20 @@ class Scheduler:
             beat_age_s=self.clock() - unit.last_beat if running else None,
         )
 
+    def revise(self, cfg: CampaignConfig, reopen: list[Job]) -> None:
+        """A config revision in force from now on (soma set): the budgets, retries and concurrency of every decision
+        after this one, caps included, which reach each worker with its next chunk. Budget granted from the pool
+        stays granted. The ended jobs in `reopen` are pending again, from their latest checkpoint."""
+        self.cfg = cfg
+        granted = self.book.granted
+        self.book = BudgetBook(cfg.budget, granted=granted)
+        self.retries.cfg = cfg.retry
+        for job in reopen:
+            was = self.outcome.pop(job, None)
+            self._event(Event.REOPENED, job, step=self.seen[job].step, was=was, reason=EXTENDED)
+            self.cause[job] = AttemptCause.EXTENDED
+            self.pending.append(job)
+
     def restore(self, past: dict[str, JobHistory]) -> None:
         """Rebuild from the campaign directory after a driver loss (soma_cluster/restore.py)."""
         restore(self, past)
@@ -296,7 +311,12 @@ class Scheduler:
             c.cap_s = None if left is None else left + c.reported.gpu_seconds
             caps[c.job.expert] = c.cap_s
         unit.last_beat = self.clock()
-        return Chunk(unit, self.cfg.train.chunk_updates, caps)
+        targets = {c.job.expert: self.target(c.job) for c in unit.live()}
+        return Chunk(unit, self.cfg.train.chunk_updates, caps, targets)
+
+    def target(self, job: Job) -> int:
+        """The updates a job trains to under the config in force (train.updates may grow: soma set)."""
+        return self.cfg.seed_stage.updates if job.expert is None else self.cfg.train.updates
 
     def _close(self, unit: Unit) -> list[Action]:
         """Every job of the unit ended: its idle actor takes the next pending experts (resources.reuse_actors)

@@ -37,7 +37,7 @@ MAKES = {
     ("export", "directory"),
 }
 # arguments that are not directories, with a valid value
-OTHER_ARGS = {"name": "variance"}
+OTHER_ARGS = {"name": "variance", "changes": "budget.campaign_gpu_hours=2"}
 NAMES_A_COMMAND = re.compile(rf"\bsoma ({'|'.join(COMMANDS)})\b")
 
 

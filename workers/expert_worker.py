@@ -36,6 +36,7 @@ from soma_cluster.jobs import Job, StopReason
 from soma_cluster.lease import WorkerFence
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
 from soma_cluster.recipes import job_shard, job_trainer, start_state
+from soma_cluster.revisions import in_force
 from soma_cluster.storage import Store
 from soma_cluster.trainer import NonFiniteLoss, Trainer, pick_device, update_experts
 
@@ -190,11 +191,12 @@ class ExpertWorker:
             self.held |= dict.fromkeys(self.jobs, 0.0)
             self.members, self.sec_per_update = {}, None
             held_from = time.time() - (time.monotonic() - self._tick_at)
-        self.cfg = cfg = load_campaign_config(self.store)
+        base = load_campaign_config(self.store)
+        self.cfg = cfg = in_force(self.store, base)[0]  # with its revisions (soma set): train.updates may have grown
         self.preemption.grace_s = cfg.retry.preemption_grace_s
         waited = self._outlive(cfg.retry.kill_wait_s)
         device = self._device(cfg)
-        cache = os.path.join(tempfile.gettempdir(), "soma-cache", cfg.digest())
+        cache = os.path.join(tempfile.gettempdir(), "soma-cache", base.digest())  # the shards: revisions keep them
         for job, attempt in zip(self.jobs, self.attempts, strict=True):
             self.members[job] = self._member(cfg, job, attempt, device, cache)
         self._tick()
@@ -299,8 +301,16 @@ class ExpertWorker:
             if cap is not None and (self.held[m.job] + need) * self.num_gpus > cap:
                 m.reason = StopReason.BUDGET_EXHAUSTED
 
-    def run_chunk(self, max_updates: int, caps: dict[int | None, float | None] | None = None) -> ChunkReport:
-        """Up to max_updates updates of every live member, fewer if a preemption notice arrives."""
+    def run_chunk(
+        self,
+        max_updates: int,
+        caps: dict[int | None, float | None] | None = None,
+        targets: dict[int | None, int] | None = None,
+    ) -> ChunkReport:
+        """Up to max_updates updates of every live member, fewer if a preemption notice arrives. `targets`: each
+        member's update target now (train.updates grown by soma set while it trains); a target only grows."""
+        for m in self._live():
+            m.target = max(m.target, (targets or {}).get(m.job.expert, m.target))
         caps = caps or {}
         todo = min(max_updates, max((m.target - m.trainer.state.step for m in self._live()), default=0))
         if self.sec_per_update is None:
@@ -336,8 +346,11 @@ class ExpertWorker:
     def _after_update(self, m: Member, losses: list, val: dict, ckpt: dict) -> None:
         cfg, tr = self.cfg, m.trainer
         st = tr.state
-        if st.step % cfg.train.val_every == 0 or st.step == m.target:
+        on_grid = st.step % cfg.train.val_every == 0
+        if on_grid or st.step == m.target:
             val[m.job] = tr.validate()
+        if on_grid:  # only the grid's validations feed the lr/eps rule: a target off the grid (train.updates grown
+            # later by soma set) changes nothing, so an extended expert trains as one given the total from the start
             tr.observe_val(val[m.job], cfg.train.val_every)
             recent = losses[-cfg.train.val_every :]
             st.history.append({"step": st.step, "train": sum(recent) / len(recent), "val": val[m.job]})

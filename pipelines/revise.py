@@ -1,0 +1,120 @@
+"""Config revisions (`soma set`, soma_cluster/revisions.py) taken up by drivers: at start, those no driver applied
+yet; while a driver runs, each new one within REVISION_POLL_S.
+
+The ended experts a revision lets train on are reopened first (`reopened`, reason `extended`), then the revision is
+logged as applied (`config_revised`, job "campaign", with what changed, by whom and when). Both are the lease
+holder's writes, fenced like all of its writes: a driver that lost the campaign applies nothing. A driver lost in
+between applies the revision again at the next start, and reopens only what is still ended: nothing is lost and
+nothing is applied twice.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from collections.abc import Callable
+
+from pipelines.status import lease_view
+from soma_cluster.config import CampaignConfig, load_campaign_config
+from soma_cluster.events import EXTENDED, LOG, emit, history
+from soma_cluster.jobs import Event, expert_name
+from soma_cluster.revisions import Revision, applied, apply, revisions, to_reopen
+from soma_cluster.revisions import record as record_revision
+from soma_cluster.storage import Store
+
+REVISION_POLL_S = 1.0  # how often a running driver lists the campaign's revisions (one LIST on S3)
+
+
+def log_applied(store: Store, revs: list[Revision], observe: Callable[[dict], None] | None = None) -> None:
+    for r in revs:
+        rec = emit(store, Event.CONFIG_REVISED, "campaign", rev=r.rev, set=r.set, was=r.was, by=r.by, at=r.at)
+        if observe is not None:
+            observe(rec)
+
+
+def take_up(store: Store, cfg: CampaignConfig, say: Callable[[str], None]) -> list[Revision]:
+    """At a driver's start: the revisions written since a driver last applied one (`cfg` is the config in force with
+    all of them): reopen the ended experts they let train on, then log them applied."""
+    done = applied(store.read_log(LOG))
+    revs = revisions(store)
+    if len(revs) <= done:
+        return []
+    was = apply(load_campaign_config(store), revs[:done])
+    past = history(store)
+    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n.startswith("expert-")}
+    names = to_reopen(ended, was, cfg)
+    for name in names:
+        emit(store, Event.REOPENED, name, step=past[name].step, was=past[name].state, reason=EXTENDED)
+    log_applied(store, revs[done:])
+    for r in revs[done:]:
+        say(f"config revision {r.rev} ({r.by}): {r.line()}")
+    if names:
+        say(f"{len(names)} ended expert(s) train on from their latest checkpoint: {_names(names)}")
+    return revs[done:]
+
+
+def _names(names: list[str]) -> str:
+    return ", ".join(names[:8]) + (f" and {len(names) - 8} more" if len(names) > 8 else "")
+
+
+class LiveRevisions:
+    """A running driver's view of the campaign's revisions: poll() returns the config in force and the revisions
+    written since the last call (None: none new, or polled too recently)."""
+
+    def __init__(self, store: Store, clock: Callable[[], float] = time.monotonic):
+        self.store, self.clock = store, clock
+        self.seen = len(revisions(store))
+        self.polled = -math.inf
+
+    def poll(self) -> tuple[CampaignConfig, list[Revision]] | None:
+        now = self.clock()
+        if now - self.polled < REVISION_POLL_S:
+            return None
+        self.polled = now
+        revs = revisions(self.store)
+        if len(revs) <= self.seen:
+            return None
+        new = revs[self.seen :]
+        self.seen = len(revs)
+        return apply(load_campaign_config(self.store), revs), new
+
+
+def reopened_names(ended: dict, was: CampaignConfig, now: CampaignConfig) -> list[str]:
+    """to_reopen over a scheduler's ended jobs: {Job: (state, step)} -> the names to reopen."""
+    return to_reopen({expert_name(j.expert): v for j, v in ended.items() if j.expert is not None}, was, now)
+
+
+WAIT_POLL_S = 0.2
+
+
+def set_config(store: Store, items: list[str], wait_s: float | None = None) -> dict:
+    """`soma set`: record a revision of the campaign's config; with a driver running and `wait_s`, wait (at most that
+    long) for it to log the revision applied. Returns what happened, for the command's line or --json."""
+    base = load_campaign_config(store)
+    lease = lease_view(store) or {}
+    running = bool(lease.get("held"))
+    was = apply(base, revisions(store))
+    t0 = time.monotonic()
+    rev = record_revision(store, base, items, running)
+    now = apply(base, revisions(store)[: rev.rev])
+    past = history(store)
+    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n.startswith("expert-")}
+    out = {
+        "schema": 1,
+        "campaign": store.url,
+        "revision": rev.as_json(),
+        "driver": f"{lease['command']} (pid {lease['pid']} on {lease['host']})" if running else None,
+        "lease_generation": lease.get("generation"),
+        "reopens": to_reopen(ended, was, now),
+        "applied": None,
+        "applied_after_s": None,
+    }
+    if running and wait_s:
+        while time.monotonic() - t0 < wait_s:
+            if applied(store.read_log(LOG)) >= rev.rev:
+                out["applied"], out["applied_after_s"] = True, time.monotonic() - t0
+                break
+            time.sleep(WAIT_POLL_S)
+        else:
+            out["applied"] = False
+    return out
