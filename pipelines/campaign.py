@@ -434,6 +434,7 @@ class Driver:
             source="driver",
             running={j.name for j in self.jobs},
             driver=self._driver_info(final),
+            usd=self.sched.books.totals.usd if self.sched.books.totals.usd_priced else None,
         )
 
     def _driver_info(self, final: bool) -> dict:

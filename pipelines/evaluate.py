@@ -33,6 +33,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
+from soma_cluster.prices import usd_per_hour
 from soma_cluster.revisions import revisions
 from soma_cluster.router import Router, load_router
 from soma_cluster.shards import open_shard
@@ -244,7 +245,7 @@ def evaluate(
             "this_minus_other": _paired(res.nats, other.nats, w),
             "substituted": other_ens.substitutes(other.per_expert_windows),
         }
-    _charge(store, t0, device)
+    _charge(store, cfg, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
     metrics["curves_figure"] = plot_curves(store, cfg)
     store.write_json("eval/metrics.json", metrics)
@@ -287,15 +288,17 @@ def plot_curves(store: Store, cfg: CampaignConfig) -> str | None:
     return "eval/curves.png"
 
 
-def _charge(store: Store, t0: float, device: torch.device) -> None:
+def _charge(store: Store, cfg: CampaignConfig, t0: float, device: torch.device) -> None:
     wall = time.monotonic() - t0
+    on_gpu = device.type == "cuda"
     # each evaluation is its own record (a fixed id would let a second `soma eval` be deduplicated away)
     Ledger(store).record(
         category=Category.EVALUATION,
-        gpu_seconds=wall if device.type == "cuda" else 0.0,
+        gpu_seconds=wall if on_gpu else 0.0,
         wall_seconds=wall,
         seq=time.time_ns(),
         note=f"driver {device}",
+        usd_per_hour=usd_per_hour(cfg.prices, "cuda") if on_gpu else None,
     )
 
 
@@ -339,7 +342,7 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s,
         "device": str(device),
     }
-    _charge(store, t0, device)
+    _charge(store, cfg, t0, device)
     name = f"eval/text-{sha256(source.encode())[:12]}"
     store.write_json(f"{name}.json", m)
     store.write_bytes(f"{name}.md", text_report(cfg, m).encode())
@@ -442,6 +445,16 @@ def _compare_lines(m: dict) -> str:
 CURVES_FIGURE = "Training curves (from `curves/*.csv`, one per expert):\n\n![per-expert curves](curves.png)\n"
 
 
+def usd_line(led: dict) -> str:
+    """The ledger in dollars, at the price each record was written with (nothing when no record had a price)."""
+    if not led.get("usd_total") and not any((led.get("usd") or {}).values()):
+        return ""
+    parts = ", ".join(f"{k} ${v:,.2f}" for k, v in led["usd"].items() if v)
+    unpriced = led.get("unpriced_gpu_hours") or 0.0
+    tail = f"; {unpriced:.4f} GPU-hours were written without a price" if unpriced > 0 else ""
+    return f"In dollars, at the price each record was written with: ${led['usd_total']:,.2f} ({parts}){tail}.\n"
+
+
 def report(cfg: CampaignConfig, m: dict) -> str:
     led = m["ledger"]
     rows = "\n".join(
@@ -476,6 +489,7 @@ Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s inc
 
 Compute (from the ledger): {led["gpu_hours_total"]:.4f} aggregate {led["unit"]}
 ({", ".join(f"{k} {v:.4f}" for k, v in led["gpu_hours"].items())}); forwards {json.dumps(led["forwards"])}.
+{usd_line(led)}
 Wall seconds per category: {", ".join(f"{k} {v:.1f}" for k, v in led["wall_seconds"].items())}.
 
 SOMA is a zero-order method: it is meant to beat other zero-order training at matched compute, not

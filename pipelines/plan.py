@@ -217,6 +217,12 @@ def render(p: dict, unit: str) -> str:
         f"not predicted)",
         f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s",
     ]
+    if p.get("usd"):
+        d = p["usd"]
+        lines.append(
+            f"in dollars at ${p['usd_per_gpu_hour']:,.2f} per GPU-hour: seed ${d['seed']:,.2f}, expert training "
+            f"${d['expert_training']:,.2f}, seed + experts ${d['seed'] + d['expert_training']:,.2f}"
+        )
     stopped = [x for x in p["experts"] if x["end"] == JobState.BUDGET_EXHAUSTED]
     if b["effective_expert_cap_gpu_hours"] is None:
         lines.append("budget: none set; every expert trains to its target")

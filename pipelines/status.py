@@ -19,7 +19,7 @@ from soma_cluster.jobs import EXPERT_SPEND, TERMINAL, Category, Event, JobState
 from soma_cluster.lease import LEASE, Holder, LeaseRecord, Verdict, judge, process_alive
 from soma_cluster.ledger import Ledger
 from soma_cluster.revisions import revisions
-from soma_cluster.snapshot import SNAPSHOT, build, fmt_duration, history_rows
+from soma_cluster.snapshot import SNAPSHOT, budget_view, build, fmt_duration, history_rows
 from soma_cluster.storage import Store
 
 STALE_S = 30.0  # a driver's snapshot older than this, and not its last, means the driver is gone (or stuck)
@@ -42,6 +42,7 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
             rows=rows,
             by_category_s=totals.gpu_seconds,
             devices=totals.devices,
+            usd=totals.usd if totals.usd_priced else None,
             started_at=None,
             rate=None,
             final=False,
@@ -57,10 +58,7 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
     snap["plan_vs_actual"] = plan_vs_actual(store, snap) if store.exists(PLAN) else None
     snap["lease"] = lease_view(store)
     # the budgets in force now (`cfg` has every revision: soma set), though the snapshot may predate the newest
-    snap["budget"] = {
-        "expert_gpu_hours": cfg.budget.expert_gpu_hours,
-        "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
-    }
+    snap["budget"] = budget_view(cfg)
     snap["config_revision"] = len(revisions(store))
     return snap
 
@@ -208,15 +206,26 @@ def header(snap: dict) -> Text:
     lines.append("jobs: " + (", ".join(f"{n} {s}" for s, n in snap["counts"].items()) or "none"))
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0) or "nothing yet"
     b = snap["budget"]
-    caps = ", ".join(f"{k.replace('_gpu_hours', '')} cap {v}" for k, v in b.items() if v is not None)
+    caps = ", ".join(f"{_cap_name(k)} cap {_cap_value(k, v)}" for k, v in b.items() if v is not None)
     rev = f", config revision {snap['config_revision']}" if snap.get("config_revision") else ""
     lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps}{rev})" if caps or rev else ""))
+    if snap.get("usd_total"):
+        by = ", ".join(f"{k} ${v:,.2f}" for k, v in snap["usd"].items() if v)
+        lines.append(f"${snap['usd_total']:,.2f} at the prices recorded: {by}")
     if not snap["final"] and not stopped(snap) and snap["source"] == "driver":
         lines.append(
             f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA "
             + ("-" if snap["eta_s"] is None else fmt_duration(snap["eta_s"]))
         )
     return Text("\n".join(lines))
+
+
+def _cap_name(key: str) -> str:
+    return key.removesuffix("_gpu_hours").removesuffix("_usd")
+
+
+def _cap_value(key: str, value: float) -> str:
+    return f"${value:,.2f}" if key.endswith("_usd") else f"{value}"
 
 
 def job_table(snap: dict) -> Table:

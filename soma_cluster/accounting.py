@@ -91,8 +91,14 @@ class Books:
     """The campaign's ledger as the scheduler writes it: every record, the live totals, the least measured start
     cost, and each job's lost attempt until its next attempt says which checkpoint it resumed from."""
 
-    def __init__(self, store: Store, latest: Callable[[Job], dict | None]):
+    def __init__(
+        self,
+        store: Store,
+        latest: Callable[[Job], dict | None],
+        price: Callable[[str | None], float | None] = lambda device: None,
+    ):
         self.ledger = Ledger(store)
+        self.price = price  # USD per GPU-hour on a device now (soma_cluster/prices.py), kept with each record
         self.latest = latest  # the latest checkpoint's metadata of a job (None if it has none)
         self.at_start = self.ledger.totals()  # what the ledger held when this driver began
         self.totals = copy.deepcopy(self.at_start)  # kept in step with every record written
@@ -123,8 +129,9 @@ class Books:
             step=c.step,
             note=note,
             device=c.device,
+            usd_per_hour=(usd := self.price(c.device)),
         )
-        self.totals.add(category, u, expert=c.job.expert, seq=seq, device=c.device)
+        self.totals.add(category, u, expert=c.job.expert, seq=seq, device=c.device, usd_per_hour=usd)
 
     def startup(self, c: Account, usage: Usage, note: str) -> None:
         """An attempt's start-up: billed to the loss that caused it, or to its job's own work."""

@@ -25,7 +25,22 @@ class BudgetBook:
     @property
     def budgeted(self) -> bool:
         """Whether any cap applies (else nothing is watched against a budget)."""
-        return self.expert_s is not None or self.campaign_s is not None
+        dollars = self.cfg.expert_usd is not None or self.cfg.campaign_usd is not None
+        return self.expert_s is not None or self.campaign_s is not None or dollars
+
+    def left_usd(
+        self, spent_expert_usd: float, spent_campaign_usd: float, usd_per_hour: float | None, share: int = 1
+    ) -> float | None:
+        """GPU-seconds the dollar caps leave a job at the price in force (`usd_per_hour`): its own dollars left and
+        its 1/share of the campaign's, each converted; None when no dollar cap applies (or no price does)."""
+        if usd_per_hour is None or usd_per_hour <= 0:
+            return None
+        caps = []
+        if self.cfg.expert_usd is not None:
+            caps.append(self.cfg.expert_usd - spent_expert_usd)
+        if self.cfg.campaign_usd is not None:
+            caps.append((self.cfg.campaign_usd - spent_campaign_usd) / share)
+        return min(caps) / usd_per_hour * 3600.0 if caps else None
 
     def expert_cap(self, expert: int) -> float | None:
         return None if self.expert_s is None else self.expert_s + self.granted.get(expert, 0.0)

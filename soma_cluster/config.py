@@ -237,8 +237,39 @@ class ResourcesConfig(_Section):
 class BudgetConfig(_Section):
     expert_gpu_hours: float | None = Field(None, gt=0.0, le=1e6)
     campaign_gpu_hours: float | None = Field(None, gt=0.0, le=1e8)
+    # caps in US dollars, enforced like the GPU-hour caps (the tighter one binds): the dollars each ledger record cost
+    # at the price it was written with; a job's GPU-seconds left are its dollars left at the price in force now
+    expert_usd: float | None = Field(None, gt=0.0, le=1e9)  # US dollars one expert may spend (needs prices)
+    campaign_usd: float | None = Field(None, gt=0.0, le=1e11)  # US dollars the whole campaign may spend
     grace_gpu_seconds: float = Field(30.0, ge=0.0, le=86_400.0)  # overrun past a cap before the driver kills the actor
     pool_policy: Literal["none", "even", "improving"] = "none"  # who gets an ended expert's unspent budget
+
+
+class GpuPrice(_Section):
+    on_demand: float = Field(gt=0.0, le=10_000.0)  # USD per GPU-hour of an on-demand instance
+    spot: float | None = Field(None, gt=0.0, le=10_000.0)  # USD per GPU-hour of a spot (preemptible) one
+
+
+class PricesConfig(_Section):
+    # USD per GPU-hour of each accelerator type, e.g. {H100: {on_demand: 4.0, spot: 1.6}} (docs/cli.md, "Dollars");
+    # empty: the ledger is in GPU-hours only. Each ledger record keeps the price it was written with
+    gpu: dict[str, GpuPrice] = Field(default_factory=dict)
+    accelerator: str | None = Field(None, min_length=1)  # the type this campaign's GPU workers have: a key of gpu
+    spot: bool = False  # its GPU workers are spot instances: their spot price applies
+    # USD per hour of a GPU share held on a CPU (logical GPUs of a local Ray, resources.allow_cpu): a CPU node's price
+    cpu_hour: float | None = Field(None, gt=0.0, le=10_000.0)
+
+    @model_validator(mode="after")
+    def _known(self) -> "PricesConfig":
+        if self.accelerator is not None and self.accelerator not in self.gpu:
+            known = ", ".join(sorted(self.gpu)) or "none"
+            raise ValueError(
+                f"prices.accelerator {self.accelerator!r} is not in the price table prices.gpu (it has {known}); "
+                f"add it, e.g. --set 'prices.gpu={{{self.accelerator}: {{on_demand: 4.0}}}}'"
+            )
+        if self.spot and self.accelerator is not None and self.gpu[self.accelerator].spot is None:
+            raise ValueError(f"prices.spot is true but prices.gpu.{self.accelerator} has no spot price; give one")
+        return self
 
 
 class RetryConfig(_Section):
@@ -308,6 +339,7 @@ class CampaignConfig(_Section):
     train: TrainConfig = TrainConfig()
     resources: ResourcesConfig = ResourcesConfig()
     budget: BudgetConfig = BudgetConfig()
+    prices: PricesConfig = PricesConfig()
     retry: RetryConfig = RetryConfig()
     eval: EvalConfig = EvalConfig()
     tracking: TrackingConfig = TrackingConfig()
@@ -320,6 +352,12 @@ class CampaignConfig(_Section):
             raise ValueError("eval.context_bytes must leave predictions to score inside eval.window_bytes")
         if self.model.head == "shared_frozen" and self.model.d != self.model.embed_dim:
             raise ValueError("model.head shared_frozen needs d == embed_dim; wide experts keep their own head")
+        priced = self.prices.accelerator is not None or self.prices.cpu_hour is not None
+        if (self.budget.expert_usd is not None or self.budget.campaign_usd is not None) and not priced:
+            raise ValueError(
+                "a budget in dollars (budget.expert_usd, budget.campaign_usd) needs a price: set prices.gpu and "
+                "prices.accelerator (or prices.cpu_hour for GPU shares held on a CPU)"
+            )
         if self.spsa.objective == "summed":
             if self.train.method != "spsa":
                 raise ValueError("spsa.objective summed is the SPSA control; set train.method spsa")
@@ -332,9 +370,11 @@ class CampaignConfig(_Section):
 
     def digest(self) -> str:
         """A stable hash of the resolved config: tells 'same campaign' from 'a different one'. How prepare runs
-        (engine, workers) is left out: every engine makes the same campaign; so is how it is tracked."""
+        (engine, workers) is left out: every engine makes the same campaign; so is how it is tracked, and what its
+        compute costs (prices)."""
         blob = json.dumps(
-            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}, "tracking": True}), sort_keys=True
+            self.model_dump(mode="json", exclude={"prepare": {"engine", "workers"}, "tracking": True, "prices": True}),
+            sort_keys=True,
         ).encode()
         return hashlib.sha256(blob).hexdigest()[:16]
 
@@ -457,6 +497,8 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
         where = ".".join(str(p) for p in loc) or "config"
         info = schema.field_at(CampaignConfig, where)
         section = CampaignConfig.model_fields.get(where)
+        if info is None and first["type"] == "value_error" and section is not None:  # a section's own rule
+            raise SomaError(f"{origin}: {first['msg'].removeprefix('Value error, ')}") from None
         if info is None and section is not None and isinstance(section.annotation, type):
             example = next(iter(section.annotation.model_fields))
             raise SomaError(
@@ -469,8 +511,10 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
             raise SomaError(
                 f"{origin}: {where} is not a setting; {hint}the settings are listed in docs/config.md"
             ) from None
-        if info is None:  # a rule that spans fields: its message names them and the fix
+        if info is None and first["type"] == "value_error":  # a rule that spans fields: its message names them
             raise SomaError(f"{origin}: {first['msg'].removeprefix('Value error, ')}") from None
+        if info is None:  # inside a mapping setting (prices.gpu.H100.on_demand): the path, the rule, the value
+            raise SomaError(f"{origin}: {where}: {first['msg']} (got {_shown(first.get('input'))})") from None
         raise SomaError(
             f"{origin}: {where}: {first['msg']} (got {_shown(first.get('input'))}); "
             f"set {where} to {schema.allowed(info)}"

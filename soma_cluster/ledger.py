@@ -38,9 +38,28 @@ class Totals:
     )  # its largest single record
     devices: dict[str, float] = field(default_factory=lambda: defaultdict(float))  # device -> GPU-seconds on it
     least_startup: float | None = None  # GPU-seconds of the cheapest expert start-up (records with seq 0)
+    usd: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))  # at each record's price
+    per_expert_usd: dict[int, float] = field(default_factory=lambda: defaultdict(float))
+    unpriced_gpu_seconds: float = 0.0  # GPU-seconds of records written without a price
 
-    def add(self, category: Category, u: Usage, *, expert: int | None, seq: int, device: str | None) -> None:
+    def add(
+        self,
+        category: Category,
+        u: Usage,
+        *,
+        expert: int | None,
+        seq: int,
+        device: str | None,
+        usd_per_hour: float | None = None,
+    ) -> None:
         """One record's amounts."""
+        if usd_per_hour is None:
+            self.unpriced_gpu_seconds += u.gpu_seconds
+        else:
+            usd = u.gpu_seconds / 3600.0 * usd_per_hour
+            self.usd[category] += usd
+            if expert is not None and category in EXPERT_SPEND:
+                self.per_expert_usd[expert] += usd
         self.gpu_seconds[category] += u.gpu_seconds
         self.wall_seconds[category] += u.wall_seconds
         self.forwards[category] += u.forwards
@@ -52,6 +71,11 @@ class Totals:
             self.devices[device] += u.gpu_seconds
         if expert is not None and seq == 0 and u.gpu_seconds > 0:
             self.least_startup = min(self.least_startup or math.inf, u.gpu_seconds)
+
+    @property
+    def usd_priced(self) -> bool:
+        """Whether any record carried a price (then the campaign's cost is shown in dollars too)."""
+        return any(v != 0.0 for v in self.usd.values())
 
     @property
     def gpu_hours(self) -> float:
@@ -72,6 +96,9 @@ class Totals:
             "per_expert_gpu_hours": {str(k): v / 3600.0 for k, v in sorted(self.per_expert_gpu_seconds.items())},
             "gpu_hours_by_device": {k: v / 3600.0 for k, v in sorted(self.devices.items())},
             "unit": self.unit,
+            "usd": dict(self.usd),
+            "usd_total": sum(self.usd.values()),
+            "unpriced_gpu_hours": self.unpriced_gpu_seconds / 3600.0,
         }
 
 
@@ -105,7 +132,9 @@ class Ledger:
         step: int | None = None,
         note: str = "",
         device: str | None = None,
+        usd_per_hour: float | None = None,
     ) -> None:
+        """One record; `usd_per_hour` is the price its GPU-seconds cost (soma_cluster/prices.py), kept with it."""
         if category not in CATEGORIES:
             raise ValueError(f"unknown ledger category {category!r}")
         rid = f"{category}/{expert if expert is not None else '-'}/{attempt}/{seq}"
@@ -124,6 +153,8 @@ class Ledger:
             "device": device,
             "t": time.time(),
         }
+        if usd_per_hour is not None:  # only then: records of an unpriced campaign stay as they always were
+            rec["usd_per_hour"] = float(usd_per_hour)
         self.store.append(LOG, rec)
         if self.observe is not None:
             self.observe(rec)
@@ -141,5 +172,12 @@ class Ledger:
         t = Totals()
         for rec in self.records():
             u = Usage.from_record(rec)
-            t.add(rec["category"], u, expert=rec["expert"], seq=rec.get("seq"), device=rec.get("device"))
+            t.add(
+                rec["category"],
+                u,
+                expert=rec["expert"],
+                seq=rec.get("seq"),
+                device=rec.get("device"),
+                usd_per_hour=rec.get("usd_per_hour"),
+            )
         return t

@@ -37,6 +37,8 @@ class Metric(StrEnum):
     UPDATES = "updates_total"
     DRIVER_UP = "driver_up"
     ENDED = "campaign_ended"
+    USD = "cost_usd"
+    BUDGET = "budget"
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ DEFINITIONS: dict[Metric, Definition] = {
     Metric.UPDATES: Definition("updates trained by every job (each job's highest step, summed)", (), Kind.COUNTER),
     Metric.DRIVER_UP: Definition("1 while a driver publishes the campaign's status, 0 once none has for a while"),
     Metric.ENDED: Definition("1 once a driver wrote the campaign's final status (every job ended)"),
+    Metric.USD: Definition(
+        "US dollars spent, by ledger category, at each record's price (priced campaigns)", ("category",)
+    ),
+    Metric.BUDGET: Definition("the campaign's caps in force, by cap (GPU-hours or USD; -1: none)", ("cap",)),
 }
 
 
@@ -116,4 +122,8 @@ def reading(snap: dict) -> Reading:
         points.append(Point(Metric.HEARTBEAT_LAG, row["heartbeat_age_s"] or 0.0, job))
         points.append(Point(Metric.STEP, row["step"], job))
     points.append(Point(Metric.ENDED, 1.0 if ended else 0.0))
+    if snap.get("usd"):
+        points += [Point(Metric.USD, snap["usd"].get(c, 0.0), (("category", c),)) for c in CATEGORIES]
+    for cap, value in (snap.get("budget") or {}).items():
+        points.append(Point(Metric.BUDGET, -1.0 if value is None else float(value), (("cap", cap),)))
     return Reading(tuple(points), ended)

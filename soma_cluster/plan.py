@@ -18,6 +18,7 @@ from typing import Callable
 from soma_cluster.budget import BudgetBook
 from soma_cluster.config import CampaignConfig
 from soma_cluster.jobs import Category, JobState
+from soma_cluster.prices import usd_per_hour
 
 SCHEMA = 1
 
@@ -79,6 +80,13 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
     if book.campaign_s is not None:
         share = (book.campaign_s - spent.get(Category.PREPROCESSING, 0.0) - seed_s) / cfg.n_experts
         cap = share if cap is None else min(cap, share)
+    price = usd_per_hour(cfg.prices, cal["device"])  # USD per GPU-hour on the calibrated device (None: unpriced)
+    if price:  # dollar caps at that price, as the scheduler converts them
+        if cfg.budget.expert_usd is not None:
+            cap = min(cap if cap is not None else math.inf, cfg.budget.expert_usd / price * 3600.0)
+        if cfg.budget.campaign_usd is not None:
+            left = cfg.budget.campaign_usd / price * 3600.0 - spent.get(Category.PREPROCESSING, 0.0) - seed_s
+            cap = min(cap if cap is not None else math.inf, left / cfg.n_experts)
     experts = []
     for e in range(cfg.n_experts):
         step = stop_step(t.updates, t.chunk_updates, cost, per_update, cap)
@@ -116,10 +124,14 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
         "cpu_contention": contention,
         "seed_trained": seed_done,
         "gpu_hours": {**hours, "training_total": hours[Category.SEED] + hours[Category.EXPERT_TRAINING]},
+        "usd_per_gpu_hour": price,
+        "usd": None if price is None else {k: v * price for k, v in hours.items()},
         "wall_seconds": {"seed": seed_wall, "experts": experts_wall, "total": seed_wall + experts_wall},
         "budget": {
             "expert_gpu_hours": cfg.budget.expert_gpu_hours,
             "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
+            "expert_usd": cfg.budget.expert_usd,
+            "campaign_usd": cfg.budget.campaign_usd,
             "effective_expert_cap_gpu_hours": None if cap is None else cap / 3600.0,
             "experts_stopped": sum(x["end"] == JobState.BUDGET_EXHAUSTED for x in experts),
             "worst_overrun_gpu_seconds": {"per_expert": per, "campaign": total} if cap is not None else None,

@@ -13,8 +13,8 @@ Which settings may change, and why (`rule`):
 - FIXED: what the data, the router, the seed model and every checkpoint were made with (n_experts, seed, corpus,
   router, shards, model, seed_stage, train.method, prepare) and the campaign's identity (name, preset). Changing them
   makes another campaign: soma prepare (or soma fork, for training-side settings) makes it.
-- LIVE: budgets, retries, concurrency and train.updates (which may only grow): a running driver applies them within
-  a heartbeat (pipelines/campaign.py), the next chunk of every expert obeys them.
+- LIVE: budgets (GPU-hours and dollars), prices, retries, concurrency and train.updates (which may only grow): a
+  running driver applies them within a heartbeat (pipelines/campaign.py), the next chunk of every expert obeys them.
 - AT_START: every other training-side setting (spsa, eggroll, bptt, the rest of train, resources, eval, tracking):
   a driver reads them when it starts, so they are refused while one runs and applied by the next soma resume.
 """
@@ -52,7 +52,13 @@ FIXED_SECTIONS = ("n_experts", "seed", "corpus", "router", "shards", "model", "s
 LIVE_KEYS = (
     "budget.expert_gpu_hours",
     "budget.campaign_gpu_hours",
+    "budget.expert_usd",
+    "budget.campaign_usd",
     "budget.grace_gpu_seconds",
+    "prices.gpu",
+    "prices.accelerator",
+    "prices.spot",
+    "prices.cpu_hour",
     "budget.pool_policy",
     "retry.max_retries",
     "retry.backoff_s",
@@ -63,8 +69,6 @@ LIVE_KEYS = (
     "resources.max_actors",
     "train.updates",
 )
-# settings that reopen ended experts when they grow: more updates, or more budget
-EXTENDING = ("train.updates", "budget.expert_gpu_hours", "budget.campaign_gpu_hours")
 
 
 def rule(key: str) -> Rule:
@@ -220,10 +224,9 @@ def _cap(hours: float | None) -> float:
 
 def grew(was: CampaignConfig, now: CampaignConfig) -> bool:
     """Whether `now` gives experts more to train than `was`: more updates, or a larger budget (unset: unlimited)."""
-    return (
-        now.train.updates > was.train.updates
-        or _cap(now.budget.expert_gpu_hours) > _cap(was.budget.expert_gpu_hours)
-        or _cap(now.budget.campaign_gpu_hours) > _cap(was.budget.campaign_gpu_hours)
+    caps = ("expert_gpu_hours", "campaign_gpu_hours", "expert_usd", "campaign_usd")
+    return now.train.updates > was.train.updates or any(
+        _cap(getattr(now.budget, k)) > _cap(getattr(was.budget, k)) for k in caps
     )
 
 

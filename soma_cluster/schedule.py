@@ -41,6 +41,7 @@ from soma_cluster.jobs import (
     advance,
 )
 from soma_cluster.messages import ChunkReport, Heartbeat, Incarnation, SetupReport, Usage
+from soma_cluster.prices import usd_per_hour
 from soma_cluster.restore import restore
 from soma_cluster.retries import InfraStop, Retries
 from soma_cluster.storage import Store
@@ -142,7 +143,8 @@ class Scheduler:
 
     def __post_init__(self) -> None:
         self.book = BudgetBook(self.cfg.budget)
-        self.books = Books(self.store, self.latest)  # the ledger, its live totals, the settlements
+        # the ledger, its live totals, the settlements; each record at the price in force (revisions included)
+        self.books = Books(self.store, self.latest, lambda device: usd_per_hour(self.cfg.prices, device))
         self.retries = Retries(self.cfg.retry, self.clock, self.rng)
         self.units: dict[int, Unit] = {}
         self.open: dict[Job, Unit] = {}  # job -> the unit training it (queued or running)
@@ -179,11 +181,24 @@ class Scheduler:
     def finished(self) -> bool:
         return not (self.pending or self.units or self.retry_at)
 
-    def left(self, job: Job) -> float | None:
-        """GPU-seconds the job may still spend; the campaign's remainder is shared among the open jobs."""
-        share = max(1, len(self.open) + (0 if job in self.open else 1))
+    def left(self, job: Job, share: int | None = None) -> float | None:
+        """GPU-seconds the job may still spend, the tighter of its GPU-hour and dollar caps; the campaign's remainder
+        is shared among the open jobs (`share`: among that many)."""
+        if share is None:
+            share = max(1, len(self.open) + (0 if job in self.open else 1))
         spent = self.spent.get(job.expert, 0.0) if job.expert is not None else 0.0
-        return self.book.left(job.expert, spent, self.spent_total, share)
+        totals = self.books.totals
+        caps = [
+            self.book.left(job.expert, spent, self.spent_total, share),
+            self.book.left_usd(
+                totals.per_expert_usd.get(job.expert, 0.0) if job.expert is not None else 0.0,
+                sum(totals.usd.values()),
+                usd_per_hour(self.cfg.prices, self.open[job].accounts[job].device if job in self.open else None),
+                share,
+            ),
+        ]
+        caps = [c for c in caps if c is not None]
+        return min(caps) if caps else None
 
     def status(self, job: Job) -> JobStatus:
         """What `soma status` shows of the job now (soma_cluster/snapshot.py)."""
@@ -293,8 +308,7 @@ class Scheduler:
             return None
         if left <= 0:
             return "budget cannot cover a launch"
-        spent = self.spent.get(job.expert, 0.0) if job.expert is not None else 0.0
-        alone = self.book.left(job.expert, spent, self.spent_total)
+        alone = self.left(job, share=1)
         need = self.start_cost.need_s(min(self.cfg.train.chunk_updates, self.cfg.train.updates))
         if need is not None and alone is not None and alone < need:
             return (

@@ -115,6 +115,7 @@ def build(
     source: str,
     running: set[str] | None = None,
     driver: dict | None = None,
+    usd: dict[str, float] | None = None,
 ) -> dict:
     """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
     `running` (the driver's own; all by default) at `rate` updates per second. `driver` says who wrote it and whether
@@ -138,15 +139,25 @@ def build(
         "counts": counts(listed),
         "gpu_hours": hours,
         "gpu_hours_total": sum(hours.values()),
-        "budget": {
-            "expert_gpu_hours": cfg.budget.expert_gpu_hours,
-            "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
-        },
+        "budget": budget_view(cfg),
+        "usd": {c: (usd or {}).get(c, 0.0) for c in CATEGORIES} if usd is not None else None,
+        "usd_total": sum(usd.values()) if usd is not None else None,
         "eta_s": None
         if final or stopped
         else eta_s([r for r in listed if running is None or r["job"] in running], rate),
         "driver": driver,
         "jobs": listed,
+    }
+
+
+def budget_view(cfg: CampaignConfig) -> dict:
+    """The caps in force (None: no cap), in GPU-hours and in dollars."""
+    b = cfg.budget
+    return {
+        "expert_gpu_hours": b.expert_gpu_hours,
+        "campaign_gpu_hours": b.campaign_gpu_hours,
+        "expert_usd": b.expert_usd,
+        "campaign_usd": b.campaign_usd,
     }
 
 
@@ -158,9 +169,14 @@ def summary_line(snap: dict) -> str:
     eta_text = "-" if eta is None else fmt_duration(eta)
     return (
         f"[soma {time.strftime('%H:%M:%S', time.localtime(snap['written_at']))}] {snap['name']}: {c} | "
-        f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}) | "
+        f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}){usd_text(snap)} | "
         f"elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}"
     )
+
+
+def usd_text(snap: dict) -> str:
+    """', $12.34' where the campaign is priced (prices.*), else nothing."""
+    return f", ${snap['usd_total']:,.2f}" if snap.get("usd_total") else ""
 
 
 def fmt_duration(s: float) -> str:
