@@ -32,7 +32,7 @@ from ray.exceptions import (
 from pipelines.campaign_lease import held, holding
 from pipelines.common import console, frozen_heap, progress
 from pipelines.metrics import CampaignMetrics
-from pipelines.reopen import reopen_failed, reopen_unverified
+from pipelines.reopen import reopen_failed, reopen_retrain, reopen_unverified
 from pipelines.revise import LiveRevisions, log_applied, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
@@ -576,14 +576,19 @@ def launch(
     show_progress: bool = True,
     log_every_s: float = LOG_EVERY_S,
     retry_failed: list[str] | None = None,
+    retrain: list[str] | None = None,
+    from_step: int | None = None,
 ) -> dict[str, str]:
     """Train every expert not yet ended (this is also `soma resume`). Needs a finished seed. With `retry_failed`
     (`soma resume --retry-failed`), the experts that failed permanently (all of them for [], else the named ones)
-    are reopened first. Raises SomaError on bad input, StoppedByEnvironment when the infrastructure stayed broken
-    past retry.infra_wait_s, and JobsFailed when experts failed permanently."""
+    are reopened first; with `retrain` (`--retrain`), the named ones train again from the seed or `from_step`.
+    Raises SomaError on bad input, StoppedByEnvironment when the infrastructure stayed broken past
+    retry.infra_wait_s, and JobsFailed when experts failed permanently."""
     require_seed(store)
     if retry_failed is not None:
         reopen_failed(store, expert_jobs(cfg), retry_failed)
+    if retrain:
+        reopen_retrain(store, expert_jobs(cfg), retrain, from_step)
     reopen_unverified(store, expert_jobs(cfg))  # an expert is finished only while its last checkpoint verifies
     take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
     cap = cfg.budget.campaign_gpu_hours

@@ -26,7 +26,14 @@ from typer._click.globals import get_current_context  # noqa: E402
 from pipelines.campaign_lease import hold  # noqa: E402
 from pipelines.common import claim_campaign, emit_json, load_config, open_store, out  # noqa: E402
 from soma_cluster import schema  # noqa: E402
-from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions  # noqa: E402
+from soma_cluster.config import (  # noqa: E402
+    CampaignConfig,
+    load_campaign_config,
+    parse_overrides,
+    preset_names,
+    resolve,
+    versions,
+)
 from soma_cluster.diskerrors import storage_error  # noqa: E402
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
 from soma_cluster.lease import LeaseLost  # noqa: E402
@@ -134,6 +141,7 @@ OPTION_PAIRS = (
     OptionPair("status", "count", "watch", True, "it stops the refreshes"),
     OptionPair("status", "wait", "watch", True, "it is how long a watch waits for a driver"),
     OptionPair("resume", "experts", "retry_failed", True, "naming experts says which failed ones to reopen"),
+    OptionPair("resume", "from_step", "retrain", True, "it is the checkpoint the retrained experts start from"),
     OptionPair("prepare", "corpus", "set:corpus.source", False, "both set corpus.source"),
     OptionPair("prepare", "experts", "set:n_experts", False, "both set n_experts"),
     OptionPair("sample", "prompt", "prompt_file", False, "both give the prompt"),
@@ -448,22 +456,35 @@ def _launch(
     command: str,
     take_over: bool,
     retry_failed: list[str] | None = None,
+    retrain: list[str] | None = None,
+    from_step: int | None = None,
+    sets: list[str] | None = None,
 ) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
+    from soma_cluster.events import history
+    from soma_cluster.failures import expert_names, select_failed
+    from soma_cluster.jobs import expert_jobs
+    from soma_cluster.revisions import check, record
 
     store = open_store(campaign)
     cfg = load_config(store)
+    names = [j.name for j in expert_jobs(cfg)]
     if retry_failed:  # named experts are checked before Ray starts: one that did not fail is bad input
-        from soma_cluster.events import history
-        from soma_cluster.failures import select_failed
-        from soma_cluster.jobs import expert_jobs
-
-        select_failed({n: h.state for n, h in history(store).items()}, [j.name for j in expert_jobs(cfg)], retry_failed)
+        select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
+    if retrain:
+        expert_names(retrain, names)
+    if sets:
+        check(cfg, list(sets), driver_running=False)  # refused before the lease is touched
     addr = _address(address)
     # the place and its room are checked (hold) before Ray starts or any expert is queued
-    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)), ray_session(cfg, addr):
-        run(store, cfg, not no_progress, log_every, retry_failed)
+    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
+        if sets:  # a revision, as soma set would write it, once this command holds the campaign
+            rev = record(store, load_campaign_config(store), list(sets), driver_running=False)
+            print(f"revision {rev.rev}: {rev.line()}", file=sys.stderr)
+            cfg = load_config(store)
+        with ray_session(cfg, addr):
+            run(store, cfg, not no_progress, log_every, retry_failed, retrain, from_step)
 
 
 @app.command()
@@ -487,13 +508,23 @@ def resume(
         "(expert-0003 or 3; default: every one that failed permanently)",
     ),
     retry_failed: bool = RetryFailedOpt,
+    retrain: Optional[list[str]] = typer.Option(
+        None, "--retrain", help="train this expert again, from the seed or --from-step (repeatable: expert-0003 or 3)"
+    ),
+    from_step: Optional[int] = typer.Option(
+        None, "--from-step", min=0, help="with --retrain: from the experts' checkpoints of this step"
+    ),
+    set: Optional[list[str]] = typer.Option(
+        None, "--set", "-s", help="a revision of the config first, as soma set writes it (repeatable)"
+    ),
     address: Optional[str] = AddressOpt,
     no_progress: bool = QuietOpt,
     log_every: float = LogEveryOpt,
     take_over: bool = TakeOverOpt,
 ) -> None:
     """Rebuild the campaign state from CAMPAIGN and finish it (after a driver crash, or a stop for its environment:
-    exit 4). With --retry-failed, experts that failed permanently are reopened first (after their cause is fixed)."""
+    exit 4). With --retry-failed, experts that failed permanently are reopened first (after their cause is fixed);
+    with --retrain, the named experts train again (from the seed or --from-step); --set revises the config first."""
 
     def go() -> None:  # EXPERTS without --retry-failed: OPTION_PAIRS
         _launch(
@@ -504,6 +535,9 @@ def resume(
             "soma resume",
             take_over,
             list(experts or []) if retry_failed else None,
+            list(retrain or []),
+            from_step,
+            list(set or []),
         )
 
     _run(go)
@@ -774,8 +808,16 @@ def demo(
 
 
 @app.command()
-def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
-    """A new campaign sharing PARENT's data and seed model, with training-side overrides (e.g. train.method=bptt)."""
+def fork(
+    parent: str,
+    campaign: str,
+    set: Optional[list[str]] = SetOpt,
+    warm: bool = typer.Option(
+        False, "--warm", help="start the experts from PARENT's latest checkpoints, not the seed (train on from there)"
+    ),
+) -> None:
+    """A new campaign sharing PARENT's data and seed model, with training-side overrides (e.g. train.method=bptt);
+    --warm: its experts train on from where PARENT's stopped."""
 
     def go() -> None:
         from pipelines.fork import fork as run
@@ -792,7 +834,7 @@ def fork(parent: str, campaign: str, set: Optional[list[str]] = SetOpt) -> None:
                 )
         child.check_writable()
         tree = merge_trees(load_config(parent_store).model_dump(mode="json"), parse_overrides(set or []))
-        run(parent_store, child, validated(tree, "fork overrides"))
+        run(parent_store, child, validated(tree, "fork overrides"), warm)
 
     _run(go)
 

@@ -6,19 +6,29 @@ it is compared with: same architecture, starts, data and probes (docs/results.md
 accounting includes the seed it started from, then binds the child to its own config: the parent's
 with only training-side sections changed (train, spsa, eggroll, bptt, budget, retry, resources, eval).
 `fork.json`, written last, marks a complete fork; an interrupted fork is simply run again.
+
+A warm fork (`--warm`) also copies each expert's latest checkpoint, so its experts train on from where the parent's
+stopped (a longer schedule, or a second recipe from there), and one ledger record per expert and category of what
+the parent spent on them, so the child's GPU-hours count the training it continues.
 """
 
 from __future__ import annotations
 
+import json
+
 from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, load_config
+from soma_cluster.accounting import FORKED_SEQ
+from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import LOG as EVENTS
 from soma_cluster.events import emit, require_seed
-from soma_cluster.jobs import SEED_JOB, Category, Event
+from soma_cluster.jobs import EXPERT_SPEND, SEED_JOB, Category, Event, expert_jobs
 from soma_cluster.ledger import LOG as LEDGER
-from soma_cluster.storage import Store
+from soma_cluster.ledger import Ledger
+from soma_cluster.messages import Usage
+from soma_cluster.storage import Store, canonical_json, sha256
 
 SHARED = ("router", "shards", "test", "seed")
 # what defines the data and the seed model: a fork may not change it
@@ -38,11 +48,17 @@ def fork_config(parent: CampaignConfig, child: CampaignConfig) -> None:
 
 
 @holding("soma fork", "child")
-def fork(parent: Store, child: Store, cfg: CampaignConfig) -> dict:
-    """Make `child` a campaign that starts where `parent`'s experts start. Idempotent for the same config."""
+def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -> dict:
+    """Make `child` a campaign that starts where `parent`'s experts start (`warm`: where they stopped, from their
+    latest checkpoints). Idempotent for the same config."""
     pcfg = load_config(parent)
     require_seed(parent)
     fork_config(pcfg, cfg)
+    if warm and pcfg.train.method != cfg.train.method:
+        raise SomaError(
+            f"a warm fork trains on from {parent.url}'s checkpoints, written by train.method={pcfg.train.method}; "
+            f"keep it, or fork without --warm to start {cfg.train.method} from the seed"
+        )
     if claim_campaign(child, cfg, write=False) and child.exists(MARKER):
         console.print(f"{child.url} is already a fork of {parent.url}; skipping")
         return child.read_json(MARKER)
@@ -51,17 +67,70 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig) -> dict:
         raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
     claim_campaign(child, cfg)
     files = [p for d in SHARED for p in parent.walk(d)]
+    warm_files = _latest_checkpoints(parent, pcfg) if warm else {}
     if not logged:  # files first, then the logs, then the marker: a rerun picks up where it stopped
         for rel in files:
             child.write_bytes(rel, parent.read_bytes(rel))
-        _copy_seed_logs(parent, child, pcfg, len(files))
-    summary = {"parent": parent.url, "parent_digest": pcfg.digest(), "files": len(files)}
+        for rel, data in warm_files.items():
+            child.write_bytes(rel, data)
+        _copy_seed_logs(parent, child, pcfg, len(files) + len(warm_files))
+        if warm:
+            _copy_expert_spend(parent, child)
+    summary = {"parent": parent.url, "parent_digest": pcfg.digest(), "files": len(files) + len(warm_files)}
+    if warm:
+        summary["warm_experts"] = len(warm_files) // 3
     child.write_json(MARKER, summary)
+    warmth = (
+        f", {len(warm_files) // 3} experts' latest checkpoints and the records of what they cost" if warm else ""
+    )
     console.print(
         f"forked {parent.url} -> {child.url}: {len(files)} files (router, shards, test windows, seed) and "
-        f"the records of its preprocessing and seed"
+        f"the records of its preprocessing and seed{warmth}"
     )
     return summary
+
+
+def _latest_checkpoints(parent: Store, pcfg: CampaignConfig) -> dict[str, bytes]:
+    """Each expert's latest checkpoint (tensors, metadata, latest.json) as the child gets it: the metadata names no
+    attempt of the child's (`attempt` null, `forked_from` the parent), so the child's own first attempt is never
+    settled against the parent's usage."""
+    out = {}
+    for job in expert_jobs(pcfg):
+        meta = latest_meta(parent, job.model_dir)
+        if meta is None:
+            continue  # never trained: the child starts it from the seed
+        name = parent.read_json(f"{job.model_dir}/latest.json")["name"]
+        body = {k: v for k, v in meta.items() if k != "checksum"}
+        body.update(attempt=None, forked_from=parent.url)
+        body["checksum"] = sha256(canonical_json(body))
+        out[f"{job.model_dir}/{name}.safetensors"] = parent.read_bytes(f"{job.model_dir}/{name}.safetensors")
+        out[f"{job.model_dir}/{name}.json"] = json.dumps(body, indent=1, sort_keys=True).encode()
+        out[f"{job.model_dir}/latest.json"] = parent.read_bytes(f"{job.model_dir}/latest.json")
+    return out
+
+
+def _copy_expert_spend(parent: Store, child: Store) -> None:
+    """What the parent spent on each expert, by category, as one record per expert and category (attempt -1,
+    FORKED_SEQ): the child's GPU-hours include the training its experts continue from, and its own attempts' records
+    never collide with the parent's ids."""
+    spend: dict[tuple[int, str], Usage] = {}
+    for rec in Ledger(parent).records():
+        if rec["expert"] is not None and rec["category"] in EXPERT_SPEND:
+            key = (rec["expert"], rec["category"])
+            spend[key] = spend.get(key, Usage()) + Usage.from_record(rec)
+    ledger = Ledger(child)
+    for (expert, category), u in sorted(spend.items()):
+        ledger.record(
+            category=category,
+            gpu_seconds=u.gpu_seconds,
+            wall_seconds=u.wall_seconds,
+            forwards=u.forwards,
+            tokens=u.tokens,
+            expert=expert,
+            attempt=-1,
+            seq=FORKED_SEQ,
+            note=f"spent in {parent.url} on the checkpoint this warm fork continues from",
+        )
 
 
 def _copy_seed_logs(parent: Store, child: Store, pcfg: CampaignConfig, n_files: int) -> None:

@@ -16,9 +16,10 @@ from __future__ import annotations
 from concurrent.futures import ThreadPoolExecutor
 
 from pipelines.common import console
-from soma_cluster.checkpoint import CheckpointCheck, check_checkpoints, fall_back
-from soma_cluster.events import RETRY_FAILED, emit, history
-from soma_cluster.failures import select_failed
+from soma_cluster.checkpoint import CheckpointCheck, check_checkpoints, checkpoint_steps, fall_back
+from soma_cluster.errors import SomaError
+from soma_cluster.events import RETRAIN, RETRY_FAILED, emit, history
+from soma_cluster.failures import expert_names, select_failed
 from soma_cluster.jobs import ENDED_WITH_CHECKPOINT, Event, Job, JobState
 from soma_cluster.storage import Store
 
@@ -94,3 +95,60 @@ def reopen_failed(store: Store, jobs: list[Job], requested: list[str]) -> list[s
             f"{name}: failed permanently ({past[name].last_error}); reopened {start} with its retries given back"
         )
     return chosen
+
+
+def retire_after(store: Store, directory: str, keep_to: int | None, tag: str) -> list[str]:
+    """Move the checkpoints of `directory` past step `keep_to` (all of them for None) into `directory/tag/`, written
+    there before they are removed here: the old attempts' checkpoints stay, out of the way of the new one."""
+    moved = []
+    for step in checkpoint_steps(store, directory):
+        if keep_to is not None and step <= keep_to:
+            continue
+        for suffix in (".safetensors", ".json"):
+            rel = f"step-{step:06d}{suffix}"
+            store.write_bytes(f"{directory}/{tag}/{rel}", store.read_bytes(f"{directory}/{rel}"))
+            store.remove(f"{directory}/{rel}")
+            moved.append(rel)
+    if keep_to is None:
+        if store.exists(f"{directory}/latest.json"):
+            store.remove(f"{directory}/latest.json")
+    else:
+        store.write_json(f"{directory}/latest.json", {"step": keep_to, "name": f"step-{keep_to:06d}"})
+    return moved
+
+
+def reopen_retrain(store: Store, jobs: list[Job], requested: list[str], from_step: int | None) -> list[str]:
+    """`soma resume --retrain EXPERT ...`: train the named experts again, from the seed (`from_step` None) or from
+    their checkpoint of `from_step`, which each must have (SomaError before anything is written). Their later
+    checkpoints move to `retired-N/` in their directory and their events and ledger records stay as they were (what
+    was spent stays spent); a `reopened` event (reason retrain) makes each pending."""
+    names = expert_names(requested, [j.name for j in jobs])
+    by_name = {j.name: j for j in jobs}
+    past = history(store)
+    if from_step is not None:
+        for name in names:
+            if from_step not in checkpoint_steps(store, by_name[name].model_dir):
+                kept = ", ".join(map(str, checkpoint_steps(store, by_name[name].model_dir))) or "none"
+                raise SomaError(
+                    f"--from-step {from_step}: {name} has no checkpoint of that step (it has {kept}); pass one of "
+                    "those, or leave out --from-step to retrain it from the seed"
+                )
+    for name in names:
+        d = by_name[name].model_dir
+        h = past.get(name)
+        tag = f"retired-{sum(1 for ev in (h.events if h else []) if ev.get('reason') == RETRAIN) + 1}"
+        retire_after(store, d, from_step, tag)
+        emit(
+            store,
+            Event.REOPENED,
+            name,
+            step=from_step or 0,
+            was=h.state if h else JobState.PENDING,
+            checkpoint=None if from_step is None else f"step-{from_step:06d}",
+            bad=[],
+            reason=RETRAIN,
+            retired=f"{d}/{tag}",
+        )
+        start = "from the seed" if from_step is None else f"from its checkpoint of step {from_step}"
+        console.print(f"{name}: retrained {start}; its later checkpoints kept under {d}/{tag}/", markup=False)
+    return names

@@ -25,6 +25,7 @@ from soma_cluster.storage import Store
 SETUP_SEQ = 0  # the ledger `seq` of an attempt's start-up; its heartbeats count up from 1
 SETTLED_SEQ = -1  # a settlement against the latest checkpoint
 RESETTLED_SEQ = -2  # a settlement made again against the checkpoint the next attempt really resumed from
+FORKED_SEQ = -3  # a warm fork's record of what its parent spent on an expert (attempt -1: pipelines/fork.py)
 NOTHING = Usage()
 
 

@@ -60,7 +60,11 @@ def _written_later(store: Store, rel: str, extra: dict) -> bool:
         meta = _read_checked(store, rel)
     except (FileNotFoundError, ChecksumError):
         return False
-    return meta.get("config_digest") == extra.get("config_digest") and meta.get("attempt", -1) > extra["attempt"]
+    attempt = meta.get("attempt")  # null in a checkpoint a warm fork copied from its parent
+    return (
+        meta.get("config_digest") == extra.get("config_digest")
+        and (attempt if attempt is not None else -1) > extra["attempt"]
+    )
 
 
 def _latest_step(store: Store, directory: str) -> int | None:

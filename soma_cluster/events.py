@@ -24,6 +24,8 @@ from soma_cluster.storage import Store
 LOG = "events.jsonl"
 RETRY_FAILED = "retry_failed"  # the reason of a `reopened` event written by --retry-failed
 EXTENDED = "extended"  # the reason of a `reopened` event written because a config revision let the job train on
+RETRAIN = "retrain"  # the reason of a `reopened` event written by soma resume --retrain
+TRAIN_ON = (RETRY_FAILED, EXTENDED, RETRAIN)  # reopened to train more, not because a checkpoint was lost
 
 
 def emit(store: Store, event: Event, job: str, **fields) -> dict:
@@ -68,7 +70,7 @@ class JobHistory:
         reopened to train on (--retry-failed, or an extension: soma set) keeps its attempts' ends."""
         end = None
         for ev in self.events:
-            if ev["event"] == Event.REOPENED and ev.get("reason") not in (RETRY_FAILED, EXTENDED):
+            if ev["event"] == Event.REOPENED and ev.get("reason") not in TRAIN_ON:
                 end = None
             elif ev.get("attempt") == attempt and ev["event"] in ATTEMPT_ENDS:
                 end = ev["event"]
@@ -95,7 +97,7 @@ def history(store: Store) -> dict[str, JobHistory]:
         if ev["event"] == Event.FAILED:
             h.failures += 1 if ev.get("counted", True) else 0
             h.last_error = ev.get("reason")
-        if ev["event"] == Event.REOPENED and ev.get("reason") == RETRY_FAILED:
+        if ev["event"] == Event.REOPENED and ev.get("reason") in (RETRY_FAILED, RETRAIN):
             h.failures = 0
     return out
 

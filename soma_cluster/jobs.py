@@ -89,7 +89,7 @@ class AttemptCause(StrEnum):
     RETRY = "retry"  # after a failure
     RESUMED = "resumed"  # after its driver was lost, or its checkpoint
     PREEMPTED = "preempted"  # after a preemption
-    EXTENDED = "extended"  # an ended job given more to train (a config revision: soma set), from its checkpoint
+    EXTENDED = "extended"  # an ended job given more to train (soma set, soma resume --retrain), from a checkpoint
 
     @property
     def startup_category(self) -> Category | None:

@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import TYPE_CHECKING
 
 from soma_cluster.accounting import SETUP_SEQ, Account, Books, Settlement
-from soma_cluster.events import EXTENDED, JobHistory
+from soma_cluster.events import EXTENDED, RETRAIN, JobHistory
 from soma_cluster.jobs import AttemptCause, Category, Event, Job
 from soma_cluster.messages import Usage
 
@@ -57,7 +57,7 @@ def cause_after(h: JobHistory) -> AttemptCause:
     for ev in reversed(h.events):  # reopened to train on, and no attempt has held a GPU since
         if ev["event"] == Event.LAUNCHED:
             break
-        if ev["event"] == Event.REOPENED and ev.get("reason") == EXTENDED:
+        if ev["event"] == Event.REOPENED and ev.get("reason") in (EXTENDED, RETRAIN):
             return AttemptCause.EXTENDED
     after = {Event.FAILED: AttemptCause.RETRY, Event.PREEMPTED: AttemptCause.PREEMPTED, None: AttemptCause.RESUMED}
     for attempt in range(h.attempts - 1, -1, -1):

@@ -134,3 +134,42 @@ def test_a_running_driver_obeys_soma_set(seeded, tmp_path):
     totals = Ledger(store).totals()
     assert totals.forwards["expert_training"] == EXPERTS * 600 * 2 * cfg.spsa.n_pert  # exact after the changes
     assert_one_line_error(soma("set", camp, "model.d=64"), "model.d cannot change")
+
+
+def test_retrain_chosen_experts_and_a_warm_fork(seeded, tmp_path, ray_local):
+    """--retrain from a checkpoint ends where the first run ended (same recipe, bitwise) and keeps the old
+    checkpoints and records; from the seed with a new lr it trains anew. A warm fork with train.updates=24 trains on
+    from the parent's checkpoints and ends bitwise where a campaign given 24 from the start ends."""
+    from pipelines.fork import fork
+    from pipelines.reopen import reopen_retrain
+
+    store, cfg = clone(seeded, tmp_path / "a")
+    launch(store, cfg, show_progress=False)
+    first = finals(store)
+    before = Ledger(store).totals().forwards["expert_training"]
+    launch(store, cfg, show_progress=False, retrain=["1"], from_step=6)
+    again = finals(store)
+    for name, t in first[1][0].items():
+        assert torch.equal(again[1][0][name], t), name
+    assert (tmp_path / "a" / "experts" / "expert-0001" / "retired-1" / "step-000012.safetensors").exists()
+    per_update = 2 * cfg.spsa.n_pert
+    assert Ledger(store).totals().forwards["expert_training"] == before + 6 * per_update  # what was spent stays
+    retrain = [ev for ev in store.read_log("events.jsonl") if ev.get("reason") == "retrain"]
+    assert [(ev["job"], ev["step"], ev["was"]) for ev in retrain] == [("expert-0001", 6, "finished")]
+    with pytest.raises(Exception, match="no checkpoint of that step"):
+        reopen_retrain(store, expert_jobs(cfg), ["0"], 5)
+    # a warm fork
+    long_cfg = micro_config(corpus={"source": cfg.corpus.source}, n_experts=EXPERTS, train={"updates": 24})
+    child = Store(str(tmp_path / "warm"))
+    fork(store, child, long_cfg, warm=True)
+    launch(child, long_cfg, show_progress=False)
+    whole, _ = clone(seeded, tmp_path / "whole24", train={"updates": 24})
+    launch(whole, long_cfg, show_progress=False)
+    got, want = finals(child), finals(whole)
+    for e in range(EXPERTS):
+        assert got[e][1] == want[e][1]
+        for name, t in want[e][0].items():
+            assert torch.equal(got[e][0][name], t), (e, name)
+    a, b = Ledger(child).totals(), Ledger(whole).totals()
+    # the child's ledger holds the parent's spend on the checkpoints it continued from, and its own
+    assert a.forwards["expert_training"] == b.forwards["expert_training"] + 6 * per_update
