@@ -9,9 +9,11 @@ import pytest
 from conftest import micro_config
 from test_schedule import PER_UPDATE, beat, by, scheduler, started
 
+from pipelines.revise import take_up
 from soma_cluster.config import to_yaml_text
 from soma_cluster.errors import ChecksumError, SomaError
-from soma_cluster.jobs import AttemptCause, Category, Job, JobState
+from soma_cluster.events import EXTENDED, emit
+from soma_cluster.jobs import AttemptCause, Category, Event, Job, JobState
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import ChunkReport
 from soma_cluster.revisions import LIVE_KEYS, Rule, check, in_force, record, revisions, rule, to_reopen
@@ -147,3 +149,18 @@ def test_a_running_scheduler_obeys_a_lowered_cap_at_the_next_chunk_and_reopens_o
     (again,) = s.requests(3)
     by(s.on_setup(again.unit.id, started([0], step=3, gpu_s=1.0)), Chunk)
     assert Ledger(s.store).totals().gpu_seconds.get(Category.WASTED, 0.0) == 0.0  # an extension's start is no waste
+
+
+def test_a_driver_lost_between_reopening_and_logging_applies_it_again_reopening_nothing_twice(campaign):
+    store, cfg = campaign
+    for name in ("expert-0000", "expert-0001"):
+        emit(store, Event.FINISHED, name, step=12, attempt=0)
+    record(store, cfg, ["train.updates=24"], driver_running=False)
+    emit(store, Event.REOPENED, "expert-0000", step=12, reason=EXTENDED)  # the lost driver got this far
+    lines = []
+    assert [r.rev for r in take_up(store, in_force(store, cfg)[0], lines.append)] == [1]
+    log = store.read_log("events.jsonl")
+    reopened = [ev["job"] for ev in log if ev["event"] == "reopened"]
+    assert reopened == ["expert-0000", "expert-0001"] and sum(ev["event"] == "config_revised" for ev in log) == 1
+    assert take_up(store, in_force(store, cfg)[0], lines.append) == []  # applied: a later driver does nothing
+    assert len(store.read_log("events.jsonl")) == len(log)
