@@ -17,7 +17,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, soma
+from conftest import assert_one_line_error, soma, soma_here
 from test_lm import partial
 
 from soma_cluster.export import EXPORT_FILE, WEIGHTS
@@ -30,7 +30,7 @@ DOCS = [b"", b"x", "naïve café\n".encode(), b"\xff\xfe\x00 not UTF-8", b"def f
 @pytest.fixture(scope="module")
 def exported(trained_campaign, tmp_path_factory) -> Path:
     dest = tmp_path_factory.mktemp("exports") / "float32"
-    proc = soma("export", str(trained_campaign), str(dest), "--json")
+    proc = soma_here("export", str(trained_campaign), str(dest), "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     r = json.loads(proc.stdout)
     assert r["experts"] == 3 and r["substituted"] == [] and r["bytes"] < r["checkpoint_bytes"]
@@ -55,7 +55,7 @@ def test_an_export_loads_without_the_campaign_and_scores_the_same(trained_campai
 
 def test_a_16_bit_export_is_smaller_and_close(trained_campaign, exported, tmp_path):
     dest = tmp_path / "half"
-    proc = soma("export", str(trained_campaign), str(dest), "--dtype", "bfloat16")
+    proc = soma_here("export", str(trained_campaign), str(dest), "--dtype", "bfloat16")
     assert proc.returncode == 0 and "exported 3 experts (bfloat16)" in proc.stdout, proc.stderr[-2000:]
     assert (dest / WEIGHTS).stat().st_size < 0.6 * (exported / WEIGHTS).stat().st_size
     full, half = (RoutedLM.load(str(d)).score(DOCS[-1]) for d in (exported, dest))
@@ -69,29 +69,29 @@ def test_damaged_exports_are_refused_naming_the_file(exported, tmp_path):
     cut = copy("cut")
     blob = (cut / WEIGHTS).read_bytes()
     (cut / WEIGHTS).write_bytes(blob[: len(blob) // 2])
-    assert_one_line_error(soma("score", str(cut), "-", input_text="hello"), "weights.safetensors", "checksum")
+    assert_one_line_error(soma_here("score", str(cut), "-", input_text="hello"), "weights.safetensors", "checksum")
     gone = copy("gone")
     (gone / "router" / "vocabulary.json").unlink()
-    assert_one_line_error(soma("sample", str(gone), "--prompt", "a"), "vocabulary.json", "soma export")
+    assert_one_line_error(soma_here("sample", str(gone), "--prompt", "a"), "vocabulary.json", "soma export")
     newer = copy("newer")
     store = Store(str(newer))
     store.write_json(EXPORT_FILE, {**store.read_json(EXPORT_FILE), "version": 99})  # a later soma's export
-    assert_one_line_error(soma("sample", str(newer), "--prompt", "a"), "format 99", "upgrade soma-cluster")
+    assert_one_line_error(soma_here("sample", str(newer), "--prompt", "a"), "format 99", "upgrade soma-cluster")
     edited = copy("edited")
     text = (edited / EXPORT_FILE).read_text().replace('"float32"', '"float16"')
     (edited / EXPORT_FILE).write_text(text)
-    assert_one_line_error(soma("score", str(edited), "-", input_text="x"), EXPORT_FILE)
+    assert_one_line_error(soma_here("score", str(edited), "-", input_text="x"), EXPORT_FILE)
 
 
 def test_an_export_never_replaces_what_is_there(trained_campaign, exported, tmp_path):
     before = {p: p.stat().st_mtime_ns for p in exported.rglob("*")}
-    assert_one_line_error(soma("export", str(trained_campaign), str(exported)), "already holds an export")
+    assert_one_line_error(soma_here("export", str(trained_campaign), str(exported)), "already holds an export")
     assert {p: p.stat().st_mtime_ns for p in exported.rglob("*")} == before
     inside = trained_campaign / "export"
-    assert_one_line_error(soma("export", str(trained_campaign), str(inside)), "inside the campaign")
+    assert_one_line_error(soma_here("export", str(trained_campaign), str(inside)), "inside the campaign")
     assert not inside.exists()
-    assert_one_line_error(soma("export", str(exported), str(tmp_path / "again")), "is an export already")
-    assert_one_line_error(soma("export", str(trained_campaign), str(tmp_path / "x"), "--dtype", "int8"), "--dtype")
+    assert_one_line_error(soma_here("export", str(exported), str(tmp_path / "again")), "is an export already")
+    assert_one_line_error(soma_here("export", str(trained_campaign), str(tmp_path / "x"), "--dtype", "int8"), "--dtype")
     assert not (tmp_path / "x").exists()
 
 
@@ -102,7 +102,7 @@ def test_a_killed_export_leaves_nothing_and_the_same_command_then_succeeds(train
     rng = random.Random(0)
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
     argv = [sys.executable, "-m", "pipelines.cli", "export", str(trained_campaign), str(dest)]
-    for _ in range(4):
+    for _ in range(3):
         proc = subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, env=env)
         time.sleep(rng.uniform(1.0, 4.0))  # the imports take a second or more; the writes come after
         proc.send_signal(signal.SIGKILL)
@@ -118,13 +118,13 @@ def test_a_killed_export_leaves_nothing_and_the_same_command_then_succeeds(train
 
 def test_a_partial_campaign_exports_and_says_who_stands_in(trained_campaign, tmp_path):
     camp = partial(trained_campaign, tmp_path / "p")
-    proc = soma("export", str(camp), str(tmp_path / "e"), "--json")
+    proc = soma_here("export", str(camp), str(tmp_path / "e"), "--json")
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert json.loads(proc.stdout)["substituted"] == ["expert-0002"]
     assert "seed model stands in for 1 of 3 experts" in proc.stderr
     assert "Partial campaign: 1 of 3 experts" in (tmp_path / "e" / "README.md").read_text()
     assert RoutedLM.load(str(tmp_path / "e")).seed_fallback == (2,)
-    proc = soma("score", str(tmp_path / "e"), "-", input_text="hello " * 100)
+    proc = soma_here("score", str(tmp_path / "e"), "-", input_text="hello " * 100)
     assert proc.returncode == 0 and "seed model stands in" in proc.stderr, proc.stderr
 
 
@@ -134,7 +134,7 @@ def test_soma_score_prints_one_record_per_document(exported, tmp_path):
     for i, d in enumerate(DOCS):
         (files / ("sub" if i % 2 else "") / f"d{i}.bin").write_bytes(d)
     (files / ".hidden").write_bytes(b"never read")
-    proc = soma("score", str(exported), str(files))
+    proc = soma_here("score", str(exported), str(files))
     assert proc.returncode == 0, proc.stderr[-2000:]
     recs = [json.loads(line) for line in proc.stdout.splitlines()]
     lm = RoutedLM.load(str(exported))
@@ -144,12 +144,12 @@ def test_soma_score_prints_one_record_per_document(exported, tmp_path):
         s = want[Path(r["source"]).name]
         assert (r["bytes"], r["scored_bytes"], r["nats"], r["windows"]) == (s.bytes, s.scored_bytes, s.nats, s.windows)
     assert f"scored {len(DOCS)} document(s)" in proc.stderr
-    lines = soma("score", str(exported), "--lines", "-", input_text="first line\n\nthird, no newline")
+    lines = soma_here("score", str(exported), "--lines", "-", input_text="first line\n\nthird, no newline")
     recs = [json.loads(line) for line in lines.stdout.splitlines()]
     assert [(r["line"], r["bytes"]) for r in recs] == [(1, 10), (2, 0), (3, 17)], lines.stderr
     assert recs[1]["nats_per_byte"] is None
-    assert_one_line_error(soma("score", str(exported), str(tmp_path / "nope")), "not found")
-    assert_one_line_error(soma("score", str(exported), "-", "-", input_text=""), "more than once")
+    assert_one_line_error(soma_here("score", str(exported), str(tmp_path / "nope")), "not found")
+    assert_one_line_error(soma_here("score", str(exported), "-", "-", input_text=""), "more than once")
 
 
 def test_soma_sample_streams_the_api_s_bytes(exported, tmp_path):
@@ -161,13 +161,15 @@ def test_soma_sample_streams_the_api_s_bytes(exported, tmp_path):
     assert proc.stdout == lm.generate("def ", max_bytes=300, seed=3)  # raw bytes, UTF-8 or not
     prompt_file = tmp_path / "p.txt"
     prompt_file.write_bytes(b"\x00\xff" + b"long prompt " * 200)
-    js = soma("sample", str(exported), "--prompt-file", str(prompt_file), "--json", "--top-k", "1", "--max-bytes", "9")
+    js = soma_here(
+        "sample", str(exported), "--prompt-file", str(prompt_file), "--json", "--top-k", "1", "--max-bytes", "9"
+    )
     (rec,) = [json.loads(line) for line in js.stdout.splitlines()]
     assert base64.b64decode(rec["base64"]) == lm.generate(prompt_file.read_bytes(), max_bytes=9, top_k=1)
     assert rec["prompt_bytes_read"] == 1024 and "longer than the model's context" in js.stderr
-    two = soma("sample", str(exported), "--prompt", "a", "--prompt", "b", "--max-bytes", "5", "--seed", "1")
+    two = soma_here("sample", str(exported), "--prompt", "a", "--prompt", "b", "--max-bytes", "5", "--seed", "1")
     assert [len(base64.b64decode(json.loads(x)["base64"])) for x in two.stdout.splitlines()] == [5, 5]
-    assert_one_line_error(soma("sample", str(exported), "--prompt", "a", "--temperature", "nan"), "--temperature")
+    assert_one_line_error(soma_here("sample", str(exported), "--prompt", "a", "--temperature", "nan"), "--temperature")
     head = subprocess.run(
         ["bash", "-c", f"{' '.join(argv)} --max-bytes 100000 | head -c 10 >/dev/null; echo rc=${{PIPESTATUS[0]}} >&2"],
         capture_output=True,
