@@ -607,10 +607,20 @@ def launch(
     )
     driver = Driver(store, cfg, expert_jobs(cfg), show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver)
-    counts = {str(k): list(outcome.values()).count(k) for k in sorted(set(outcome.values()))}
-    console.print(f"experts ended: {counts}")
+    console.print(ended_line(outcome), markup=False)
     raise_failures(driver, "experts")
     return outcome
+
+
+def ended_line(outcome: dict[str, str]) -> str:
+    """How the experts ended, as a sentence: '4 experts ended: 3 finished, 1 budget_exhausted (expert-0002).'"""
+    counts = {k: sorted(n for n, v in outcome.items() if v == k) for k in sorted(set(outcome.values()))}
+    parts = [
+        f"{len(names)} {state}"
+        + (f" ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if state != "finished" else "")
+        for state, names in counts.items()
+    ]
+    return f"{len(outcome)} expert(s) ended: {', '.join(parts) or 'none'}."
 
 
 def run_driver(driver: Driver) -> dict[str, str]:

@@ -970,8 +970,18 @@ def presets(as_json: bool = JsonOpt) -> None:
                     }
                 )
             return emit_json({"schema": 1, "presets": rows, "experiments": experiment_names()})
+        from soma_cluster.model import campaign_param_count
+
         for name in preset_names():
-            out.print(name, markup=False)
+            c = resolve(name)
+            out.print(
+                f"{name}: N = {c.n_experts} experts, d = {c.model.d}, "
+                f"{campaign_param_count(c.model, c.n_experts):,} parameters, {c.train.updates} updates of "
+                f"{c.spsa.n_pert} probes x batch {c.spsa.batch} x {c.spsa.seq_len} bytes, "
+                f"{c.resources.num_gpus:g} GPU per actor",
+                markup=False,
+                soft_wrap=True,
+            )
         for name in experiment_names():
             out.print(f"experiment {name}", markup=False)
 

@@ -5,6 +5,8 @@ from __future__ import annotations
 import io
 import json
 import math
+import os
+import socket
 import time
 from dataclasses import dataclass, field
 
@@ -147,6 +149,8 @@ def in_progress(store: Store, n_experts: int, have) -> dict:
     if store.exists(SNAPSHOT):
         rows = {r["job"]: r for r in store.read_json(SNAPSHOT)["jobs"]}
     lease = lease_view(store) or {}
+    if lease.get("held") and lease.get("pid") == os.getpid() and lease.get("host") == socket.gethostname():
+        lease = {}  # this process holds it (soma demo evaluates under its own lease): no driver trains meanwhile
     # with a driver at work, its queued and pending experts are in training too; without one, an expert with no
     # checkpoint is a hole the seed stands in for (the report's partial-campaign table), not training
     experts = range(n_experts) if lease.get("held") else have
