@@ -334,8 +334,9 @@ RetryFailedOpt = typer.Option(
 )
 
 
-def _run(fn: Callable[[], None]) -> None:
-    """Exit codes: 0 the command really succeeded; 2 bad input (one `error:` line naming the thing and the fix);
+def _run(fn: Callable[[], None], stopped: str | None = None) -> None:
+    """`stopped`: what a stop by a signal leaves, for a command that holds no lease. Exit codes: 0 the command really
+    succeeded; 2 bad input (one `error:` line naming the thing and the fix);
     3 a campaign ran but jobs failed permanently (their retries spent); 4 the campaign was stopped by its
     environment (disk full, read-only, storage unreachable, nodes lost, out of memory: fix it, then soma resume) or
     this driver lost it to another driver (its lease lapsed); 130 / 143 stopped by SIGINT / SIGTERM (final status
@@ -359,8 +360,12 @@ def _run(fn: Callable[[], None]) -> None:
         raise typer.Exit(exc.exit_code) from None
     except Stopped as exc:
         print(
-            f"stopped: {exc.name}; what was done is kept and the campaign's lease released; run the same command again "
-            f"to continue (soma resume for a launch)",
+            f"stopped: {exc.name}; "
+            + (
+                stopped
+                or "what was done is kept and the campaign's lease released; run the same command again to continue "
+                "(soma resume for a launch)"
+            ),
             file=sys.stderr,
         )
         raise typer.Exit(exc.exit_code) from None
@@ -1034,12 +1039,15 @@ def _changed(rev: dict) -> str:
     return ", ".join(f"{k} {rev['was'].get(k)} -> {v}" for k, v in rev["set"].items())
 
 
+StepOpt = typer.Option(
+    None, "--step", min=0, help="a campaign's checkpoints of this step (default: each expert's latest)"
+)
 DeviceOpt = typer.Option(None, "--device", help="torch device: cpu, cuda or cuda:N (default: cuda when available)")
 
 
 def _check_temperature(value: float) -> float:
     if not 0 < value <= 1000:  # NaN fails every comparison
-        _bad(f"--temperature {value:g}: pass a number > 0 and at most 1000 (--top-k 1 samples greedily)")
+        _bad(f"--temperature {value!r}: pass a number > 0 and at most 1000 (--top-k 1 samples greedily)")
     return value
 
 
@@ -1050,6 +1058,7 @@ def score(
         None, metavar="[FILE ...|-]", help="files, directories (their files) or - (standard input); none: stdin"
     ),
     lines: bool = typer.Option(False, "--lines", help="each line of an input is a document"),
+    step: Optional[int] = StepOpt,
     device: Optional[str] = DeviceOpt,
 ) -> None:
     """Score documents with the routed ensemble (a campaign or a soma export): one JSON line per document on stdout
@@ -1058,13 +1067,13 @@ def score(
     def go() -> None:
         from pipelines.inference import score as run
 
-        t = run(campaign, list(inputs or []), lines, device, None)
+        t = run(campaign, list(inputs or []), lines, device, step)
         per = f": {t['nats'] / t['scored_bytes']:.4f} nats/byte" if t["scored_bytes"] else ""
         print(
             f"scored {t['documents']} document(s), {t['scored_bytes']:,} of {t['bytes']:,} bytes{per}", file=sys.stderr
         )
 
-    _run(go)
+    _run(go, "the documents scored before it are on stdout; nothing was written anywhere else")
 
 
 @app.command()
@@ -1077,6 +1086,7 @@ def sample(
     top_k: Optional[int] = typer.Option(None, "--top-k", min=1, max=256, help="sample among the k likeliest bytes"),
     seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="random seed (default: fresh)"),
     as_json: bool = typer.Option(False, "--json", help="one JSON line per prompt (text, base64, route)"),
+    step: Optional[int] = StepOpt,
     device: Optional[str] = DeviceOpt,
 ) -> None:
     """Generate bytes after a prompt with the routed ensemble (a campaign or a soma export), streamed to stdout as
@@ -1087,10 +1097,10 @@ def sample(
 
         open_store(campaign)  # a wrong target is named before a prompt is read
         texts = prompts(list(prompt or []), prompt_file)
-        lm = load(campaign, device)
+        lm = load(campaign, device, step)
         sample(lm, texts, max_bytes, temperature, top_k, seed, as_json, sys.stdout.write_bytes)
 
-    _run(go)
+    _run(go, "the bytes drawn before it are on stdout; nothing was written anywhere else")
 
 
 @app.command()
@@ -1117,7 +1127,7 @@ def export(
             soft_wrap=True,
         )
 
-    _run(go)
+    _run(go, "no export was made (what was staged is removed); run the same command again")
 
 
 for _info in app.registered_commands:  # every command, one added later included, checks its inputs (_Checked)

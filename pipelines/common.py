@@ -35,6 +35,11 @@ def emit_json(obj, lines: bool = False) -> None:
 def open_store(url: str, storage_options: dict | None = None) -> Store:
     """The campaign at `url`; without explicit options, an s3:// endpoint comes from the environment
     (SOMA_S3_ENDPOINT / AWS_ENDPOINT_URL) and credentials from botocore's usual chain."""
+    if not url.strip() or (url.strip("/") == "" and url.startswith("/")):
+        raise SomaError(
+            f"{url!r} is {'empty' if not url.strip() else 'the root directory'}, not a campaign: pass the directory "
+            "that soma prepare made (or a new path for one)"
+        )
     store = Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
     if store.local and os.path.lexists(store.root) and not os.path.isdir(store.root):
         raise SomaError(

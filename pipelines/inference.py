@@ -69,6 +69,11 @@ class Source:
             while piece := sys.stdin.buffer.read(READ_BYTES):
                 yield piece
             return
+        if "://" not in self.url:  # a local file, a FIFO or a process substitution (/dev/fd/N) alike
+            with open(self.url, "rb") as f:
+                while piece := f.read(READ_BYTES):
+                    yield piece
+            return
         fs, path = fsspec.core.url_to_fs(self.url, **storage_options_from_env(self.url))
         with fs.open(path, "rb") as f:
             while piece := f.read(READ_BYTES):
@@ -76,8 +81,9 @@ class Source:
 
 
 def sources(inputs: list[str]) -> list[Source]:
-    """Every input checked before anything is scored: files as they are, directories as the regular files under them
-    (sorted, hidden names left out), - as standard input (once)."""
+    """Every input checked before anything is scored: files as they are (FIFOs too), directories as the files under
+    them (sorted; names under them that are hidden left out; links to files followed, links to directories not), -
+    as standard input (once)."""
     if not inputs:
         if sys.stdin is None or sys.stdin.isatty():
             raise SomaError("no input: pass FILE ... (files or directories) or - to read standard input")
@@ -88,39 +94,101 @@ def sources(inputs: list[str]) -> list[Source]:
     for name in inputs:
         if name == STDIN:
             out.append(Source(STDIN, None))
-            continue
-        if not name.strip():
+        elif not name.strip():
             raise SomaError("an input is empty; pass a file, a directory or -")
-        fs, path = fsspec.core.url_to_fs(name, **storage_options_from_env(name))
-        try:
-            if fs.isdir(path):
-                found = sorted(p for p in fs.find(path) if not any(x.startswith(".") for x in p.split("/")))
-                if not found:
-                    raise SomaError(f"{name} is a directory with no files to score; pass files or a directory of them")
-                out += [Source(_url(fs, p), _url(fs, p)) for p in found]
-            elif fs.isfile(path):
-                out.append(Source(name, _url(fs, path)))
-            else:
-                raise SomaError(f"{name} not found; pass an existing file or directory (or - for standard input)")
-        except PermissionError:
-            raise SomaError(f"{name} cannot be read (permission denied); check its permissions") from None
+        elif "://" in name:
+            out += _remote(name)
+        else:
+            out += _local(name)
     return out
 
 
-def _url(fs, path: str) -> str:
-    local = "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
-    return path if local else fs.unstrip_protocol(path)
+def _local(name: str) -> list[Source]:
+    try:
+        if os.path.isdir(name):
+            found, skipped = [], []
+            for top, dirs, files in os.walk(name, onerror=_raise):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                for f in sorted(files):
+                    path = os.path.join(top, f)
+                    if f.startswith("."):
+                        continue
+                    (found if os.path.isfile(path) else skipped).append(path)  # a dangling or looping link: not
+            if skipped:
+                console.print(
+                    f"note: {len(skipped)} name(s) under {name} lead to no file (dangling or looping links), skipped: "
+                    + ", ".join(skipped[:3]),
+                    markup=False,
+                    soft_wrap=True,
+                )
+            if not found:
+                raise SomaError(f"{name} is a directory with no files to score; pass files or a directory of them")
+            return [Source(p, p) for p in found]
+        if os.path.exists(name):
+            return [Source(name, name)]
+        if os.path.lexists(name):
+            raise SomaError(f"{name} is a link that leads to no file; pass the file it should name")
+        raise SomaError(f"{name} not found; pass an existing file or directory (or - for standard input)")
+    except PermissionError:
+        raise SomaError(f"{name} cannot be read (permission denied); check its permissions") from None
+    except OSError as exc:
+        raise SomaError(f"{name} cannot be listed ({exc.strerror or exc}); pass files or a directory of them") from None
 
 
-def _lines(chunks: Iterator[bytes]) -> Iterator[bytes]:
-    """Each line of a stream without its newline (\n, or \r\n), one at a time: bounded memory for any file."""
-    rest = b""
-    for piece in chunks:
-        rest += piece
-        *lines, rest = rest.split(b"\n")
-        yield from (line.removesuffix(b"\r") for line in lines)
-    if rest:
-        yield rest.removesuffix(b"\r")
+def _raise(exc: OSError) -> None:
+    raise exc
+
+
+def _remote(name: str) -> list[Source]:
+    fs, path = fsspec.core.url_to_fs(name, **storage_options_from_env(name))
+    if fs.isdir(path):
+        found = sorted(p for p in fs.find(path) if not any(x.startswith(".") for x in p[len(path) :].split("/")))
+        if not found:
+            raise SomaError(f"{name} is a directory with no files to score; pass files or a directory of them")
+        return [Source(fs.unstrip_protocol(p), fs.unstrip_protocol(p)) for p in found]
+    if fs.isfile(path):
+        return [Source(name, name)]
+    raise SomaError(f"{name} not found; pass an existing file or directory (or - for standard input)")
+
+
+class Lines:
+    """The lines of a stream as documents, each an iterator of its chunks (without its newline, \n or \r\n): a
+    line of any length is read in bounded memory, as a whole file is. Each line must be read to its end before the
+    next (score_streams does)."""
+
+    def __init__(self, chunks: Iterator[bytes]):
+        self.pieces, self.buf, self.done = iter(chunks), b"", False
+
+    def _fill(self) -> bool:
+        piece = next(self.pieces, None)
+        if piece is None:
+            self.done = True
+            return False
+        self.buf += piece
+        return True
+
+    def __iter__(self) -> Iterator[Iterator[bytes]]:
+        while self.buf or (not self.done and self._fill()):
+            line = self._line()
+            yield line
+            for _ in line:  # a line left unread is skipped to its end
+                pass
+
+    def _line(self) -> Iterator[bytes]:
+        while True:
+            i = self.buf.find(b"\n")
+            if i >= 0:
+                piece, self.buf = self.buf[:i], self.buf[i + 1 :]
+                yield piece.removesuffix(b"\r")
+                return
+            hold = 1 if self.buf.endswith(b"\r") else 0  # maybe the \r of a \r\n split between two chunks
+            if len(self.buf) > hold:
+                yield self.buf[: len(self.buf) - hold]
+                self.buf = self.buf[len(self.buf) - hold :]
+            if not self._fill():
+                yield self.buf.removesuffix(b"\r")
+                self.buf = b""
+                return
 
 
 def score(url: str, inputs: list[str], lines: bool, device: str | None, step: int | None) -> dict:
@@ -132,9 +200,9 @@ def score(url: str, inputs: list[str], lines: bool, device: str | None, step: in
     def documents() -> Iterator[Iterator[bytes]]:
         for src in srcs:
             if lines:
-                for n, line in enumerate(_lines(src.chunks()), start=1):
+                for n, line in enumerate(Lines(src.chunks()), start=1):
                     docs.append((src.name, n))
-                    yield iter((line,))
+                    yield line
             else:
                 docs.append((src.name, None))
                 yield src.chunks()
@@ -156,7 +224,7 @@ def prompts(given: list[str], prompt_file: str | None) -> list[bytes]:
         return [p.encode("utf-8", "surrogateescape") for p in given] or [b""]
     if prompt_file == STDIN:
         return [sys.stdin.buffer.read()]
-    if not os.path.isfile(prompt_file):
+    if not os.path.exists(prompt_file) or os.path.isdir(prompt_file):
         raise SomaError(f"--prompt-file {prompt_file} is not a file; pass a file (or - for standard input)")
     try:
         with open(prompt_file, "rb") as f:
@@ -184,6 +252,7 @@ def sample(
                 f"note: a prompt of {len(t):,} bytes is longer than the model's context; generation reads its last "
                 f"{len(kept):,} bytes",
                 markup=False,
+                soft_wrap=True,
             )
     if len(texts) == 1 and not as_json:
         for piece in lm.stream(texts[0], max_bytes, temperature, top_k, seed):
@@ -213,6 +282,8 @@ def export_campaign(url: str, directory: str, dtype: str) -> dict:
         raise SomaError(f"{url} is an export already; soma export reads a campaign (soma prepare makes one)")
     if not src.exists("campaign.yaml"):
         raise SomaError(f"{url} is not a campaign (soma prepare makes one, soma launch trains it)")
+    if not directory.strip() or (directory.startswith("/") and not directory.strip("/")):
+        raise SomaError(f"{directory!r} is not a directory an export can be (the root, or empty); pass a new one")
     dest = Store(directory, storage_options_from_env(directory))
     if _inside(src, dest):
         raise SomaError(f"{directory} is inside the campaign {url}; pass a directory outside it to soma export")

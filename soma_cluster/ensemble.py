@@ -373,6 +373,11 @@ def load_models(store: Store, n_experts: int, step: int | None = None) -> Campai
         if step is None and not has_checkpoint(store, d) and not checkpoint_steps(store, d):
             past = history(store) if past is None else past
             sub = substitute_for(e, past.get(expert_name(e)))
+        if sub is None and step is not None and step not in (kept := checkpoint_steps(store, d)):
+            raise SomaError(
+                f"{expert_name(e)} has no checkpoint of step {step} under {store.url}/{d}; it has "
+                f"{', '.join(map(str, kept)) or 'none'}: pass one of those (or no step: the latest)"
+            )
         if sub is None:
             cks[e] = require_checkpoint(store, d, expert_name(e), name)
         else:

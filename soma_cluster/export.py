@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import math
 import os
+import re
 import shutil
 import uuid
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ def _tensors(cfg: CampaignConfig, models: CampaignModels, dtype: torch.dtype) ->
         "seed.body": seed["body"],
         "seed.head": seed["head"],
     }
-    return {k: v if k == "experts.index" else v.to(dtype).contiguous() for k, v in out.items()}
+    # copies: a tensor that is a view of another (a seed-only campaign's head) cannot be saved beside it
+    return {k: v if k == "experts.index" else v.to(dtype).clone().contiguous() for k, v in out.items()}
 
 
 def checkpoint_bytes(store: Store, models: CampaignModels) -> int:
@@ -89,7 +91,7 @@ def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store,
         "version": VERSION,
         "written_by": versions(),
         "campaign": {
-            "url": src.url,
+            "url": os.path.abspath(src.url) if src.local else src.url,
             "name": cfg.name,
             "config_digest": cfg.digest(),
             "config_revision": len(revisions(src)),
@@ -103,13 +105,14 @@ def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store,
             for s in models.substituted.values()
         ],
     }
-    blobs[CARD] = model_card(cfg, manifest, sources, metrics, Ledger(src).totals().as_dict()).encode()
+    card = model_card(cfg, manifest, sources, metrics, Ledger(src).totals().as_dict())
+    blobs[CARD] = card.encode("utf-8", "backslashreplace")  # a path that is not UTF-8 shows as \\xNN
     manifest["files"] = {rel: sha256(b) for rel, b in blobs.items()}
     _write(dest, blobs, manifest)
     size = sum(len(b) for b in blobs.values())
     ck_size = checkpoint_bytes(src, models) + sum(len(blobs[r]) for r in ROUTER_FILES)
     return {
-        "export": dest.url,
+        "export": os.path.abspath(dest.url) if dest.local else dest.url,
         "bytes": size,
         "checkpoint_bytes": ck_size,
         "ratio": size / ck_size if ck_size else None,
@@ -120,14 +123,26 @@ def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store,
 
 
 def check_target(dest: Store) -> None:
-    """An export goes to a new (or empty) directory: anything already there is someone's and is never replaced."""
+    """An export goes to a new (or empty) directory: anything already there is someone's and is never replaced. (What
+    an export killed while it wrote into an empty mount point left, its files without a manifest, is replaced.)"""
     if dest.local:
-        if os.path.lexists(dest.root) and not os.path.isdir(dest.root):
-            raise SomaError(f"{dest.root} is a file; pass a new directory for the export (soma export)")
-        names = os.listdir(dest.root) if os.path.isdir(dest.root) else []
+        root = os.path.abspath(dest.root)
+        if root == os.path.sep or not dest.url.strip():
+            raise SomaError(
+                f"{dest.url or repr(dest.url)} is not a directory an export can be (the root, or empty); "
+                "pass a new directory to soma export"
+            )
+        above = next((a for a in _ancestors(root) if os.path.lexists(a) and not os.path.isdir(a)), None)
+        if above is not None:
+            raise SomaError(
+                f"{above} is a file, so {root} cannot be a directory; pass another directory to soma export"
+            )
+        if os.path.lexists(root) and not os.path.isdir(root):
+            raise SomaError(f"{root} is a file; pass a new directory for the export (soma export)")
+        names = os.listdir(root) if os.path.isdir(root) else []
     else:
         names = dest.listdir("")
-    if names:
+    if names and not set(names) <= UNFINISHED:
         what = "an export" if EXPORT_FILE in names else "files"
         raise SomaError(
             f"{dest.url} already holds {what} ({', '.join(sorted(names)[:3])}); pass a new directory to soma export, "
@@ -135,41 +150,67 @@ def check_target(dest: Store) -> None:
         )
 
 
+def _ancestors(path: str) -> list[str]:
+    out = []
+    while (up := os.path.dirname(path)) != path:
+        out.append(up)
+        path = up
+    return out
+
+
+# what an export writes before its manifest: found without one, they are an unfinished export, replaced
+UNFINISHED = {WEIGHTS, "router", CARD}
+
+
 def _write(dest: Store, blobs: dict[str, bytes], manifest: dict) -> None:
-    if not dest.local:  # an object store: the manifest last, so a half-written export is no export
+    """A local export is staged beside its target and renamed into place; where that cannot be (an empty mount point
+    is busy; an object store has no rename), the files go in directly and the manifest last, so a half-written
+    export is no export."""
+    root = os.path.realpath(os.path.abspath(dest.root)) if dest.local else ""
+    if not dest.local or (os.path.isdir(root) and os.path.ismount(root)):
+        direct = dest if not dest.local else Store(root)
         for rel, blob in blobs.items():
-            dest.write_bytes(rel, blob)
-        dest.write_json(EXPORT_FILE, manifest)
+            direct.write_bytes(rel, blob)
+        direct.write_json(EXPORT_FILE, manifest)
         return
-    root = os.path.abspath(dest.root)
     parent, name = os.path.split(root)
     os.makedirs(parent, exist_ok=True)
-    sweep_temps(parent, name)
+    sweep_temps(parent)
     tmp = os.path.join(parent, f".{name}{TMP_MARK}{os.getpid()}-{uuid.uuid4().hex[:8]}")
     try:
         staging = Store(tmp)
         for rel, blob in blobs.items():
             staging.write_bytes(rel, blob)
         staging.write_json(EXPORT_FILE, manifest)
+        if os.path.isdir(root) and set(os.listdir(root)) - {EXPORT_FILE} and set(os.listdir(root)) <= UNFINISHED:
+            shutil.rmtree(root)  # an unfinished export (no manifest): replaced
         try:
             os.rename(tmp, root)  # onto nothing, or onto an empty directory
         except OSError:
             check_target(dest)  # someone wrote there meanwhile: say so, as for any occupied target
             raise
+    except OSError as exc:
+        if isinstance(exc, SomaError):
+            raise
+        raise SomaError(
+            f"cannot write the export to {root}: {exc.strerror or exc}; nothing of it was left there: free space or "
+            "fix its permissions, or pass another directory to soma export"
+        ) from None
     finally:
         if os.path.lexists(tmp):
             shutil.rmtree(tmp, ignore_errors=True)
 
 
-def sweep_temps(parent: str, name: str) -> list[str]:
-    """Remove the hidden staging directories of exports to `name` whose process is gone (killed mid-export)."""
+_STAGING = re.compile(rf"^\..+{re.escape(TMP_MARK)}(\d+)-[0-9a-f]{{8}}$")
+
+
+def sweep_temps(parent: str) -> list[str]:
+    """Remove the hidden staging directories, beside any export target in `parent`, of exports whose process is gone
+    (killed mid-export)."""
     removed = []
-    prefix = f".{name}{TMP_MARK}"
     for entry in os.listdir(parent):
-        if not entry.startswith(prefix):
-            continue
-        pid = entry[len(prefix) :].split("-")[0]
-        if pid.isdigit() and not _alive(int(pid)):
+        m = _STAGING.match(entry)
+        if m and not _alive(int(m.group(1))):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
             removed.append(entry)
     return removed
@@ -187,15 +228,25 @@ def _alive(pid: int) -> bool:
 
 # -- reading ----------------------------------------------------------------------------------------------------
 def read_manifest(store: Store) -> dict:
-    manifest = store.read_json(EXPORT_FILE)
-    if manifest.get("format") != FORMAT or not isinstance(manifest.get("version"), int):
+    try:
+        manifest = store.read_json(EXPORT_FILE)
+    except ChecksumError:
+        raise ChecksumError(
+            f"{store.url}/{EXPORT_FILE} is damaged (not valid JSON, or edited: it fails its checksum); export again "
+            "(soma export CAMPAIGN DIR)"
+        ) from None
+    version = manifest.get("version")
+    if manifest.get("format") != FORMAT or not isinstance(version, int) or isinstance(version, bool) or version < 1:
         raise SomaError(f"{store.url}/{EXPORT_FILE} is not a soma export manifest; make one with soma export")
-    if manifest["version"] > VERSION:
+    if version > VERSION:
         raise SomaError(
-            f"{store.url} is export format {manifest['version']}, written by soma-cluster "
-            f"{manifest.get('written_by', {}).get('soma-cluster', '?')}; this soma-cluster reads format {VERSION} "
+            f"{store.url} is export format {version}, written by soma-cluster "
+            f"{(manifest.get('written_by') or {}).get('soma-cluster', '?')}; this soma-cluster reads format {VERSION} "
             "and older: upgrade soma-cluster, or export again with this one"
         )
+    missing = [k for k in ("files", "config", "steps", "substituted", "dtype") if k not in manifest]
+    if missing or not isinstance(manifest["files"], dict):
+        raise SomaError(f"{store.url}/{EXPORT_FILE} lacks {', '.join(missing) or 'files'}; export again")
     return manifest
 
 
@@ -224,29 +275,47 @@ class Exported:
 
 
 def read_export(store: Store) -> Exported:
-    """An export's models, every file checked against its sha256 first."""
+    """An export's models, every file checked against its sha256 first (the model card too)."""
     manifest = read_manifest(store)
     for rel in manifest["files"]:
-        read_blob(store, manifest, rel) if rel in ROUTER_FILES else None  # load_router rereads; checked here first
+        if rel != WEIGHTS:  # read (and checked) below; the router's files are read again by load_router
+            read_blob(store, manifest, rel)
     try:
         cfg = CampaignConfig.model_validate(manifest["config"])
     except ValueError as exc:
-        raise SomaError(f"{store.url}/{EXPORT_FILE}: its config does not validate here ({exc}); export again") from None
+        first = str(exc).splitlines()[1:2] or [str(exc)]
+        raise SomaError(
+            f"{store.url}/{EXPORT_FILE}: its config does not validate here ({first[0].strip()}); export again"
+        ) from None
     try:
         t = st_load(read_blob(store, manifest, WEIGHTS))
+        index = [int(e) for e in t["experts.index"].tolist()]
+        heads = t["experts.head"]
+        experts = {e: (t["experts.body"][i], heads[i if len(heads) > 1 else 0]) for i, e in enumerate(index)}
+        seed = (t["seed.body"], t["seed.head"])
     except SafetensorError:
         raise ChecksumError(f"{store.url}/{WEIGHTS} is not a safetensors file; export again") from None
-    index = t["experts.index"].tolist()
-    heads = t["experts.head"]
-    experts = {e: (t["experts.body"][i], heads[i if len(heads) > 1 else 0]) for i, e in enumerate(index)}
-    subs = {
-        int(s["expert"].rsplit("-", 1)[1]): Substitute(
-            int(s["expert"].rsplit("-", 1)[1]), s["end"], s["step"], s["reason"]
-        )
-        for s in manifest["substituted"]
-    }
-    steps = {int(n.rsplit("-", 1)[1]): s for n, s in manifest["steps"].items()}
-    return Exported(cfg, load_router(store), experts, (t["seed.body"], t["seed.head"]), subs, steps)
+    except (KeyError, IndexError):
+        raise SomaError(f"{store.url}/{WEIGHTS} does not hold an export's tensors; export again") from None
+    try:
+        subs = {}
+        for s in manifest["substituted"]:
+            e = _expert_number(s["expert"], cfg.n_experts)
+            subs[e] = Substitute(e, s["end"], s["step"], s["reason"])
+        steps = {_expert_number(n, cfg.n_experts): int(v) for n, v in manifest["steps"].items()}
+    except (KeyError, TypeError, ValueError):
+        raise SomaError(f"{store.url}/{EXPORT_FILE} names experts it cannot hold; export again") from None
+    if set(index) & set(subs) or any(not 0 <= e < cfg.n_experts for e in index):
+        raise SomaError(f"{store.url}: its weights and its manifest disagree about the experts; export again")
+    return Exported(cfg, load_router(store), experts, seed, subs, steps)
+
+
+def _expert_number(name: str, n_experts: int) -> int:
+    """expert-0007 -> 7, refused unless it is one of the campaign's experts."""
+    m = re.fullmatch(r"expert-(\d{4,})", name)
+    if m is None or int(m.group(1)) >= n_experts:
+        raise ValueError(name)
+    return int(m.group(1))
 
 
 # -- the model card ---------------------------------------------------------------------------------------------

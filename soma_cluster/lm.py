@@ -33,6 +33,8 @@ Experts without a checkpoint (a partial campaign) are the seed model under ensem
 from __future__ import annotations
 
 import math
+import numbers
+import os
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field
 
@@ -77,6 +79,10 @@ def pick(device: Device = None) -> torch.device:
         raise SomaError(f"device {device!r}: CUDA is not available here; pass cpu (or leave device out)")
     if dev.type not in ("cpu", "cuda"):
         raise SomaError(f"device {device!r}: soma runs on cpu or cuda")
+    if dev.type == "cpu" and dev.index not in (None, 0):
+        raise SomaError(f"device {device!r}: the CPU has no index; pass cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise SomaError(f"device {device!r}: there are {torch.cuda.device_count()} CUDA devices here; pick one of them")
     return dev
 
 
@@ -199,10 +205,21 @@ class RoutedLM:
     # -- loading -----------------------------------------------------------------------------------------------
     @classmethod
     def load(
-        cls, url: str, device: Device = None, step: int | None = None, storage_options: dict | None = None
+        cls,
+        url: str | os.PathLike,
+        device: Device = None,
+        step: int | None = None,
+        storage_options: dict | None = None,
     ) -> "RoutedLM":
         """A campaign directory (local or s3://, its latest checkpoints or those of `step`) or a `soma export`
         directory. s3:// endpoints and credentials come from the environment as for every soma command."""
+        if not isinstance(url, (str, os.PathLike)):
+            raise TypeError(f"url must be a path or a URL (str or os.PathLike), not {type(url).__name__}")
+        url = os.fspath(url)
+        if not url.strip():
+            raise SomaError("url is empty; pass a campaign or an export directory (or an s3:// URL)")
+        if step is not None and (not _whole(step) or step < 0):
+            raise SomaError(f"step {step!r}: pass a whole number >= 0 (a step the experts have a checkpoint of)")
         store = Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
         if store.exists(EXPORT_FILE):
             if step is not None:
@@ -257,7 +274,11 @@ class RoutedLM:
         self, texts: Sequence[Text], prefix: Sequence[Text] | None = None, per_byte: bool = False
     ) -> list[Score]:
         """Several documents, their windows batched together: one Score each, in order."""
-        pre = [as_bytes(p) for p in prefix] if prefix is not None else [b""] * len(texts)
+        if isinstance(texts, (str, bytes, bytearray, memoryview)) or isinstance(
+            prefix, (str, bytes, bytearray, memoryview)
+        ):
+            raise TypeError("score_many takes a list of documents (and of prefixes); for one document, use score()")
+        pre = [b"" if p is None else as_bytes(p) for p in prefix] if prefix is not None else [b""] * len(texts)
         if len(pre) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(pre)} prefixes")
         docs = [(p + as_bytes(t),) for p, t in zip(pre, texts, strict=True)]
@@ -362,6 +383,8 @@ class RoutedLM:
         """The bytes sampled after `prompt` (module docstring: routing, sampling); a list of prompts gives a
         list of samples, generated together in one batch."""
         many = not isinstance(prompt, (str, bytes, bytearray, memoryview))
+        if many and not isinstance(prompt, Sequence):
+            raise TypeError(f"prompt must be str or bytes, or a list of them, not {type(prompt).__name__}")
         prompts = list(prompt) if many else [prompt]
         out = [bytearray() for _ in prompts]
         for step in self._steps(prompts, max_bytes, temperature, top_k, seed):
@@ -430,31 +453,37 @@ class RoutedLM:
             state, last, heads, w = self._prefill([self.prompt_kept(p) for p in prompts])
             k, rows = w.shape[1], heads.shape[0]
             gen = torch.Generator(device=self.device)
-            gen.manual_seed(seed) if seed is not None else gen.seed()
+            gen.manual_seed(int(seed)) if seed is not None else gen.seed()
             for n in range(max_bytes):
                 nxt = sample(self._mix(last, heads, w), temperature, top_k, gen)  # (P,)
                 yield nxt.tolist()
                 if n + 1 < max_bytes:
-                    x = nxt.repeat_interleave(k).view(-1, 1, 1)  # (R, 1, 1): each row reads its prompt's byte
+                    x = nxt.repeat_interleave(k).view(-1, 1, 1).to(torch.uint8)  # (R, 1, 1): its prompt's byte
                     last = state.advance(embed(heads, x, rows))[:, 0, 0]
 
 
+def _whole(value) -> bool:
+    return isinstance(value, numbers.Integral) and not isinstance(value, bool)
+
+
 def check_sampling(max_bytes: int, temperature: float, top_k: int | None, seed: int | None) -> None:
-    """The sampling options, each refused with what it accepts."""
-    if isinstance(max_bytes, bool) or not isinstance(max_bytes, int) or max_bytes < 0:
+    """The sampling options, each refused with what it accepts (numpy's integers and floats are numbers too)."""
+    if not _whole(max_bytes) or max_bytes < 0:
         raise SomaError(f"max_bytes {max_bytes!r}: pass a whole number of bytes >= 0")
-    if isinstance(temperature, bool) or not isinstance(temperature, (int, float)) or not 0 < temperature < math.inf:
+    real = isinstance(temperature, numbers.Real) and not isinstance(temperature, bool)
+    if not real or not 0 < float(temperature) < math.inf:
         raise SomaError(f"temperature {temperature!r}: pass a finite number > 0 (top_k=1 samples greedily)")
-    if top_k is not None and (isinstance(top_k, bool) or not isinstance(top_k, int) or not 1 <= top_k <= 256):
+    if top_k is not None and (not _whole(top_k) or not 1 <= top_k <= 256):
         raise SomaError(f"top_k {top_k!r}: pass a whole number from 1 to 256, or None for all bytes")
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, int) or not 0 <= seed < 2**63):
+    if seed is not None and (not _whole(seed) or not 0 <= seed < 2**63):
         raise SomaError(f"seed {seed!r}: pass a whole number from 0 to 2**63 - 1, or None")
 
 
 def sample(probs: torch.Tensor, temperature: float, top_k: int | None, gen: torch.Generator) -> torch.Tensor:
     """One byte per row of probs (P, 256): p^(1/temperature) over the top_k most likely bytes, renormalised."""
-    logp = torch.log(probs.clamp_min(1e-30)) / temperature
+    logp = torch.log(probs.double().clamp_min(1e-300))  # FP64: a temperature of 1e-40 must not overflow
+    logp = (logp - logp.max(dim=-1, keepdim=True).values) / float(temperature)  # <= 0, the likeliest byte at 0
     if top_k is not None and top_k < logp.shape[-1]:
-        cut = torch.topk(logp, top_k, dim=-1).values[:, -1:]
+        cut = torch.topk(logp, int(top_k), dim=-1).values[:, -1:]
         logp = logp.masked_fill(logp < cut, -math.inf)
     return torch.multinomial(torch.softmax(logp, dim=-1), 1, generator=gen)[:, 0]

@@ -17,9 +17,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from conftest import assert_one_line_error, soma, soma_here
+from conftest import assert_one_line_error, fill_up, soma, soma_here
 from test_lm import partial
 
+from soma_cluster.errors import SomaError
 from soma_cluster.export import EXPORT_FILE, WEIGHTS
 from soma_cluster.lm import RoutedLM
 from soma_cluster.storage import Store
@@ -178,3 +179,74 @@ def test_soma_sample_streams_the_api_s_bytes(exported, tmp_path):
         env=env,
     )
     assert "rc=141" in head.stderr and "Traceback" not in head.stderr, head.stderr[-2000:]
+
+
+def test_what_a_hostile_user_tried(trained_campaign, exported, tmp_path):
+    """Cases found by trying the commands as a new user would (the 2026-12-06 review), each kept."""
+    lm = RoutedLM.load(str(exported))
+    assert len(lm.generate("hi", max_bytes=8, temperature=1e-40, seed=1)) == 8  # no overflow at a tiny temperature
+    with pytest.raises(TypeError, match="list of documents"):
+        lm.score_many("hello world")
+    assert lm.score("abc", prefix=None).scored_bytes == 2
+    with pytest.raises(TypeError, match="str or bytes"):
+        lm.generate(5)
+    with pytest.raises(SomaError, match="it has 6, 12"):
+        RoutedLM.load(trained_campaign, step=7)  # a path object; a step no expert has, with the ones they have
+    # a seed-only campaign exports in float32 (its head is no view of the seed's any more)
+    seed_only = tmp_path / "seed-only"
+    shutil.copytree(trained_campaign, seed_only)
+    shutil.rmtree(seed_only / "experts")
+    events = seed_only / "events.jsonl"
+    events.write_text("".join(x for x in events.read_text().splitlines(True) if '"expert-' not in x))
+    assert soma_here("export", seed_only, tmp_path / "seed-export").returncode == 0
+    assert RoutedLM.load(str(tmp_path / "seed-export")).seed_fallback == (0, 1, 2)
+    # a destination under a file, the root, or empty: one line, nothing made
+    (tmp_path / "afile").write_text("x")
+    assert_one_line_error(soma_here("export", trained_campaign, tmp_path / "afile" / "sub"), "afile is a file")
+    assert_one_line_error(soma_here("export", trained_campaign, "/"), "not a directory an export can be")
+    # every file of an export is checked, the model card too; a manifest naming experts it cannot hold is refused
+    card = Path(shutil.copytree(exported, tmp_path / "card"))
+    (card / "README.md").write_text("edited")
+    assert_one_line_error(soma_here("score", card, "-", input_text="x"), "README.md")
+    odd = Path(shutil.copytree(exported, tmp_path / "odd"))
+    store = Store(str(odd))
+    store.write_json(EXPORT_FILE, {**store.read_json(EXPORT_FILE), "substituted": [{"expert": "expert-0009"}]})
+    assert_one_line_error(soma_here("score", odd, "-", input_text="x"), "names experts it cannot hold")
+    # a killed export's staging directory is swept by an export to any name beside it
+    stale = tmp_path / ".gone.soma-export-999999-abcdef01"
+    stale.mkdir()
+    assert soma_here("export", trained_campaign, tmp_path / "other").returncode == 0 and not stale.exists()
+
+
+def test_directories_links_and_lines(exported, tmp_path):
+    d = tmp_path / ".cache" / "docs"  # a hidden name above the directory given hides nothing under it
+    (d / "sub").mkdir(parents=True)
+    (d / "sub" / "x.txt").write_bytes(b"hello\n")
+    (d / ".hidden").write_bytes(b"never read")
+    (d / "loop1").symlink_to(d / "loop2")
+    (d / "loop2").symlink_to(d / "loop1")
+    (d / "link.txt").symlink_to(d / "sub" / "x.txt")
+    r = soma_here("score", exported, d)
+    assert r.returncode == 0 and "2 name(s) under" in r.stderr, r.stderr
+    assert sorted(Path(json.loads(x)["source"]).name for x in r.stdout.splitlines()) == ["link.txt", "x.txt"]
+    lines = b"a\r\n" + b"y" * 3000 + b"\r\n\nlast"  # a long line is streamed like a file; CRLF split anywhere
+    r = soma_here("score", exported, "--lines", "-", input_text=lines)
+    assert [json.loads(x)["bytes"] for x in r.stdout.splitlines()] == [1, 3000, 0, 4], r.stderr
+
+
+@pytest.mark.skipif(os.geteuid() != 0, reason="mounting a tmpfs needs root (CI runs as root)")
+def test_an_export_onto_a_mount_point_and_onto_a_full_disk(trained_campaign, tmp_path):
+    roomy, tiny = tmp_path / "roomy", tmp_path / "tiny"
+    for mnt, size in ((roomy, "20m"), (tiny, "1m")):
+        mnt.mkdir()
+        subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mnt)], check=True)
+    try:
+        assert soma_here("export", trained_campaign, roomy).returncode == 0  # an empty mount point cannot be renamed
+        RoutedLM.load(str(roomy))
+        fill_up(tiny)
+        before = sorted(os.listdir(tiny))
+        assert_one_line_error(soma_here("export", trained_campaign, tiny / "model"), "cannot write the export")
+        assert sorted(os.listdir(tiny)) == before  # nothing half-written, not even the staging directory
+    finally:
+        for mnt in (roomy, tiny):
+            subprocess.run(["umount", str(mnt)], check=False)
