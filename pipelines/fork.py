@@ -80,9 +80,7 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -
     if warm:
         summary["warm_experts"] = len(warm_files) // 3
     child.write_json(MARKER, summary)
-    warmth = (
-        f", {len(warm_files) // 3} experts' latest checkpoints and the records of what they cost" if warm else ""
-    )
+    warmth = f", {len(warm_files) // 3} experts' latest checkpoints and the records of what they cost" if warm else ""
     console.print(
         f"forked {parent.url} -> {child.url}: {len(files)} files (router, shards, test windows, seed) and "
         f"the records of its preprocessing and seed{warmth}"
