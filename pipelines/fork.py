@@ -75,7 +75,8 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -
             child.write_bytes(rel, data)
         _copy_seed_logs(parent, child, pcfg, len(files) + len(warm_files))
         if warm:
-            _copy_expert_spend(parent, child)
+            spend = _copy_expert_spend(parent, child)
+            _say_warm(parent, child, cfg, warm_files, spend)
     summary = {"parent": parent.url, "parent_digest": pcfg.digest(), "files": len(files) + len(warm_files)}
     if warm:
         summary["warm_experts"] = len(warm_files) // 3
@@ -107,7 +108,33 @@ def _latest_checkpoints(parent: Store, pcfg: CampaignConfig) -> dict[str, bytes]
     return out
 
 
-def _copy_expert_spend(parent: Store, child: Store) -> None:
+def _say_warm(
+    parent: Store, child: Store, cfg: CampaignConfig, files: dict[str, bytes], spend: dict[tuple[int, str], Usage]
+) -> None:
+    """Each warm expert's step as an event of its own (status shows where it starts), and a warning for those whose
+    spend already reaches the child's cap (they would end budget_exhausted at once)."""
+    for rel in files:
+        if rel.endswith("/latest.json"):
+            name, step = rel.split("/")[1], json.loads(files[rel])["step"]
+            emit(child, Event.FORKED, name, step=step, parent=parent.url)
+    cap = cfg.budget.expert_gpu_hours
+    if cap is None:
+        return
+    per = {}
+    for (expert, _), u in spend.items():
+        per[expert] = per.get(expert, 0.0) + u.gpu_seconds
+    over = sorted(e for e, s in per.items() if s >= cap * 3600.0)
+    if over:
+        console.print(
+            f"warning: {len(over)} expert(s) have spent budget.expert_gpu_hours={cap} already in the parent "
+            f"({', '.join(f'expert-{e:04d}' for e in over[:4])}{', ...' if len(over) > 4 else ''}): they end "
+            f"budget_exhausted at once; raise it (soma set {child.url} budget.expert_gpu_hours=...)",
+            markup=False,
+            soft_wrap=True,
+        )
+
+
+def _copy_expert_spend(parent: Store, child: Store) -> dict[tuple[int, str], Usage]:
     """What the parent spent on each expert, by category, as one record per expert and category (attempt -1,
     FORKED_SEQ): the child's GPU-hours include the training its experts continue from, and its own attempts' records
     never collide with the parent's ids."""
@@ -129,6 +156,7 @@ def _copy_expert_spend(parent: Store, child: Store) -> None:
             seq=FORKED_SEQ,
             note=f"spent in {parent.url} on the checkpoint this warm fork continues from",
         )
+    return spend
 
 
 def _copy_seed_logs(parent: Store, child: Store, pcfg: CampaignConfig, n_files: int) -> None:

@@ -17,7 +17,7 @@ from collections.abc import Callable
 from pipelines.status import lease_view
 from soma_cluster.config import CampaignConfig, load_campaign_config
 from soma_cluster.events import EXTENDED, LOG, emit, history
-from soma_cluster.jobs import Event, expert_name
+from soma_cluster.jobs import Event
 from soma_cluster.revisions import Revision, applied, apply, revisions, to_reopen
 from soma_cluster.revisions import record as record_revision
 from soma_cluster.storage import Store
@@ -41,7 +41,7 @@ def take_up(store: Store, cfg: CampaignConfig, say: Callable[[str], None]) -> li
         return []
     was = apply(load_campaign_config(store), revs[:done])
     past = history(store)
-    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n.startswith("expert-")}
+    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n != "campaign"}
     names = to_reopen(ended, was, cfg)
     for name in names:
         emit(store, Event.REOPENED, name, step=past[name].step, was=past[name].state, reason=EXTENDED)
@@ -81,7 +81,7 @@ class LiveRevisions:
 
 def reopened_names(ended: dict, was: CampaignConfig, now: CampaignConfig) -> list[str]:
     """to_reopen over a scheduler's ended jobs: {Job: (state, step)} -> the names to reopen."""
-    return to_reopen({expert_name(j.expert): v for j, v in ended.items() if j.expert is not None}, was, now)
+    return to_reopen({j.name: v for j, v in ended.items()}, was, now)
 
 
 WAIT_POLL_S = 0.2
@@ -98,7 +98,7 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
     rev = record_revision(store, base, items, running)
     now = apply(base, revisions(store)[: rev.rev])
     past = history(store)
-    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n.startswith("expert-")}
+    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n != "campaign"}
     out = {
         "schema": 1,
         "campaign": store.url,

@@ -6,6 +6,7 @@ from pipelines.campaign import LOG_EVERY_S, Driver, raise_failures, run_driver
 from pipelines.campaign_lease import holding
 from pipelines.common import console
 from pipelines.reopen import reopen_failed, reopen_unverified
+from pipelines.revise import take_up
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import seed_done
@@ -28,6 +29,7 @@ def train_seed(
     if retry_failed:
         reopen_failed(store, [SEED_JOB], [])
     reopen_unverified(store, [SEED_JOB])  # done only while its last checkpoint verifies
+    take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
     if seed_done(store):
         console.print("seed model already trained; skipping")
         return JobState.FINISHED
@@ -38,6 +40,12 @@ def train_seed(
     driver = Driver(store, cfg, [SEED_JOB], show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver).get(SEED_JOB.name)
     raise_failures(driver, "jobs")
+    if outcome == JobState.BUDGET_EXHAUSTED:
+        raise SomaError(
+            f"the seed stopped at its budget (budget.campaign_gpu_hours {cfg.budget.campaign_gpu_hours}, "
+            f"budget.campaign_usd {cfg.budget.campaign_usd}); raise it with soma set {store.url} KEY=VALUE, then "
+            f"soma seed {store.url} trains it on from its checkpoint"
+        )
     if outcome != JobState.FINISHED:
         raise SomaError(f"seed training ended with {outcome}; see {store.url}/events.jsonl for the reason")
     return outcome

@@ -207,8 +207,9 @@ def header(snap: dict) -> Text:
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0) or "nothing yet"
     b = snap["budget"]
     caps = ", ".join(f"{_cap_name(k)} cap {_cap_value(k, v)}" for k, v in b.items() if v is not None)
-    rev = f", config revision {snap['config_revision']}" if snap.get("config_revision") else ""
-    lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({caps}{rev})" if caps or rev else ""))
+    notes = [caps] if caps else []
+    notes += [f"config revision {snap['config_revision']}"] if snap.get("config_revision") else []
+    lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({', '.join(notes)})" if notes else ""))
     if snap.get("usd_total"):
         by = ", ".join(f"{k} ${v:,.2f}" for k, v in snap["usd"].items() if v)
         lines.append(f"${snap['usd_total']:,.2f} at the prices recorded: {by}")

@@ -267,6 +267,8 @@ class PricesConfig(_Section):
                 f"prices.accelerator {self.accelerator!r} is not in the price table prices.gpu (it has {known}); "
                 f"add it, e.g. --set 'prices.gpu={{{self.accelerator}: {{on_demand: 4.0}}}}'"
             )
+        if self.spot and self.accelerator is None:
+            raise ValueError("prices.spot is true but no prices.accelerator says whose spot price applies; set it")
         if self.spot and self.accelerator is not None and self.gpu[self.accelerator].spot is None:
             raise ValueError(f"prices.spot is true but prices.gpu.{self.accelerator} has no spot price; give one")
         return self

@@ -33,8 +33,8 @@ from typing import Any
 
 from soma_cluster import schema
 from soma_cluster.config import CampaignConfig, load_campaign_config, merge_trees, parse_overrides, validated
-from soma_cluster.errors import SomaError
-from soma_cluster.jobs import Event, JobState
+from soma_cluster.errors import ChecksumError, SomaError
+from soma_cluster.jobs import SEED_JOB, Event, JobState
 from soma_cluster.storage import Store, VersionConflict, canonical_json, parse_checked_json, sha256
 
 DIR = "config"
@@ -121,7 +121,13 @@ def revisions(store: Store) -> list[Revision]:
     out = []
     for name in sorted(n for n in store.listdir(DIR) if _NAME.fullmatch(n)):
         rel = f"{DIR}/{name}"
-        doc = parse_checked_json(store.read_bytes(rel), f"{store.url}/{rel}")
+        try:
+            doc = parse_checked_json(store.read_bytes(rel), f"{store.url}/{rel}")
+        except ChecksumError:
+            raise ChecksumError(
+                f"{store.url}/{rel} is damaged (it fails its checksum): restore it from a backup; it cannot be "
+                "deleted, since the revisions after it, and the config in force, build on it"
+            ) from None
         out.append(Revision(**{k: doc[k] for k in ("rev", "set", "was", "by", "pid", "at", "digest")}))
     for i, r in enumerate(out, start=1):
         if r.rev != i:
@@ -155,6 +161,12 @@ def check(current: CampaignConfig, items: list[str], driver_running: bool) -> tu
         raise SomaError("no change given; pass KEY=VALUE, e.g. budget.campaign_gpu_hours=2.0")
     changes = flat(parse_overrides(items))
     for key, value in changes.items():
+        section = CampaignConfig.model_fields.get(key)
+        if section is not None and schema.field_at(CampaignConfig, key) is None and rule(key) != Rule.FIXED:
+            example = next(iter(section.annotation.model_fields))
+            raise SomaError(f"{key} is a section, not a setting; set its fields, e.g. {key}.{example}=VALUE")
+        if value is None and _empty(items, key):
+            raise SomaError(f"{key}= has no value; pass one (null unsets a setting that may be unset)")
         if schema.field_at(CampaignConfig, key) is None and rule(key) != Rule.FIXED:
             guess = schema.nearest(CampaignConfig, key)
             raise SomaError(
@@ -183,6 +195,11 @@ def check(current: CampaignConfig, items: list[str], driver_running: bool) -> tu
     if len(same) == len(changes):
         raise SomaError(f"{', '.join(same)} already {'is' if len(same) == 1 else 'are'} as given; nothing to change")
     return {k: value_at(new, k) for k in changes if k not in same}, new
+
+
+def _empty(items: list[str], key: str) -> bool:
+    """Whether `key` was given as `key=` with nothing after it (YAML would read null: an unset budget, unasked)."""
+    return any(i.split("=", 1)[0].strip() == key and not i.split("=", 1)[1].strip() for i in items if "=" in i)
 
 
 def record(store: Store, base: CampaignConfig, items: list[str], driver_running: bool) -> Revision:
@@ -231,13 +248,14 @@ def grew(was: CampaignConfig, now: CampaignConfig) -> bool:
 
 
 def to_reopen(ended: dict[str, tuple[JobState, int]], was: CampaignConfig, now: CampaignConfig) -> list[str]:
-    """Ended experts (name -> (end state, step)) that the change from `was` to `now` lets train on, from their
-    latest checkpoint: finished ones below the new train.updates, and budget-stopped ones below it when a budget or
-    train.updates grew (the scheduler ends them again, at once, if the new budget still cannot cover a start).
-    Converged and failed experts are not reopened: more budget does not change why they ended."""
+    """Ended jobs (name -> (end state, step)) that the change from `was` to `now` lets train on, from their latest
+    checkpoint: finished experts below the new train.updates, and budget-stopped jobs (the seed too) below their
+    target when a budget or train.updates grew (the scheduler ends them again, at once, if the new budget still cannot
+    cover a start). Converged and failed experts are not reopened: more budget does not change why they ended."""
     out = []
     for name, (state, step) in sorted(ended.items()):
-        if step >= now.train.updates:
+        target = now.seed_stage.updates if name == SEED_JOB.name else now.train.updates
+        if step >= target:
             continue
         if state == JobState.FINISHED or (state == JobState.BUDGET_EXHAUSTED and grew(was, now)):
             out.append(name)

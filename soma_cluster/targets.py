@@ -62,6 +62,11 @@ def missing_file(url: str, rel: str) -> str:
 def not_a_campaign(url: str, names: list[str]) -> SomaError:
     """A command that needs a campaign was given something else."""
     kind = found(names)
+    if "soma-export.json" in names:
+        return SomaError(
+            f"{url} is an export of a trained ensemble (soma export made it), not a campaign: soma score and soma "
+            "sample read it; the other commands take the campaign it came from"
+        )
     if kind is Found.EXPERIMENT:
         arms = sorted(n for n in names if n.startswith("s") and n[1:].isdigit())
         where = f"{url}/{arms[0]}/ARM" if arms else f"{url}/sSEED/ARM"

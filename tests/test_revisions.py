@@ -45,6 +45,10 @@ def campaign(tmp_path) -> tuple[Store, object]:
         ("train.updatez", "30", "did you mean train.updates"),
         ("retry.max_retries", "-2", "retry.max_retries"),
         ("budget.expert_gpu_hours", "1.0", "nothing to change"),
+        ("budget", "5", "budget is a section"),
+        ("prices", "{}", "prices is a section"),
+        ("budget.expert_gpu_hours", "", "has no value"),
+        ("prices.spot", "true", "no prices.accelerator"),
     ],
 )
 def test_a_change_that_cannot_be_made_is_one_message_naming_it(campaign, key, value, words):
@@ -81,7 +85,7 @@ def test_revisions_make_the_config_in_force_and_keep_who_and_what(campaign):
     with open(store.root + "/config/rev-000002.json", "r+b") as f:
         f.seek(20)
         f.write(b"X")
-    with pytest.raises(ChecksumError, match="rev-000002.json"):
+    with pytest.raises(ChecksumError, match="rev-000002.json is damaged.*cannot be deleted"):
         in_force(store, cfg)
 
 
@@ -124,6 +128,8 @@ def test_what_a_change_reopens(campaign):
     assert to_reopen(ended, cfg, poorer) == []
     unlimited = cfg.model_copy(update={"budget": cfg.budget.model_copy(update={"expert_gpu_hours": None})})
     assert to_reopen(ended, cfg, unlimited) == ["expert-0001"]
+    seed = {"seed": (JobState.BUDGET_EXHAUSTED, 3), "expert-0000": (JobState.FINISHED, 12)}
+    assert to_reopen(seed, cfg, richer) == ["seed"]  # a budget-stopped seed trains on too (soma seed)
 
 
 def test_a_running_scheduler_obeys_a_lowered_cap_at_the_next_chunk_and_reopens_on_a_raise(tmp_path):
