@@ -323,7 +323,7 @@ def run_driver(
     driver = TimedDriver(
         store,
         cfg,
-        expert_jobs(cfg),
+        expert_jobs(cfg.n_experts),
         show_progress=False,
         actor_factory=stand_in_factory(cfg.train.updates, args.chunk_s / args.chunk_updates),
     )

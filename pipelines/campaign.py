@@ -36,8 +36,9 @@ from pipelines.reopen import reopen_failed, reopen_retrain, reopen_unverified
 from pipelines.revise import LiveRevisions, log_applied, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
+from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
 from soma_cluster.checkpoint import latest_meta
-from soma_cluster.config import CONFIG_FILE, CampaignConfig, load_campaign_config
+from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.events import history, require_seed
@@ -345,7 +346,10 @@ class Driver:
         self.revising = LiveRevisions(self.store)
         mine = set(self.jobs)
         self.others = history_rows(
-            self.cfg, hist, self.sched.books.at_start, [j for j in [SEED_JOB] + expert_jobs(self.cfg) if j not in mine]
+            self.cfg,
+            hist,
+            self.sched.books.at_start,
+            [j for j in [SEED_JOB] + expert_jobs(self.cfg.n_experts) if j not in mine],
         )
         self.started_at = time.time()
         self._writer = SnapshotWriter(self.store)
@@ -421,7 +425,7 @@ class Driver:
     def snapshot(self, final: bool = False) -> dict:
         """The campaign's status now (soma_cluster/snapshot.py): every job of the campaign, seed first."""
         rows = {**self.others, **scheduler_rows(self.sched)}
-        order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg)]
+        order = [j.name for j in [SEED_JOB] + expert_jobs(self.cfg.n_experts)]
         return build(
             cfg=self.cfg,
             url=self.store.url,
@@ -586,15 +590,16 @@ def launch(
     retry.infra_wait_s, and JobsFailed when experts failed permanently."""
     require_seed(store)
     if retry_failed is not None:
-        reopen_failed(store, expert_jobs(cfg), retry_failed)
+        reopen_failed(store, expert_jobs(cfg.n_experts), retry_failed)
     if retrain:
-        reopen_retrain(store, expert_jobs(cfg), retrain, from_step)
-    reopen_unverified(store, expert_jobs(cfg))  # an expert is finished only while its last checkpoint verifies
+        reopen_retrain(store, expert_jobs(cfg.n_experts), retrain, from_step)
+    # an expert is finished only while its last checkpoint verifies
+    reopen_unverified(store, expert_jobs(cfg.n_experts))
     take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
     cap = cfg.budget.campaign_gpu_hours
     spent = Ledger(store).totals().gpu_hours
     hist = history(store)
-    unended = [j for j in expert_jobs(cfg) if not (j.name in hist and hist[j.name].terminal)]
+    unended = [j for j in expert_jobs(cfg.n_experts) if not (j.name in hist and hist[j.name].terminal)]
     if cap is not None and spent >= cap and unended:
         raise SomaError(
             f"campaign budget budget.campaign_gpu_hours={cap} is already spent ({spent:.4f} GPU-hours in the ledger); "
@@ -605,7 +610,7 @@ def launch(
         f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
         f"heartbeat every {cfg.train.chunk_updates} updates, up to {cfg.retry.max_retries} retries"
     )
-    driver = Driver(store, cfg, expert_jobs(cfg), show_progress, log_every_s=log_every_s)
+    driver = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver)
     console.print(ended_line(outcome), markup=False)
     raise_failures(driver, "experts")

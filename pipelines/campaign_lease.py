@@ -19,7 +19,7 @@ import psutil
 
 from pipelines.common import contents
 from pipelines.stopping import STOP
-from soma_cluster.config import CONFIG_FILE
+from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE, Lease

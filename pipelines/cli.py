@@ -26,14 +26,8 @@ from typer._click.globals import get_current_context  # noqa: E402
 from pipelines.campaign_lease import hold  # noqa: E402
 from pipelines.common import claim_campaign, emit_json, load_config, open_store, out  # noqa: E402
 from soma_cluster import schema  # noqa: E402
-from soma_cluster.config import (  # noqa: E402
-    CampaignConfig,
-    load_campaign_config,
-    parse_overrides,
-    preset_names,
-    resolve,
-    versions,
-)
+from soma_cluster.campaignfile import load_campaign_config  # noqa: E402
+from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions  # noqa: E402
 from soma_cluster.diskerrors import storage_error  # noqa: E402
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
 from soma_cluster.lease import LeaseLost  # noqa: E402
@@ -474,7 +468,7 @@ def _launch(
 
     store = open_store(campaign)
     cfg = load_config(store)
-    names = [j.name for j in expert_jobs(cfg)]
+    names = [j.name for j in expert_jobs(cfg.n_experts)]
     if retry_failed:  # named experts are checked before Ray starts: one that did not fail is bad input
         select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
     if retrain:
@@ -661,13 +655,14 @@ def status(
 
     def go() -> None:
         from pipelines.status import Watch, load_status, print_full, render, watch_step
+        from soma_cluster.campaignfile import CONFIG_FILE
         from soma_cluster.snapshot import fmt_span
 
         store = open_store(campaign)
-        if watch and not store.exists("campaign.yaml"):  # a job that starts with soma prepare: watch from its start
+        if watch and not store.exists(CONFIG_FILE):  # a job that starts with soma prepare: watch from its start
             print(f"soma: {store.url} is not prepared yet; waiting up to {fmt_span(wait)} for it", file=sys.stderr)
             deadline = time.monotonic() + wait
-            while not store.exists("campaign.yaml") and time.monotonic() < deadline:  # bounded by --wait
+            while not store.exists(CONFIG_FILE) and time.monotonic() < deadline:  # bounded by --wait
                 time.sleep(min(interval, 5.0))
         cfg = load_config(store)
         shown, since = 0, time.time()

@@ -11,8 +11,9 @@ from typing import Iterator
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
 
-from soma_cluster.config import CONFIG_FILE as CONFIG
-from soma_cluster.config import CampaignConfig, load_campaign_config, to_yaml_text
+from soma_cluster.campaignfile import CONFIG_FILE as CONFIG
+from soma_cluster.campaignfile import load_campaign_config
+from soma_cluster.config import CampaignConfig, to_yaml_text
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE_FILES
 from soma_cluster.revisions import config_in_force

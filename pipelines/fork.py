@@ -94,7 +94,7 @@ def _latest_checkpoints(parent: Store, pcfg: CampaignConfig) -> dict[str, bytes]
     attempt of the child's (`attempt` null, `forked_from` the parent), so the child's own first attempt is never
     settled against the parent's usage."""
     out = {}
-    for job in expert_jobs(pcfg):
+    for job in expert_jobs(pcfg.n_experts):
         meta = latest_meta(parent, job.model_dir)
         if meta is None:
             continue  # never trained: the child starts it from the seed

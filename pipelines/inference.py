@@ -13,6 +13,7 @@ import fsspec
 
 from pipelines.common import console, open_store
 from pipelines.evaluate import in_progress
+from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.ensemble import load_models
 from soma_cluster.errors import SomaError
 from soma_cluster.export import DTYPES, EXPORT_FILE, check_target, export
@@ -280,7 +281,7 @@ def export_campaign(url: str, directory: str, dtype: str) -> dict:
     src = open_store(url)
     if src.exists(EXPORT_FILE):
         raise SomaError(f"{url} is an export already; soma export reads a campaign (soma prepare makes one)")
-    if not src.exists("campaign.yaml"):
+    if not src.exists(CONFIG_FILE):
         raise SomaError(f"{url} is not a campaign (soma prepare makes one, soma launch trains it)")
     if not directory.strip() or (directory.startswith("/") and not directory.strip("/")):
         raise SomaError(f"{directory!r} is not a directory an export can be (the root, or empty); pass a new one")

@@ -21,6 +21,7 @@ from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, progress
 from pipelines.prepare_engine import Engine, Routed
 from pipelines.tracking import check_tracking, track_stage
+from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import (
     Part,
@@ -213,7 +214,7 @@ def prepare(store: Store, cfg: CampaignConfig, address: str | None = None) -> di
 
 
 def _prepare(store: Store, cfg: CampaignConfig, address: str | None) -> dict:
-    if store.exists("campaign.yaml") and store.exists("shards/manifest.json"):
+    if store.exists(CONFIG_FILE) and store.exists("shards/manifest.json"):
         claim_campaign(store, cfg)
         console.print(f"{store.url} is already prepared for this config; skipping prepare")
         return store.read_json("shards/manifest.json")

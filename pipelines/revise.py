@@ -15,7 +15,8 @@ import time
 from collections.abc import Callable
 
 from pipelines.status import lease_view
-from soma_cluster.config import CampaignConfig, load_campaign_config
+from soma_cluster.campaignfile import load_campaign_config
+from soma_cluster.config import CampaignConfig
 from soma_cluster.events import EXTENDED, LOG, emit, history
 from soma_cluster.jobs import Event
 from soma_cluster.revisions import Revision, applied, apply, revisions, to_reopen

@@ -39,7 +39,7 @@ def stage_states(store: Store, cfg: CampaignConfig) -> dict[Stage, str]:
         out[Stage.PREPARE] = "finished"
     if SEED_JOB.name in hist:
         out[Stage.SEED] = "finished" if hist[SEED_JOB.name].state == JobState.FINISHED else "stopped"
-    experts = [hist.get(j.name) for j in expert_jobs(cfg)]
+    experts = [hist.get(j.name) for j in expert_jobs(cfg.n_experts)]
     if any(experts):
         out[Stage.LAUNCH] = "finished" if all(h is not None and h.terminal for h in experts) else "stopped"
     if store.exists("eval/metrics.json"):

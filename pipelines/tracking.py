@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from pipelines.common import console
-from soma_cluster.config import CONFIG_FILE, CampaignConfig, recorded_versions, versions
+from soma_cluster.campaignfile import CONFIG_FILE
+from soma_cluster.config import CampaignConfig, recorded_versions, versions
 from soma_cluster.errors import SomaError
 from soma_cluster.events import LOG as EVENTS
 from soma_cluster.ledger import Ledger

@@ -615,27 +615,6 @@ def _edited(text: str, tree: dict[str, Any]) -> str:
     return f"{', '.join(changed)} changed" if line and changed else "it no longer matches its config-sha256"
 
 
-CONFIG_FILE = "campaign.yaml"
-
-
-def load_campaign_config(store) -> CampaignConfig:
-    """The resolved config a campaign directory was bound to (`store` is a soma_cluster.storage.Store),
-    refused if campaign.yaml was edited since it was written."""
-    if not store.exists(CONFIG_FILE):
-        from soma_cluster.lease import LEASE_FILES
-        from soma_cluster.targets import not_a_campaign
-
-        raise not_a_campaign(store.url, [n for n in store.listdir("") if n not in LEASE_FILES])
-    raw = store.read_bytes(CONFIG_FILE)
-    try:
-        text = raw.decode("utf-8")
-    except UnicodeDecodeError:
-        raise SomaError(
-            f"{store.url}/{CONFIG_FILE} is not UTF-8 text (damaged); restore it from a backup or start a new campaign"
-        ) from None
-    return from_yaml_text(text, f"{store.url}/{CONFIG_FILE}")
-
-
 def versions() -> dict[str, str]:
     """What made a campaign: soma-cluster, torch, ray and Python versions (from package metadata: nothing imported)."""
     from importlib import metadata

@@ -14,8 +14,6 @@ from __future__ import annotations
 from dataclasses import dataclass
 from enum import StrEnum
 
-from soma_cluster.config import CampaignConfig
-
 
 class Category(StrEnum):
     """A ledger category: GPU-seconds of different kinds stay apart (soma_cluster/ledger.py)."""
@@ -232,8 +230,9 @@ class Job:
 SEED_JOB = Job(None)
 
 
-def expert_jobs(cfg: CampaignConfig) -> list[Job]:
-    return [Job(e) for e in range(cfg.n_experts)]
+def expert_jobs(n_experts: int) -> list[Job]:
+    """The campaign's experts (its n_experts), in order."""
+    return [Job(e) for e in range(n_experts)]
 
 
 @dataclass

@@ -41,7 +41,8 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from soma_cluster.config import CampaignConfig, load_campaign_config
+from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
+from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import SEED_UNIT, Substitute, Windows, evaluate_ensemble, load_models, route_windows
 from soma_cluster.errors import SomaError
 from soma_cluster.export import EXPORT_FILE, read_export
@@ -226,7 +227,7 @@ class RoutedLM:
                 raise SomaError(f"{url} is an export: it holds one step of each expert; leave out step")
             x = read_export(store)
             return cls(x.config, x.router, x.experts, x.seed, x.substituted, store.url, device, x.steps)
-        if not store.exists("campaign.yaml"):
+        if not store.exists(CONFIG_FILE):
             raise SomaError(
                 f"{url} is neither a campaign (soma prepare makes one) nor an export (soma export makes one)"
             )

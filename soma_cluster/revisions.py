@@ -32,7 +32,8 @@ from enum import Enum
 from typing import Any
 
 from soma_cluster import schema
-from soma_cluster.config import CampaignConfig, load_campaign_config, merge_trees, parse_overrides, validated
+from soma_cluster.campaignfile import load_campaign_config
+from soma_cluster.config import CampaignConfig, merge_trees, parse_overrides, validated
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.jobs import SEED_JOB, Event, JobState
 from soma_cluster.storage import Store, VersionConflict, canonical_json, parse_checked_json, sha256

@@ -73,7 +73,7 @@ def history_rows(
 ) -> dict[str, dict]:
     """job name -> row, from the events log folded through the same state machine (no driver is running)."""
     out = {}
-    for job in jobs if jobs is not None else [SEED_JOB] + expert_jobs(cfg):
+    for job in jobs if jobs is not None else [SEED_JOB] + expert_jobs(cfg.n_experts):
         h = hist.get(job.name)
         spent = (
             totals.gpu_seconds[Category.SEED]

@@ -10,7 +10,7 @@ from enum import StrEnum
 
 from soma_cluster.errors import SomaError
 
-CAMPAIGN_FILE = "campaign.yaml"  # soma prepare (soma_cluster/config.py's CONFIG_FILE)
+CAMPAIGN_FILE = "campaign.yaml"  # soma prepare (read back by soma_cluster/campaignfile.py, as CONFIG_FILE)
 EXPERIMENT_FILE = "experiment.json"  # soma experiment (pipelines/experiment.py's MARKER)
 RESULTS_FILE = "results.json"  # soma experiment, when every arm is evaluated
 

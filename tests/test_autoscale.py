@@ -110,14 +110,14 @@ def test_autoscaler_adds_nodes_for_queued_experts_and_removes_them_when_idle(tmp
             assert ray.cluster_resources().get("GPU", 0) == 0  # no GPU anywhere at the start
             with Timeline() as timeline:
                 assert Driver(store, cfg, [SEED_JOB], show_progress=False).run() == {"seed": "finished"}
-                outcome = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+                outcome = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
                 deadline = time.monotonic() + 120
                 while time.monotonic() < deadline and timeline.points[-1][1] > 0:  # bounded: idle nodes go away
                     time.sleep(1)
             head_id = ray.get_runtime_context().get_node_id()
         finally:
             ray.shutdown()
-    names = [j.name for j in expert_jobs(cfg)]
+    names = [j.name for j in expert_jobs(cfg.n_experts)]
     nodes = started_nodes(store, names)
     per_node = {n: sorted(k for k, v in nodes.items() if v == n) for n in set(nodes.values())}
     print(f"\nautoscaling timeline (s, worker nodes, GPUs): {timeline.points}")
@@ -158,7 +158,8 @@ def test_a_node_that_joins_mid_campaign_is_used_at_once(small_cluster, tmp_path,
     assert Driver(store, cfg, [SEED_JOB], show_progress=False).run() == {"seed": "finished"}
     result = {}
     t = threading.Thread(
-        target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True
+        target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()),
+        daemon=True,
     )
     t.start()
     deadline = time.monotonic() + 120
@@ -169,7 +170,7 @@ def test_a_node_that_joins_mid_campaign_is_used_at_once(small_cluster, tmp_path,
     joined = c.add_node(num_cpus=1, num_gpus=2)
     t.join(timeout=300)
     assert not t.is_alive() and set(result.values()) == {"budget_exhausted"}
-    names = [j.name for j in expert_jobs(cfg)]
+    names = [j.name for j in expert_jobs(cfg.n_experts)]
     nodes = started_nodes(store, names)
     hist = history(store)
     on_first = [n for n in names if nodes[n] == first.node_id]

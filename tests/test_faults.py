@@ -80,7 +80,8 @@ def wait_for(pred, timeout=120.0, what="condition"):
 def run_in_thread(store, cfg):
     result = {}
     t = threading.Thread(
-        target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True
+        target=lambda: result.update(Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()),
+        daemon=True,
     )
     t.start()
     return t, result
@@ -93,7 +94,7 @@ def final_tensors(store, e):
 @pytest.fixture(scope="module")
 def reference(seeded, tmp_path_factory, ray_local):
     store, cfg = clone(seeded, tmp_path_factory.mktemp("ref") / "c")
-    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
+    assert set(Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run().values()) == {"finished"}
     return store
 
 
@@ -156,7 +157,7 @@ def test_nan_expert_fails_after_retries_while_others_finish(seeded, tmp_path, ra
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     state.body.fill_(float("nan"))
     save_checkpoint(store, "experts/expert-0001", state)  # a valid checkpoint of NaN weights
-    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    result = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
     assert result == {"expert-0000": "finished", "expert-0001": "failed_permanently"}
     failed = events(store, "expert-0001", "failed")
     assert len(failed) == cfg.retry.max_retries + 1
@@ -196,7 +197,7 @@ def test_expert_budget_stops_cleanly_within_the_bound(seeded, tmp_path, ray_loca
         tmp_path / "c",
         config(budget={"expert_gpu_hours": cap_s / 3600, "grace_gpu_seconds": 2.0}, train={"updates": 100000}),
     )
-    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    result = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
     assert set(result.values()) == {"budget_exhausted"}
     totals = Ledger(store).totals()
     hard = cfg.budget.grace_gpu_seconds + 0.5 * cfg.resources.num_gpus  # the driver's hard stop
@@ -221,7 +222,8 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
         budget={"campaign_gpu_hours": (seed_s + extra_s) / 3600, "grace_gpu_seconds": 2.0}, train={"updates": 100000}
     )
     store, cfg = clone(seeded, tmp_path / "c", cfg)
-    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"budget_exhausted"}
+    outcome = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
+    assert set(outcome.values()) == {"budget_exhausted"}
     spent = Ledger(store).totals().gpu_hours * 3600
     bound = (cfg.budget.grace_gpu_seconds + 0.5) * cfg.n_experts
     print(
@@ -232,7 +234,7 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
     # the budget is now spent: nothing more is launched
     launched = len(events(store, kind="launched"))
     store2 = Store(str(tmp_path / "c"))
-    Driver(store2, cfg, expert_jobs(cfg), show_progress=False).run()
+    Driver(store2, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
     assert len(events(store2, kind="launched")) == launched
 
 
@@ -305,7 +307,7 @@ def test_unspent_budget_of_a_failed_expert_is_granted_to_the_others(seeded, tmp_
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     state.body.fill_(float("nan"))
     save_checkpoint(store, "experts/expert-0001", state)
-    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    result = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
     assert result == {"expert-0000": "budget_exhausted", "expert-0001": "failed_permanently"}
     grants = events(store, "expert-0000", "budget_granted")
     assert len(grants) == 1 and grants[0]["source"] == "expert-0001"
@@ -371,7 +373,7 @@ def test_sigterm_is_a_preemption_checkpointed_and_rescheduled_bitwise(seeded, re
 
 def test_a_gpu_share_without_cuda_is_an_error_naming_the_node(seeded, tmp_path, ray_local):
     store, cfg = clone(seeded, tmp_path / "c", config(resources={"allow_cpu": False}))
-    driver = Driver(store, cfg, expert_jobs(cfg), show_progress=False)
+    driver = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False)
     assert set(driver.run().values()) == {"failed_permanently"}
     why = driver.bad_input["expert-0000"]
     assert "node 127.0.0.1" in why and "no CUDA device" in why and "resources.allow_cpu=true" in why

@@ -52,7 +52,7 @@ def seeded(tmp_path_factory, text_corpus):
     assert InProcess(store, cfg, [SEED_JOB]).run() == {SEED_JOB: "finished"}
     ref = tmp_path_factory.mktemp("infra-ref") / "c"
     shutil.copytree(root, ref)
-    assert set(InProcess(Store(str(ref)), cfg, expert_jobs(cfg)).run().values()) == {"finished"}
+    assert set(InProcess(Store(str(ref)), cfg, expert_jobs(cfg.n_experts)).run().values()) == {"finished"}
     return root, Store(str(ref))
 
 

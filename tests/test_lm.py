@@ -13,7 +13,7 @@ import numpy as np
 import pytest
 import torch
 
-from soma_cluster.config import load_campaign_config
+from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.ensemble import evaluate_ensemble, load_models, load_windows
 from soma_cluster.errors import SomaError
 from soma_cluster.lm import RoutedLM, windows_of

@@ -69,7 +69,7 @@ def test_metrics_endpoint_carries_the_ledgers_values(tmp_path, text_corpus, ray_
     store = Store(str(tmp_path / "c"))
     prepare(store, cfg)
     assert Driver(store, cfg, [SEED_JOB], show_progress=False).run() == {"seed": "finished"}
-    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
+    assert set(Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run().values()) == {"finished"}
     totals = Ledger(store).totals()
     want = totals.gpu_seconds["expert_training"] / 3600
     deadline, got = time.monotonic() + 60, {}

@@ -43,12 +43,13 @@ def test_node_removal_retries_its_experts_bitwise(cluster, tmp_path, text_corpus
     prepare(ref, cfg)
     assert Driver(ref, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
     shutil.copytree(tmp_path / "ref", tmp_path / "hit")
-    assert set(Driver(ref, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
+    assert set(Driver(ref, cfg, expert_jobs(cfg.n_experts), show_progress=False).run().values()) == {"finished"}
 
     hit = Store(str(tmp_path / "hit"))
     result = {}
     t = threading.Thread(
-        target=lambda: result.update(Driver(hit, cfg, expert_jobs(cfg), show_progress=False).run()), daemon=True
+        target=lambda: result.update(Driver(hit, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()),
+        daemon=True,
     )
     t.start()
     for e in range(cfg.n_experts):

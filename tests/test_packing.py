@@ -41,7 +41,7 @@ def seeded4(tmp_path_factory, text_corpus, ray_local):
 @pytest.fixture(scope="module")
 def packed_reference(seeded4, tmp_path_factory, ray_local):
     store, cfg = clone(seeded4, tmp_path_factory.mktemp("pref") / "c")
-    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
+    assert set(Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run().values()) == {"finished"}
     return store, cfg
 
 
@@ -58,7 +58,7 @@ def test_packed_campaign_accounts_per_expert_and_matches_unpacked(seeded4, packe
     assert per[0] == pytest.approx(per[1], rel=1e-6) and per[2] == pytest.approx(per[3], rel=1e-6)
     # one actor per expert, same seeds: the same result up to float reassociation in the shared passes
     single, one = clone(seeded4, tmp_path / "single", packed(1, corpus={"source": cfg.corpus.source}))
-    assert set(Driver(single, one, expert_jobs(one), show_progress=False).run().values()) == {"finished"}
+    assert set(Driver(single, one, expert_jobs(one.n_experts), show_progress=False).run().values()) == {"finished"}
     for e in range(N):
         a, b = final_tensors(store, e)["body"], final_tensors(single, e)["body"]
         assert torch.allclose(a, b, atol=1e-4), (e, (a - b).abs().max())
@@ -88,7 +88,7 @@ def test_nan_expert_in_a_pack_fails_alone(seeded4, tmp_path, ray_local):
     state = load_checkpoint(store, "seed").state(torch.device("cpu"))
     state.body.fill_(float("nan"))
     save_checkpoint(store, "experts/expert-0001", state)
-    result = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    result = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
     assert result == {
         "expert-0000": "finished",
         "expert-0001": "failed_permanently",
@@ -106,7 +106,7 @@ def test_reused_actor_takes_the_next_pack_and_accounts_every_second(seeded4, pac
     ref, base = packed_reference
     one_slot = packed(2, corpus={"source": base.corpus.source}, resources={"num_gpus": 4.0, "reuse_actors": True})
     store, cfg = clone(seeded4, tmp_path / "c", one_slot)
-    assert set(Driver(store, cfg, expert_jobs(cfg), show_progress=False).run().values()) == {"finished"}
+    assert set(Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run().values()) == {"finished"}
     launched = [e for e in events(store, kind="launched")]
     assert [e["reused"] for e in launched if e["job"] != "seed"] == [False, False, True, True]
     assert (

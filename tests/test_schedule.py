@@ -63,7 +63,7 @@ def scheduler(tmp_path, clock=None, **sections) -> Scheduler:
     return Scheduler(
         store,
         cfg,
-        expert_jobs(cfg),
+        expert_jobs(cfg.n_experts),
         clock=lambda: now[0],
         rng=random.Random(0),
         latest=lambda job: (
@@ -413,7 +413,7 @@ def per_expert(records, category, expert):
 def test_ledger_is_exact_for_any_kill_moment(seeded_inproc, tmp_path, chunk, ckpt):
     cfg = align(chunk, ckpt, corpus={"source": seeded_inproc[1].corpus.source})
     ref = clone_as(seeded_inproc, tmp_path / "ref", cfg)
-    assert set(InProcess(ref, cfg, expert_jobs(cfg)).run().values()) == {"finished"}
+    assert set(InProcess(ref, cfg, expert_jobs(cfg.n_experts)).run().values()) == {"finished"}
     want = Ledger(ref).records()
     rng = random.Random(chunk * 100 + ckpt)
     tried, lost = [], 0
@@ -421,7 +421,7 @@ def test_ledger_is_exact_for_any_kill_moment(seeded_inproc, tmp_path, chunk, ckp
         faults = {i: rng.choice(KINDS) for i in rng.sample(range(14), rng.randint(1, 4))}
         tried.append(faults)
         store = clone_as(seeded_inproc, tmp_path / f"t{trial}", cfg)
-        h = InProcess(store, cfg, expert_jobs(cfg))
+        h = InProcess(store, cfg, expert_jobs(cfg.n_experts))
         run_with_faults(h, faults)
         assert {j.name: s for j, s in h.sched.outcome.items()} == {
             "expert-0000": "finished",
@@ -453,7 +453,7 @@ def test_a_zombies_checkpoint_is_settled_whether_or_not_the_driver_is_lost_befor
     for i in range(2, 9):
         for plan in ({i: "zombie"}, {i: "zombie", i + 1: "driver"}):
             store = clone_as(seeded_inproc, tmp_path / f"z{i}-{len(plan)}", cfg)
-            h = InProcess(store, cfg, expert_jobs(cfg))
+            h = InProcess(store, cfg, expert_jobs(cfg.n_experts))
             run_with_faults(h, plan)
             got = Ledger(store).records()
             resettled += sum(r["seq"] == -2 for r in got)
@@ -466,7 +466,7 @@ def test_a_zombies_checkpoint_is_settled_whether_or_not_the_driver_is_lost_befor
 def test_checkpoint_meta_carries_the_attempts_usage(seeded_inproc, tmp_path):
     cfg = align(3, 6, corpus={"source": seeded_inproc[1].corpus.source})
     store = clone_as(seeded_inproc, tmp_path / "c", cfg)
-    InProcess(store, cfg, expert_jobs(cfg)).run()
+    InProcess(store, cfg, expert_jobs(cfg.n_experts)).run()
     meta = load_checkpoint(store, "experts/expert-0000").meta
     assert meta["attempt"] == 0 and meta["usage"]["forwards"] == 12 * PER_UPDATE and meta["usage"]["gpu_seconds"] > 0
 
@@ -481,7 +481,7 @@ def test_a_capped_expert_stops_within_its_derived_overrun_bound(seeded_inproc, t
         corpus={"source": seeded_inproc[1].corpus.source},
     )
     store = clone_as(seeded_inproc, tmp_path / "c", cfg)
-    h = InProcess(store, cfg, expert_jobs(cfg))
+    h = InProcess(store, cfg, expert_jobs(cfg.n_experts))
     outcome = h.run(max_calls=50_000)
     assert set(outcome.values()) == {"budget_exhausted"}
     t = Ledger(store).totals()

@@ -59,7 +59,7 @@ def test_half_gpu_experts_run_four_at_a_time_and_the_rest_queue(ray_two_gpus, tm
     store = Store(str(tmp_path / "camp"))
     prepare(store, cfg)
     assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
-    outcome = Driver(store, cfg, expert_jobs(cfg), show_progress=False).run()
+    outcome = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress=False).run()
     assert set(outcome.values()) == {"finished"} and len(outcome) == N_EXPERTS
     hist = history(store)
     names = sorted(outcome)

@@ -84,7 +84,7 @@ def test_an_extension_ends_bitwise_where_the_total_from_the_start_ends(seeded, t
 
 
 def whole_names() -> list[str]:
-    return [j.name for j in expert_jobs(micro_config(n_experts=EXPERTS))]
+    return [j.name for j in expert_jobs(EXPERTS)]
 
 
 def test_a_running_driver_obeys_soma_set(seeded, tmp_path):
@@ -157,7 +157,7 @@ def test_retrain_chosen_experts_and_a_warm_fork(seeded, tmp_path, ray_local):
     retrain = [ev for ev in store.read_log("events.jsonl") if ev.get("reason") == "retrain"]
     assert [(ev["job"], ev["step"], ev["was"]) for ev in retrain] == [("expert-0001", 6, "finished")]
     with pytest.raises(Exception, match="no checkpoint of that step"):
-        reopen_retrain(store, expert_jobs(cfg), ["0"], 5)
+        reopen_retrain(store, expert_jobs(cfg.n_experts), ["0"], 5)
     # a warm fork
     long_cfg = micro_config(corpus={"source": cfg.corpus.source}, n_experts=EXPERTS, train={"updates": 24})
     child = Store(str(tmp_path / "warm"))

@@ -70,7 +70,7 @@ def finished(tmp_path_factory, text_corpus):
     store = Store(str(root))
     prepare(store, cfg)
     assert InProcess(store, cfg, [SEED_JOB]).run() == {SEED_JOB: "finished"}
-    assert set(InProcess(store, cfg, expert_jobs(cfg)).run().values()) == {"finished"}
+    assert set(InProcess(store, cfg, expert_jobs(cfg.n_experts)).run().values()) == {"finished"}
     return root, cfg
 
 

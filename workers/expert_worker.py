@@ -29,8 +29,9 @@ import psutil
 import ray
 import torch
 
+from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
-from soma_cluster.config import CampaignConfig, load_campaign_config
+from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import DeviceError
 from soma_cluster.jobs import Job, StopReason
 from soma_cluster.lease import WorkerFence
