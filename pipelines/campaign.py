@@ -374,9 +374,10 @@ class Driver:
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
             # a SIGINT/SIGTERM only sets STOP.requested here: the loop ends between two results, with the state whole
+            wait_s = self.cfg.retry.infra_wait_s  # the log writer waits out its disk or store this long
             with (
                 STOP.cooperative(),
-                self.store.batch(background=True, wait_s=self.cfg.retry.infra_wait_s),
+                self.store.batch(background=True, retry=lambda write, what: waiting(write, wait_s, what)),
                 frozen_heap(),
             ):
                 flushed = time.monotonic()

@@ -20,10 +20,9 @@ import psutil
 from pipelines.common import contents
 from pipelines.stopping import STOP
 from soma_cluster.campaignfile import CONFIG_FILE
-from soma_cluster.diskerrors import storage_error
+from soma_cluster.diskerrors import MARGIN_BYTES, storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE, Lease
-from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.storage import Store
 from soma_cluster.targets import occupied
 

@@ -31,7 +31,6 @@ from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, r
 from soma_cluster.diskerrors import storage_error  # noqa: E402
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
 from soma_cluster.lease import LeaseLost  # noqa: E402
-from soma_cluster.preflight import training_bytes  # noqa: E402
 
 if TYPE_CHECKING:
     from pipelines.rayaddress import Address
@@ -434,6 +433,7 @@ def seed(
     def go() -> None:
         from pipelines.raysession import ray_session
         from pipelines.seed import train_seed
+        from soma_cluster.checkpoint import training_bytes
 
         store = open_store(campaign)
         cfg = load_config(store)
@@ -461,6 +461,7 @@ def _launch(
 ) -> None:
     from pipelines.campaign import launch as run
     from pipelines.raysession import ray_session
+    from soma_cluster.checkpoint import training_bytes
     from soma_cluster.events import history
     from soma_cluster.failures import expert_names, select_failed
     from soma_cluster.jobs import expert_jobs
@@ -730,6 +731,7 @@ def plan(
     def go() -> None:
         from pipelines.plan import plan as run
         from pipelines.plan import render
+        from soma_cluster.checkpoint import training_bytes
         from soma_cluster.ledger import hours_unit
 
         if gpus is not None and gpus <= 0:
@@ -875,7 +877,7 @@ def report(
 
     def go() -> None:
         from pipelines.report import readme_section, update_readme, write_report
-        from soma_cluster.preflight import require_writable_dir
+        from soma_cluster.diskerrors import require_writable_dir
         from soma_cluster.targets import EXPERIMENT_FILE, RESULTS_FILE, not_an_experiment
 
         stores = [open_store(d) for d in directories]

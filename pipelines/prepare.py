@@ -32,6 +32,7 @@ from soma_cluster.corpus import (
     plan_parts,
     shown,
 )
+from soma_cluster.diskerrors import MARGIN_BYTES
 from soma_cluster.errors import SomaError
 from soma_cluster.jobs import Category, expert_name
 from soma_cluster.ledger import Ledger
@@ -47,7 +48,6 @@ from soma_cluster.parts import (
     threshold,
     write_part,
 )
-from soma_cluster.preflight import MARGIN_BYTES
 from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
 from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256

@@ -16,8 +16,11 @@ from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+from soma_cluster.config import CampaignConfig, ModelConfig
+from soma_cluster.diskerrors import MARGIN_BYTES
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.jobs import SEED_JOB
+from soma_cluster.model import body_param_count, head_param_count
 from soma_cluster.storage import Store, parse_checked_json, sha256
 from soma_cluster.trainer import TrainState
 
@@ -222,3 +225,16 @@ def fall_back(store: Store, directory: str) -> CheckpointCheck:
     elif "latest.json" in store.listdir(directory):
         store.remove(f"{directory}/latest.json")
     return check
+
+
+def checkpoint_bytes(model: ModelConfig) -> int:
+    """One checkpoint of one job (soma_cluster.trainer.TrainState.tensors): body, head and their Adam moments,
+    float32 (4 bytes each), plus its JSON metadata (< 64 KiB)."""
+    return 3 * 4 * (body_param_count(model) + head_param_count(model)) + (64 << 10)
+
+
+def training_bytes(cfg: CampaignConfig, jobs: int) -> int:
+    """The space a training command (seed, launch, resume) asks for before it starts Ray: the first checkpoint
+    of each of `jobs` jobs and the logs. A lower bound (every checkpoint is kept: a whole run writes one per
+    train.checkpoint_every updates), so no campaign that could finish is refused."""
+    return jobs * checkpoint_bytes(cfg.model) + MARGIN_BYTES

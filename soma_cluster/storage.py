@@ -29,13 +29,20 @@ from urllib.parse import urlsplit
 
 import fsspec
 
-from soma_cluster.diskerrors import DiskCondition, condition_of, with_path
+from soma_cluster.diskerrors import (
+    MARGIN_BYTES,
+    DiskCondition,
+    condition_of,
+    require_temp_dir,
+    require_writable_dir,
+    with_path,
+)
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
-from soma_cluster.failures import waiting
-from soma_cluster.preflight import MARGIN_BYTES, require_temp_dir, require_writable_dir
 from soma_cluster.targets import missing_file
 
 T = TypeVar("T")
+# how a caller has a write tried: retry(write, what) calls write() until it succeeds or the caller gives up (raises)
+Retry = Callable[[Callable[[], None], str], None]
 log = logging.getLogger(__name__)
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
 # Names the store itself makes beside artifacts: in-flight writes (".tmp-*") and private scratch and probes
@@ -598,19 +605,20 @@ class Store:
             self._write_lines(log, [line])
 
     @contextmanager
-    def batch(self, background: bool = False, wait_s: float = 0.0) -> Iterator[None]:
+    def batch(self, background: bool = False, retry: Retry | None = None) -> Iterator[None]:
         """Hold appends back and write each log's records together: one fdatasync (local) or one object
         (remote) per log and flush instead of one per record. With `background`, `flush(wait=False)` hands
         the held records to one writer thread (in order), so the caller's loop does not wait on the disk or
         the store. A crash inside loses the records not yet written, as a crash just before them would; reads
-        inside see them (they are written first). The batch's end writes and waits for everything. A background
-        write that fails for the disk or the store (full, read-only, unreachable: soma_cluster/failures.py) is
-        retried, in order, for up to `wait_s` seconds before it counts as failed."""
+        inside see them (they are written first). The batch's end writes and waits for everything. `retry`, when
+        given, runs each background write as retry(write, what): the driver's waits out a write that fails for the
+        disk or the store (full, read-only, unreachable: soma_cluster/failures.py's `waiting`), in order, before it
+        counts as failed."""
         if self._batch is not None:  # nested: the outer batch writes
             yield
             return
         self._batch = {}
-        self._writer = _LogWriter(self._write_lines, wait_s) if background else None
+        self._writer = _LogWriter(self._write_lines, retry) if background else None
         try:
             yield
         finally:
@@ -691,11 +699,10 @@ class Store:
 
 class _LogWriter:
     """One thread that writes handed-over log records in order; its first error is kept and raised by drain().
-    A write that fails for the disk or the store (full, read-only, unreachable) is tried again with backoff
-    (0.1 s doubling to 5 s) for up to `wait_s`: the driver waits out its disk as its workers do."""
+    Each write runs through `retry` (Store.batch), if given: the driver waits out its disk as its workers do."""
 
-    def __init__(self, write: Callable[[str, list[str]], None], wait_s: float = 0.0):
-        self.write, self.error, self.wait_s = write, None, wait_s
+    def __init__(self, write: Callable[[str, list[str]], None], retry: Retry | None = None):
+        self.write, self.error, self.retry = write, None, retry
         self.queue: queue.Queue = queue.Queue()
         self.thread = threading.Thread(target=self._run, name="soma-log-writer", daemon=True)
         self.thread.start()
@@ -715,7 +722,10 @@ class _LogWriter:
                 self.queue.task_done()
 
     def _write_waiting(self, name: str, lines: list[str]) -> None:
-        waiting(lambda: self.write(name, lines), self.wait_s, f"writing {name}")
+        if self.retry is None:
+            self.write(name, lines)
+        else:
+            self.retry(lambda: self.write(name, lines), f"writing {name}")
 
     def submit(self, held: dict[str, list[str]]) -> None:
         self._raise()

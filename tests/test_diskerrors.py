@@ -10,8 +10,17 @@ from contextlib import contextmanager
 import pytest
 from conftest import fill_up
 
-from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of, storage_error, with_path
-from soma_cluster.preflight import MARGIN_BYTES, require_temp_dir, require_writable_dir, training_bytes
+from soma_cluster.checkpoint import training_bytes
+from soma_cluster.diskerrors import (
+    MARGIN_BYTES,
+    DiskCondition,
+    StorageError,
+    condition_of,
+    require_temp_dir,
+    require_writable_dir,
+    storage_error,
+    with_path,
+)
 from soma_cluster.storage import Store, put_file
 
 

@@ -26,6 +26,7 @@ from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
 from soma_cluster.config import to_yaml_text
 from soma_cluster.events import history
+from soma_cluster.failures import waiting
 from soma_cluster.jobs import SEED_JOB, expert_jobs
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
@@ -128,7 +129,7 @@ def test_log_appends_are_whole_and_wait_out_a_full_disk(tmp_path):
         assert [r["event"] for r in store.read_log("events.jsonl")] == ["first"]  # nothing half written
         threading.Timer(0.5, filler.unlink).start()  # space comes back in 0.5 s
         t0 = time.monotonic()
-        with store.batch(background=True, wait_s=10.0):
+        with store.batch(background=True, retry=lambda write, what: waiting(write, 10.0, what)):
             for i in range(200):
                 store.append("events.jsonl", {"event": "y" * 100, "i": i})
             store.flush(wait=False)
