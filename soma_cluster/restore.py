@@ -7,48 +7,62 @@ is settled against its job's latest checkpoint, as a lost attempt would have bee
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from dataclasses import dataclass, field
 
 from soma_cluster.accounting import SETUP_SEQ, Account, Books, Settlement
 from soma_cluster.events import EXTENDED, RETRAIN, JobHistory
-from soma_cluster.jobs import AttemptCause, Category, Event, Job
+from soma_cluster.jobs import AttemptCause, Category, Event, Job, JobState, JobView
 from soma_cluster.messages import Usage
 
-if TYPE_CHECKING:
-    from soma_cluster.schedule import Scheduler
+
+@dataclass
+class Restored:
+    """What the jobs' histories say, for a new Scheduler to take up (Scheduler.restore): each field is the
+    Scheduler's own of that name, holding only the jobs the histories speak of."""
+
+    granted: list[tuple[int | None, float]] = field(default_factory=list)  # (expert, GPU-s) from the pool, in order
+    seen: dict[Job, JobView] = field(default_factory=dict)
+    state: dict[Job, JobState] = field(default_factory=dict)  # by the same state machine the scheduler runs
+    outcome: dict[Job, JobState] = field(default_factory=dict)
+    pending: list[Job] = field(default_factory=list)
+    next_attempt: dict[Job, int] = field(default_factory=dict)
+    failures: dict[Job, int] = field(default_factory=dict)
+    cause: dict[Job, AttemptCause] = field(default_factory=dict)
 
 
-def restore(sched: Scheduler, past: dict[str, JobHistory]) -> None:
-    """Rebuild `sched` (a new one) from the jobs' histories."""
-    by_name = {j.name: j for j in sched.jobs}
+def restore(jobs: list[Job], books: Books, past: dict[str, JobHistory]) -> Restored:
+    """The state of a new scheduler of `jobs`, from the jobs' histories. An attempt the lost driver left running
+    is settled in `books` (the new scheduler's), as the scheduler settles a lost one."""
+    out = Restored()
+    by_name = {j.name: j for j in jobs}
     for h in past.values():
         for ev in h.events:
             if ev["event"] == Event.BUDGET_GRANTED and h.job in by_name:
-                e = by_name[h.job].expert
-                sched.book.granted[e] = sched.book.granted.get(e, 0.0) + ev["gpu_seconds"]
+                out.granted.append((by_name[h.job].expert, ev["gpu_seconds"]))
     records = None
-    for job in sched.jobs:
+    for job in jobs:
         h = past.get(job.name)
         if h:
-            sched.seen[job] = h.view()
-            sched.state[job] = h.state  # where its events left it, by the same state machine the scheduler runs
+            out.seen[job] = h.view()
+            out.state[job] = h.state  # where its events left it
         if h and h.terminal:
-            sched.outcome[job] = h.state
+            out.outcome[job] = h.state
             continue
-        sched.pending.append(job)
+        out.pending.append(job)
         if not h or not h.attempts:
             continue
-        sched.next_attempt[job], sched.failures[job] = h.attempts, h.failures
-        sched.cause[job] = cause_after(h)
+        out.next_attempt[job], out.failures[job] = h.attempts, h.failures
+        out.cause[job] = cause_after(h)
         last = h.attempts - 1
         if h.held(last) and h.ended(last) is None:
-            records = sched.books.ledger.records() if records is None else records  # read once, not once per job
-            _settle_interrupted(sched.books, job, last, records)
+            records = books.ledger.records() if records is None else records  # read once, not once per job
+            _settle_interrupted(books, job, last, records)
         else:
             # its last attempt that held a GPU ended lost and the next has not reported in: finish that on setup
             ends = [ev for ev in h.events if ev["event"] in (Event.FAILED, Event.PREEMPTED) and "settled" in ev]
             if ends and ends[-1]["attempt"] == max(a for a in range(h.attempts) if h.held(a)):
-                sched.books.settled[job] = Settlement.from_json(ends[-1]["settled"])
+                books.settled[job] = Settlement.from_json(ends[-1]["settled"])
+    return out
 
 
 def cause_after(h: JobHistory) -> AttemptCause:

@@ -230,7 +230,16 @@ class Scheduler:
 
     def restore(self, past: dict[str, JobHistory]) -> None:
         """Rebuild from the campaign directory after a driver loss (soma_cluster/restore.py)."""
-        restore(self, past)
+        was = restore(self.jobs, self.books, past)
+        for e, s in was.granted:
+            self.book.granted[e] = self.book.granted.get(e, 0.0) + s
+        self.seen.update(was.seen)
+        self.state.update(was.state)
+        self.outcome.update(was.outcome)
+        self.pending.extend(was.pending)
+        self.next_attempt.update(was.next_attempt)
+        self.failures.update(was.failures)
+        self.cause.update(was.cause)
 
     def _event(self, event: Event, job: Job, **fields) -> None:
         """Write the event, and move the job by the state machine."""
