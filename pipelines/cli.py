@@ -475,7 +475,7 @@ def _launch(
     if retrain:
         expert_names(retrain, names)
     if sets:
-        check(cfg, list(sets), driver_running=False)  # refused before the lease is touched
+        check(cfg, list(sets), driver_running=False, origin="--set")  # refused before the lease is touched
     addr = _address(address)
     # the place and its room are checked (hold) before Ray starts or any expert is queued
     with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):

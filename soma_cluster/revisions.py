@@ -155,7 +155,9 @@ def in_force(store: Store, base: CampaignConfig) -> tuple[CampaignConfig, list[R
     return apply(base, revs, f"{store.url}/{DIR}"), revs
 
 
-def check(current: CampaignConfig, items: list[str], driver_running: bool) -> tuple[dict[str, Any], CampaignConfig]:
+def check(
+    current: CampaignConfig, items: list[str], driver_running: bool, origin: str = "soma set"
+) -> tuple[dict[str, Any], CampaignConfig]:
     """The changes `items` (key=value, as --set) make to the config in force, checked: (flat changes, new config).
     Every refusal names the setting, why, and what to do instead."""
     if not items:
@@ -186,7 +188,7 @@ def check(current: CampaignConfig, items: list[str], driver_running: bool) -> tu
             )
         if isinstance(value, float) and not math.isfinite(value):
             raise SomaError(f"{key}={value}: pass a finite number")
-    new = validated(merge_trees(current.model_dump(mode="json"), parse_overrides(items)), "soma set")
+    new = validated(merge_trees(current.model_dump(mode="json"), parse_overrides(items)), origin)
     if new.train.updates < current.train.updates:
         raise SomaError(
             f"train.updates can only grow ({current.train.updates} -> {new.train.updates} given): experts past the "

@@ -207,7 +207,9 @@ def test_checked_options_version_and_json_on_stdout(tmp_path):
     )
     doc = json.loads(soma("presets", "--json").stdout)
     assert doc["schema"] == 1 and "tiny" in [p["name"] for p in doc["presets"]] and "variance" in doc["experiments"]
-    assert "tiny" in soma("presets").stdout.split()
+    listing = soma("presets").stdout.splitlines()  # a line per preset with its sizes (docs/cli.md promises them)
+    tiny = next(line for line in listing if line.startswith("tiny:"))
+    assert "N = 4 experts" in tiny and "139,904 parameters" in tiny and "300 updates" in tiny, listing
     camp = str(tmp_path / "c")
     assert_one_line_error(soma("prepare", camp, "--preset", "tinyy"), "--preset 'tinyy'", "choose one of", "tiny")
     assert_one_line_error(soma("prepare", camp, "-n", "0"), "--experts/-n 0", "pass e.g. -n 4")

@@ -131,6 +131,7 @@ def _argv(command: str, case: Path, parent: Path, extra: list[str]) -> list[str]
         "demo": [target],
         "fork": [str(parent), target],
         "experiment": ["variance", target],
+        "resume": [str(parent)],  # --set revises the config of a campaign that exists, checked before anything runs
     }
     return [command, *positional[command], *extra]
 
