@@ -41,12 +41,13 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
+from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import SEED_UNIT, Substitute, Windows, evaluate_ensemble, load_models, route_windows
 from soma_cluster.errors import SomaError
 from soma_cluster.export import EXPORT_FILE, read_export
 from soma_cluster.model import BodyState, embed
+from soma_cluster.revisions import config_in_force
 from soma_cluster.router import Router, load_router
 from soma_cluster.storage import Store, storage_options_from_env
 
@@ -231,7 +232,7 @@ class RoutedLM:
             raise SomaError(
                 f"{url} is neither a campaign (soma prepare makes one) nor an export (soma export makes one)"
             )
-        cfg = load_campaign_config(store)
+        cfg = config_in_force(store)  # with its revisions (soma set): the eval settings soma eval reads now
         models = load_models(store, cfg.n_experts, step)
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in models.checkpoints.items()}
         seed = (models.seed.tensors["body"], models.seed.tensors["head"])
