@@ -17,9 +17,10 @@ from collections.abc import Callable
 from pipelines.status import lease_view
 from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.config import CampaignConfig
+from soma_cluster.diskerrors import storage_error
 from soma_cluster.events import EXTENDED, LOG, emit, history
 from soma_cluster.jobs import Event
-from soma_cluster.revisions import Revision, applied, apply, revisions, to_reopen
+from soma_cluster.revisions import DIR, Revision, applied, apply, revisions, to_reopen
 from soma_cluster.revisions import record as record_revision
 from soma_cluster.storage import Store
 
@@ -96,7 +97,14 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
     running = bool(lease.get("held"))
     was = apply(base, revisions(store))
     t0 = time.monotonic()
-    rev = record_revision(store, base, items, running)
+    store.check_writable()  # a full or read-only store is refused before a lock or a directory is made
+    try:
+        rev = record_revision(store, base, items, running)
+    except OSError as exc:  # a full or read-only campaign store: one line naming where the revision goes
+        err = storage_error(exc, store.full(DIR))
+        if err is None:
+            raise
+        raise err from None
     now = apply(base, revisions(store)[: rev.rev])
     past = history(store)
     ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n != "campaign"}

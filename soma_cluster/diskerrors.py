@@ -107,6 +107,13 @@ class StorageError(SomaError):
         return (StorageError, (self.path, self.condition, self.detail))
 
 
+def what_happened(exc: BaseException) -> str | None:
+    """The disk condition of an OSError in the words every error line uses ('no space left on the device'...), or
+    None where it is not one."""
+    cond = condition_of(exc)
+    return None if cond is None else _WORDS[cond][0]
+
+
 def storage_error(exc: BaseException, path: str | None = None, detail: str = "") -> StorageError | None:
     """The StorageError for an OSError with a disk condition, naming `path` or else the file the error names;
     None where it is not a disk condition or no path is known."""

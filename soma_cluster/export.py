@@ -30,9 +30,11 @@ from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
 from soma_cluster.config import CampaignConfig, versions
+from soma_cluster.diskerrors import what_happened
 from soma_cluster.ensemble import CampaignModels, Substitute
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.jobs import SEED_JOB, Job, expert_name
+from soma_cluster.lease import LEASE_FILES
 from soma_cluster.ledger import Ledger
 from soma_cluster.revisions import revisions
 from soma_cluster.router import Router, load_router
@@ -142,6 +144,11 @@ def check_target(dest: Store) -> None:
         names = os.listdir(root) if os.path.isdir(root) else []
     else:
         names = dest.listdir("")
+    if set(names) & LEASE_NAMES:
+        raise SomaError(
+            f"{dest.url} holds a driver's lease ({', '.join(sorted(set(names) & LEASE_NAMES))}): another driver holds "
+            "or prepares a campaign there; pass a new directory to soma export"
+        )
     if names and not set(names) <= UNFINISHED:
         what = "an export" if EXPORT_FILE in names else "files"
         raise SomaError(
@@ -158,6 +165,7 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
+LEASE_NAMES = set(LEASE_FILES)  # a driver's lease and its lock file
 # what an export writes before its manifest: found without one, they are an unfinished export, replaced
 UNFINISHED = {WEIGHTS, "router", CARD}
 
@@ -190,11 +198,9 @@ def _write(dest: Store, blobs: dict[str, bytes], manifest: dict) -> None:
             check_target(dest)  # someone wrote there meanwhile: say so, as for any occupied target
             raise
     except OSError as exc:
-        if isinstance(exc, SomaError):
-            raise
         raise SomaError(
-            f"cannot write the export to {root}: {exc.strerror or exc}; nothing of it was left there: free space or "
-            "fix its permissions, or pass another directory to soma export"
+            f"cannot write the export to {root}: {what_happened(exc) or exc.strerror or exc}; nothing of it was left "
+            "there: free space or fix its permissions, or pass another directory to soma export"
         ) from None
     finally:
         if os.path.lexists(tmp):

@@ -298,6 +298,13 @@ COMMANDS: dict[str, Invocation] = {
     # a TensorBoard backfill into the campaign (its tensorboard/ directory): writes, under the campaign's lease
     "track": Invocation(lambda p, w: ["track", p.camp, "--backend", "tensorboard"], True, drives=True),
     "presets": Invocation(lambda p, w: ["presets"], False),
+    # the trained ensemble used (docs/inference.md): reading it writes nothing; an export writes a new directory
+    "score": Invocation(lambda p, w: ["score", p.camp, str(w.config)], False),
+    "sample": Invocation(lambda p, w: ["sample", p.camp, "--prompt", "ab", "--max-bytes", "5", "--json"], False),
+    # the new directory is refused where another driver holds its lease (it may be preparing a campaign there)
+    "export": Invocation(lambda p, w: ["export", p.camp, p.new], True, drives=True),
+    # a revision of the config: written beside a running driver (it applies it), so no lease is taken
+    "set": Invocation(lambda p, w: ["set", p.camp, "budget.campaign_gpu_hours=5"], True),
 }
 # refused cells rerun once their condition is lifted (cheap commands; prepare is the real end to end)
 FIX_SAMPLE = {("prepare", "full_disk"), ("report", "full_disk"), ("fork", "read_only"), ("fork", "second_driver")}

@@ -151,7 +151,8 @@ def partial(trained_campaign: Path, dest: Path, expert: str = "expert-0002") -> 
 def test_a_partial_campaign_says_which_experts_the_seed_stands_in_for(trained_campaign, tmp_path):
     lm = RoutedLM.load(str(partial(trained_campaign, tmp_path / "p")))
     assert lm.seed_fallback == (2,) and lm.substituted[2].end == "never_launched"
-    docs = [bytes([b]) * 400 for b in b"abcdefgh =:\n"] + [b"def f(x):\n    return x\n" * 20]
+    store = Store(str(trained_campaign))
+    docs = [bytes(w) for w in load_windows(store, 64).data]  # the campaign's own test windows: balanced routes
     scores = lm.score_many(docs)
     routed_to_2 = [s for s in scores if 2 in s.experts]
     assert routed_to_2 and all(s.seed_fallback == (2,) for s in routed_to_2)
