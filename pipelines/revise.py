@@ -18,6 +18,7 @@ from pipelines.status import lease_view
 from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.config import CampaignConfig
 from soma_cluster.diskerrors import storage_error
+from soma_cluster.errors import StorageUnreachable
 from soma_cluster.events import EXTENDED, LOG, emit, history
 from soma_cluster.jobs import Event
 from soma_cluster.revisions import DIR, Revision, applied, apply, revisions, to_reopen
@@ -69,11 +70,16 @@ class LiveRevisions:
         self.polled = -math.inf
 
     def poll(self) -> tuple[CampaignConfig, list[Revision]] | None:
+        """A store that does not answer now (an outage the workers wait out) is asked again at the next poll: looking
+        for revisions never stops or slows training."""
         now = self.clock()
         if now - self.polled < REVISION_POLL_S:
             return None
         self.polled = now
-        revs = revisions(self.store)
+        try:
+            revs = revisions(self.store)
+        except (OSError, StorageUnreachable):
+            return None
         if len(revs) <= self.seen:
             return None
         new = revs[self.seen :]
