@@ -44,8 +44,7 @@ def take_up(store: Store, cfg: CampaignConfig, say: Callable[[str], None]) -> li
         return []
     was = apply(load_campaign_config(store), revs[:done])
     past = history(store)
-    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n != "campaign"}
-    names = to_reopen(ended, was, cfg)
+    names = to_reopen(ended_jobs(past), was, cfg)
     for name in names:
         emit(store, Event.REOPENED, name, step=past[name].step, was=past[name].state, reason=EXTENDED)
     log_applied(store, revs[done:])
@@ -54,6 +53,11 @@ def take_up(store: Store, cfg: CampaignConfig, say: Callable[[str], None]) -> li
     if names:
         say(f"{len(names)} ended expert(s) train on from their latest checkpoint: {_names(names)}")
     return revs[done:]
+
+
+def ended_jobs(past: dict) -> dict:
+    """The jobs that ended, from their histories: name -> (end state, step), as to_reopen takes them."""
+    return {n: (h.state, h.step) for n, h in past.items() if h.terminal and n != "campaign"}
 
 
 def _names(names: list[str]) -> str:
@@ -101,7 +105,6 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
     base = load_campaign_config(store)
     lease = lease_view(store) or {}
     running = bool(lease.get("held"))
-    was = apply(base, revisions(store))
     t0 = time.monotonic()
     store.check_writable()  # a full or read-only store is refused before a lock or a directory is made
     try:
@@ -111,16 +114,15 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
         if err is None:
             raise
         raise err from None
-    now = apply(base, revisions(store)[: rev.rev])
-    past = history(store)
-    ended = {n: (h.state, h.step) for n, h in past.items() if h.terminal and n != "campaign"}
+    revs = revisions(store)[: rev.rev]  # what this revision changed, against the ones before it (others may follow)
+    was, now = apply(base, revs[:-1]), apply(base, revs)
     out = {
         "schema": 1,
         "campaign": store.url,
         "revision": rev.as_json(),
         "driver": f"{lease['command']} (pid {lease['pid']} on {lease['host']})" if running else None,
         "lease_generation": lease.get("generation"),
-        "reopens": to_reopen(ended, was, now),
+        "reopens": to_reopen(ended_jobs(history(store)), was, now),
         "applied": None,
         "applied_after_s": None,
     }

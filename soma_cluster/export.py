@@ -144,9 +144,9 @@ def check_target(dest: Store) -> None:
         names = os.listdir(root) if os.path.isdir(root) else []
     else:
         names = dest.listdir("")
-    if set(names) & LEASE_NAMES:
+    if lease := sorted(set(names) & set(LEASE_FILES)):
         raise SomaError(
-            f"{dest.url} holds a driver's lease ({', '.join(sorted(set(names) & LEASE_NAMES))}): another driver holds "
+            f"{dest.url} holds a driver's lease ({', '.join(lease)}): another driver holds "
             "or prepares a campaign there; pass a new directory to soma export"
         )
     if names and not set(names) <= UNFINISHED:
@@ -165,7 +165,6 @@ def _ancestors(path: str) -> list[str]:
     return out
 
 
-LEASE_NAMES = set(LEASE_FILES)  # a driver's lease and its lock file
 # what an export writes before its manifest: found without one, they are an unfinished export, replaced
 UNFINISHED = {WEIGHTS, "router", CARD}
 
