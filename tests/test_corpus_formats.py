@@ -644,11 +644,19 @@ def test_text_without_blank_lines_is_cut_at_character_boundaries(tmp_path):
 
 # -- through `soma prepare` ------------------------------------------------------------------------------------
 def test_one_large_plain_file_is_prepared_with_a_held_out_set(tmp_path, micro_yaml):
-    """One 1.4 MB text file: cut into documents, the error's fix (a smaller corpus.document_bytes) works."""
-    from soma_cluster.corpus import builtin_documents
-
+    """One 1.4 MB text file: cut into documents, the error's fix (a smaller corpus.document_bytes) works. The text
+    is generated from a seed, not read from this machine's files: which of its 6 documents is held out depends on
+    where they are cut, so the same bytes must reach every machine."""
+    rng = random.Random(7)
+    words = ["the", "shard", "expert", "router", "byte", "model", "of", "and", "a", "budget", "trains", "on"]
+    paragraphs = (" ".join(rng.choices(words, k=rng.randint(20, 400))) + "." for _ in range(100_000))
     one = tmp_path / "one.txt"
-    one.write_bytes(b"\n\n".join(d.data for d in builtin_documents(1_400_000)))
+    body = b""
+    for p in paragraphs:
+        if len(body) >= 1_400_000:
+            break
+        body += p.encode() + b"\n\n"
+    one.write_bytes(body)
     camp = tmp_path / "camp"
     proc = soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(one))
     assert_one_line_error(proc, f"corpus {one}", "held-out documents (of 6)", "lower corpus.document_bytes to ")
