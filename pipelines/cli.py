@@ -1127,6 +1127,64 @@ def export(
     _run(go, "no export was made (what was staged is removed); run the same command again")
 
 
+@app.command()
+def serve(
+    campaign: str,
+    address: Optional[str] = AddressOpt,
+    host: str = typer.Option("127.0.0.1", "--host", help="the HTTP address Serve's proxies listen on"),
+    port: int = typer.Option(8000, "--port", min=1, max=65535, help="the HTTP port Serve's proxies listen on"),
+    replicas: int = typer.Option(1, "--replicas", min=1, max=4096, help="expert replicas (each holds every expert)"),
+    gpus: float = typer.Option(0.0, "--gpus-per-replica", min=0, max=64, help="GPUs of an expert replica"),
+    step: Optional[int] = StepOpt,
+    detach: bool = typer.Option(False, "--detach", help="deploy and exit; the application stays on the cluster"),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="check the source and settings, print the Serve config file that deploys them, exit"
+    ),
+    overrides: Optional[list[str]] = typer.Option(
+        None, "--set", "-s", help="any setting of the application (docs/serving.md), e.g. --set max_batch_windows=512"
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Serve the routed ensemble (a campaign or a soma export) over HTTP on Ray Serve: POST /v1/score and
+    /v1/generate, GET /healthz (docs/serving.md). Without --detach, serves until SIGINT/SIGTERM."""
+
+    def go() -> None:
+        from pipelines.serve import as_json as served_json
+        from pipelines.serve import serve_campaign
+        from soma_cluster.serving import with_overrides
+
+        base = {"source": campaign, "replicas": replicas, "gpus_per_replica": gpus, "step": step}
+        settings = with_overrides(base, list(overrides or []))
+        if dry_run:
+            import yaml
+
+            from pipelines.serve import checked_source, serve_config
+
+            routing = checked_source(settings)
+            doc = serve_config(settings, host, port)
+            if as_json:
+                return emit_json({"schema": 1, **doc})
+            sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))
+            print(f"{routing.source}: {routing.config.n_experts} experts; the config above deploys it", file=sys.stderr)
+            return
+
+        def show(served) -> None:
+            if as_json:
+                emit_json(served_json(served))
+            else:
+                print(served.url, flush=True)
+            print(
+                f"serving {served.source} ({served.n_experts} experts, {served.replicas} replica(s)) at {served.url}"
+                + ("; it stays deployed (serve delete soma removes it)" if served.detached else "; Ctrl-C stops"),
+                file=sys.stderr,
+                flush=True,
+            )
+
+        serve_campaign(settings, address, host, port, detach, show)
+
+    _run(go, "the application was removed; nothing was written")
+
+
 for _info in app.registered_commands:  # every command, one added later included, checks its inputs (_Checked)
     _info.cls = _Checked
 

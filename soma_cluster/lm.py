@@ -42,10 +42,12 @@ import numpy as np
 import torch
 
 from soma_cluster.campaignfile import CONFIG_FILE
+from soma_cluster.checkpoint import checkpoint_steps, has_checkpoint
 from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import SEED_UNIT, Substitute, Windows, evaluate_ensemble, load_models, route_windows
 from soma_cluster.errors import SomaError
-from soma_cluster.export import EXPORT_FILE, read_export
+from soma_cluster.export import EXPORT_FILE, read_export, read_manifest
+from soma_cluster.jobs import Job
 from soma_cluster.model import BodyState, embed
 from soma_cluster.revisions import config_in_force
 from soma_cluster.router import Router, load_router
@@ -176,6 +178,95 @@ class _Pending:
         self.first.append(first)
 
 
+def tally_start(n_bytes: int = 0) -> dict:
+    """A document's running totals while its windows are scored (tally, then finish)."""
+    return {"bytes": n_bytes, "nats": 0.0, "scored": 0, "windows": 0, "experts": {}, "parts": []}
+
+
+def tally(a: dict, nats: np.ndarray, experts: Iterable[int], per_byte: bool) -> None:
+    """One scored window into its document's totals: its nats and the experts it was routed to."""
+    a["nats"] += float(nats.sum())
+    a["scored"] += len(nats)
+    a["windows"] += 1
+    for e in experts:
+        a["experts"].setdefault(int(e), None)
+    if per_byte:
+        a["parts"].append(nats)
+
+
+def finish(a: dict, substituted: Iterable[int], per_byte: bool) -> Score:
+    """A document's Score from its totals; `substituted`: the experts the seed model stands in for."""
+    experts = tuple(a["experts"])
+    missing = set(substituted)
+    return Score(
+        a["bytes"],
+        a["scored"],
+        a["nats"],
+        a["windows"],
+        experts,
+        tuple(e for e in experts if e in missing),
+        np.concatenate(a["parts"]) if per_byte and a["parts"] else (np.zeros(0) if per_byte else None),
+    )
+
+
+def kept_prompt(prompt: Text, window_bytes: int) -> bytes:
+    """The part of a prompt generation reads: its last window_bytes - 1 bytes (b'\\n' for an empty one)."""
+    return as_bytes(prompt)[-(window_bytes - 1) :] or b"\n"
+
+
+@dataclass(frozen=True)
+class Routing:
+    """What routing needs and nothing more (no expert weights): the config in force and the router of a campaign
+    or an export. `soma serve`'s router deployment holds this; its expert replicas hold the RoutedLM."""
+
+    config: CampaignConfig
+    router: Router
+    source: str
+    trained: bool  # an expert has a checkpoint: the seed model does not stand in for all of them
+
+    @classmethod
+    def load(cls, url: str | os.PathLike, storage_options: dict | None = None) -> "Routing":
+        store = _store(url, storage_options)
+        if store.exists(EXPORT_FILE):
+            manifest = read_manifest(store)
+            try:
+                cfg = CampaignConfig.model_validate(manifest["config"])
+                trained = bool(manifest["steps"])
+            except (KeyError, TypeError, ValueError):
+                raise SomaError(f"{store.url}/{EXPORT_FILE}: its config does not validate here; export again") from None
+            return cls(cfg, load_router(store), store.url, trained)
+        if not store.exists(CONFIG_FILE):
+            raise SomaError(
+                f"{store.url} is neither a campaign (soma prepare makes one) nor an export (soma export makes one)"
+            )
+        cfg = config_in_force(store)
+        trained = any(  # stops at the first expert with a checkpoint
+            has_checkpoint(store, Job(e).model_dir) or checkpoint_steps(store, Job(e).model_dir)
+            for e in range(cfg.n_experts)
+        )
+        return cls(cfg, load_router(store), store.url, trained)
+
+    @property
+    def window_bytes(self) -> int:
+        return self.config.eval.window_bytes
+
+    @property
+    def stride(self) -> int:
+        return max(1, self.config.eval.window_bytes - 1 - self.config.eval.context_bytes)
+
+    def routes_of(self, windows: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        return route_windows(self.router, [w[: self.router.cfg.prefix_bytes] for w in windows])
+
+
+def _store(url: str | os.PathLike, storage_options: dict | None) -> Store:
+    if not isinstance(url, (str, os.PathLike)):
+        raise TypeError(f"url must be a path or a URL (str or os.PathLike), not {type(url).__name__}")
+    url = os.fspath(url)
+    if not url.strip():
+        raise SomaError("url is empty; pass a campaign or an export directory (or an s3:// URL)")
+    return Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
+
+
 class RoutedLM:
     """A campaign's router, experts and seed model in memory, ready to route, score and generate.
 
@@ -215,14 +306,10 @@ class RoutedLM:
     ) -> "RoutedLM":
         """A campaign directory (local or s3://, its latest checkpoints or those of `step`) or a `soma export`
         directory. s3:// endpoints and credentials come from the environment as for every soma command."""
-        if not isinstance(url, (str, os.PathLike)):
-            raise TypeError(f"url must be a path or a URL (str or os.PathLike), not {type(url).__name__}")
-        url = os.fspath(url)
-        if not url.strip():
-            raise SomaError("url is empty; pass a campaign or an export directory (or an s3:// URL)")
         if step is not None and (not _whole(step) or step < 0):
             raise SomaError(f"step {step!r}: pass a whole number >= 0 (a step the experts have a checkpoint of)")
-        store = Store(url, storage_options_from_env(url) if storage_options is None else storage_options)
+        store = _store(url, storage_options)
+        url = os.fspath(url)
         if store.exists(EXPORT_FILE):
             if step is not None:
                 raise SomaError(f"{url} is an export: it holds one step of each expert; leave out step")
@@ -306,7 +393,7 @@ class RoutedLM:
 
         d = -1
         for d, chunks in enumerate(docs):
-            acc[d] = {"bytes": 0, "nats": 0.0, "scored": 0, "windows": 0, "experts": {}, "parts": []}
+            acc[d] = tally_start()
             skip = skips[d] if skips is not None else 0
             for data, first, _ in windows_of(self._counted(chunks, acc[d]), self.window_bytes, self.stride, skip):
                 pending.add(d, data, first)
@@ -329,28 +416,32 @@ class RoutedLM:
             yield bytes(piece)
 
     def _finish(self, a: dict, per_byte: bool) -> Score:
-        experts = tuple(a["experts"])
-        return Score(
-            a["bytes"],
-            a["scored"],
-            a["nats"],
-            a["windows"],
-            experts,
-            tuple(e for e in experts if e in self.substituted),
-            np.concatenate(a["parts"]) if per_byte and a["parts"] else (np.zeros(0) if per_byte else None),
-        )
+        return finish(a, self.substituted, per_byte)
 
     def _pass(self, p: _Pending, acc: dict[int, dict], per_byte: bool) -> None:
-        """Route every pending window on its own bytes, then run the ensemble over them grouped by padded length."""
-        top, weights = route_windows(self.router, [w[: self.router.cfg.prefix_bytes] for w in p.data])
-        lengths = np.array([len(w) for w in p.data])
-        padded = np.minimum(-(-lengths // PAD_TO) * PAD_TO, self.window_bytes)
-        padded = np.maximum(padded, lengths)
+        """Route every pending window on its own bytes, then run the ensemble over them."""
+        top, weights = self.routes_of(p.data)
+        for r, nats in enumerate(self.window_nats(p.data, p.first, (top, weights))):
+            tally(acc[p.doc[r]], nats, top[r], per_byte)
+
+    def routes_of(self, windows: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+        """Each window's route from its first router.prefix_bytes: top (n, k) experts, weights (n, k)."""
+        return route_windows(self.router, [w[: self.router.cfg.prefix_bytes] for w in windows])
+
+    def window_nats(
+        self, windows: Sequence[bytes], firsts: Sequence[int], routed: tuple[np.ndarray, np.ndarray]
+    ) -> list[np.ndarray]:
+        """The ensemble's nats for bytes first+1 .. len-1 of each window (windows_of's `first`), each window
+        mixed over its `routed` experts (top, weights), the windows grouped by padded length into passes."""
+        top, weights = routed
+        lengths = np.array([len(w) for w in windows], dtype=np.int64)
+        padded = np.maximum(np.minimum(-(-lengths // PAD_TO) * PAD_TO, self.window_bytes), lengths)
+        out: list[np.ndarray] = [np.zeros(0)] * len(windows)
         for length in np.unique(padded):
             rows = np.nonzero(padded == length)[0]
             data = np.zeros((len(rows), int(length)), dtype=np.uint8)
             for i, r in enumerate(rows):
-                data[i, : lengths[r]] = np.frombuffer(p.data[r], dtype=np.uint8)
+                data[i, : lengths[r]] = np.frombuffer(windows[r], dtype=np.uint8)
             res = evaluate_ensemble(
                 self.router,
                 self.config.model,
@@ -363,15 +454,8 @@ class RoutedLM:
                 routed=(top[rows], weights[rows]),
             )
             for i, r in enumerate(rows):
-                nats = res.nats[i, p.first[r] : lengths[r] - 1]
-                a = acc[p.doc[r]]
-                a["nats"] += float(nats.sum())
-                a["scored"] += len(nats)
-                a["windows"] += 1
-                for e in top[r]:
-                    a["experts"].setdefault(int(e), None)
-                if per_byte:
-                    a["parts"].append(nats)
+                out[r] = res.nats[i, firsts[r] : lengths[r] - 1]
+        return out
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(
@@ -401,15 +485,16 @@ class RoutedLM:
         temperature: float = 1.0,
         top_k: int | None = None,
         seed: int | None = None,
+        route: Route | None = None,
     ) -> Iterator[bytes]:
-        """generate() one byte at a time, each yielded as soon as it is drawn."""
-        for step in self._steps([prompt], max_bytes, temperature, top_k, seed):
+        """generate() one byte at a time, each yielded as soon as it is drawn. `route` (of this ensemble's
+        router, e.g. routed elsewhere, as `soma serve` does) stands for routing the prompt here."""
+        for step in self._steps([prompt], max_bytes, temperature, top_k, seed, route):
             yield bytes(step)
 
     def prompt_kept(self, prompt: Text) -> bytes:
         """The part of a prompt generation reads: its last window_bytes - 1 bytes (b'\\n' for an empty one)."""
-        data = as_bytes(prompt)[-(self.window_bytes - 1) :]
-        return data or b"\n"
+        return kept_prompt(prompt, self.window_bytes)
 
     def next_byte_probs(self, prompt: Text = b"") -> np.ndarray:
         """The ensemble's next-byte distribution after `prompt` (256,) float64: what generate() samples from at
@@ -418,10 +503,18 @@ class RoutedLM:
             _, last, heads, w = self._prefill([self.prompt_kept(prompt)])
             return self._mix(last, heads, w)[0].double().cpu().numpy()
 
-    def _prefill(self, kept: list[bytes]):
-        """Route each prompt, stack its experts' weights as rows (prompt-major, k slots each) and read the prompts
-        -> (state, last (R, e): h of each row's newest byte, heads (R, 256, e), weights (P, k, 1))."""
-        top, weights = route_windows(self.router, [p[: self.router.cfg.prefix_bytes] for p in kept])
+    def _prefill(self, kept: list[bytes], route: Route | None = None):
+        """Route each prompt (or take `route` for a single prompt), stack its experts' weights as rows
+        (prompt-major, k slots each) and read the prompts -> (state, last (R, e): h of each row's newest byte,
+        heads (R, 256, e), weights (P, k, 1))."""
+        if route is None:
+            top, weights = route_windows(self.router, [p[: self.router.cfg.prefix_bytes] for p in kept])
+        else:
+            if len(kept) != 1 or not route.experts or len(route.experts) != len(route.weights):
+                raise ValueError("a route is given for one prompt: experts and weights of the same length")
+            if any(not 0 <= e < self.n_experts for e in route.experts):
+                raise ValueError(f"route {route.experts}: experts are 0..{self.n_experts - 1}")
+            top, weights = np.array([route.experts]), np.array([route.weights], dtype=np.float64)
         k = top.shape[1]
         units = [int(u) for u in top.reshape(-1)]
         bodies = torch.stack([self._model(u)[0] for u in units])  # (R, M)
@@ -446,13 +539,19 @@ class RoutedLM:
         return (probs.view(w.shape[0], w.shape[1], -1) * w).sum(dim=1)
 
     def _steps(
-        self, prompts: list[Text], max_bytes: int, temperature: float, top_k: int | None, seed: int | None
+        self,
+        prompts: list[Text],
+        max_bytes: int,
+        temperature: float,
+        top_k: int | None,
+        seed: int | None,
+        route: Route | None = None,
     ) -> Iterator[list[int]]:
         check_sampling(max_bytes, temperature, top_k, seed)
         if not prompts or max_bytes == 0:
             return
         with torch.no_grad():
-            state, last, heads, w = self._prefill([self.prompt_kept(p) for p in prompts])
+            state, last, heads, w = self._prefill([self.prompt_kept(p) for p in prompts], route)
             k, rows = w.shape[1], heads.shape[0]
             gen = torch.Generator(device=self.device)
             gen.manual_seed(int(seed)) if seed is not None else gen.seed()

@@ -180,8 +180,9 @@ def _env() -> dict[str, str]:
     return {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
 
 
-def numeric_options() -> list[tuple[str, str, type]]:
-    """(command, --option, int or float) for every numeric option of every command, from the type hints."""
+def numeric_options() -> list[tuple[str, str, type, bool]]:
+    """(command, --option, int or float, whether 0 is allowed) for every numeric option of every command, from the
+    type hints and the option's bounds."""
     found = []
     for name in COMMANDS:
         command = GROUP.commands[name]
@@ -191,19 +192,21 @@ def numeric_options() -> list[tuple[str, str, type]]:
                 (k for k in typing.get_args(hints[param.name]) or (hints[param.name],) if k in (int, float)), None
             )
             if param.param_type_name == "option" and kind is not None:
-                found.append((name, max(param.opts, key=len), kind))
+                zero_ok = getattr(param, "min", None) == 0 and not getattr(param, "min_open", False)
+                found.append((name, max(param.opts, key=len), kind, zero_ok))
     return found
 
 
 OPTION_CASES = [
     (command, option, value)
-    for command, option, kind in numeric_options()
-    for value in ["nan", "inf", "-inf", "-1", "abc", "", "1e400"] + (["1.5"] if kind is int else ["0"])
+    for command, option, kind, zero_ok in numeric_options()
+    for value in ["nan", "inf", "-inf", "-1", "abc", "", "1e400"]
+    + (["1.5"] if kind is int else [] if zero_ok else ["0"])
 ]
 
 
 def test_every_numeric_option_is_in_the_table():
-    assert {(c, o) for c, o, _ in numeric_options()} >= {
+    assert {(c, o) for c, o, _, _ in numeric_options()} >= {
         ("status", "--count"),
         ("eval", "--stride"),
         ("plan", "--gpus"),

@@ -322,3 +322,46 @@ def test_the_podmonitor_scrapes_every_ray_pod_of_every_cluster_and_no_submitter(
     assert endpoint["port"] == "metrics"
     targets = {r["targetLabel"] for r in endpoint.get("relabelings", [])}
     assert "ray_cluster" in targets  # campaigns on different clusters stay apart on the dashboard
+
+
+# -- deploy/kuberay/rayservice.yaml: the upstream CRD, Ray Serve's own config schema, our application's args ---------
+def _rayservice() -> dict:
+    return yaml.safe_load((DEPLOY / "kuberay" / "rayservice.yaml").read_text())
+
+
+def test_rayservice_is_valid_against_kuberays_crd():
+    import gzip
+
+    import jsonschema
+
+    crd = yaml.safe_load(gzip.decompress((ROOT / "tests/data/kuberay/ray.io_rayservices.yaml.gz").read_bytes()))
+    schema = next(v for v in crd["spec"]["versions"] if v["name"] == "v1")["schema"]["openAPIV3Schema"]
+    doc = _rayservice()
+    jsonschema.validate(doc, schema)  # raises with the path of the first violation
+    assert (doc["apiVersion"], doc["kind"]) == (f"{crd['spec']['group']}/v1", crd["spec"]["names"]["kind"])
+    bad = {**doc, "spec": {**doc["spec"], "serveConfigV2": 7}}  # the check can fail: a number is not a config
+    with pytest.raises(jsonschema.ValidationError):
+        jsonschema.validate(bad, schema)
+
+
+def test_rayservice_serve_config_is_ours_and_valid_for_ray_serve():
+    pytest.importorskip("ray.serve.schema")
+    from ray.serve.schema import ServeDeploySchema
+
+    from pipelines.serve_app import build
+    from soma_cluster.serving import APP_NAME, settings
+
+    doc = _rayservice()
+    config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))
+    (app,) = config.applications
+    module, _, attr = app.import_path.partition(":")
+    assert (module, attr, app.name) == ("pipelines.serve_app", "build", APP_NAME)
+    assert settings(app.args).source.startswith("s3://")  # the args are soma serve's settings, every one valid
+    build(app.args)  # the builder accepts them (it loads nothing: the replicas do)
+    assert doc["spec"]["rayClusterConfig"]["rayVersion"] == version("ray")
+    for container in [
+        *doc["spec"]["rayClusterConfig"]["headGroupSpec"]["template"]["spec"]["containers"],
+        *(c for g in doc["spec"]["rayClusterConfig"]["workerGroupSpecs"] for c in g["template"]["spec"]["containers"]),
+    ]:
+        assert {"name": "RAY_AUTH_MODE", "value": "token"} in container["env"]  # closed to strangers, as the rest
+        assert {"containerPort": 8000, "name": "serve"} in container["ports"]  # a proxy on every node

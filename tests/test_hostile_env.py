@@ -303,6 +303,9 @@ COMMANDS: dict[str, Invocation] = {
     "sample": Invocation(lambda p, w: ["sample", p.camp, "--prompt", "ab", "--max-bytes", "5", "--json"], False),
     # the new directory is refused where another driver holds its lease (it may be preparing a campaign there)
     "export": Invocation(lambda p, w: ["export", p.camp, p.new], True, drives=True),
+    # serving reads the ensemble once; the dry run checks it and prints the Serve config without starting Ray
+    # (tests/test_serve.py serves for real)
+    "serve": Invocation(lambda p, w: ["serve", p.camp, "--dry-run"], False),
     # a revision of the config: written beside a running driver (it applies it), so no lease is taken
     "set": Invocation(lambda p, w: ["set", p.camp, "budget.campaign_gpu_hours=5"], True),
 }

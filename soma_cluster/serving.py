@@ -1,0 +1,247 @@
+"""What `soma serve` accepts, decided without Ray: the application's settings and the HTTP requests' bodies.
+
+The Serve application (pipelines/serve_app.py) validates every request body here before it routes anything, and
+answers a bad one with a 4xx whose JSON names the field:
+
+    {"error": "max_bytes: Input should be less than or equal to 4096", "field": "max_bytes"}
+
+400: the body is not JSON (or not an object); 413: the body or its documents are over the limits of ServeSettings;
+422: a field is missing, of the wrong type, out of range or empty. docs/serving.md lists the endpoints.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import math
+from enum import IntEnum, StrEnum
+from typing import Annotated, Literal
+
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    StrictBool,
+    StrictFloat,
+    StrictInt,
+    StrictStr,
+    ValidationError,
+    model_validator,
+)
+
+from soma_cluster.errors import SomaError
+
+APP_NAME = "soma"  # the Serve application's name (serve status, serve delete, a Serve config file)
+ROUTE_PREFIX = "/"
+
+
+class Status(IntEnum):
+    """The HTTP statuses the application answers with, besides 200."""
+
+    BAD_JSON = 400
+    TOO_LARGE = 413
+    INVALID = 422
+    UNAVAILABLE = 503  # retry: Retry-After says when (back-pressure, replicas being replaced or updated)
+
+
+class Encoding(StrEnum):
+    UTF8 = "utf-8"  # JSON strings, encoded as UTF-8 (lone surrogates as the bytes they escape)
+    BASE64 = "base64"  # any bytes (a byte model reads any), as standard base64
+
+
+class ServeSettings(BaseModel):
+    """The Serve application's settings: `soma serve`'s options, or `args:` of a Serve config file
+    (deploy/kuberay/rayservice.yaml). Only `source` is required."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    source: Annotated[StrictStr, Field(min_length=1)]  # a campaign directory or a `soma export`, local or s3://
+    step: Annotated[StrictInt, Field(ge=0)] | None = None  # a campaign's checkpoints of this step (default: newest)
+    replicas: Annotated[StrictInt, Field(ge=1, le=4096)] = 1  # expert replicas (each holds every expert)
+    max_replicas: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None  # set: autoscale replicas..max_replicas
+    target_ongoing_requests: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 16  # per replica, what autoscaling aims at
+    router_replicas: Annotated[StrictInt, Field(ge=1, le=4096)] = 1  # HTTP ingress replicas (route requests)
+    gpus_per_replica: Annotated[float, Field(ge=0, le=64, allow_inf_nan=False)] = 0.0  # of an expert replica
+    cpus_per_replica: Annotated[float, Field(ge=0, le=1024, allow_inf_nan=False)] = 1.0  # of an expert replica
+    router_cpus: Annotated[float, Field(ge=0, le=1024, allow_inf_nan=False)] = 0.5  # of a router replica
+    device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA where the replica has a GPU, else the CPU
+    max_batch_windows: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 256  # windows in one pass of a replica
+    batch_wait_s: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 0.005  # wait to fill a pass
+    max_ongoing_requests: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 64  # per replica, in progress
+    max_queued_requests: Annotated[StrictInt, Field(ge=1, le=1 << 20)] = 256  # per caller, then 503
+    retry_after_s: Annotated[StrictInt, Field(ge=1, le=3600)] = 1  # the Retry-After of a 503
+    max_request_bytes: Annotated[StrictInt, Field(ge=1024, le=1 << 30)] = 4 << 20  # a body, and its documents
+    max_documents: Annotated[StrictInt, Field(ge=1, le=1 << 20)] = 1024  # texts in one score request
+    max_generate_bytes: Annotated[StrictInt, Field(ge=1, le=1 << 24)] = 4096  # max_bytes of a generate request
+
+    @model_validator(mode="after")
+    def _replicas_in_order(self) -> "ServeSettings":
+        if self.max_replicas is not None and self.max_replicas < self.replicas:
+            raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
+        return self
+
+    def memory_bound_bytes(self) -> int:
+        """Request bytes a router replica can hold at once (ongoing and queued bodies): the bound that keeps a
+        flood of large requests from exhausting memory; the rest get a 503."""
+        return (self.max_ongoing_requests + self.max_queued_requests) * self.max_request_bytes
+
+
+def settings(args: dict) -> ServeSettings:
+    """ServeSettings from a dict (a Serve config's args), or one SomaError line naming the field."""
+    if not isinstance(args, dict):
+        raise SomaError(f"soma serve: the application's args must be a mapping, not {type(args).__name__}")
+    try:
+        return ServeSettings.model_validate(args)
+    except ValidationError as exc:
+        raise SomaError(f"soma serve: {first_error(exc)[0]}") from None
+
+
+def with_overrides(base: dict, overrides: list[str]) -> ServeSettings:
+    """`soma serve`'s options and its `--set KEY=VALUE` (any ServeSettings field, the value read as YAML)."""
+    import yaml
+
+    args = dict(base)
+    for item in overrides:
+        key, eq, value = item.partition("=")
+        key = key.strip()
+        if not eq or not key:
+            raise SomaError(f"--set {item!r}: write KEY=VALUE, e.g. --set max_generate_bytes=8192")
+        if key not in ServeSettings.model_fields or key == "source":
+            known = ", ".join(k for k in ServeSettings.model_fields if k != "source")
+            raise SomaError(f"--set {key}: not a setting of soma serve; the settings are {known}")
+        try:
+            args[key] = yaml.safe_load(value) if value.strip() else None
+        except yaml.YAMLError:
+            args[key] = value
+    return settings(args)
+
+
+Text = StrictStr
+
+
+class ScoreRequest(BaseModel):
+    """POST /v1/score: `text` (one document) or `texts` (several), each optionally after a `prefix` that is read
+    and routed on but not scored; `per_byte` adds each scored byte's nats."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    text: Text | None = None
+    texts: list[Text] | None = None
+    prefix: Text | list[Text] = ""
+    per_byte: StrictBool = False
+    encoding: Encoding = Encoding.UTF8
+
+
+class GenerateRequest(BaseModel):
+    """POST /v1/generate: bytes sampled after `prompt` (soma_cluster.lm: the route is fixed on the prompt).
+    `stream` (default) sends the bytes as they are drawn (application/octet-stream); else one JSON object."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    prompt: Text = ""
+    max_bytes: Annotated[StrictInt, Field(ge=0)] = 256
+    temperature: Annotated[StrictFloat | StrictInt, Field(gt=0)] = 1.0
+    top_k: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
+    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
+    stream: StrictBool = True
+    encoding: Encoding = Encoding.UTF8
+
+
+class RequestError(Exception):
+    """A request refused before any work: its status, one line, and the field it names (None: the body)."""
+
+    def __init__(self, status: Status, message: str, field: str | None = None):
+        super().__init__(message)
+        self.status, self.message, self.field = status, message, field
+
+    def body(self) -> dict:
+        return {"error": self.message, "field": self.field}
+
+
+def first_error(exc: ValidationError) -> tuple[str, str | None]:
+    """pydantic's first complaint as one line, and the dotted field it names ('texts.3')."""
+    err = exc.errors()[0]
+    where = ".".join(str(p) for p in err["loc"] if not _type_tag(p)) or None
+    msg = " ".join(str(err["msg"]).split())
+    return (f"{where}: {msg}" if where else msg), where
+
+
+_TAGS = {"str", "int", "float", "bool", "list", "dict", "none"}
+
+
+def _type_tag(part) -> bool:
+    """A union member pydantic puts in an error's location ('prefix.list[str].0'): not a field's name."""
+    return isinstance(part, str) and (part in _TAGS or "[" in part or part.startswith(("function-", "constrained-")))
+
+
+def decode(text: str, encoding: Encoding, field: str) -> bytes:
+    if encoding is Encoding.BASE64:
+        try:
+            return base64.b64decode(text, validate=True)
+        except (binascii.Error, ValueError):
+            raise RequestError(Status.INVALID, f"{field}: not base64 (encoding is base64)", field) from None
+    return text.encode("utf-8", "surrogatepass")
+
+
+def parse_score(body: bytes, limits: ServeSettings) -> tuple[list[bytes], list[bytes], bool]:
+    """A score request's documents and prefixes as bytes, and per_byte; RequestError on anything else."""
+    req = _parse(ScoreRequest, body)
+    if (req.text is None) == (req.texts is None):
+        raise RequestError(Status.INVALID, "give text (one document) or texts (a list), not both or neither", "text")
+    many = req.texts is not None
+    raw = req.texts if many else [req.text]
+    field = "texts" if many else "text"
+    if not raw:
+        raise RequestError(Status.INVALID, "texts: the list is empty; give at least one document", "texts")
+    if len(raw) > limits.max_documents:
+        raise RequestError(
+            Status.TOO_LARGE, f"texts: {len(raw)} documents, over the limit of {limits.max_documents}", "texts"
+        )
+    docs = [decode(t, req.encoding, f"{field}.{i}" if many else field) for i, t in enumerate(raw)]
+    if isinstance(req.prefix, list):
+        if len(req.prefix) != len(docs):
+            raise RequestError(Status.INVALID, f"prefix: {len(req.prefix)} prefixes for {len(docs)} texts", "prefix")
+        pre = [decode(p, req.encoding, f"prefix.{i}") for i, p in enumerate(req.prefix)]
+    else:
+        pre = [decode(req.prefix, req.encoding, "prefix")] * len(docs)
+    for i, (p, d) in enumerate(zip(pre, docs, strict=True)):
+        if len(p) + len(d) < 2:  # nothing to predict: the first byte has no prediction
+            where = f"{field}.{i}" if many else field
+            raise RequestError(Status.INVALID, f"{where}: empty (a document needs 2 bytes to score one)", where)
+        if not d:
+            where = f"{field}.{i}" if many else field
+            raise RequestError(Status.INVALID, f"{where}: empty (the prefix is not scored)", where)
+    total = sum(len(d) + len(p) for d, p in zip(docs, pre, strict=True))
+    if total > limits.max_request_bytes:
+        raise RequestError(
+            Status.TOO_LARGE,
+            f"{field}: {total} bytes, over the limit of {limits.max_request_bytes}; split the request",
+            field,
+        )
+    return docs, pre, req.per_byte
+
+
+def parse_generate(body: bytes, limits: ServeSettings) -> tuple[GenerateRequest, bytes]:
+    req = _parse(GenerateRequest, body)
+    if req.max_bytes > limits.max_generate_bytes:
+        raise RequestError(
+            Status.INVALID, f"max_bytes: {req.max_bytes}, over the limit of {limits.max_generate_bytes}", "max_bytes"
+        )
+    if not math.isfinite(float(req.temperature)):
+        raise RequestError(Status.INVALID, "temperature: must be finite", "temperature")
+    prompt = decode(req.prompt, req.encoding, "prompt")
+    if len(prompt) > limits.max_request_bytes:
+        raise RequestError(Status.TOO_LARGE, f"prompt: over the limit of {limits.max_request_bytes} bytes", "prompt")
+    return req, prompt
+
+
+def _parse(model: type[BaseModel], body: bytes):
+    if not body.strip():
+        raise RequestError(Status.BAD_JSON, "the body is empty; send a JSON object")
+    try:
+        return model.model_validate_json(body)
+    except ValidationError as exc:
+        msg, where = first_error(exc)
+        if exc.errors()[0]["type"] in ("json_invalid", "model_type"):
+            raise RequestError(Status.BAD_JSON, f"the body is not a JSON object ({msg})") from None
+        raise RequestError(Status.INVALID, msg, where) from None

@@ -1,0 +1,364 @@
+"""soma serve on a real Ray Serve: a Ray head of this test's own, the application deployed by the CLI, real HTTP.
+
+One application serves the module's cases in order: what it answers (equal to the in-process API, byte for byte),
+what it refuses, back-pressure, an expert replica SIGKILLed under load, then a rolling update to an export.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import pytest
+from conftest import assert_one_line_error, soma
+from ports import free_port
+from rayhead import RayHead, marked_pids
+
+pytest.importorskip("ray.serve.handle", reason="ray[serve] is not installed (pip install -e '.[serve]')")
+
+ROOT = Path(__file__).resolve().parents[1]
+CLIENT_TIMEOUT_S = 60
+
+
+def http(url: str, body: bytes | dict | None = None, timeout: float = CLIENT_TIMEOUT_S):
+    """(status, headers (names in lower case), body bytes) of a GET (no body) or a POST."""
+    data = json.dumps(body).encode() if isinstance(body, dict) else body
+    req = urllib.request.Request(url, data=data, method="GET" if data is None else "POST")
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, {k.lower(): v for k, v in r.headers.items()}, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, {k.lower(): v for k, v in e.headers.items()}, e.read()
+
+
+def score_until_done(url: str, body: dict, tries: int = 40) -> tuple[dict, int]:
+    """A client that honours 503 + Retry-After: the final answer and how many 503s it saw. Any other status, or a
+    connection error, is a failed request."""
+    for retried in range(tries):
+        status, headers, data = http(url + "v1/score", body)
+        if status == 200:
+            return json.loads(data), retried
+        assert status == 503 and "retry-after" in headers, (status, data[:300])
+        time.sleep(min(float(headers["retry-after"]), 1.0))
+    raise AssertionError(f"still 503 after {tries} tries")
+
+
+@pytest.fixture(scope="module")
+def head():
+    with RayHead(args=("--num-cpus=4",)) as h:
+        yield h
+
+
+def _serve(source: str | Path, head: RayHead, port: int, *extra: str) -> dict:
+    proc = soma(
+        "serve",
+        str(source),
+        "--address",
+        head.address,
+        "--port",
+        str(port),
+        "--detach",
+        "--json",
+        *extra,
+        timeout=300,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return json.loads(proc.stdout)
+
+
+SETTINGS = (
+    "--replicas", "2", "--set", "cpus_per_replica=0.5", "--set", "router_cpus=0.5",
+    "--set", "max_ongoing_requests=4", "--set", "max_queued_requests=6", "--set", "max_batch_windows=64",
+    "--set", "max_request_bytes=200000",
+)  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def served(head, trained_campaign):
+    port = free_port()
+    info = _serve(trained_campaign, head, port, *SETTINGS)
+    yield info
+    # the application goes with the head (killed by pid); nothing else of it is left on this machine
+
+
+@pytest.fixture(scope="module")
+def lm(trained_campaign):
+    from soma_cluster.lm import RoutedLM
+
+    return RoutedLM.load(trained_campaign, device="cpu")
+
+
+DOCS = [
+    "def main():\n    print('hello')\n",
+    "x" * 3000,  # several windows
+    "é日本語 text ünïcode " * 40,
+    "ab",
+]
+
+
+def test_scores_over_http_equal_the_in_process_api(served, lm):
+    url = served["url"]
+    data, _ = score_until_done(url, {"texts": DOCS})
+    assert data["source"] == served["source"]
+    for got, doc in zip(data["scores"], DOCS, strict=True):
+        assert got == {**lm.score(doc).as_dict()}  # every field, nats to the last bit
+    # one document, a prefix (read, routed on, not scored), per-byte nats
+    data, _ = score_until_done(url, {"text": DOCS[1][:1500], "prefix": DOCS[0], "per_byte": True})
+    want = lm.score(DOCS[1][:1500], prefix=DOCS[0], per_byte=True)
+    assert data["scores"][0]["nats"] == want.nats and data["scores"][0]["per_byte"] == want.per_byte.tolist()
+    raw = bytes(range(256)) * 3  # not UTF-8: sent as base64
+    data, _ = score_until_done(url, {"text": base64.b64encode(raw).decode(), "encoding": "base64"})
+    assert data["scores"][0]["nats"] == lm.score(raw).nats
+
+
+def test_generation_streams_the_in_process_bytes(served, lm):
+    url = served["url"]
+    want = lm.generate("def ", max_bytes=120, temperature=0.9, top_k=40, seed=7)
+    body = {"prompt": "def ", "max_bytes": 120, "temperature": 0.9, "top_k": 40, "seed": 7}
+    req = urllib.request.Request(url + "v1/generate", data=json.dumps(body).encode(), method="POST")
+    pieces = []
+    with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
+        assert r.headers["Content-Type"] == "application/octet-stream"
+        assert json.loads(r.headers["X-Soma-Route"])["experts"] == list(lm.route("def ").experts)
+        while piece := r.read1(65536):
+            pieces.append(piece)
+    assert b"".join(pieces) == want and len(pieces) > 1  # streamed: more than one read
+    status, _, data = http(url + "v1/generate", {**body, "stream": False})
+    out = json.loads(data)
+    assert status == 200 and base64.b64decode(out["base64"]) == want and out["bytes"] == 120
+    status, _, data = http(url + "v1/generate", {"max_bytes": 0})
+    assert status == 200 and data == b""
+
+
+BAD = [  # (body, status, field named); the settings of the module's application
+    (b"", 400, None),
+    (b"not json", 400, None),
+    (b"[1, 2]", 400, None),
+    ({"text": "ab", "colour": 1}, 422, "colour"),
+    ({}, 422, "text"),
+    ({"text": "ab", "texts": ["cd"]}, 422, "text"),
+    ({"text": 5}, 422, "text"),
+    ({"text": ""}, 422, "text"),
+    ({"text": "a"}, 422, "text"),
+    ({"texts": []}, 422, "texts"),
+    ({"texts": ["ok text", None]}, 422, "texts.1"),
+    ({"texts": "not a list"}, 422, "texts"),
+    ({"texts": ["abc", "def"], "prefix": ["one"]}, 422, "prefix"),
+    ({"text": "abc", "prefix": 3}, 422, "prefix"),
+    ({"text": "abc", "per_byte": "yes"}, 422, "per_byte"),
+    ({"text": "!!!", "encoding": "base64"}, 422, "text"),
+    ({"text": "abc", "encoding": "latin-1"}, 422, "encoding"),
+    ({"text": "x" * 250_000}, 413, None),
+    ({"texts": ["ab"] * 1025}, 413, "texts"),
+]
+BAD_GENERATE = [
+    ({"max_bytes": 5000}, 422, "max_bytes"),
+    ({"max_bytes": -1}, 422, "max_bytes"),
+    ({"max_bytes": 1.5}, 422, "max_bytes"),
+    ({"max_bytes": "10"}, 422, "max_bytes"),
+    ({"temperature": 0}, 422, "temperature"),
+    ({"temperature": -1.0}, 422, "temperature"),
+    ({"temperature": "hot"}, 422, "temperature"),
+    ({"temperature": 1e400}, 422, "temperature"),
+    ({"top_k": 0}, 422, "top_k"),
+    ({"top_k": 257}, 422, "top_k"),
+    ({"seed": -1}, 422, "seed"),
+    ({"seed": 2**63}, 422, "seed"),
+    ({"prompt": ["a"]}, 422, "prompt"),
+    ({"stream": "no"}, 422, "stream"),
+    ({"prompt": "x" * 250_000}, 413, None),
+]
+
+
+def test_bad_requests_get_a_4xx_naming_the_field(served):
+    url = served["url"]
+    cases = [("v1/score", *c) for c in BAD] + [("v1/generate", *c) for c in BAD_GENERATE]
+    for path, body, status, field in cases:
+        got, _, data = http(url + path, body)
+        err = json.loads(data)
+        assert (got, err["field"]) == (status, field), (path, str(body)[:80], got, err)
+        assert err["error"] and "\n" not in err["error"]
+    status, _, data = http(url + "v1/score", b"x" * 300_000)  # the body itself over max_request_bytes: 413 early
+    assert status == 413, data[:200]
+    assert http(url + "v1/nothing", {"text": "ab"})[0] == 404
+
+
+def test_health_names_what_is_served(served, trained_campaign):
+    status, _, data = http(served["url"] + "healthz")
+    info = json.loads(data)
+    assert status == 200 and info["status"] == "ok" and info["n_experts"] == 3 and info["top_k"] == 2
+    assert info["experts_loaded"] == 3 and info["seed_fallback"] == [] and info["device"] == "cpu"
+    assert info["source"] == served["source"] == str(trained_campaign)
+
+
+def test_a_flood_gets_503_with_retry_after_and_every_request_completes(served, lm):
+    """20 clients at once against max_ongoing 4 + max_queued 6 per caller: some are told to come back
+    (503 + Retry-After); a client that does gets its answer, and nothing else fails."""
+    url, doc = served["url"], "y" * 20_000
+    want = lm.score(doc).nats
+    with ThreadPoolExecutor(20) as pool:
+        results = list(pool.map(lambda _: score_until_done(url, {"text": doc}), range(40)))
+    assert all(r["scores"][0]["nats"] == want for r, _ in results)
+    assert sum(n for _, n in results) > 0  # back-pressure was exercised
+
+
+def _expert_replicas(head: RayHead) -> list[int]:
+    out = []
+    for pid in marked_pids(head.marker):
+        try:
+            if b"ServeReplica:soma:SomaExperts" in Path(f"/proc/{pid}/cmdline").read_bytes():
+                out.append(pid)
+        except OSError:
+            pass
+    return out
+
+
+def _load(url: str, docs: list[str], want: dict[str, float], stop: threading.Event, failures: list, counts: list):
+    """A client thread: score documents until `stop`, each answer checked; 503s retried as a client should."""
+    i = 0
+    while not stop.is_set() and i < 400:  # bounded
+        doc = docs[i % len(docs)]
+        try:
+            data, retried = score_until_done(url, {"text": doc})
+            if data["scores"][0]["nats"] != want[doc]:
+                failures.append(("wrong answer", doc[:20]))
+            counts.append(retried)
+        except Exception as exc:  # noqa: BLE001 - every failure is collected and asserted on
+            failures.append(repr(exc)[:300])
+        i += 1
+
+
+def test_an_expert_replica_killed_under_load_loses_no_request(served, head, lm):
+    url = served["url"]
+    docs = [f"document {k} " * 200 for k in range(4)]
+    want = {d: lm.score(d).nats for d in docs}
+    before = _expert_replicas(head)
+    assert len(before) == 2, before
+    stop, failures, counts = threading.Event(), [], []
+    threads = [threading.Thread(target=_load, args=(url, docs, want, stop, failures, counts)) for _ in range(4)]
+    for t in threads:
+        t.start()
+    time.sleep(2)
+    os.kill(before[0], signal.SIGKILL)
+    deadline = time.monotonic() + 120
+    while time.monotonic() < deadline:  # bounded: Serve starts a replacement
+        now = _expert_replicas(head)
+        if len(now) == 2 and before[0] not in now:
+            break
+        time.sleep(1)
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert not failures, failures[:5]
+    assert len(counts) > 20, len(counts)
+    now = _expert_replicas(head)
+    assert len(now) == 2 and before[0] not in now, (before, now)
+
+
+def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, trained_campaign, tmp_path):
+    export = tmp_path / "export"
+    proc = soma("export", str(trained_campaign), str(export), "--dtype", "float32")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    url = served["url"]
+    docs = [f"update {k} " * 150 for k in range(3)]
+    want = {d: lm.score(d).nats for d in docs}  # an f32 export scores as the campaign does
+    stop, failures, counts = threading.Event(), [], []
+    threads = [threading.Thread(target=_load, args=(url, docs, want, stop, failures, counts)) for _ in range(3)]
+    for t in threads:
+        t.start()
+    port = int(url.rsplit(":", 1)[1].strip("/"))
+    info = _serve(export, head, port, *SETTINGS)
+    deadline = time.monotonic() + 180
+    while time.monotonic() < deadline:  # bounded: the new version takes over
+        status, _, data = http(url + "healthz")
+        if status == 200 and json.loads(data)["source"] == info["source"]:
+            break
+        time.sleep(1)
+    time.sleep(2)
+    stop.set()
+    for t in threads:
+        t.join(timeout=120)
+    assert json.loads(http(url + "healthz")[2])["source"] == str(export)
+    assert not failures, failures[:5]
+    assert len(counts) > 10
+
+
+# -- the command itself ------------------------------------------------------------------------------------------
+def test_serve_refuses_bad_input_with_one_line(tmp_path, trained_campaign):
+    cases = [
+        (("serve", str(tmp_path / "none")), ("neither a campaign", "soma prepare")),
+        (("serve", str(trained_campaign), "--detach"), ("--detach needs --address",)),
+        (("serve", str(trained_campaign), "--set", "colour=1"), ("--set colour", "max_batch_windows")),
+        (("serve", str(trained_campaign), "--set", "max_batch_windows=0"), ("max_batch_windows",)),
+        (("serve", str(trained_campaign), "--set", "nonsense"), ("KEY=VALUE",)),
+        (("serve", str(trained_campaign), "--port", "0"), ("--port",)),
+        (("serve", str(trained_campaign), "--replicas", "0"), ("--replicas",)),
+    ]
+    for args, needles in cases:
+        assert_one_line_error(soma(*args, timeout=120), *needles)
+    camp = tmp_path / "untrained"  # as if never launched: no expert has a checkpoint, nothing to serve
+    shutil.copytree(trained_campaign, camp)
+    shutil.rmtree(camp / "experts")
+    assert_one_line_error(soma("serve", str(camp), timeout=120), "no trained expert", "soma launch")
+
+
+def test_serve_in_the_foreground_stops_on_sigterm_and_leaves_nothing(trained_campaign):
+    """No address: a local Ray of its own, the URL on stdout, then SIGTERM: 143, and no process of its left."""
+    port = free_port()
+    cmd = [sys.executable, "-m", "pipelines.cli", "serve", str(trained_campaign), "--port", str(port)]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        line = proc.stdout.readline()  # printed once the application is ready
+        assert line.strip() == f"http://127.0.0.1:{port}/", (line, proc.stderr.read()[-2000:] if not line else "")
+        status, _, data = http(line.strip() + "v1/score", {"text": DOCS[0]})
+        assert status == 200 and json.loads(data)["scores"][0]["scored_bytes"] == len(DOCS[0]) - 1
+        children = _descendants(proc.pid)
+        proc.send_signal(signal.SIGTERM)
+        assert proc.wait(timeout=60) == 143
+        assert "stopped: SIGTERM" in proc.stderr.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    time.sleep(1)
+    assert not [p for p in children if Path(f"/proc/{p}").exists() and _not_zombie(p)], children
+
+
+def _descendants(pid: int) -> list[int]:
+    import psutil
+
+    return [c.pid for c in psutil.Process(pid).children(recursive=True)]
+
+
+def _not_zombie(pid: int) -> bool:
+    try:
+        return Path(f"/proc/{pid}/stat").read_text().split()[2] != "Z"
+    except OSError:
+        return False
+
+
+def test_dry_run_prints_a_serve_config_that_ray_accepts(trained_campaign):
+    import yaml
+    from ray.serve.schema import ServeDeploySchema
+
+    from pipelines.serve_app import build
+
+    proc = soma("serve", str(trained_campaign), "--dry-run", "--port", "9001", "--set", "max_batch_windows=512")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    config = ServeDeploySchema.model_validate(yaml.safe_load(proc.stdout))
+    assert config.http_options.port == 9001
+    (app,) = config.applications
+    assert app.import_path == "pipelines.serve_app:build"
+    assert app.args == {"source": str(trained_campaign), "max_batch_windows": 512}
+    build(app.args)  # what `serve deploy` would build
