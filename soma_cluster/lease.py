@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Callable
 
+from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, VersionConflict
 
@@ -144,19 +145,8 @@ class Sighting:
 
 
 def lease_ttl_s(environ: dict[str, str] | None = None) -> float:
-    raw = (os.environ if environ is None else environ).get(TTL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TTL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 3.0 <= value <= 86400.0:
-        raise SomaError(
-            f"{TTL_ENV}={raw!r}: give the driver lease's lifetime in seconds, from 3 to 86400 "
-            f"(default {DEFAULT_TTL_S:.0f})"
-        )
-    return value
+    ttl = env_value(TTL_ENV, environ)  # bounds and wording: the registry's
+    return DEFAULT_TTL_S if ttl is None else ttl
 
 
 class Lease:

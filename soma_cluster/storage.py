@@ -11,7 +11,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import queue
 import re
@@ -37,6 +36,7 @@ from soma_cluster.diskerrors import (
     require_writable_dir,
     with_path,
 )
+from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 from soma_cluster.targets import missing_file
 
@@ -127,17 +127,9 @@ def storage_options_from_env(url: str, environ: dict[str, str] | None = None) ->
 
 def storage_timeout_s(environ: dict[str, str] | None = None) -> float:
     """SOMA_S3_TIMEOUT_S, else 15 s: the bound on one storage call's retries against an unreachable store."""
-    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "").strip()
-    if not raw:
+    value = env_value(TIMEOUT_ENV, environ)  # bounds and wording: the registry's
+    if value is None:
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise SomaError(
-            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}"
-        )
     return value
 
 
