@@ -12,6 +12,7 @@ import errno
 import functools
 import inspect
 import os
+import sys
 from contextlib import contextmanager
 from typing import Iterator
 
@@ -23,9 +24,10 @@ from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.diskerrors import MARGIN_BYTES, storage_error
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import LEASE, Lease
-from soma_cluster.storage import Store
+from soma_cluster.storage import STAGING, Store
 from soma_cluster.targets import occupied
 
+STALE_TEMP_S = 3600.0  # another host's staged file unchanged this long (by the filesystem's clock) is a dead writer's
 _held: dict[str, tuple[Lease, int]] = {}  # campaign URL -> (its lease, how many holders in this process)
 
 
@@ -55,7 +57,7 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
                 f"campaign needs a writable directory with free space"
             ) from None
         lease.start_renewing()
-        store.sweep_scratch(psutil.pid_exists)  # this driver is the campaign's only writer now
+        _sweep(store)
     _held[store.url] = (lease, count + 1)
     before = store.fence
     store.fence = lease.check
@@ -74,6 +76,23 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
                         _remove_empty_parents(store.root, made_from)
             else:
                 _held[store.url] = (lease, count - 1)
+
+
+def _sweep(store: Store) -> None:
+    """This driver is the campaign's only writer now: remove what killed writers left in it. This host's dead
+    processes' staged files and scratch at once; another host's (and unattributed ones) once the filesystem's own
+    clock dates them STALE_TEMP_S before the lease it just wrote; a Ray prepare's staging, which only a running
+    prepare (a holder of this lease) keeps."""
+    removed = []
+    if store.local:
+        stale_before = os.lstat(store.full(LEASE)).st_mtime - STALE_TEMP_S
+        removed = store.sweep_leftovers(psutil.pid_exists, stale_before)
+    if store.listdir(STAGING):
+        store.remove_tree(STAGING)
+        removed.append(STAGING)
+    if removed:
+        shown = ", ".join(removed[:3]) + (f" and {len(removed) - 3} more" if len(removed) > 3 else "")
+        print(f"soma: removed what killed commands left in {store.url}: {shown}", file=sys.stderr, flush=True)
 
 
 def _first_missing(path: str) -> str:

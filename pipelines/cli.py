@@ -29,6 +29,7 @@ from soma_cluster import schema  # noqa: E402
 from soma_cluster.campaignfile import load_campaign_config  # noqa: E402
 from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, resolve, versions  # noqa: E402
 from soma_cluster.diskerrors import storage_error  # noqa: E402
+from soma_cluster.envvars import check_environment  # noqa: E402
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment  # noqa: E402
 from soma_cluster.lease import LeaseLost  # noqa: E402
 
@@ -336,6 +337,7 @@ def _run(fn: Callable[[], None], stopped: str | None = None) -> None:
     written, lease released: soma resume continues); 1 a bug (a traceback)."""
     STOP.install()
     try:
+        check_environment()  # every variable soma reads, before a lease is taken or anything starts
         fn()
         if STOP.requested is not None:  # it came while the finished command was cleaning up: the work is done
             print(

@@ -48,7 +48,16 @@ from soma_cluster.parts import (
     threshold,
     write_part,
 )
-from soma_cluster.router import Router, cluster_spread, fit_offsets, fit_router, router_text, save_router, size_spread
+from soma_cluster.router import (
+    Router,
+    cluster_spread,
+    fit_offsets,
+    fit_router,
+    identical_share,
+    router_text,
+    save_router,
+    size_spread,
+)
 from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256
 from soma_cluster.tracking import Stage
@@ -196,6 +205,35 @@ def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
         )
 
 
+def _check_feasible(cfg: CampaignConfig, n_seqs: int, sample: list[bytes]) -> None:
+    """Refusals _check_sizes would make after the router's fit (minutes on a large corpus), made from what is known
+    before it: the smallest shard holds at most n_seqs // n_experts sequences whatever the routing; and identical
+    sequences always share a shard, so one that makes up a large share of the sample overfills its shard."""
+    every = val_every(cfg.shards.val_fraction)
+    most = n_seqs // cfg.n_experts
+    if most - most // every < cfg.shards.min_train_seqs or most // every < 1:
+        need = "shards.min_train_seqs" if most - most // every < cfg.shards.min_train_seqs else "shards.val_fraction"
+        raise SomaError(
+            f"{n_seqs} train sequences over n_experts={cfg.n_experts} leave the smallest shard at most {most} "
+            f"({most // every} val, one in every {every}), too few for {need} "
+            f"(shards.min_train_seqs={cfg.shards.min_train_seqs}, shards.val_fraction={cfg.shards.val_fraction}); "
+            f"lower n_experts to {max(1, n_seqs // max(cfg.shards.min_train_seqs + 1, every))} or less, or add data"
+        )
+    if cfg.router.rule != "balanced" or not sample:
+        return
+    share, at_least = identical_share(sample)
+    mean = n_seqs / cfg.n_experts
+    if at_least * n_seqs / mean - 1.0 > cfg.router.balance_tolerance:
+        raise SomaError(
+            f"router: {share:.1%} of the {len(sample)} sampled sequences are one and the same "
+            f"{cfg.shards.seq_bytes}-byte sequence (repetitive text), and identical sequences share a shard: its "
+            f"shard would hold at least {at_least * n_seqs:.0f} of {n_seqs} sequences, over the mean "
+            f"{mean:.0f} by more than router.balance_tolerance={cfg.router.balance_tolerance}; lower n_experts to "
+            f"{max(1, int((1.0 + cfg.router.balance_tolerance) / share))} or less, deduplicate the corpus, or raise "
+            "the tolerance"
+        )
+
+
 def resolve_engine(cfg: CampaignConfig, address: str | None) -> str:
     if cfg.prepare.engine != "auto":
         return cfg.prepare.engine
@@ -307,6 +345,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     below = threshold(lowest_keys, cfg.router.sample_chunks)
     keys, seqs = select(*engine.sample(with_seqs, below), below)
     lap("sample")
+    _check_feasible(cfg, n_seqs, seqs)  # what the sizes and the sample already rule out, before the router's fit
     console.print(
         f"fitting router on {len(seqs)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, "
         f"N={cfg.n_experts}, rule {cfg.router.rule})"

@@ -41,9 +41,10 @@ from soma_cluster.parts import SEQS, PartStats, count_part, embed_part, read_par
 from soma_cluster.router import Router, load_router, save_router
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.stagecost import TaskClock
+from soma_cluster.storage import STAGING as STAGING_ROOT
 from soma_cluster.storage import Store
 
-STAGING = ".soma-staging/prepare"  # hidden: listings leave it out, and all of .soma-staging/ goes at the end
+STAGING = f"{STAGING_ROOT}/prepare"  # hidden: listings leave it out, and all of .soma-staging/ goes at the end
 
 
 def _part(row_json: str) -> Part:

@@ -19,6 +19,7 @@ from pipelines.rayaddress import FORMS_HINT, Address, Form, ray_address, token_h
 from pipelines.stopping import STOP
 from soma_cluster.config import CampaignConfig
 from soma_cluster.diskerrors import storage_error
+from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import process_alive
 
@@ -94,7 +95,7 @@ def ray_session(cfg: CampaignConfig, address: str | Address | None = None) -> It
         with STOP.deferred(), _handlers_kept_through_shutdown():  # a signal now waits: the local Ray goes whole
             ray.shutdown()
             if tmp is not None:
-                reap(tmp, keep=os.environ.get(KEEP_ENV) == "1")
+                reap(tmp, keep=bool(env_value(KEEP_ENV)))
 
 
 def _own_temp_dir() -> str:

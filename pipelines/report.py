@@ -18,7 +18,7 @@ import numpy as np
 from scipy import stats
 
 from soma_cluster.methods import method_named
-from soma_cluster.storage import Store
+from soma_cluster.storage import Store, temp_prefix
 
 ZO_NOTE = (
     "SOMA is a zero-order method: it is meant to beat other zero-order training (monolithic SPSA, EGGROLL) "
@@ -337,7 +337,7 @@ def update_readme(path: str, section: str) -> None:
         text = text.rstrip("\n") + "\n\n" + section + "\n"
     # beside it, then renamed: a disk that fills up mid-write leaves the old README whole, never a truncated one
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-readme-")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix())
     try:
         with os.fdopen(fd, "w") as fh:
             fh.write(text)

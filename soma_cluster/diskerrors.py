@@ -25,6 +25,7 @@ class DiskCondition(StrEnum):
     """An environment condition the operator fixes (never an expert's fault); the values go into records as is."""
 
     FULL = "full"  # ENOSPC, EDQUOT: no space (or quota) left
+    NO_INODES = "no_inodes"  # ENOSPC with bytes free: the filesystem has no inode left for a new file
     READ_ONLY = "read_only"  # EROFS: a read-only mount
     DENIED = "denied"  # EACCES, EPERM: this user may not write (or read) there
     MISSING = "missing"  # ENOENT, ESTALE: absent, or removed while the command ran
@@ -53,6 +54,11 @@ _WORDS = {
     DiskCondition.FULL: (
         "no space left on its filesystem",
         "free space there (or a larger quota), or use a campaign on a larger disk",
+    ),
+    DiskCondition.NO_INODES: (
+        "no inodes left on its filesystem (its file count is at its limit, although bytes are free)",
+        "fewer files there (delete some, e.g. old campaigns), or a filesystem with more inodes (mkfs -N, tmpfs "
+        "nr_inodes)",
     ),
     DiskCondition.READ_ONLY: (
         "it is on a read-only filesystem",
@@ -115,13 +121,28 @@ def what_happened(exc: BaseException) -> str | None:
 
 
 def storage_error(exc: BaseException, path: str | None = None, detail: str = "") -> StorageError | None:
-    """The StorageError for an OSError with a disk condition, naming `path` or else the file the error names;
-    None where it is not a disk condition or no path is known."""
+    """The StorageError for an OSError with a disk condition, naming `path` or else the file the error names (its
+    directory, for a staged file: gone by the time the operator reads the line); None where it is not a disk
+    condition or no path is known. No space with bytes free is named for what it is: no inodes."""
     cond = condition_of(exc)
     where = path or getattr(exc, "filename", None)
     if cond is None or not where:
         return None
-    return StorageError(str(where), cond, detail)
+    where = str(where)
+    if path is None and os.path.basename(where).startswith((".tmp-", ".soma-")):
+        where = os.path.dirname(where)
+    if cond is DiskCondition.FULL:
+        cond = full_condition(where)
+    return StorageError(where, cond, detail)
+
+
+def full_condition(path: str) -> DiskCondition:
+    """FULL, or NO_INODES where path's filesystem has bytes but no inode left for an unprivileged user."""
+    try:
+        st = os.statvfs(nearest_existing(path))
+    except OSError:
+        return DiskCondition.FULL
+    return DiskCondition.NO_INODES if st.f_files > 0 and st.f_favail == 0 and st.f_bavail > 0 else DiskCondition.FULL
 
 
 def with_path(exc: OSError, path: str) -> OSError:
@@ -201,6 +222,8 @@ def require_writable_dir(path: str, need_bytes: int = MARGIN_BYTES, what: str = 
         err = storage_error(exc, at, detail)
         if err is None:
             raise
+        if err.condition is DiskCondition.NO_INODES:
+            raise StorageError(at, DiskCondition.NO_INODES, _space(free_bytes(at), 0, what)) from None
         if err.condition is DiskCondition.FULL:
             raise StorageError(at, DiskCondition.FULL, _space(0, need_bytes, what)) from None
         raise err from None
@@ -209,7 +232,8 @@ def require_writable_dir(path: str, need_bytes: int = MARGIN_BYTES, what: str = 
 
 
 def _space(free: int, need: int, what: str) -> str:
-    return ", ".join(x for x in (what, f"{human_bytes(free)} free, needs at least {human_bytes(need)}") if x)
+    needs = f", needs at least {human_bytes(need)}" if need else ""
+    return ", ".join(x for x in (what, f"{human_bytes(free)} free{needs}") if x)
 
 
 def temp_dir() -> tuple[str, str]:

@@ -36,6 +36,7 @@ from pathlib import Path
 import torch
 
 from soma_cluster.config import ModelConfig
+from soma_cluster.envvars import value as env_value
 
 log = logging.getLogger(__name__)
 
@@ -91,7 +92,7 @@ def _build(cc: str) -> Path:
 
 @cache
 def _library():
-    if os.environ.get("SOMA_FUSED", "1") == "0":
+    if env_value("SOMA_FUSED") is False:
         return None
     cc = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if cc is None:

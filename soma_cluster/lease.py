@@ -7,12 +7,16 @@ S3). It names its holder (host, pid, the process's start time, the host's boot i
 was last renewed. Every acquisition writes generation + 1.
 
 A candidate may take the campaign over when the lease was released, when its holder's host says the pid is
-gone (same host and boot: a SIGKILLed or crashed driver is replaced at once), or when it expired: not renewed
-for `ttl_s` by the candidate's wall clock. The holder, for its part, writes only within `ttl_s - margin_s` of
-the start of its last successful renewal by its own monotonic clock (a paused process's clock runs on), and
-renews in place (a compare-and-swap) before writing past that. So two drivers never write the same campaign
-as long as the hosts' wall clocks agree within `margin_s` (ttl_s / 3: 10 s by default; NTP keeps them within
-milliseconds). The remaining window is one write already past its check when the process is paused.
+gone (same host and boot: a SIGKILLed or crashed driver is replaced at once), or when it expired: the candidate
+saw the lease file unchanged for `ttl_s`, measured on its own monotonic clock. The `renewed_at` a holder writes
+is its host's wall clock, which may be an hour ahead or behind this one (or jump during a run), so it never
+frees a lease by itself: a lease renewed recently by it is refused at once (HELD), and one that looks lapsed or
+renewed in the future (SUSPECT) is watched for a ttl before it is taken. The holder, for its part, writes only
+within `ttl_s - margin_s` of the start of its last successful renewal by its own monotonic clock (a paused
+process's clock runs on), and renews in place (a compare-and-swap) before writing past that, so two drivers
+never write the same campaign whatever the hosts' wall clocks say, as long as their clocks *rates* agree within
+`margin_s` per ttl (ttl_s / 3). The remaining window is one write already past its check when the process is
+paused.
 """
 
 from __future__ import annotations
@@ -28,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Callable
 
+from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, VersionConflict
 
@@ -57,8 +62,12 @@ class Verdict(StrEnum):
     FREE = "free"  # no lease yet
     RELEASED = "released"  # its holder ended and said so
     DEAD = "dead"  # its holder's host is this host, and the holder's process is gone
-    EXPIRED = "expired"  # not renewed within its ttl
-    HELD = "held"  # a live holder: refuse (or wait, with take-over)
+    EXPIRED = "expired"  # seen unchanged for its ttl by this host's monotonic clock
+    HELD = "held"  # renewed within its ttl by this host's wall clock: refuse (or watch it, with take-over)
+    SUSPECT = "suspect"  # renewed more than a ttl ago, or in the future, by this host's wall clock: watch it
+
+
+FUTURE_TOLERANCE_S = 5.0  # a renewal this far ahead of this host's wall clock is ordinary skew, not a wrong clock
 
 
 @dataclass(frozen=True)
@@ -103,8 +112,9 @@ class LeaseRecord:
 
 
 def judge(rec: LeaseRecord | None, now: float, here: Holder, alive: Callable[[int, float], bool]) -> Verdict:
-    """Whether `here` may take the campaign from the lease `rec` at wall time `now`. `alive(pid, started)` asks this
-    host whether that process runs; it is consulted only for a holder on this host and boot."""
+    """What `here` may do with the lease `rec` at this host's wall time `now`, on one reading. `alive(pid, started)`
+    asks this host whether that process runs; it is consulted only for a holder on this host and boot. A reading
+    never says EXPIRED: the holder's `renewed_at` is its own host's clock (see Sighting)."""
     if rec is None:
         return Verdict.FREE
     if rec.released:
@@ -112,25 +122,31 @@ def judge(rec: LeaseRecord | None, now: float, here: Holder, alive: Callable[[in
     h = rec.holder
     if h.host == here.host and h.boot_id == here.boot_id and not alive(h.pid, h.started):
         return Verdict.DEAD
-    if now - rec.renewed_at > rec.ttl_s:
-        return Verdict.EXPIRED
-    return Verdict.HELD
+    if -FUTURE_TOLERANCE_S <= now - rec.renewed_at <= rec.ttl_s:
+        return Verdict.HELD
+    return Verdict.SUSPECT
+
+
+@dataclass(frozen=True)
+class Sighting:
+    """A lease file as this host saw it: its version (content hash or ETag) and when, on this host's monotonic
+    clock, that version was first seen. Only a lease unchanged for its ttl by this clock has expired: no other
+    host's wall clock (nor this one's, which may jump) enters the decision."""
+
+    version: str | None
+    since: float  # monotonic seconds
+
+    def after(self, version: str | None, now: float) -> "Sighting":
+        """The sighting after reading `version` at monotonic `now`: the same one while the file is unchanged."""
+        return self if version == self.version else Sighting(version, now)
+
+    def lapsed(self, now: float, ttl_s: float) -> bool:
+        return now - self.since > ttl_s
 
 
 def lease_ttl_s(environ: dict[str, str] | None = None) -> float:
-    raw = (os.environ if environ is None else environ).get(TTL_ENV, "").strip()
-    if not raw:
-        return DEFAULT_TTL_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = float("nan")
-    if not 3.0 <= value <= 86400.0:
-        raise SomaError(
-            f"{TTL_ENV}={raw!r}: give the driver lease's lifetime in seconds, from 3 to 86400 "
-            f"(default {DEFAULT_TTL_S:.0f})"
-        )
-    return value
+    ttl = env_value(TTL_ENV, environ)  # bounds and wording: the registry's
+    return DEFAULT_TTL_S if ttl is None else ttl
 
 
 class Lease:
@@ -170,47 +186,72 @@ class Lease:
         return LeaseRecord.from_bytes(raw, f"{self.store.url}/{LEASE}"), version
 
     def acquire(self, take_over: bool = False) -> LeaseRecord:
-        """Take the campaign, or raise LeaseHeld. With take_over, wait for a live holder's lease to lapse, at most its
-        own ttl (and a few seconds): it is never broken while its holder renews it."""
+        """Take the campaign, or raise LeaseHeld. A lease that looks live is refused at once, or with take_over
+        watched; one that looks lapsed or renewed in the future (another host's clock) is watched either way. A
+        watched lease is taken once this host has seen it unchanged for its ttl, and refused if it changes within its
+        ttl and a few seconds: it is never broken while its holder renews it."""
         here = Holder.here(self.command)
-        deadline = None
+        deadline, seen = None, None
         while True:
             rec, version = self._read()
             verdict = judge(rec, self.wall(), here, process_alive)
-            if verdict is not Verdict.HELD:
-                start = self.clock()
-                now = self.wall()
-                mine = LeaseRecord((rec.generation if rec else 0) + 1, uuid.uuid4().hex, here, now, now, self.ttl_s)
-                try:
-                    self._version = self.store.write_if(LEASE, mine.to_bytes(), version)
-                except VersionConflict:
-                    continue  # another candidate won this round: judge its lease
-                self.record, self._renewed = mine, start
-                if rec is not None and verdict in (Verdict.DEAD, Verdict.EXPIRED):
-                    print(
-                        f"soma: took over {self.store.url} from {rec.holder.describe()}: its lease "
-                        f"{'had expired' if verdict is Verdict.EXPIRED else 'was left by a process that is gone'} "
-                        f"(generation {rec.generation} -> {mine.generation})",
-                        file=sys.stderr,
-                        flush=True,
-                    )
-                return mine
-            if not take_over:
+            seen = Sighting(version, self.clock()) if seen is None else seen.after(version, self.clock())
+            if verdict in (Verdict.HELD, Verdict.SUSPECT) and seen.lapsed(self.clock(), rec.ttl_s):
+                verdict = Verdict.EXPIRED
+            if verdict not in (Verdict.HELD, Verdict.SUSPECT):
+                if self._take(rec, version, verdict, here):
+                    return self.record
+                continue  # another candidate won this round: judge its lease
+            if verdict is Verdict.HELD and not take_over:
                 raise LeaseHeld(self._held_message(rec))
             if deadline is None:
                 waited_s = rec.ttl_s + TAKE_OVER_SLACK_S
                 deadline = self.clock() + waited_s
-                print(
-                    f"soma: {self.store.url} is held by {rec.holder.describe()}; "
-                    f"waiting up to {waited_s:.0f} s for its lease to lapse "
-                    f"(it lapses {rec.ttl_s:.0f} s after its last renewal)",
-                    file=sys.stderr,
-                    flush=True,
-                )
+                print(f"soma: {self._watching(rec, waited_s)}", file=sys.stderr, flush=True)
             left = deadline - self.clock()
             if left <= 0:
                 raise LeaseHeld(self._held_message(rec, waited_s=waited_s))
             self.sleep(min(1.0, left))
+
+    def _take(self, rec: LeaseRecord | None, version: str | None, verdict: Verdict, here: Holder) -> bool:
+        """Write generation + 1 over `rec` (at `version`); False if another candidate changed it first."""
+        start = self.clock()
+        now = self.wall()
+        mine = LeaseRecord((rec.generation if rec else 0) + 1, uuid.uuid4().hex, here, now, now, self.ttl_s)
+        try:
+            self._version = self.store.write_if(LEASE, mine.to_bytes(), version)
+        except VersionConflict:
+            return False
+        self.record, self._renewed = mine, start
+        if rec is not None and verdict in (Verdict.DEAD, Verdict.EXPIRED):
+            why = (
+                f"had expired (unchanged for {rec.ttl_s:.0f} s by this host's clock)"
+                if verdict is Verdict.EXPIRED
+                else "was left by a process that is gone"
+            )
+            print(
+                f"soma: took over {self.store.url} from {rec.holder.describe()}: its lease {why} "
+                f"(generation {rec.generation} -> {mine.generation})",
+                file=sys.stderr,
+                flush=True,
+            )
+        return True
+
+    def _watching(self, rec: LeaseRecord, waited_s: float) -> str:
+        skew = self.wall() - rec.renewed_at
+        if skew < -FUTURE_TOLERANCE_S:
+            why = f"its last renewal is dated {-skew:.0f} s in this host's future (its host's clock is ahead)"
+        elif skew > rec.ttl_s:
+            why = (
+                f"its last renewal is dated {skew:.0f} s ago by this host's clock "
+                "(its holder is gone, or its clock is behind)"
+            )
+        else:
+            why = f"it lapses {rec.ttl_s:.0f} s after its last renewal"
+        return (
+            f"{self.store.url} is held by {rec.holder.describe()}; {why}: watching its lease up to {waited_s:.0f} s, "
+            f"taking it if it is not renewed for {rec.ttl_s:.0f} s"
+        )
 
     def _held_message(self, rec: LeaseRecord, waited_s: float = 0.0) -> str:
         age = max(0.0, self.wall() - rec.renewed_at)
@@ -218,7 +259,7 @@ class Lease:
         if waited_s > 0:
             return (
                 f"{self.store.url} is being run by another driver: {rec.holder.describe()} renewed its lease within "
-                f"the {waited_s:.0f} s this command waited, so it is alive; wait for it to end, or stop it first "
+                f"the {waited_s:.0f} s this command watched it, so it is alive; wait for it to end, or stop it first "
                 f"(kill {rec.holder.pid} on {rec.holder.host})"
             )
         return (

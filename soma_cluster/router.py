@@ -19,6 +19,7 @@ import codecs
 import hashlib
 import itertools
 import json
+import math
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -552,6 +553,19 @@ def balanced_kmeans(x: np.ndarray, n_clusters: int, iters: int, seed: int) -> tu
         centroids = np.where(empty[:, None], centroids, _l2(sums)).astype(np.float32)
     offsets = fit_offsets(x, centroids, offsets)
     return centroids, offsets, assign(x, centroids, offsets)
+
+
+def identical_share(sample: list[bytes]) -> tuple[float, float]:
+    """(the share of the sample that its most repeated sequence makes up, a lower bound on that share in the whole
+    corpus at about 3 standard deviations). The sample is drawn by key, uniformly over the corpus's sequences, so
+    the count c of the most repeated one is about Poisson: c - 3 sqrt(c) is rarely above its true count."""
+    if not sample:
+        return 0.0, 0.0
+    counts: dict[bytes, int] = {}
+    for s in sample:
+        counts[s] = counts.get(s, 0) + 1
+    c = max(counts.values())
+    return c / len(sample), max(0.0, c - 3.0 * math.sqrt(c)) / len(sample)
 
 
 def size_spread(sizes: np.ndarray) -> float:

@@ -11,7 +11,6 @@ import errno
 import hashlib
 import json
 import logging
-import math
 import os
 import queue
 import re
@@ -37,6 +36,7 @@ from soma_cluster.diskerrors import (
     require_writable_dir,
     with_path,
 )
+from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import ChecksumError, SomaError, StorageUnreachable
 from soma_cluster.targets import missing_file
 
@@ -47,13 +47,19 @@ log = logging.getLogger(__name__)
 _SAFE_PART = re.compile(r"^[A-Za-z0-9._=-]+$")
 # Names the store itself makes beside artifacts: in-flight writes (".tmp-*") and private scratch and probes
 # (".soma-*"). Listings leave them out, so a campaign that holds only them is still an empty one.
-_PRIVATE = (".tmp-", ".soma-")
+_PRIVATE = (".tmp-", ".soma-")  # (TEMP, and SCRATCH and STAGING hidden)
 _UMASK_LOCK = threading.Lock()
 
 # Errors that mean "this artifact is not there / not yours / not ours": retrying cannot help.
 _PERMANENT = (FileNotFoundError, PermissionError, IsADirectoryError, NotADirectoryError, FileExistsError, SomaError)
 _TRANSIENT: tuple[type[BaseException], ...] | None = None
 SCRATCH = "soma-scratch-"  # Store.scratch's directories: <.>soma-scratch-<host>-<pid>-<random>
+# Every file the store stages before a rename: .tmp-<host>-<pid>-<random><suffix>, beside its target. The host and
+# pid tell a later command whether its writer is gone (Store.sweep_leftovers); the leading dot keeps it out of
+# listings, so no reader ever takes it for data.
+TEMP = ".tmp-"
+_MADE_BY = re.compile(rf"^(?:{re.escape(TEMP)}|\.{SCRATCH})(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
+STAGING = ".soma-staging"  # the Ray engine's prepare stages under it (pipelines.prepare_ray), only while it runs
 _CAS_LOCK = threading.Lock()  # Store.write_if on a filesystem, between this process's threads
 # OSErrors (a local disk's, e.g. a download into a full temp dir) that a retry within seconds cannot fix
 _DISK_PERMANENT = (
@@ -121,17 +127,9 @@ def storage_options_from_env(url: str, environ: dict[str, str] | None = None) ->
 
 def storage_timeout_s(environ: dict[str, str] | None = None) -> float:
     """SOMA_S3_TIMEOUT_S, else 15 s: the bound on one storage call's retries against an unreachable store."""
-    raw = (os.environ if environ is None else environ).get(TIMEOUT_ENV, "").strip()
-    if not raw:
+    value = env_value(TIMEOUT_ENV, environ)  # bounds and wording: the registry's
+    if value is None:
         return DEFAULT_TIMEOUT_S
-    try:
-        value = float(raw)
-    except ValueError:
-        value = math.nan
-    if not value > 0:
-        raise SomaError(
-            f"{TIMEOUT_ENV}={raw!r} is not a positive number of seconds; set e.g. {TIMEOUT_ENV}={DEFAULT_TIMEOUT_S:.0f}"
-        )
     return value
 
 
@@ -279,8 +277,10 @@ class Store:
 
     def check_writable(self, need_bytes: int = MARGIN_BYTES) -> None:
         """Before a command writes: a local campaign is (or can be made) a writable directory with need_bytes
-        free (a probe write, statvfs); a remote one's bucket exists and takes a small object (PUT, DELETE)."""
+        free (a probe write, statvfs); a remote one's bucket exists and takes a small object (PUT, DELETE). What
+        this host's killed writers left in a local one goes first (it may be what fills the disk)."""
         if self.local:
+            self.sweep_leftovers(pid_alive)
             require_writable_dir(self.root, need_bytes, "the campaign directory")
             return
         self.require_bucket()
@@ -317,17 +317,35 @@ class Store:
             shutil.rmtree(path, ignore_errors=True)
 
     def sweep_scratch(self, alive: Callable[[int], bool]) -> list[str]:
-        """Remove the local campaign's scratch directories whose maker, a process of this host, is gone (`alive(pid)`
-        says): what a SIGKILLed prepare or plan left. Another host's are left alone (its pids mean nothing here)."""
+        """The campaign's top-level scratch directories of this host's processes that are gone (see sweep_leftovers)."""
+        return [n for n in self.sweep_leftovers(alive) if "/" not in n and n.startswith(f".{SCRATCH}")]
+
+    def sweep_leftovers(self, alive: Callable[[int], bool], stale_before: float | None = None) -> list[str]:
+        """Remove what killed writers left anywhere in the local campaign: staged files (".tmp-*") and scratch
+        directories (".soma-scratch-*") whose maker, a process of this host, is gone (`alive(pid)` says). Another
+        host's pids mean nothing here: theirs, and unattributed ".tmp-*" of older versions, go only when
+        `stale_before` is given (by the lease's holder, the campaign's only writer) and the filesystem's own clock
+        dates their last change before it. Returns the relative paths removed."""
         if not self.local or not os.path.isdir(self.root):
             return []
-        pattern = re.compile(rf"^\.{SCRATCH}(?P<host>.+)-(?P<pid>\d+)-[^-]+$")
-        removed = []
-        for name in os.listdir(self.root):
-            m = pattern.match(name)
-            if m and m["host"] == socket.gethostname() and not alive(int(m["pid"])):
-                shutil.rmtree(os.path.join(self.root, name), ignore_errors=True)
-                removed.append(name)
+        here, removed = socket.gethostname(), []
+        for dirpath, dirnames, filenames in os.walk(self.root):
+            for name in [*dirnames, *filenames]:
+                if not name.startswith((TEMP, f".{SCRATCH}")):
+                    continue
+                path = os.path.join(dirpath, name)
+                m = _MADE_BY.match(name)
+                if m and m["host"] == here:
+                    gone = not alive(int(m["pid"]))
+                else:
+                    gone = stale_before is not None and _mtime(path) < stale_before
+                if gone and os.path.isdir(path):
+                    shutil.rmtree(path, ignore_errors=True)
+                elif gone:
+                    _unlink(path)
+                if gone:
+                    removed.append(os.path.relpath(path, self.root))
+            dirnames[:] = [d for d in dirnames if not d.startswith((TEMP, f".{SCRATCH}"))]  # never into a live one
         return removed
 
     def stage_file(self, rel: str, suffix: str = "", scratch: str | None = None) -> "StagedFile":
@@ -584,7 +602,7 @@ class Store:
         if target.exists() and (sha is None or file_sha256(str(target)) == sha):
             return str(target)
         target.parent.mkdir(parents=True, exist_ok=True)
-        tmp = target.with_name(f".tmp-{uuid.uuid4().hex}")
+        tmp = target.with_name(f"{temp_prefix()}{uuid.uuid4().hex[:8]}")
         try:
             self._retry(f"download {rel}", lambda: self.fs.get_file(self.full(rel), str(tmp)))
             os.replace(tmp, target)
@@ -790,11 +808,41 @@ def file_mode() -> int:
     return 0o666 & ~mask
 
 
+def temp_prefix() -> str:
+    """The name every staged file starts with: its maker's host and pid, for Store.sweep_leftovers."""
+    return f"{TEMP}{socket.gethostname()}-{os.getpid()}-"
+
+
+def _mtime(path: str) -> float:
+    try:
+        return os.lstat(path).st_mtime
+    except FileNotFoundError:
+        return float("inf")
+
+
+def _unlink(path: str) -> None:
+    try:
+        os.unlink(path)
+    except OSError:  # gone already, or a read-only campaign: the sweep is best effort
+        pass
+
+
+def pid_alive(pid: int) -> bool:
+    """A process `pid` runs on this host (another user's included)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
 def _replace_local(path: str, data: bytes) -> None:
     """Write `path` whole: a temporary name beside it, fsync, rename (readers see the old file or the new one). Its
     directory exists already (Store.ensure_dir)."""
     directory = os.path.dirname(path)
-    fd, tmp = tempfile.mkstemp(dir=directory, prefix=".tmp-")
+    fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix())
     try:
         os.fchmod(fd, file_mode())
         with os.fdopen(fd, "wb") as fh:
@@ -897,7 +945,7 @@ class StagedFile:
         self.store, self.rel, self.target = store, rel, store.full(rel)
         directory = store.ensure_dir(os.path.dirname(self.target)) if store.local else (scratch or require_temp_dir())
         try:
-            fd, self.path = tempfile.mkstemp(dir=directory, prefix=".tmp-", suffix=suffix)
+            fd, self.path = tempfile.mkstemp(dir=directory, prefix=temp_prefix(), suffix=suffix)
         except OSError as exc:
             raise with_path(exc, directory) from exc
         os.close(fd)

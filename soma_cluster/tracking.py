@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from enum import StrEnum
 
 from soma_cluster.config import CampaignConfig
+from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
 from soma_cluster.jobs import ENDS, EXPERT_SPEND, SEED_JOB, Category, Event, JobState, expert_name
 
@@ -70,12 +71,7 @@ def resolve_target(
     the campaign's directory when it is local (TensorBoard's default log dir is under it), else None.
     `experiment`: the default experiment name when neither sets one (`soma experiment` names its arms')."""
     t = cfg.tracking
-    names = list(t.backends) or [b.strip() for b in env.get("SOMA_TRACKING_BACKENDS", "").split(",") if b.strip()]
-    unknown = [b for b in names if b not in tuple(Backend)]
-    if unknown:
-        raise SomaError(
-            f"SOMA_TRACKING_BACKENDS names {', '.join(unknown)}; choose from {', '.join(Backend)} (comma-separated)"
-        )
+    names = list(t.backends) or list(env_value("SOMA_TRACKING_BACKENDS", env) or ())  # the registry checks them
     backends = tuple(dict.fromkeys(Backend(b) for b in names))
     uri = t.mlflow_uri or env.get("MLFLOW_TRACKING_URI") or None
     name = t.experiment or env.get("MLFLOW_EXPERIMENT_NAME") or experiment or cfg.name

@@ -8,7 +8,6 @@ Everything an update depends on is either in `TrainState` (checkpointed) or rege
 from __future__ import annotations
 
 import math
-import os
 from abc import ABC, abstractmethod
 from dataclasses import dataclass, field
 from typing import Protocol
@@ -18,6 +17,7 @@ import torch
 
 from soma_cluster.config import ModelConfig, SPSAConfig
 from soma_cluster.eggroll import directions, eggroll_estimate
+from soma_cluster.envvars import value as env_value
 from soma_cluster.model import Layout, body_forward, copy_losses, decoder_gradient
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import Adam, Estimate, LossFn, Schedule, derive_seed, probes, spsa_estimate
@@ -37,7 +37,7 @@ def pick_device() -> torch.device:
     order eps = 1e-3 between perturbed copies, which TF32's 10-bit mantissa may drown, and no measurement has
     shown yet that it does not (benchmarks/gpu_check.sh compares the estimate under TF32 and FP32)."""
     if torch.cuda.is_available():
-        tf32 = os.environ.get("SOMA_TF32", "0") == "1"
+        tf32 = bool(env_value("SOMA_TF32"))
         torch.backends.cuda.matmul.allow_tf32 = tf32
         torch.backends.cudnn.allow_tf32 = tf32
         return torch.device("cuda")

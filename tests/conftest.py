@@ -47,9 +47,16 @@ def micro_config(**sections):
     return resolve("tiny", tree)
 
 
-def soma(*args, timeout=300, input_text: str | None = None):
-    """The CLI in a real process; `input_text` is its standard input (else it reads an empty one)."""
-    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
+def soma(*args, timeout=300, input_text: str | None = None, env: dict[str, str] | None = None):
+    """The CLI in a real process; `input_text` is its standard input (else it reads an empty one); `env` is added to
+    this process's environment."""
+    env = {
+        **os.environ,
+        "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",
+        "RAY_AUTH_MODE": "disabled",
+        "COLUMNS": "200",
+        **(env or {}),
+    }
     return subprocess.run(
         [sys.executable, "-m", "pipelines.cli", *args],
         capture_output=True,

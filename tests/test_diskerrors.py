@@ -181,3 +181,28 @@ def test_a_full_temp_dir_never_fails_a_shard_read(tmp_path, s3):  # noqa: F811
 
 
 from s3server import s3  # noqa: E402,F401  (fixture)
+
+
+def test_inode_exhaustion_is_named_as_inodes_not_space(tmp_path):
+    """ENOSPC with megabytes free: the filesystem ran out of inodes. The line says so, with the bytes free, and
+    names the directory, not a staged file that is gone by then."""
+    mnt = tmp_path / "few"
+    mnt.mkdir()
+    _mount("-t", "tmpfs", "-o", "size=20m,nr_inodes=16", "tmpfs", str(mnt))
+    try:
+        camp = mnt / "c"
+        camp.mkdir()
+        with pytest.raises(OSError):
+            for i in range(64):
+                (mnt / f"f{i}").write_bytes(b"")
+        with pytest.raises(StorageError) as err:
+            require_writable_dir(str(camp), 1 << 20, "the campaign directory")
+        assert err.value.condition is DiskCondition.NO_INODES and "no inodes left" in str(err.value)
+        assert "MiB free" in str(err.value), str(err.value)
+        with pytest.raises(OSError) as raw:
+            Store(str(camp)).write_bytes("x.json", b"{}")
+        named = storage_error(raw.value)
+        assert named.condition is DiskCondition.NO_INODES and named.path == str(camp), named
+        print(f"\n{err.value}\n{named}")
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -40,6 +40,16 @@ class Clock:
         return self.t
 
 
+def advancing(*clocks: Clock):
+    """A sleep that moves the given clocks on (a candidate watching a lease)."""
+
+    def sleep(s: float) -> None:
+        for c in clocks:
+            c.t += s
+
+    return sleep
+
+
 def record(holder=HERE, renewed_at=1000.0, ttl_s=30.0, released=False) -> LeaseRecord:
     return LeaseRecord(1, "tok", holder, renewed_at, renewed_at, ttl_s, released)
 
@@ -51,7 +61,10 @@ def test_judge_every_verdict():
     assert judge(None, 1000.0, HERE, alive) is Verdict.FREE
     assert judge(record(released=True), 1000.0, HERE, alive) is Verdict.RELEASED
     assert judge(record(), 1010.0, HERE, alive) is Verdict.HELD
-    assert judge(record(), 1031.0, HERE, alive) is Verdict.EXPIRED
+    # a reading never frees a lease by its date: lapsed, or dated in this host's future, it is watched (Sighting)
+    assert judge(record(), 1031.0, HERE, alive) is Verdict.SUSPECT
+    assert judge(record(), 1000.0 - 3600, HERE, alive) is Verdict.SUSPECT
+    assert judge(record(), 1000.0 - 4, HERE, alive) is Verdict.HELD  # a few seconds of skew is ordinary
     dead = replace(HERE, pid=200)
     assert judge(record(dead), 1001.0, HERE, alive) is Verdict.DEAD
     # another host, or this host in an earlier boot: its pids say nothing here, only expiry frees it
@@ -68,9 +81,7 @@ def test_process_alive_tells_a_reused_pid_from_the_holder():
 
 @pytest.mark.parametrize("raw", ["", "abc", "nan", "-1", "2", "1e9"])
 def test_lease_ttl_rejects_bad_values(raw):
-    if raw == "":
-        assert lease_ttl_s({"SOMA_LEASE_TTL_S": raw}) == 30.0
-        return
+    assert lease_ttl_s({}) == 30.0  # unset: the default; set but empty means nothing, and is refused
     with pytest.raises(SomaError, match="SOMA_LEASE_TTL_S"):
         lease_ttl_s({"SOMA_LEASE_TTL_S": raw})
 
@@ -113,14 +124,15 @@ def test_second_driver_refused_then_takes_over_after_expiry_and_fences_the_first
     a.acquire()
     store_a.fence = a.check
     store_a.write_bytes("a.txt", b"1")
-    b = Lease(store_b, "soma resume", ttl_s=30.0, clock=Clock(0.0), wall=wall)
+    mono_b = Clock(0.0)
+    b = Lease(store_b, "soma resume", ttl_s=30.0, clock=mono_b, wall=wall, sleep=advancing(mono_b, wall))
     with pytest.raises(LeaseHeld, match=f"pid {os.getpid()} on .*--take-over"):
         b.acquire()
     wall.t += 25.0
     mono_a.t += 25.0  # a renews (past ttl - margin = 20 s, its fence renews first)
     store_a.write_bytes("a.txt", b"2")
     assert a.record.renewed_at == 1025.0
-    wall.t += 31.0  # a is paused: no renewal for longer than the ttl
+    wall.t += 31.0  # a is paused: no renewal for longer than the ttl; b watches it unchanged for a ttl, then takes it
     assert b.acquire().generation == 2
     mono_a.t += 31.0  # a wakes up: its fence renews, finds generation 2, and writes nothing
     with pytest.raises(LeaseLost, match=r"lost .*\(generation 2\)"):
@@ -193,7 +205,8 @@ def test_lease_on_a_real_s3_server(s3):  # noqa: F811
     a = Lease(store_a, "soma launch", ttl_s=30.0, clock=mono_a, wall=wall)
     a.acquire()
     store_a.fence = a.check
-    b = Lease(store_b, "soma launch", ttl_s=30.0, clock=Clock(0.0), wall=wall)
+    mono_b = Clock(0.0)
+    b = Lease(store_b, "soma launch", ttl_s=30.0, clock=mono_b, wall=wall, sleep=advancing(mono_b, wall))
     with pytest.raises(LeaseHeld):
         b.acquire()
     wall.t += 40.0
@@ -282,10 +295,110 @@ def test_take_over_waits_for_a_silent_holder_and_never_displaces_a_renewing_one(
         return sleep
 
     alive = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=5.0, clock=mono, wall=wall, sleep=passes(True))
-    with pytest.raises(LeaseHeld, match="renewed its lease within the 35 s this command waited"):
+    with pytest.raises(LeaseHeld, match="renewed its lease within the 35 s this command watched"):
         alive.acquire(take_over=True)
-    assert "waiting up to 35 s" in capsys.readouterr().err
+    assert "watching its lease up to 35 s" in capsys.readouterr().err
     t0 = wall.t
     silent = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=5.0, clock=mono, wall=wall, sleep=passes(False))
     assert silent.acquire(take_over=True).generation == 2  # the holder's own ttl (30 s), not the taker's
     assert 30.0 < wall.t - t0 <= 31.0
+
+
+OTHER = Holder("host-b", 4242, 500.0, "boot-b", "soma launch")
+
+
+def foreign_lease(camp, renewed_at: float) -> Store:
+    """A lease written by a driver on host-b whose wall clock said `renewed_at`."""
+    store = Store(str(camp))
+    store.write_if(LEASE, LeaseRecord(7, "tok", OTHER, renewed_at, renewed_at, 30.0).to_bytes(), None)
+    return store
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0, -40.0], ids=["ahead", "behind", "just-lapsed"])
+@pytest.mark.parametrize("take_over", [False, True])
+def test_a_dead_foreign_holder_is_replaced_after_a_ttl_whatever_its_clock(tmp_path, capsys, skew_s, take_over):
+    """Its host's clock an hour ahead (the lease is dated in the future) or behind: neither blocks the campaign."""
+    mono, wall = Clock(0.0), Clock(10_000.0)
+    store = foreign_lease(tmp_path / "c", wall.t + skew_s)
+    taker = Lease(store, "soma resume", ttl_s=30.0, clock=mono, wall=wall, sleep=advancing(mono, wall))
+    assert taker.acquire(take_over=take_over).generation == 8
+    assert 30.0 < mono.t <= 31.0  # watched for the holder's ttl on this host's monotonic clock, no longer
+    err = capsys.readouterr().err
+    assert "watching its lease up to 35 s" in err and "unchanged for 30 s by this host's clock" in err
+    assert ("in this host's future" in err) == (skew_s > 0)
+
+
+@pytest.mark.parametrize("skew_s", [3600.0, -3600.0], ids=["ahead", "behind"])
+@pytest.mark.parametrize("take_over", [False, True])
+def test_a_renewing_foreign_holder_is_never_displaced_whatever_its_clock(tmp_path, skew_s, take_over):
+    """Its clock an hour off either way: the old rule (renewed_at older than a ttl by this host's clock) let a second
+    driver take a live one's campaign at once when its clock was behind."""
+    mono, wall = Clock(0.0), Clock(10_000.0)
+    holder_wall = Clock(wall.t + skew_s)
+    holder = Lease(Store(str(tmp_path / "c")), "soma launch", ttl_s=30.0, clock=Clock(0.0), wall=holder_wall)
+    holder.acquire()
+
+    def sleep(s: float) -> None:
+        mono.t += s
+        wall.t += s
+        holder_wall.t += s
+        holder.renew()
+
+    taker = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=30.0, clock=mono, wall=wall, sleep=sleep)
+    with pytest.raises(LeaseHeld, match="renewed its lease within the 35 s this command watched"):
+        taker.acquire(take_over=take_over)
+    assert LeaseRecord.from_bytes(Store(str(tmp_path / "c")).read_versioned(LEASE)[0], "").generation == 1
+
+
+@pytest.mark.parametrize("jump_s", [3600.0, -3600.0], ids=["forward", "back"])
+def test_wall_clocks_that_jump_during_a_run_neither_free_nor_block_the_lease(tmp_path, jump_s):
+    """The holder's wall clock jumps mid-run (its renewals now dated an hour off): a candidate still sees it renew.
+    The candidate's own wall clock jumps while it watches a silent holder: it still waits exactly a ttl."""
+    mono, wall, holder_wall = Clock(0.0), Clock(10_000.0), Clock(10_000.0)
+    holder = Lease(Store(str(tmp_path / "c")), "soma launch", ttl_s=30.0, clock=Clock(0.0), wall=holder_wall)
+    holder.acquire()
+    holder_wall.t += jump_s
+    holder.renew()
+
+    def renewing(s: float) -> None:
+        mono.t += s
+        wall.t += s
+        holder_wall.t += s
+        holder.renew()
+
+    taker = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=30.0, clock=mono, wall=wall, sleep=renewing)
+    with pytest.raises(LeaseHeld):
+        taker.acquire()
+    jumped = [False]
+
+    def silent(s: float) -> None:
+        mono.t += s
+        wall.t += s
+        if not jumped[0]:
+            wall.t += jump_s  # this host's wall clock jumps once, mid-watch
+            jumped[0] = True
+
+    start = mono.t
+    taker = Lease(Store(str(tmp_path / "c")), "soma resume", ttl_s=30.0, clock=mono, wall=wall, sleep=silent)
+    assert taker.acquire(take_over=True).generation == 2
+    assert 30.0 < mono.t - start <= 31.0
+
+
+def test_cli_takes_a_campaign_whose_dead_holder_dated_its_lease_an_hour_ahead(tmp_path, text_corpus, micro_yaml):
+    """The issue's case through the real CLI: a driver on another host, its clock an hour ahead, died holding the
+    campaign. The old rule refused `soma ... ` and `--take-over` alike until that hour passed."""
+    import time
+
+    from conftest import soma
+
+    camp = tmp_path / "c"
+    args = ("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus))
+    assert soma(*args).returncode == 0
+    (camp / LEASE).write_bytes(LeaseRecord(3, "tok", OTHER, time.time(), time.time() + 3600, 3.0).to_bytes())
+    t0 = time.monotonic()
+    proc = soma(*args)
+    took_s = time.monotonic() - t0
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "in this host's future" in proc.stderr and "took over" in proc.stderr, proc.stderr
+    assert LeaseRecord.from_bytes((camp / LEASE).read_bytes(), "").generation == 4
+    print(f"\ntaken over in {took_s:.1f} s (lease ttl 3 s)")

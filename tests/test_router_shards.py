@@ -407,3 +407,23 @@ def test_n256_prepare_on_the_builtin_corpus_gives_every_shard_an_equal_share(tmp
     np.testing.assert_array_equal(top[:, 0], np.repeat(np.arange(256), [len(r) for r in rows]))
     # the same centroids without the offsets (rule nearest) would not: a large share lands elsewhere
     assert np.mean(np.argmax(emb @ router.centroids.T, axis=1) != top[:, 0]) > 0.05
+
+
+def test_what_the_sizes_and_sample_rule_out_is_refused_before_the_router_fit():
+    """-n too large for the corpus, and one sequence repeated through it, are known before the fit (minutes on a
+    large corpus): refused with the cause and the largest n_experts that can work."""
+    from conftest import micro_config
+
+    from pipelines.prepare import _check_feasible
+    from soma_cluster.errors import SomaError
+    from soma_cluster.router import identical_share
+
+    cfg = micro_config(n_experts=64)  # val one in 100: 4424 sequences leave at most 69 per expert, 0 val
+    with pytest.raises(SomaError, match=r"at most 69 \(0 val.*lower n_experts to 44 or less"):
+        _check_feasible(cfg, 4424, [])
+    _check_feasible(micro_config(n_experts=40), 4424, [bytes([i % 251, i // 251]) for i in range(2000)])
+    same = [b"x" * 8] * 1000 + [bytes([i % 251, i // 251]) for i in range(1000)]
+    share, at_least = identical_share(same)
+    assert share == 0.5 and 0.45 < at_least < 0.5
+    with pytest.raises(SomaError, match=r"50.0% of the 2000 sampled sequences are one and the same"):
+        _check_feasible(micro_config(n_experts=8), 40_000, same)

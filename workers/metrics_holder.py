@@ -11,12 +11,12 @@ that Ray ends with the command (pipelines/metrics.py decides).
 
 from __future__ import annotations
 
-import os
 import threading
 import time
 
 import ray
 
+from soma_cluster.envvars import value as env_value
 from soma_cluster.metricpoints import CAMPAIGN_KEYS, DEFINITIONS, PREFIX, Kind, Metric, Reading, new_updates
 
 HOLD_ENV = "SOMA_METRICS_HOLD_S"
@@ -26,7 +26,8 @@ NAMESPACE = "soma-metrics"
 
 
 def hold_s() -> float:
-    return float(os.environ.get(HOLD_ENV, HOLD_S))
+    held = env_value(HOLD_ENV)
+    return HOLD_S if held is None else held
 
 
 class Exporter:
