@@ -16,7 +16,6 @@ import re
 import sys
 import threading
 import time
-from collections import deque
 from dataclasses import replace
 
 import ray
@@ -28,6 +27,7 @@ from ray.exceptions import (
     RayActorError,
     RayTaskError,
 )
+from rich.table import Table
 
 from pipelines.campaign_lease import held, holding
 from pipelines.common import console, frozen_heap, progress
@@ -41,14 +41,24 @@ from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
+from soma_cluster.eta import Eta
 from soma_cluster.events import history, require_seed
 from soma_cluster.failures import WORDS, actor_death_cause, exception_cause, stop_line, waiting
-from soma_cluster.jobs import SEED_JOB, Cause, Job, JobState, StopReason, expert_jobs, expert_name
+from soma_cluster.jobs import SEED_JOB, TERMINAL, Cause, Event, Job, JobState, StopReason, expert_jobs, expert_name
 from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
 from soma_cluster.schedule import POLL_S, Action, Chunk, Lost, Reuse, Scheduler, Start, Stop
-from soma_cluster.snapshot import SNAPSHOT, build, history_rows, scheduler_rows, summary_line
+from soma_cluster.snapshot import (
+    SNAPSHOT,
+    build,
+    fmt_duration,
+    history_rows,
+    loss_text,
+    newest_losses,
+    scheduler_rows,
+    summary_line,
+)
 from soma_cluster.storage import Store
 from soma_cluster.tracking import Stage
 from workers import actor_name, start_worker
@@ -58,7 +68,6 @@ SLOTS_REFRESH_S = 5.0  # how stale the cluster's GPU count may be (nodes join an
 QUEUED_POLL_S = 0.2  # how soon an actor Ray has just placed is seen (its setup report), while others run
 TRACEBACK_CHARS = 4000  # of a worker's traceback, kept in its `failed` event
 STATUS_S = 5.0  # status.json (and the metrics) are rewritten this often: one small PUT, never a log re-read
-RATE_WINDOW_S = 60.0  # the ETA's rate is measured over this much of the recent past
 LOG_EVERY_S = 30.0  # without a progress bar, one summary line this often (a log collector's view)
 ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task name in an error's text
 # what a ray.get of an actor's call raises when the actor is gone (RayTaskError: its code raised)
@@ -197,7 +206,9 @@ class Driver:
         self.started_at: float | None = None
         self._reported = self._logged = -math.inf
         self._writer: SnapshotWriter | None = None
-        self._samples: deque[tuple[float, int]] = deque()  # (monotonic time, updates of all jobs) for the ETA
+        self.eta = Eta()  # the ETA's estimator (soma_cluster/eta.py), fed the heartbeats as they are written
+        self._eta_s: float | None = None  # the last snapshot's, for the progress bar
+        self.sched.observe = self._observe
         self.lease = held(store.url)  # the campaign's lease, whose generation fences the workers
         self.stopped: str | None = None  # why this driver stopped before its jobs ended (a signal, lease lost)
         self.tracker: Tracker | None = None  # the experiment trackers it feeds (pipelines/tracking.py), if any
@@ -332,7 +343,6 @@ class Driver:
         if tracker is None:
             return None
         tracker.start([ev for h in hist.values() for ev in h.events], Ledger(self.store).records())
-        self.sched.observe = tracker.on_event
         self.sched.books.ledger.observe = tracker.on_ledger
         tracker.stage(self._stage, "running")
         return tracker
@@ -369,8 +379,8 @@ class Driver:
             for j in self.sched.pending
         }
         with progress(self.show) as bar:
-            overall = bar.add_task("updates, all jobs", total=sum(targets.values()))
-            tasks = {n: bar.add_task(n, total=t) for n, t in targets.items()} if len(targets) <= 16 else {}
+            overall = bar.add_task("updates, all jobs", total=sum(targets.values()), info="")
+            tasks = {n: bar.add_task(n, total=t, info="") for n, t in targets.items()} if len(targets) <= 16 else {}
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
             # a SIGINT/SIGTERM only sets STOP.requested here: the loop ends between two results, with the state whole
@@ -434,7 +444,8 @@ class Driver:
             by_category_s=self.sched.books.totals.gpu_seconds,
             devices=self.sched.books.totals.devices,
             started_at=self.started_at,
-            rate=self._rate(),
+            rate=None,
+            estimate=self._eta_of,
             final=final,
             source="driver",
             running={j.name for j in self.jobs},
@@ -455,14 +466,19 @@ class Driver:
             "lease_generation": self.lease.generation if self.lease else None,
         }
 
-    def _rate(self) -> float | None:
-        """Updates per second of every job together over the last RATE_WINDOW_S (start-ups and queueing age out)."""
-        now, steps = time.monotonic(), sum(v.step for v in self.sched.seen.values())
-        self._samples.append((now, steps))
-        while len(self._samples) > 2 and now - self._samples[1][0] >= RATE_WINDOW_S:
-            self._samples.popleft()
-        t0, s0 = self._samples[0]
-        return (steps - s0) / (now - t0) if now > t0 and steps > s0 else None
+    def _observe(self, rec: dict) -> None:
+        """Each event the scheduler writes: a heartbeat feeds the ETA; every event goes to the trackers, if any."""
+        if rec["event"] == Event.HEARTBEAT:
+            self.eta.beat(rec["job"], rec.get("attempt", 0), rec["t"], int(rec["step"]))
+        if self.tracker is not None:
+            self.tracker.on_event(rec)
+
+    def _eta_of(self, rows: list[dict]) -> float | None:
+        """Seconds until this driver's unended jobs (`rows`, in the order they start) end, at each one's speed, as
+        many at once as the GPUs hold (soma_cluster/eta.py)."""
+        left = {r["job"]: r["target"] - r["step"] for r in rows if r["state"] not in TERMINAL}
+        running = {r["job"] for r in rows if r["state"] == JobState.RUNNING}
+        return self.eta.seconds_left(left, running, self._slots() * self.cfg.resources.experts_per_actor)
 
     def _report(self, final: bool = False) -> None:
         """Every STATUS_S (and at the end): status.json, the metrics and, without a bar, a summary line."""
@@ -471,6 +487,7 @@ class Driver:
             return
         self._reported = now
         snap = self.snapshot(final=final and self.sched.finished)
+        self._eta_s = snap["eta_s"]
         self._writer.submit(snap)
         self.metrics.update(snap)
         if final:
@@ -569,9 +586,14 @@ class Driver:
     def _show(self, bar, overall, tasks, targets) -> None:
         steps = {n: (t if self.outcome.get(n) == JobState.FINISHED else 0) for n, t in targets.items()}
         steps |= {job.name: unit.accounts[job].step for job, unit in self.sched.open.items()}
+        views = {job.name: view for job, view in self.sched.seen.items()}
         for name, task in tasks.items():
-            bar.update(task, completed=steps.get(name, 0))
-        bar.update(overall, completed=sum(steps.values()))
+            view = views.get(name)
+            info = loss_text(view.loss, view.val) if view is not None and view.loss is not None else ""
+            bar.update(task, completed=steps.get(name, 0), info=info)
+        rows = [{"loss": v.loss, "val": v.val} for v in views.values()]
+        eta = "-" if self._eta_s is None else fmt_duration(self._eta_s)
+        bar.update(overall, completed=sum(steps.values()), info=f"ETA {eta}  {loss_text(*newest_losses(rows))}")
 
 
 @holding("soma launch")
@@ -614,6 +636,7 @@ def launch(
     driver = Driver(store, cfg, expert_jobs(cfg.n_experts), show_progress, log_every_s=log_every_s)
     outcome = run_driver(driver)
     console.print(ended_line(outcome), markup=False)
+    console.print(ended_table(outcome, {j.name: v for j, v in driver.sched.seen.items()}))
     raise_failures(driver, "experts")
     return outcome
 
@@ -627,6 +650,27 @@ def ended_line(outcome: dict[str, str]) -> str:
         for state, names in counts.items()
     ]
     return f"{len(outcome)} expert(s) ended: {', '.join(parts) or 'none'}."
+
+
+def ended_table(outcome: dict[str, str], views: dict) -> Table:
+    """The experts by end state: how many, which, their newest training and expert-validation loss (mean, nats/byte),
+    and the steps they reached; `views`: job name -> its JobView."""
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col in ("ended", "experts", "train", "expert-val", "steps", "which"):
+        table.add_column(col, justify="left" if col in ("ended", "which") else "right", no_wrap=col != "which")
+    for state in sorted(set(outcome.values()), key=lambda s: (s != JobState.FINISHED, s)):
+        names = sorted(n for n, v in outcome.items() if v == state)
+        seen = [views[n] for n in names if n in views]
+        loss, val = newest_losses([{"loss": v.loss, "val": v.val} for v in seen])
+        steps = sorted(v.step for v in seen)
+        span = "-" if not steps else str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
+        which = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
+        table.add_row(state, str(len(names)), _nats(loss), _nats(val), span, which)
+    return table
+
+
+def _nats(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
 
 
 def run_driver(driver: Driver) -> dict[str, str]:

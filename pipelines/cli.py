@@ -657,7 +657,7 @@ def status(
     with counts by state, GPU-hours by category and an ETA (from the snapshot the driver writes)."""
 
     def go() -> None:
-        from pipelines.status import Watch, load_status, print_full, render, watch_step
+        from pipelines.status import Watch, load_status, print_full, render, table_width, watch_step
         from soma_cluster.campaignfile import CONFIG_FILE
         from soma_cluster.snapshot import fmt_span
 
@@ -677,7 +677,8 @@ def status(
             else:
                 if watch and out.is_terminal:
                     out.clear()
-                print_full(out, render(snap))
+                width = table_width(out)
+                print_full(out, render(snap, width), width)
             shown += 1
             if not watch or (count and shown >= count):
                 return

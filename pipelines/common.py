@@ -10,6 +10,7 @@ from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.text import Text
 
 from soma_cluster.campaignfile import CONFIG_FILE as CONFIG
 from soma_cluster.campaignfile import load_campaign_config
@@ -81,6 +82,14 @@ def contents(store: Store) -> list[str]:
     return [n for n in store.listdir("") if n not in LEASE_FILES]
 
 
+class InfoColumn(TimeRemainingColumn):
+    """A task's `info` field where it has one (the driver's: its ETA, soma_cluster/eta.py, and newest losses), else
+    rich's own time remaining (prepare's parts)."""
+
+    def render(self, task) -> Text:
+        return Text(str(task.fields["info"])) if "info" in task.fields else super().render(task)
+
+
 @contextmanager
 def progress(enabled: bool = True) -> Iterator[Progress]:
     bar = Progress(
@@ -88,7 +97,7 @@ def progress(enabled: bool = True) -> Iterator[Progress]:
         BarColumn(),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        TimeRemainingColumn(),
+        InfoColumn(),
         console=console,
         disable=not enabled,
         transient=False,

@@ -29,6 +29,7 @@ from soma_cluster.ledger import LOG as LEDGER
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import Usage
 from soma_cluster.storage import Store, canonical_json, sha256
+from soma_cluster.tracking import absolute_url
 
 SHARED = ("router", "shards", "test", "seed")
 # what defines the data and the seed model: a fork may not change it
@@ -78,6 +79,7 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -
             spend = _copy_expert_spend(parent, child)
             _say_warm(parent, child, cfg, warm_files, spend)
     summary = {"parent": parent.url, "parent_digest": pcfg.digest(), "files": len(files) + len(warm_files)}
+    summary["parent_url"] = absolute_url(parent.url)  # as typed, `parent` names nothing from another directory
     if warm:
         summary["warm_experts"] = len(warm_files) // 3
     child.write_json(MARKER, summary)

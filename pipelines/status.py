@@ -4,6 +4,7 @@ After a campaign that was planned (`soma plan`), predicted GPU-hours and wall ti
 
 from __future__ import annotations
 
+import os
 import time
 from enum import StrEnum
 
@@ -229,28 +230,64 @@ def _cap_value(key: str, value: float) -> str:
     return f"${value:,.2f}" if key.endswith("_usd") else f"{value}"
 
 
-def job_table(snap: dict) -> Table:
+GAP = 2  # between two columns of a borderless table: a cell's padding on each side
+# a job row's columns, most needed first: job and state are never left out or cut; the rest are left out from the
+# end of this list when the width is short (the last error wraps in what is left, or goes when under ERROR_MIN)
+COLUMNS = ("job", "state", "step", "train", "expert-val", "GPU-h", "retries", "left GPU-h", "device", "node")
+RIGHT = ("step", "train", "expert-val", "GPU-h", "left GPU-h", "retries")
+ERROR_MIN = 24  # characters a wrapped `last error` needs to read as text
+
+
+def _loss(v: float | None) -> str:
+    return "-" if v is None else f"{v:.4f}"
+
+
+def _cells(r: dict) -> dict[str, str]:
+    return {
+        "job": r["job"],
+        "state": r["state"],
+        "step": f"{r['step']}/{r['target']}",
+        "train": _loss(r.get("loss")),
+        "expert-val": _loss(r["val"]),
+        "GPU-h": _hours(r["gpu_hours"]),
+        "retries": str(r["retries"]),
+        "left GPU-h": _hours(r["budget_left_gpu_hours"]),
+        "device": r["device"] or "-",
+        "node": r["node"] or "-",
+    }
+
+
+def fit_columns(rows: list[dict[str, str]], width: int | None) -> tuple[list[str], int | None]:
+    """The columns that fit `width` (None: all) whole, in COLUMNS' order, and the width left for `last error`
+    (None: it is left out). The first two always stay: a row without its job's name or state says nothing."""
+    need = {c: max([len(c)] + [len(r[c]) for r in rows]) for c in COLUMNS}
+    if width is None:
+        return list(COLUMNS), max(1, max([len("last error")] + [len(r.get("error", "")) for r in rows]))
+    cols, used = [], -GAP
+    for c in COLUMNS:
+        if len(cols) >= 2 and used + GAP + need[c] > width:
+            break
+        cols.append(c)
+        used += GAP + need[c]
+    left = width - used - GAP
+    return cols, (left if left >= ERROR_MIN else None)
+
+
+def job_table(snap: dict, width: int | None = None) -> tuple[Table, list[str]]:
+    """The jobs' table fitted to `width` columns (None: as wide as it needs), and the columns it left out: names
+    and states are never cut (soma status --json has every field)."""
+    rows = [{**_cells(r), "error": r["last_error"] or ""} for r in snap["jobs"]]
+    cols, error_w = fit_columns(rows, width)
     table = Table(box=None, pad_edge=False, show_edge=False)
-    for col in ("job", "state", "step", "expert-val", "GPU-h", "left GPU-h", "retries", "node", "device", "last error"):
-        table.add_column(
-            col,
-            no_wrap=True,
-            justify="right" if col in ("step", "expert-val", "GPU-h", "left GPU-h", "retries") else "left",
-        )
-    for r in snap["jobs"]:
-        table.add_row(
-            r["job"],
-            r["state"],
-            f"{r['step']}/{r['target']}",
-            "-" if r["val"] is None else f"{r['val']:.4f}",
-            _hours(r["gpu_hours"]),
-            _hours(r["budget_left_gpu_hours"]),
-            str(r["retries"]),
-            r["node"] or "-",
-            r["device"] or "-",
-            Text(r["last_error"] or ""),
-        )
-    return table
+    for col in cols:
+        table.add_column(col, no_wrap=True, justify="right" if col in RIGHT else "left")
+    if error_w is not None:
+        table.add_column("last error", overflow="fold", max_width=error_w if width is not None else None)
+    for r in rows:
+        table.add_row(*[r[c] for c in cols], *([Text(r["error"])] if error_w is not None else []))
+    errors = any(r["error"] for r in rows)  # a column of no errors left out loses nothing: not named
+    left_out = [c for c in COLUMNS if c not in cols] + (["last error"] if error_w is None and errors else [])
+    return table, left_out
 
 
 def comparison_table(cmp: dict) -> Table:
@@ -267,15 +304,32 @@ def comparison_table(cmp: dict) -> Table:
     return table
 
 
-def render(snap: dict) -> Group:
-    parts = [header(snap), Text(""), job_table(snap)]
+def render(snap: dict, width: int | None = None) -> Group:
+    """The header, the jobs' table (fitted to `width`, naming what it left out) and, once ended, plan vs actual."""
+    table, left_out = job_table(snap, width)
+    parts = [header(snap), Text(""), table]
+    if left_out:
+        parts.append(Text(f"({len(left_out)} columns left out at {width} wide: {', '.join(left_out)}; --json has all)"))
     if snap.get("plan_vs_actual"):
         parts += [Text(""), comparison_table(snap["plan_vs_actual"])]
     return Group(*parts)
 
 
-def print_full(console: Console, renderable) -> None:
-    """Print without cutting anything: on a terminal as wide as it is, piped as wide as the content needs."""
+def table_width(console: Console, env: dict | None = None) -> int | None:
+    """The width `soma status` fits its table to: the terminal's, or COLUMNS where set (piped, or a terminal that
+    says otherwise); None (as wide as the content needs) when piped without it."""
+    env = os.environ if env is None else env
+    if env.get("COLUMNS", "").strip().isdigit() and int(env["COLUMNS"]) > 0:
+        return int(env["COLUMNS"])
+    return console.width if console.is_terminal else None
+
+
+def print_full(console: Console, renderable, width: int | None = None) -> None:
+    """Print without cutting anything: at `width` (render fitted its table to it), on a terminal as wide as it is,
+    piped as wide as the content needs."""
+    if width is not None:
+        Console(file=console.file, width=width, highlight=False, color_system=console.color_system).print(renderable)
+        return
     if console.is_terminal:
         console.print(renderable)
         return

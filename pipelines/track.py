@@ -26,7 +26,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.jobs import SEED_JOB, JobState, expert_jobs
 from soma_cluster.storage import Store
-from soma_cluster.tracking import Backend, Metric, Point, Stage, resolve_target, settled, stage_point
+from soma_cluster.tracking import Backend, Metric, Point, RunState, Stage, Status, resolve_target, settled
 
 BACKFILL_TIMEOUT_S = 60.0  # one call to a tracker during a backfill, at most
 
@@ -53,7 +53,7 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
     patient = {"timeout_s": max(cfg.tracking.timeout_s, BACKFILL_TIMEOUT_S)}
     patient |= {"backends": backends} if backends else {}
     cfg = cfg.model_copy(update={"tracking": cfg.tracking.model_copy(update=patient)})
-    target = resolve_target(cfg, store.root if store.local else None)
+    target = resolve_target(cfg, store.root if store.local else None, url=store.url)
     if not target.backends:
         raise SomaError(
             f"{store.url} names no tracker (tracking.backends, SOMA_TRACKING_BACKENDS); name the ones to fill, e.g. "
@@ -64,12 +64,15 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
     tracker = Tracker(store, cfg, key, [])
     events, ledger = record_of(store)
     points = tracker.prologue(events, ledger)
-    points += [stage_point(s, v) for s, v in stage_states(store, cfg).items()]
+    for s, v in stage_states(store, cfg).items():  # in stage order: the last one's status is the campaign run's
+        points += tracker.feed.stage(s, v)
+    # no driver runs (the command holds the lease): a job started and not ended was stopped with its driver
+    points += [RunState(job, Status.KILLED) for job in sorted(tracker.feed.running)]
     if store.exists("eval/metrics.json"):
         points += eval_points(store, tracker.feed, store.read_json("eval/metrics.json"))
     points = settled(points)
     report = {"schema": 1, "campaign": store.url, "key": key, "backends": {}}
-    for sink in make_sinks(target, key, cfg.name, cfg, full=True):
+    for sink in make_sinks(target, key, store, cfg, full=True):
         report["backends"][sink.name] = _fill(sink, points, target, store, cfg.tracking.retries)
     return report
 

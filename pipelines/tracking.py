@@ -35,6 +35,7 @@ from soma_cluster.tracking import (
     Artifact,
     Backend,
     Feed,
+    Fork,
     Gap,
     Marks,
     Point,
@@ -43,10 +44,11 @@ from soma_cluster.tracking import (
     Tag,
     Target,
     campaign_points,
+    dir_name,
+    job_params,
     merged,
     resolve_target,
     settled,
-    stage_point,
 )
 
 KEY_FILE = "tracking/key.json"  # the campaign's identity in its trackers: found again by it on resume
@@ -91,7 +93,7 @@ def require_packages(backends: tuple[Backend, ...]) -> None:
 
 def check_tracking(store: Store, cfg: CampaignConfig) -> None:
     """Refuse (SomaError) a tracking config that cannot work here, before a command writes anything."""
-    require_packages(resolve_target(cfg, store.root if store.local else None).backends)
+    require_packages(resolve_target(cfg, store.root if store.local else None, url=store.url).backends)
 
 
 def campaign_key(store: Store, cfg: CampaignConfig) -> str:
@@ -105,18 +107,52 @@ def campaign_key(store: Store, cfg: CampaignConfig) -> str:
     return key
 
 
-def make_sinks(target: Target, key: str, name: str, cfg: CampaignConfig, full: bool = False) -> list[Sink]:
+def make_sinks(target: Target, key: str, store: Store, cfg: CampaignConfig, full: bool = False) -> list[Sink]:
+    """The campaign's sinks; its runs are named after its directory (`runs/c1`: `c1`, `c1/expert-0003`)."""
     out: list[Sink] = []
+    label, fork = dir_name(store.url), fork_of(store)
     for b in target.backends:
         if b == Backend.MLFLOW:
             from pipelines.tracking_mlflow import MlflowSink
 
-            out.append(MlflowSink(target.mlflow_uri, target.experiment, key, name, cfg.tracking.timeout_s, full))
+            timeout = cfg.tracking.timeout_s
+            fork_key = fork.key if fork else None
+            out.append(MlflowSink(target.mlflow_uri, target.experiment, key, label, timeout, full, fork_key))
         else:
             from pipelines.tracking_tb import TensorBoardSink
 
-            out.append(TensorBoardSink(target.tensorboard_dir, key, name, full))
+            out.append(TensorBoardSink(target.tensorboard_dir, key, label, full))
     return out
+
+
+FORK_MARKER = "fork.json"  # pipelines/fork.py's
+
+
+def fork_of(store: Store) -> Fork | None:
+    """Where a forked campaign came from: its parent's URL (absolute where fork.json says it) and the key the
+    parent is tracked under, if it has one and can be read now (else the run links by URL only)."""
+    try:
+        if not store.exists(FORK_MARKER):
+            return None
+        doc = store.read_json(FORK_MARKER)
+    except Exception:  # a view: a fork marker that cannot be read leaves the run unlinked
+        return None
+    url = doc.get("parent_url") or doc["parent"]
+    try:
+        parent = Store(url, storage_options=store.storage_options)
+        key = parent.read_json(KEY_FILE)["key"] if parent.exists(KEY_FILE) else None
+    except Exception:
+        key = None
+    return Fork(url, key)
+
+
+def shard_counts(store: Store) -> dict | None:
+    """shards/manifest.json's per-expert row counts (a job's run parameters), if the campaign is prepared."""
+    try:
+        m = store.read_json("shards/manifest.json") if store.exists("shards/manifest.json") else None
+    except Exception:  # a view: parameters without the counts
+        return None
+    return {k: m.get(k) for k in ("train_rows", "val_rows")} if m else None
 
 
 @dataclass
@@ -273,19 +309,19 @@ class Tracker:
 
     def __init__(self, store: Store, cfg: CampaignConfig, key: str, sinks: list[Sink]):
         self.store, self.cfg, self.key = store, cfg, key
-        self.feed = Feed()
+        self.feed = Feed(params=job_params(cfg, shard_counts(store)))
         self.threads = [SinkThread(s, cfg.tracking.queue_points, cfg.tracking.retries) for s in sinks]
 
     @staticmethod
     def open(store: Store, cfg: CampaignConfig, experiment: str | None = None) -> Tracker | None:
         """The campaign's trackers (None when no backend is named, in the config or SOMA_TRACKING_BACKENDS). A
         backend whose package is missing, or a target that cannot be resolved, is bad input (SomaError)."""
-        target = resolve_target(cfg, store.root if store.local else None, experiment=experiment)
+        target = resolve_target(cfg, store.root if store.local else None, experiment=experiment, url=store.url)
         if not target.backends:
             return None
         require_packages(target.backends)
         key = campaign_key(store, cfg)
-        return Tracker(store, cfg, key, make_sinks(target, key, cfg.name, cfg))
+        return Tracker(store, cfg, key, make_sinks(target, key, store, cfg))
 
     def start(self, events: list[dict] | None = None, ledger: list[dict] | None = None, extra=None) -> None:
         """Start the threads, first sending the points of the campaign's records so far (what a tracker lacks of
@@ -299,7 +335,8 @@ class Tracker:
 
     def prologue(self, events: list[dict], ledger: list[dict]) -> list[Point]:
         text = self.store.read_bytes(CONFIG_FILE).decode() if self.store.exists(CONFIG_FILE) else ""
-        points = campaign_points(self.cfg, self.key, self.store.url, recorded_versions(text) or versions())
+        url = self.store.root if self.store.local else self.store.url
+        points = campaign_points(self.cfg, self.key, url, recorded_versions(text) or versions(), fork_of(self.store))
         for source, rec in merged(events, ledger):
             points += self.feed.on_record(source, rec)
         return settled(points)
@@ -317,7 +354,8 @@ class Tracker:
             t.put(points)
 
     def stage(self, stage: Stage, state: str) -> None:
-        self.put([stage_point(stage, state)])
+        """A stage's tag and the campaign run's status (soma_cluster/tracking.py's Feed.stage)."""
+        self.put(self.feed.stage(stage, state))
 
     def close(self, record: bool = True) -> list[Outcome]:
         """Drain (bounded by tracking.drain_s in all), then print each tracker's gap and (`record`: not for a
@@ -376,7 +414,7 @@ def track_stage(
     events, ledger = record_of(store)
 
     def extra(feed: Feed) -> list[Point]:
-        out: list[Point] = [stage_point(stage, state)]
+        out: list[Point] = feed.stage(stage, state)
         out += [Tag(PARENT, TAG + k, v) for k, v in (tags or {}).items()]
         return out + (eval_points(store, feed, metrics) if metrics is not None else [])
 

@@ -1,7 +1,8 @@
-"""MLflow as a tracking sink: one parent run per campaign, one child run per job, found again by their tags
-(soma.campaign, soma.role, soma.job), so a resumed driver or `soma track` continues the same runs. Points go
-out through MlflowClient.log_batch from the sink's thread (pipelines/tracking.py); mlflow is imported here
-only, when a campaign asks for it (the `tracking` extra)."""
+"""MLflow as a tracking sink: one parent run per campaign (named after its directory), one child run per job
+(`<dir>/expert-0003`), found again by their tags (soma.campaign, soma.role, soma.job), so a resumed driver or
+`soma track` continues the same runs. A run's status follows the campaign's (RUNNING, FINISHED, FAILED, KILLED;
+RUNNING again on resume). Points go out through MlflowClient.log_batch from the sink's thread
+(pipelines/tracking.py); mlflow is imported here only, when a campaign asks for it (the `tracking` extra)."""
 
 from __future__ import annotations
 
@@ -9,18 +10,28 @@ import os
 import tempfile
 import time
 
-from soma_cluster.jobs import JobState
-from soma_cluster.tracking import PARENT, TAG, Artifact, Marks, Metric, Params, Point, RunEnd, Tag
+from soma_cluster.tracking import PARENT, TAG, Artifact, Marks, Metric, Params, Point, RunState, Status, Tag
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100  # log_batch's limits per call
-FAILED_STATES = (JobState.FAILED_PERMANENTLY,)
+FORK_RUN = TAG + "forked_from_run"  # a fork's parent run id, found by the parent campaign's key
 
 
 class MlflowSink:
     name = "mlflow"
 
-    def __init__(self, uri: str, experiment: str, key: str, campaign: str, timeout_s: float, full: bool = False):
-        self.uri, self.experiment, self.key, self.campaign, self.full = uri, experiment, key, campaign, full
+    def __init__(
+        self,
+        uri: str,
+        experiment: str,
+        key: str,
+        label: str,
+        timeout_s: float,
+        full: bool = False,
+        fork_key: str | None = None,
+    ):
+        """`label`: the runs' names (the campaign directory's name); `fork_key`: a fork's parent campaign's key."""
+        self.uri, self.experiment, self.key, self.label, self.full = uri, experiment, key, label, full
+        self.fork_key = fork_key
         # the client's own retries (7, with backoff: minutes) are replaced by the sink's bounded ones
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_MAX_RETRIES", "0")
         os.environ.setdefault("MLFLOW_HTTP_REQUEST_TIMEOUT", str(max(1, int(timeout_s))))
@@ -53,15 +64,30 @@ class MlflowSink:
                     marks.known[(name, m.key)] = {h.step for h in hist}
                     marks.high[(name, m.key)] = max(h.step for h in hist)
             marks.tags |= {(name, k): v for k, v in run.data.tags.items() if k.startswith(TAG)}
-            if run.info.status in ("FINISHED", "FAILED") and TAG + "state" in run.data.tags:
-                marks.tags[(name, "")] = run.data.tags[TAG + "state"]  # its end, as Marks keeps it
+            marks.tags[(name, "")] = run.info.status  # its status, as Marks keeps it
+            marks.params |= {(name, k) for k in run.data.params}
             if name == PARENT:
-                marks.params |= set(run.data.params)
                 art = TAG + "artifact."
                 marks.artifacts |= {k[len(art) :]: v for k, v in run.data.tags.items() if k.startswith(art)}
         if PARENT not in self.runs:
-            self.runs[PARENT] = self._create(PARENT, {TAG + "role": "campaign"}, f"{self.campaign}-{self.key}")
+            self.runs[PARENT] = self._create(PARENT, {TAG + "role": "campaign"}, self.label)
+            marks.tags[(PARENT, "")] = Status.RUNNING
+        if self.fork_key and (PARENT, FORK_RUN) not in marks.tags:
+            self._link_fork(marks)
         return marks
+
+    def _link_fork(self, marks: Marks) -> None:
+        """A fork's run names its parent's run (`soma.forked_from_run`, the id MLflow's search and URLs use), found by
+        the parent campaign's key in any experiment of this server; a parent never tracked here is not linked."""
+        exps = [e.experiment_id for e in self.client.search_experiments(max_results=1000)]
+        found = self.client.search_runs(
+            exps[:100],  # search_runs takes at most 100 experiments a call
+            filter_string=f"tags.`{TAG}campaign` = '{self.fork_key}' and tags.`{TAG}role` = 'campaign'",
+            max_results=1,
+        )
+        if found:
+            self.client.set_tag(self.runs[PARENT], FORK_RUN, found[0].info.run_id)
+            marks.tags[(PARENT, FORK_RUN)] = found[0].info.run_id
 
     def _experiment(self) -> str:
         exp = self.client.get_experiment_by_name(self.experiment)
@@ -94,7 +120,7 @@ class MlflowSink:
 
     def _run(self, name: str) -> str:
         if name not in self.runs:
-            self.runs[name] = self._create(name, {TAG + "role": "job", TAG + "job": name}, name)
+            self.runs[name] = self._create(name, {TAG + "role": "job", TAG + "job": name}, f"{self.label}/{name}")
         return self.runs[name]
 
     def write(self, points: list[Point]) -> None:
@@ -102,7 +128,7 @@ class MlflowSink:
         from mlflow.entities import Param, RunTag
 
         metrics: dict[str, list] = {}
-        params: list = []
+        params: dict[str, list] = {}
         tags: dict[str, dict] = {}
         later: list[Point] = []
         for p in points:
@@ -111,7 +137,7 @@ class MlflowSink:
             elif isinstance(p, Tag):  # the last value of a key wins (one batch may hold a job's two states)
                 tags.setdefault(p.run, {})[p.key] = RunTag(p.key, p.value[:5000])
             elif isinstance(p, Params):
-                params += [Param(k, v[:6000]) for k, v in p.values.items()]
+                params.setdefault(p.run, []).extend(Param(k, v[:6000]) for k, v in p.values.items())
             else:
                 later.append(p)
         for run in dict.fromkeys([*metrics, *tags]):
@@ -121,15 +147,18 @@ class MlflowSink:
                 self.client.log_batch(
                     rid, metrics=ms[i * MAX_METRICS : (i + 1) * MAX_METRICS], tags=ts[i * MAX_TAGS : (i + 1) * MAX_TAGS]
                 )
-        for i in range(0, len(params), MAX_PARAMS):
-            self.client.log_batch(self.runs[PARENT], params=params[i : i + MAX_PARAMS])
+        for run, ps in params.items():
+            for i in range(0, len(ps), MAX_PARAMS):
+                self.client.log_batch(self._run(run), params=ps[i : i + MAX_PARAMS])
         for p in later:
             self._other(p)
 
     def _other(self, p: Point) -> None:
-        if isinstance(p, RunEnd):
-            status = "FAILED" if p.state in FAILED_STATES else "FINISHED"
-            self.client.set_terminated(self._run(p.run), status=status, end_time=int(time.time() * 1000))
+        if isinstance(p, RunState):
+            if p.status == Status.RUNNING:  # reopened: a resumed campaign, a job started again
+                self.client.update_run(self._run(p.run), status=p.status)
+            else:
+                self.client.set_terminated(self._run(p.run), status=p.status, end_time=int(time.time() * 1000))
         elif isinstance(p, Artifact):
             with tempfile.TemporaryDirectory(prefix="soma-artifact-") as tmp:
                 path = os.path.join(tmp, os.path.basename(p.name))

@@ -1,11 +1,13 @@
-"""TensorBoard as a tracking sink: one run directory per campaign (<logdir>/<name>-<campaign key>), one scalar
-namespace per job (`expert-0003/train_loss`, `campaign/gpu_hours/wasted`), the config as a text summary.
+"""TensorBoard as a tracking sink: a folder per campaign (<logdir>/<dir>-<campaign key>) holding one run per job
+(`expert-0003/`, `seed/`) and the campaign's own (`campaign/`), so the experts' `train_loss` curves overlay in one
+chart; each run's parameters as a text summary (`config`).
 
-The sink writes event files of its own, in TensorBoard's record format, named so that filename order (the order
-TensorBoard reads a run in) is write order (soma_cluster/tbrun.py). When it opens it reads back every event file
-of the run, so a resumed driver appends only later steps, to a file of its own. A backfill (`soma track`) whose
-points fall below a tag's last step rewrites the run in step order (one fresh file, renamed in, then our old
-files emptied), since TensorBoard's loader would take a step going back for a restart and hide the later ones.
+In each run the sink writes event files of its own, in TensorBoard's record format, named so that filename order
+(the order TensorBoard reads a run in) is write order (soma_cluster/tbrun.py). When it opens it reads back every
+event file of every run, so a resumed driver appends only later steps, to a file of its own. A backfill (`soma
+track`) whose points fall below a tag's last step rewrites that run in step order (one fresh file, renamed in,
+then our old files emptied), since TensorBoard's loader would take a step going back for a restart and hide the
+later ones.
 Needs the tensorboard package (the `tracking` extra).
 """
 
@@ -28,8 +30,8 @@ from soma_cluster.tbrun import (
 )
 from soma_cluster.tracking import Marks, Metric, Params, Point
 
-CONFIG_TEXT = "campaign/config"
-CONFIG_TAG = f"{CONFIG_TEXT}/text_summary"  # the tag torch's add_text gave it: runs written by it read the same
+CONFIG_TEXT = "config"  # a run's parameters: the campaign's config, a job's own (soma_cluster/tracking.py job_params)
+CONFIG_TAG = f"{CONFIG_TEXT}/text_summary"  # the tag torch's add_text gives it: runs written by it read the same
 FILE_VERSION = "brain.Event:2"
 
 
@@ -99,43 +101,30 @@ def run_dir_name(campaign: str, key: str) -> str:
     return f"{campaign}-{key}"
 
 
-class TensorBoardSink:
-    name = "tensorboard"
+class RunDir:
+    """One TensorBoard run (a job's, or the campaign's own): its directory, what it holds, the file this sink appends
+    to, and a backfill's records until `finish`."""
 
-    def __init__(self, logdir: str, key: str, campaign: str, full: bool = False):
-        self.path = os.path.join(logdir, run_dir_name(campaign, key))
-        self.full = full
+    def __init__(self, path: str, full: bool):
+        self.path, self.full = path, full
         self.file: str | None = None  # the event file this sink appends to (made at its first write)
         self.runs: dict[str, list[Rec]] = {}  # what the run holds: per tag, one record per step, in step order
         self.ordered = True  # the run as read shows each tag's steps once, in order (soma_cluster/tbrun.py)
         self.start_t: float | None = None
         self.pending: list[Rec] = []  # a backfill's records, written by finish()
 
-    def load(self) -> None:
-        import tensorboard.backend.event_processing.event_file_loader  # noqa: F401
-        import tensorboard.plugins.text.summary_v2  # noqa: F401
-        import tensorboard.summary.writer.record_writer  # noqa: F401
-
-    def open(self) -> Marks:
-        # a file written to when a write failed may end in a torn record, after which no loader reads on: later
-        # points go to a new file
+    def open(self) -> dict[str, list[Rec]]:
+        """Read the run back (a file written to when a write failed may end in a torn record, after which no loader
+        reads on: later points go to a new file); returns what it holds."""
         self.file, self.pending = None, []
         recs, self.start_t = read_run(self.path) if os.path.isdir(self.path) else ([], None)
         self.runs, self.ordered = held(recs), in_order(recs)
-        marks = Marks(known={} if self.full else None, kinds=(Metric, Params))  # no tags or artifacts here
-        for tag, rs in self.runs.items():
-            if isinstance(rs[0].value, float) and "/" in tag:
-                run, key = tag.split("/", 1)
-                marks.high[(run, key)] = rs[-1].step
-                if self.full:
-                    marks.known[(run, key)] = {r.step for r in rs}
-        marks.params_whole = CONFIG_TAG in self.runs  # written once, as one text
+        found = self.runs
         if not self.full:
             self.runs = {}  # a driver appends past the marks only: no need to keep the run in memory
-        return marks
+        return found
 
-    def write(self, points: list[Point]) -> None:
-        recs = self._recs(points)
+    def write(self, recs: list[Rec]) -> None:
         if self.full:
             self.pending += recs  # a backfill's points may fall below a tag's last step: finish() places them
         elif recs:
@@ -154,19 +143,6 @@ class TensorBoardSink:
 
     def close(self) -> None:
         self.file, self.pending = None, []
-
-    def _recs(self, points: list[Point]) -> list[Rec]:
-        from tensorboard.plugins.text.summary_v2 import text_pb
-
-        out: list[Rec] = []
-        for p in points:
-            if isinstance(p, Metric):
-                out.append(Rec("", f"{p.run}/{p.key}", p.step, p.t, float(p.value)))
-            elif isinstance(p, Params) and p.values:  # Marks admits the parameters once, as a whole
-                rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(p.values.items()))
-                text = text_pb(CONFIG_TAG, f"| parameter | value |\n|---|---|\n{rows}").value[0]
-                out.append(Rec("", CONFIG_TAG, 0, time.time(), text))
-        return out
 
     def _append(self, recs: list[Rec]) -> None:
         """Append to this sink's own file, opened for each batch: no descriptor held between batches (a file
@@ -215,6 +191,70 @@ class TensorBoardSink:
             os.truncate(os.path.join(self.path, n), 0)
         self.runs, self.ordered, self.file = runs, True, None
         return retired
+
+
+class TensorBoardSink:
+    """One TensorBoard run per job under the campaign's folder (<logdir>/<dir>-<key>/expert-0003/), the campaign's
+    own scalars in <...>/campaign/: TensorBoard overlays the experts' curves (`train_loss` of every run)."""
+
+    name = "tensorboard"
+
+    def __init__(self, logdir: str, key: str, campaign: str, full: bool = False):
+        self.path = os.path.join(logdir, run_dir_name(campaign, key))
+        self.full = full
+        self.dirs: dict[str, RunDir] = {}  # run (a job, or the campaign) -> its directory
+
+    def load(self) -> None:
+        import tensorboard.backend.event_processing.event_file_loader  # noqa: F401
+        import tensorboard.plugins.text.summary_v2  # noqa: F401
+        import tensorboard.summary.writer.record_writer  # noqa: F401
+
+    def open(self) -> Marks:
+        self.dirs = {}
+        marks = Marks(known={} if self.full else None, kinds=(Metric, Params), params_whole=set())  # no tags here
+        names = sorted(os.listdir(self.path)) if os.path.isdir(self.path) else []
+        for run in [n for n in names if os.path.isdir(os.path.join(self.path, n))]:
+            for tag, rs in self._dir(run).open().items():
+                if tag == CONFIG_TAG:
+                    marks.params_whole.add(run)  # written once, as one text
+                elif isinstance(rs[0].value, float):
+                    marks.high[(run, tag)] = rs[-1].step
+                    if self.full:
+                        marks.known[(run, tag)] = {r.step for r in rs}
+        return marks
+
+    def _dir(self, run: str) -> RunDir:
+        if run not in self.dirs:
+            self.dirs[run] = RunDir(os.path.join(self.path, run), self.full)
+        return self.dirs[run]
+
+    def write(self, points: list[Point]) -> None:
+        by_run: dict[str, list[Rec]] = {}
+        for run, rec in self._recs(points):
+            by_run.setdefault(run, []).append(rec)
+        for run, recs in by_run.items():
+            self._dir(run).write(recs)
+
+    def finish(self) -> list[str]:
+        """Each run's backfill (RunDir.finish); the replaced files as <run>/<file>."""
+        return [f"{run}/{n}" for run, d in sorted(self.dirs.items()) for n in d.finish()]
+
+    def close(self) -> None:
+        for d in self.dirs.values():
+            d.close()
+
+    def _recs(self, points: list[Point]) -> list[tuple[str, Rec]]:
+        from tensorboard.plugins.text.summary_v2 import text_pb
+
+        out: list[tuple[str, Rec]] = []
+        for p in points:
+            if isinstance(p, Metric):
+                out.append((p.run, Rec("", p.key, p.step, p.t, float(p.value))))
+            elif isinstance(p, Params) and p.values:  # Marks admits a run's parameters once, as a whole
+                rows = "\n".join(f"| {k} | {v} |" for k, v in sorted(p.values.items()))
+                text = text_pb(CONFIG_TAG, f"| parameter | value |\n|---|---|\n{rows}").value[0]
+                out.append((p.run, Rec("", CONFIG_TAG, 0, time.time(), text)))
+        return out
 
 
 def _unlink(path: str) -> None:

@@ -46,6 +46,7 @@ class JobHistory:
     # retries back (preemptions, driver losses, the infrastructure's failures are not)
     step: int = 0
     val: float | None = None
+    loss: float | None = None  # the latest heartbeat's training loss
     last_error: str | None = None
     events: list[dict] = field(default_factory=list)
 
@@ -58,7 +59,12 @@ class JobHistory:
         started = [ev for ev in self.events if ev["event"] == Event.STARTED]
         last = started[-1] if started else {}
         return JobView(
-            self.step, self.val, last.get("node_ip") or last.get("node"), last.get("device"), self.last_error
+            self.step,
+            self.val,
+            last.get("node_ip") or last.get("node"),
+            last.get("device"),
+            self.last_error,
+            self.loss,
         )
 
     def of_attempt(self, attempt: int) -> list[dict]:
@@ -94,6 +100,8 @@ def history(store: Store) -> dict[str, JobHistory]:
         h.step = ev.get("step", h.step) or h.step
         if ev.get("val") is not None:
             h.val = ev["val"]
+        if ev["event"] == Event.HEARTBEAT and ev.get("loss") is not None:
+            h.loss = ev["loss"]
         if ev["event"] == Event.FAILED:
             h.failures += 1 if ev.get("counted", True) else 0
             h.last_error = ev.get("reason")

@@ -244,6 +244,7 @@ class JobView:
     node: str | None = None
     device: str | None = None
     last_error: str | None = None
+    loss: float | None = None  # latest training loss (its last chunk's mean), nats/byte
 
 
 @dataclass(frozen=True, kw_only=True)

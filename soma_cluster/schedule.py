@@ -401,7 +401,7 @@ class Scheduler:
         c.seq += 1
         c.step = hb.step
         view = self.seen.setdefault(c.job, JobView())
-        view.step = hb.step
+        view.step, view.loss = hb.step, hb.loss
         if hb.val is not None:
             view.val = hb.val
         self.books.record(c.job.category, hb.usage - c.reported, c, c.seq)

@@ -10,6 +10,7 @@ fields are only ever added.
 from __future__ import annotations
 
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from soma_cluster.config import CampaignConfig
@@ -49,6 +50,7 @@ def _row(cfg: CampaignConfig, job: Job, s: JobStatus) -> dict:
         "step": s.view.step,
         "target": target(cfg, job),
         "val": s.view.val,
+        "loss": s.view.loss,
         "gpu_hours": s.spent_s / 3600.0,
         "budget_left_gpu_hours": None if s.left_s is None else max(0.0, s.left_s) / 3600.0,
         # s.retries counts failures against retry.max_retries; each is followed by a retry, except the one that
@@ -112,6 +114,7 @@ def build(
     started_at: float | None,
     rate: float | None,
     final: bool,
+    estimate: Callable[[list[dict]], float | None] | None = None,
     source: str,
     running: set[str] | None = None,
     driver: dict | None = None,
@@ -119,10 +122,16 @@ def build(
 ) -> dict:
     """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
     `running` (the driver's own; all by default) at `rate` updates per second. `driver` says who wrote it and whether
-    it stopped before its jobs ended: then the jobs it had in flight are `interrupted`."""
+    it stopped before its jobs ended: then the jobs it had in flight are `interrupted`. `estimate`, where given, makes
+    the ETA from those rows instead (the driver's: soma_cluster/eta.py)."""
     now = time.time()
     stopped = bool(driver and driver.get("state") == "stopped")
     listed = [{**r, "state": JobState.INTERRUPTED} if stopped and r["state"] in IN_FLIGHT else r for r in rows.values()]
+    mine = [r for r in listed if running is None or r["job"] in running]  # the driver's own jobs
+
+    def _eta(mine: list[dict]) -> float | None:
+        return estimate(mine) if estimate is not None else eta_s(mine, rate)
+
     elapsed = now - started_at if started_at is not None else 0.0
     hours = {c: by_category_s.get(c, 0.0) / 3600.0 for c in CATEGORIES}
     return {
@@ -142,9 +151,8 @@ def build(
         "budget": budget_view(cfg),
         "usd": {c: (usd or {}).get(c, 0.0) for c in CATEGORIES} if usd is not None else None,
         "usd_total": sum(usd.values()) if usd is not None else None,
-        "eta_s": None
-        if final or stopped
-        else eta_s([r for r in listed if running is None or r["job"] in running], rate),
+        "eta_s": None if final or stopped else _eta(mine),
+        "losses": dict(zip(("train", "val"), newest_losses(mine), strict=True)),
         "driver": driver,
         "jobs": listed,
     }
@@ -161,14 +169,37 @@ def budget_view(cfg: CampaignConfig) -> dict:
     }
 
 
+def newest_losses(rows: list[dict]) -> tuple[float | None, float | None]:
+    """The mean over jobs of each one's newest training and expert-validation loss (nats/byte; None: none yet).
+    Each job's own newest, not the newest heartbeat's: one expert's shard is not the campaign."""
+    out = []
+    for key in ("loss", "val"):
+        vs = [r[key] for r in rows if r.get(key) is not None]
+        out.append(sum(vs) / len(vs) if vs else None)
+    return out[0], out[1]
+
+
+def losses_of(snap: dict) -> tuple[float | None, float | None]:
+    """The snapshot's newest losses: of the jobs its driver runs (`losses`), else (older snapshots) of all jobs."""
+    got = snap.get("losses")
+    return (got["train"], got["val"]) if got else newest_losses(snap["jobs"])
+
+
+def loss_text(loss: float | None, val: float | None) -> str:
+    """'train 2.3110 val 2.4002' (nats/byte), '-' for one not measured yet."""
+    return " ".join(f"{k} {'-' if v is None else f'{v:.4f}'}" for k, v in (("train", loss), ("val", val)))
+
+
 def summary_line(snap: dict) -> str:
-    """One line for a log collector: counts by state, GPU-hours by category, ETA."""
+    """One line for a log collector: counts by state, the newest losses (each job's, averaged), GPU-hours by
+    category, ETA."""
     c = ", ".join(f"{n} {s}" for s, n in snap["counts"].items())
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0)
     eta = snap["eta_s"]
     eta_text = "-" if eta is None else fmt_duration(eta)
     return (
         f"[soma {time.strftime('%H:%M:%S', time.localtime(snap['written_at']))}] {snap['name']}: {c} | "
+        f"loss {loss_text(*losses_of(snap))} | "
         f"{snap['gpu_hours_total']:.4f} {snap['unit']} ({spent or 'none yet'}){usd_text(snap)} | "
         f"elapsed {fmt_duration(snap['elapsed_s'])} | ETA {eta_text}"
     )

@@ -62,19 +62,48 @@ class Target:
     tensorboard_dir: str | None
 
 
+def absolute_url(url: str) -> str:
+    """A campaign's URL as a tracker's tag keeps it: a local path made absolute (a relative one, as typed, names
+    nothing from another directory or machine), an object store's URL as it is."""
+    if "://" in url and not url.startswith("file://"):
+        return url.rstrip("/")
+    return os.path.abspath(os.path.expanduser(url.removeprefix("file://")))
+
+
+def dir_name(url: str) -> str:
+    """The campaign directory's own name (runs/c1 and s3://b/p/c1 are both `c1`): its runs' names in a tracker."""
+    return os.path.basename(absolute_url(url).rstrip("/")) or url
+
+
+def named(cfg: CampaignConfig) -> bool:
+    """Whether the campaign's name is its own, not only its preset's (`tiny`) or the default."""
+    return cfg.name not in (cfg.preset, "campaign")
+
+
+def default_experiment(cfg: CampaignConfig, url: str | None) -> str:
+    """The tracker experiment a campaign goes to when nothing names one: its name when a person gave it one
+    (--set name=...), else its directory's name; a preset's name would put every campaign of it in one pile."""
+    return cfg.name if named(cfg) or url is None else dir_name(url)
+
+
 def resolve_target(
-    cfg: CampaignConfig, local_root: str | None, env: Mapping[str, str] = os.environ, experiment: str | None = None
+    cfg: CampaignConfig,
+    local_root: str | None,
+    env: Mapping[str, str] = os.environ,
+    experiment: str | None = None,
+    url: str | None = None,
 ) -> Target:
     """A value set in the config (campaign.yaml, --set) wins; an unset one is taken from the tool's environment
     variable (MLFLOW_TRACKING_URI, MLFLOW_EXPERIMENT_NAME, TENSORBOARD_LOGDIR; the backends from
     SOMA_TRACKING_BACKENDS, e.g. "mlflow,tensorboard", when tracking.backends is empty), else its default. `local_root`:
     the campaign's directory when it is local (TensorBoard's default log dir is under it), else None.
-    `experiment`: the default experiment name when neither sets one (`soma experiment` names its arms')."""
+    `experiment`: the default experiment name when neither sets one (`soma experiment` names its arms'), else
+    `default_experiment` of the campaign's `url`."""
     t = cfg.tracking
     names = list(t.backends) or list(env_value("SOMA_TRACKING_BACKENDS", env) or ())  # the registry checks them
     backends = tuple(dict.fromkeys(Backend(b) for b in names))
     uri = t.mlflow_uri or env.get("MLFLOW_TRACKING_URI") or None
-    name = t.experiment or env.get("MLFLOW_EXPERIMENT_NAME") or experiment or cfg.name
+    name = t.experiment or env.get("MLFLOW_EXPERIMENT_NAME") or experiment or default_experiment(cfg, url)
     logdir = t.tensorboard_dir or env.get("TENSORBOARD_LOGDIR") or None
     if Backend.MLFLOW in backends and not uri:
         raise SomaError(
@@ -121,9 +150,11 @@ class Tag:
 
 @dataclass(frozen=True)
 class Params:
-    """The campaign's parameters (its parent run's): set once, never changed."""
+    """A run's parameters (the campaign's config on its parent run; on a job's, what trains it): set once, never
+    changed."""
 
     values: dict[str, str]
+    run: str = PARENT
 
 
 @dataclass(frozen=True)
@@ -138,15 +169,30 @@ class Artifact:
         return hashlib.sha256(self.data).hexdigest()
 
 
+class Status(StrEnum):
+    """A run's status, in MLflow's words (TensorBoard has none)."""
+
+    RUNNING = "RUNNING"
+    FINISHED = "FINISHED"
+    FAILED = "FAILED"
+    KILLED = "KILLED"  # stopped before it ended (a signal, a lost lease, a driver that raised): resume reopens it
+
+
+def job_status(state: JobState) -> Status:
+    """A job's end as its run's status: failed_permanently FAILED, every other end FINISHED."""
+    return Status.FAILED if state == JobState.FAILED_PERMANENTLY else Status.FINISHED
+
+
 @dataclass(frozen=True)
-class RunEnd:
-    """A job ended (its run is closed with this state; a reopened job's run opens again)."""
+class RunState:
+    """A run's status changes: a job that starts (again: a resume, a retry after `--retry-failed`) is RUNNING, one
+    that ends FINISHED or FAILED, one its driver left in flight KILLED; the campaign's run likewise per command."""
 
     run: str
-    state: JobState
+    status: Status
 
 
-Point = Metric | Tag | Params | Artifact | RunEnd
+Point = Metric | Tag | Params | Artifact | RunState
 
 
 def flatten(tree: Mapping, prefix: str = "") -> dict[str, str]:
@@ -160,17 +206,62 @@ def flatten(tree: Mapping, prefix: str = "") -> dict[str, str]:
     return out
 
 
-def campaign_points(cfg: CampaignConfig, key: str, url: str, versions: Mapping[str, str]) -> list[Point]:
-    """The parent run's parameters (the config, its digest, versions) and the tags a person filters by."""
+@dataclass(frozen=True)
+class Fork:
+    """Where a forked campaign came from (its fork.json): the parent's URL and, if it was tracked, its key."""
+
+    url: str
+    key: str | None = None
+
+
+def campaign_points(
+    cfg: CampaignConfig, key: str, url: str, versions: Mapping[str, str], fork: Fork | None = None
+) -> list[Point]:
+    """The parent run's parameters (the config, its digest, versions) and the tags a person filters by; `url` is
+    made absolute. A fork's run names its parent's (`soma.forked_from`: the parent campaign's URL;
+    `soma.forked_from_campaign`: its key, which an MLflow sink turns into `soma.forked_from_run`)."""
     params = flatten(cfg.model_dump(mode="json", exclude={"tracking": True}))
     params |= {"config_digest": cfg.digest(), **{f"version.{k}": str(v) for k, v in versions.items()}}
-    tags = {"campaign": key, "campaign_id": cfg.digest()[:8], "url": url, "name": cfg.name, "preset": cfg.preset}
-    tags |= {"n_experts": str(cfg.n_experts), "role": "campaign"}
+    tags = {"campaign": key, "campaign_id": cfg.digest()[:8], "url": absolute_url(url), "name": cfg.name}
+    tags |= {"preset": cfg.preset, "n_experts": str(cfg.n_experts), "role": "campaign", "dir": dir_name(url)}
+    if fork is not None:
+        tags["forked_from"] = absolute_url(fork.url)
+        tags |= {"forked_from_campaign": fork.key} if fork.key else {}
     return [Params(params)] + [Tag(PARENT, TAG + k, v) for k, v in tags.items()]
+
+
+def job_params(cfg: CampaignConfig, shards: Mapping | None = None) -> dict[str, dict[str, str]]:
+    """Each job's run parameters: what trains it (the model, its stage's schedule and method, its budget, retries
+    and resources), its expert index and, from shards/manifest.json, its shard's train and validation rows. The
+    campaign's whole config stays on the parent run."""
+    tree = cfg.model_dump(mode="json")
+    common = {"model": tree["model"], "resources": tree["resources"], "seed": tree["seed"]}
+    common["config_digest"] = cfg.digest()
+    seed = flatten({**common, "seed_stage": tree["seed_stage"]})
+    method = cfg.train.method  # its section: spsa, eggroll or bptt
+    expert = {**common, "train": tree["train"], method: tree[method]}
+    expert = flatten({**expert, "budget": tree["budget"], "retry": tree["retry"]})
+    out = {SEED_JOB.name: {**seed, "job": SEED_JOB.name}}
+    rows = {k: (shards or {}).get(k) or [] for k in ("train_rows", "val_rows")}
+    for e in range(cfg.n_experts):
+        own = {"job": expert_name(e), "expert": str(e)}
+        own |= {f"shard.{k}": str(v[e]) for k, v in rows.items() if e < len(v)}
+        out[expert_name(e)] = {**expert, **own}
+    return out
 
 
 def stage_point(stage: Stage, state: str) -> Tag:
     return Tag(PARENT, f"{TAG}stage.{stage}", state)
+
+
+def campaign_status(state: str, failed: bool) -> Status:
+    """The campaign run's status as a command leaves it: RUNNING while one works on it; FINISHED when it finished
+    (FAILED when an expert ended failed_permanently); KILLED when it stopped before its jobs ended."""
+    if state == "running":
+        return Status.RUNNING
+    if state == "stopped":
+        return Status.KILLED
+    return Status.FAILED if failed else Status.FINISHED
 
 
 def job_of(rec: dict) -> str | None:
@@ -183,16 +274,22 @@ def job_of(rec: dict) -> str | None:
 @dataclass
 class Feed:
     """Campaign records in, tracker points out. Keeps what the points need from earlier records: each job's
-    GPU-seconds by category, its counted failures and preemptions, its highest step, the campaign's totals."""
+    GPU-seconds by category, its counted failures and preemptions, its highest step, how it last ended and whether
+    it runs now (its run's status), the campaign's totals. `params`: each job's run parameters, sent with its
+    first heartbeat."""
 
     gpu_s: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
     totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
     retries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     preemptions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     high: dict[str, int] = field(default_factory=dict)  # job -> the highest step of its heartbeats
+    params: Mapping[str, dict[str, str]] = field(default_factory=dict)  # job -> its run's parameters (job_params)
+    ends: dict[str, JobState] = field(default_factory=dict)  # job -> how it last ended
+    running: set[str] = field(default_factory=set)  # jobs started and not ended since: their runs are RUNNING
     ended: int = 0  # job ends seen: the step of the parent's totals
     evals: int = 0  # evaluations in the ledger: the step of the eval metrics
     _ledger_ids: set[str] = field(default_factory=set)
+    _params_sent: set[str] = field(default_factory=set)  # jobs whose parameters went out (Marks drops a repeat)
 
     def on_record(self, source: Source, rec: dict) -> list[Point]:
         return self._ledger(rec) if source == Source.LEDGER else self._event(rec)
@@ -215,7 +312,8 @@ class Feed:
         if ev == Event.HEARTBEAT:
             return self._heartbeat(job, rec, t)
         if ev == Event.STARTED:
-            return [Tag(job, TAG + "state", JobState.RUNNING)]
+            self.running.add(job)
+            return [Tag(job, TAG + "state", JobState.RUNNING), RunState(job, Status.RUNNING)]
         if ev == Event.FAILED:
             self.retries[job] += 1 if rec.get("counted", True) else 0
             return [Tag(job, TAG + "state", JobState.RETRYING), Tag(job, TAG + "retries", str(self.retries[job]))]
@@ -236,7 +334,11 @@ class Feed:
         self.high[job] = max(self.high.get(job, -1), step)
         values = {"train_loss": rec.get("loss"), "val_loss": rec.get("val"), "eps": rec.get("eps"), "lr": rec.get("lr")}
         values["gpu_hours"] = sum(self.gpu_s[job].values()) / 3600.0
-        return [Metric(job, k, step, float(v), t) for k, v in values.items() if v is not None]
+        out: list[Point] = [Metric(job, k, step, float(v), t) for k, v in values.items() if v is not None]
+        if job in self.params and job not in self._params_sent:  # with its first points: one write for both
+            self._params_sent.add(job)
+            out.insert(0, Params(dict(self.params[job]), job))
+        return out
 
     def _end(self, job: str, state: JobState, t: float) -> list[Point]:
         """A job's end: its GPU-hours by category, retries and preemptions at its highest step; the campaign's
@@ -246,10 +348,19 @@ class Feed:
         values = {f"gpu_hours/{c}": self.gpu_s[job][c] / 3600.0 for c in cats}
         values |= {"retries": self.retries[job], "preemptions": self.preemptions[job], "final_step": step}
         out: list[Point] = [Metric(job, k, step, float(v), t) for k, v in values.items()]
-        out += [Tag(job, TAG + "state", state), RunEnd(job, state)]
+        out += [Tag(job, TAG + "state", state), RunState(job, job_status(state))]
+        self.ends[job] = state
+        self.running.discard(job)
         self.ended += 1
         parent = {f"gpu_hours/{c}": self.totals[c] / 3600.0 for c in Category} | {"jobs_ended": self.ended}
         return out + [Metric(PARENT, k, self.ended, float(v), t) for k, v in parent.items()]
+
+    def stage(self, stage: Stage, state: str) -> list[Point]:
+        """A command's stage begins (`running`) or ends (`finished`, `stopped`): its tag and the campaign run's
+        status; a stop also closes the runs of the jobs it left in flight (KILLED; a resume reopens them)."""
+        failed = any(s == JobState.FAILED_PERMANENTLY for s in self.ends.values())
+        out: list[Point] = [stage_point(stage, state), RunState(PARENT, campaign_status(state, failed))]
+        return out + ([RunState(j, Status.KILLED) for j in sorted(self.running)] if state == "stopped" else [])
 
     def evaluation(self, m: Mapping, t: float) -> list[Point]:
         """`soma eval`'s ensemble, seed and uniform nats/byte with their 95% intervals, at the evaluation's count
@@ -286,10 +397,10 @@ class Marks:
     high: dict[tuple[str, str], int] = field(default_factory=dict)
     known: dict[tuple[str, str], set[int]] | None = None
     tags: dict[tuple[str, str], str] = field(default_factory=dict)
-    params: set[str] = field(default_factory=set)
+    params: set[tuple[str, str]] = field(default_factory=set)  # (run, key) logged
     artifacts: dict[str, str] = field(default_factory=dict)  # name -> sha256 of what was attached
-    kinds: tuple[type, ...] = (Metric, Tag, Params, Artifact, RunEnd)  # what the tracker keeps (others: not sent)
-    params_whole: bool = False  # the tracker took the parameters once, as a whole (TensorBoard's text)
+    kinds: tuple[type, ...] = (Metric, Tag, Params, Artifact, RunState)  # what the tracker keeps (others: not sent)
+    params_whole: set[str] | None = None  # runs that took their parameters once, as a whole (TensorBoard's text)
 
     def admit(self, points: Iterable[Point]) -> list[Point]:
         """The points the tracker does not hold yet, in order; they are then taken as held."""
@@ -298,11 +409,14 @@ class Marks:
             if not isinstance(p, self.kinds):
                 continue
             if isinstance(p, Params):  # a tracker refuses a parameter changed: only those never logged
-                if self.params_whole:
+                if self.params_whole is not None:
+                    if p.run not in self.params_whole:
+                        self.params_whole.add(p.run)
+                        out.append(p)
                     continue
-                fresh = {k: v for k, v in p.values.items() if k not in self.params}
-                self.params |= set(fresh)
-                out += [Params(fresh)] if fresh else []
+                fresh = {k: v for k, v in p.values.items() if (p.run, k) not in self.params}
+                self.params |= {(p.run, k) for k in fresh}
+                out += [Params(fresh, p.run)] if fresh else []
             elif self._new(p):
                 out.append(p)
         return out
@@ -331,24 +445,24 @@ class Marks:
                 return False
             self.artifacts[p.name] = p.sha
             return True
-        end = (p.run, "")  # a run's end state, among its tags under an empty key
-        if self.tags.get(end) == p.state:
+        status = (p.run, "")  # a run's status, among its tags under an empty key
+        if self.tags.get(status) == p.status:
             return False
-        self.tags[end] = p.state
+        self.tags[status] = p.status
         return True
 
 
 def settled(points: list[Point]) -> list[Point]:
-    """A replay's points with each tag and run end at its last value only: a tracker holding a job's `finished`
+    """A replay's points with each tag and run status at its last value only: a tracker holding a job's `finished`
     is not told `running` again on the way (the live stream after it carries every change)."""
     last: dict[tuple, int] = {}
     for i, p in enumerate(points):
         if isinstance(p, Tag):
             last[("tag", p.run, p.key)] = i
-        elif isinstance(p, RunEnd):
-            last[("end", p.run)] = i
+        elif isinstance(p, RunState):
+            last[("status", p.run)] = i
     keep = set(last.values())
-    return [p for i, p in enumerate(points) if i in keep or not isinstance(p, (Tag, RunEnd))]
+    return [p for i, p in enumerate(points) if i in keep or not isinstance(p, (Tag, RunState))]
 
 
 @dataclass

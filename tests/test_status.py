@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import io
 import json
+import os
+import subprocess
+import sys
 
 from conftest import micro_config, soma
 from rich.console import Console
@@ -23,6 +26,7 @@ ROW_KEYS = {
     "step",
     "target",
     "val",
+    "loss",
     "gpu_hours",
     "budget_left_gpu_hours",
     "retries",
@@ -117,12 +121,14 @@ def test_snapshot_schema_eta_and_summary_line(tmp_path):
         "gpu_hours_total",
         "budget",
         "eta_s",
+        "losses",
         "jobs",
     } <= set(snap)
     assert snap["schema"] == 1 and set(snap["gpu_hours"]) == set(CATEGORIES) and set(snap["counts"]) <= set(STATES)
     assert abs(snap["gpu_hours_total"] - 0.03) < 1e-12 and snap["unit"] == "logical GPU-hours on cpu"
     line = summary_line(snap)
     assert "\n" not in line and "2 pending" in line and "0.0300 logical GPU-hours on cpu" in line and "ETA" in line
+    assert "| loss train - val - |" in line  # none measured yet
     jobs = [{"target": 12, "step": 6, "state": "running"}, {"target": 12, "step": 12, "state": "finished"}]
     assert eta_s(jobs, rate=2.0) == 3.0 and eta_s(jobs, None) is None and eta_s(jobs[1:], None) == 0.0
 
@@ -261,3 +267,63 @@ def test_retries_count_the_retries_not_the_failures(tmp_path):
     again = _row(cfg, Job(1), JobStatus(state=JobState.RETRYING, view=view, spent_s=1.0, retries=1))
     assert (done["retries"], done["failures"]) == (2, 3)
     assert (again["retries"], again["failures"]) == (1, 1)
+
+
+def _status_at(camp, columns: int) -> str:
+    env = {**os.environ, "COLUMNS": str(columns), "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled"}
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipelines.cli", "status", str(camp)],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=120,
+    )
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr
+    return proc.stdout
+
+
+def test_status_fits_80_columns_without_cutting_a_name_and_shows_all_at_200(tmp_path):
+    """At 80 columns the table leaves whole columns out (naming them), never cuts a job's name or state; at 200 it
+    shows every column, the last error wrapped in what is left."""
+    from soma_cluster.events import emit
+    from soma_cluster.storage import Store
+
+    cfg = micro_config(n_experts=3)
+    camp = tmp_path / "c"
+    camp.mkdir()
+    (camp / "campaign.yaml").write_text(to_yaml_text(cfg))
+    store = Store(str(camp))
+    emit(store, "queued", "expert-0001", attempt=0)
+    emit(store, "started", "expert-0001", attempt=0, step=0, device="cuda:0", node_ip="10.0.0.7")
+    emit(store, "heartbeat", "expert-0001", attempt=0, step=3, loss=2.4567, val=2.5678, gpu_seconds=1.0)
+    emit(store, "failed", "expert-0001", attempt=0, step=3, reason="exception: RuntimeError: " + "y" * 90)
+    narrow, wide = _status_at(camp, 80), _status_at(camp, 200)
+    for text, width in ((narrow, 80), (wide, 200)):
+        assert max(len(x) for x in text.splitlines()) <= width and "…" not in text, text
+        rows = {x.split()[0]: x.split()[1] for x in text.splitlines() if x.startswith(("seed ", "expert-"))}
+        assert rows == {
+            "seed": "pending",
+            "expert-0000": "pending",
+            "expert-0001": "retrying",
+            "expert-0002": "pending",
+        }
+        assert "2.4567" in text and "2.5678" in text  # the newest train and validation loss
+    assert "columns left out at 80 wide" in narrow and "10.0.0.7" not in narrow and "last error" in narrow
+    assert "10.0.0.7" in wide and "cuda:0" in wide and "left out" not in wide
+    assert "y" * 60 in "".join(wide.split())  # the error whole, wrapped
+    print(f"\nCOLUMNS=80:\n{narrow}\nCOLUMNS=200:\n{wide}")
+
+
+def test_a_launch_ends_with_a_small_table_of_its_experts_by_end_state():
+    from pipelines.campaign import ended_line, ended_table
+    from soma_cluster.jobs import JobView
+
+    outcome = {f"expert-000{i}": "finished" for i in range(6)} | {"expert-0006": "budget_exhausted"}
+    views = {n: JobView(step=400, val=2.5, loss=2.4) for n in outcome} | {"expert-0006": JobView(step=230, loss=2.6)}
+    buf = io.StringIO()
+    Console(file=buf, width=200).print(ended_table(outcome, views))
+    lines = buf.getvalue().splitlines()
+    assert ended_line(outcome) == "7 expert(s) ended: 1 budget_exhausted (expert-0006), 6 finished."
+    assert lines[0].split() == ["ended", "experts", "train", "expert-val", "steps", "which"]
+    assert lines[1].split()[:5] == ["finished", "6", "2.4000", "2.5000", "400"] and "(2 more)" in lines[1]
+    assert lines[2].split() == ["budget_exhausted", "1", "2.6000", "-", "230", "expert-0006"]

@@ -23,8 +23,9 @@ from soma_cluster.tracking import (
     Marks,
     Metric,
     Params,
-    RunEnd,
+    RunState,
     Source,
+    Status,
     Tag,
     merged,
     resolve_target,
@@ -149,7 +150,7 @@ def test_a_retried_expert_logs_each_step_once_in_order_and_its_end():
     assert series(points, "expert-0000", "retries") == [(12, 1.0)]
     assert series(points, "expert-0000", "gpu_hours/wasted") == [(12, 9.0 / 3600)]
     assert series(points, PARENT, "gpu_hours/preprocessing") == [(1, 72.0 / 3600)]
-    assert RunEnd("expert-0000", "finished") in points
+    assert RunState("expert-0000", Status.FINISHED) in points
     assert Tag("expert-0000", "soma.state", "finished") in points
 
 
@@ -312,24 +313,25 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     second.write(second.open().admit(points))
     second.close()
     for loader, runs in shown(str(tmp_path)).items():
-        steps = [s for s, _ in runs["micro-k1"]["expert-0000/train_loss"]]
+        steps = [s for s, _ in runs["micro-k1/expert-0000"]["train_loss"]]
         assert steps == [3, 9, 12], loader  # in order, once each; the gap stays
     store = open_store(str(tmp_path / "c"))  # the backfill's own step (pipelines/track.py) records what it filled
     target = resolve_target(cfg_with(backends=["tensorboard"], tensorboard_dir=str(tmp_path)), None)
     report = _fill(TensorBoardSink(str(tmp_path), "k1", "micro", full=True), points, target, store, retries=0)
     assert (report["points"], report["metrics"], report["runs"]) == (4, 4, ["expert-0000"])  # 4 metrics of step 6
-    whole = {f"{p.run}/{p.key}": [] for p in points if isinstance(p, Metric)}
+    whole = {(f"micro-k1/{p.run}", p.key): [] for p in points if isinstance(p, Metric)}
     for p in Marks().admit(points):  # each step's first value, in step order: the campaign's curves
         if isinstance(p, Metric):
-            whole[f"{p.run}/{p.key}"].append((p.step, p.value))
-    for loader, runs in shown(str(tmp_path)).items():  # float32 in an event: equal to 1e-7
-        assert {t: [s for s, _ in pts] for t, pts in runs["micro-k1"].items()} == {
-            t: [s for s, _ in pts] for t, pts in whole.items()
+            whole[(f"micro-k1/{p.run}", p.key)].append((p.step, p.value))
+    for loader, runs in shown(str(tmp_path)).items():  # float32 in an event: equal to 1e-7, one run per job
+        got = {(run, t): pts for run, tags in runs.items() for t, pts in tags.items()}
+        assert {k: [s for s, _ in pts] for k, pts in got.items()} == {
+            k: [s for s, _ in pts] for k, pts in whole.items()
         }, loader
-        for t, pts in whole.items():
-            assert [v for _, v in runs["micro-k1"][t]] == pytest.approx([v for _, v in pts], rel=1e-6), (loader, t)
-    assert report["replaced"] == ["events.out.tfevents.soma-00000001", "events.out.tfevents.soma-00000002"]
-    sizes = {x.name: x.stat().st_size for x in (tmp_path / "micro-k1").iterdir()}
+        for k, pts in whole.items():
+            assert [v for _, v in got[k]] == pytest.approx([v for _, v in pts], rel=1e-6), (loader, k)
+    assert report["replaced"] == [f"expert-0000/events.out.tfevents.soma-0000000{n}" for n in (1, 2)]
+    sizes = {x.name: x.stat().st_size for x in (tmp_path / "micro-k1" / "expert-0000").iterdir()}
     assert [n for n, size in sorted(sizes.items()) if size] == ["events.out.tfevents.soma-00000003"]  # the rest: empty
     again = _fill(TensorBoardSink(str(tmp_path), "k1", "micro", full=True), points, target, store, retries=0)
     assert (again["points"], again["replaced"]) == (0, [])  # in order already: nothing sent or rewritten
@@ -355,7 +357,7 @@ def test_a_directory_named_like_an_event_file_is_not_read_as_one(tmp_path):
     from pipelines.tracking_tb import TensorBoardSink, run_dir_name
 
     points = replay(*retried_campaign())
-    run = tmp_path / run_dir_name("micro", "k1")
+    run = tmp_path / run_dir_name("micro", "k1") / "expert-0000"
     (run / "events.out.tfevents.soma-00000009").mkdir(parents=True)  # a user's (or a sync tool's) directory
     sink = TensorBoardSink(str(tmp_path), "k1", "micro")
     sink.write(sink.open().admit(points))
@@ -376,7 +378,7 @@ def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path)
     first = TensorBoardSink(str(tmp_path), "k1", "micro")
     first.write(first.open().admit(points))
     first.close()
-    (f,) = (tmp_path / "micro-k1").iterdir()
+    (f,) = (tmp_path / "micro-k1" / "campaign").iterdir()
     f.write_bytes(f.read_bytes()[:-7])  # the last event (the campaign's totals at the job's end) cut short
     second = TensorBoardSink(str(tmp_path), "k1", "micro")
     resent = [p for p in second.open().admit(points) if isinstance(p, Metric)]
@@ -385,8 +387,8 @@ def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path)
     second.close()
     want = sorted((p.step, p.value) for p in points if isinstance(p, Metric) and p.key == "jobs_ended")
     for loader, runs in shown(str(tmp_path)).items():
-        assert runs["micro-k1"]["campaign/jobs_ended"] == want, loader
-        assert [s for s, _ in runs["micro-k1"]["expert-0000/train_loss"]] == [3, 6, 9, 12], loader
+        assert runs["micro-k1/campaign"]["jobs_ended"] == want, loader
+        assert [s for s, _ in runs["micro-k1/expert-0000"]["train_loss"]] == [3, 6, 9, 12], loader
 
 
 def test_a_tensorboard_run_is_in_order_only_when_every_tag_rises_in_read_order():
@@ -436,8 +438,8 @@ def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
     assert states == ["finished"]  # not running, retrying, running, finished
     m = Marks(known={})
     assert m.admit(points) and m.admit(points) == []  # a second backfill sends nothing
-    held = Marks(tags={("expert-0000", "soma.state"): "finished", ("expert-0000", ""): "finished"})
-    assert not [p for p in held.admit(points) if isinstance(p, (Tag, RunEnd)) and p.run == "expert-0000" and
+    held = Marks(tags={("expert-0000", "soma.state"): "finished", ("expert-0000", ""): Status.FINISHED})
+    assert not [p for p in held.admit(points) if isinstance(p, (Tag, RunState)) and p.run == "expert-0000" and
                 getattr(p, "key", "soma.state") == "soma.state"]  # fmt: skip
 
 
@@ -451,3 +453,72 @@ def test_an_experiments_arms_share_one_tracker_experiment(monkeypatch):
     assert _tracked_as(cfg_with(experiment="mine"), spec).tracking.experiment == "mine"
     monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", "from-env")
     assert _tracked_as(cfg_with(), spec).tracking.experiment is None  # the environment's, at resolve time
+
+
+# -- statuses, parameters, names ----------------------------------------------------------------------------
+def test_runs_take_the_status_the_campaign_reached_and_reopen_on_resume():
+    """A job's run is RUNNING from its start, FINISHED or FAILED at its end; a command that stops leaves the runs of
+    its jobs in flight KILLED, and the campaign's run FINISHED, FAILED (an expert failed permanently) or KILLED;
+    a resume starts them again (RUNNING)."""
+    from soma_cluster.tracking import Stage
+
+    feed = Feed()
+    ev = [{"event": "started", "job": j, "t": 1.0, "attempt": 0} for j in ("expert-0000", "expert-0001")]
+    ev += [{"event": "finished", "job": "expert-0000", "t": 2.0, "attempt": 0, "step": 3}]
+    points = [p for e in ev for p in feed.on_record(Source.EVENTS, e)] + feed.stage(Stage.LAUNCH, "stopped")
+    status = {p.run: p.status for p in settled_states(points)}
+    assert status == {"expert-0000": Status.FINISHED, "expert-0001": Status.KILLED, PARENT: Status.KILLED}
+    resumed = feed.stage(Stage.LAUNCH, "running")
+    resumed += feed.on_record(Source.EVENTS, {"event": "started", "job": "expert-0001", "t": 3.0, "attempt": 1})
+    assert {p.run: p.status for p in settled_states(resumed)} == {PARENT: Status.RUNNING, "expert-0001": Status.RUNNING}
+    end = {"event": "failed_permanently", "job": "expert-0001", "t": 4.0, "attempt": 1, "step": 2}
+    done = feed.on_record(Source.EVENTS, end) + feed.stage(Stage.LAUNCH, "finished")
+    assert {p.run: p.status for p in settled_states(done)} == {PARENT: Status.FAILED, "expert-0001": Status.FAILED}
+    assert feed.stage(Stage.EVAL, "finished")[1] == RunState(PARENT, Status.FAILED)  # what the campaign reached
+
+
+def settled_states(points):
+    from soma_cluster.tracking import settled
+
+    return [p for p in settled(points) if isinstance(p, RunState)]
+
+
+def test_a_job_s_run_carries_its_parameters_and_its_shard():
+    from soma_cluster.tracking import job_params
+
+    cfg = micro_config(n_experts=2)
+    params = job_params(cfg, {"train_rows": [10, 12], "val_rows": [1, 2]})
+    feed = Feed(params=params)
+    assert not [p for p in feed.on_record(Source.EVENTS, {"event": "started", "job": "expert-0001", "t": 1.0,
+                                                          "attempt": 0}) if isinstance(p, Params)]  # fmt: skip
+    got = feed.on_record(Source.EVENTS, hb("expert-0001", 0, 3, 2.0))  # with its first points, once
+    assert not [p for p in feed.on_record(Source.EVENTS, hb("expert-0001", 0, 6, 3.0)) if isinstance(p, Params)]
+    (p,) = [p for p in got if isinstance(p, Params)]
+    assert p.run == "expert-0001" and p.values["shard.train_rows"] == "12" and p.values["expert"] == "1"
+    assert p.values["train.updates"] == str(cfg.train.updates) and "spsa.n_pert" in p.values
+    assert "corpus.paths" not in p.values and "seed_stage.updates" in params["seed"]
+    m = Marks()  # the campaign's parameters and a job's are kept apart: one key, two runs
+    assert len(m.admit([Params({"seed": "0"}), Params({"seed": "0"}, "expert-0001")])) == 2
+
+
+def test_tags_and_names_are_for_people(tmp_path, monkeypatch):
+    """soma.url absolute (an s3:// URL as it is); a fork's run names its parent; the experiment is the campaign's
+    name when a person gave one, else its directory's, never only the preset's."""
+    from soma_cluster.tracking import Fork, campaign_points, default_experiment, dir_name
+
+    monkeypatch.chdir(tmp_path)
+    tags = {p.key: p.value for p in campaign_points(micro_config(), "k", "runs/c1", {}) if isinstance(p, Tag)}
+    assert tags["soma.url"] == str(tmp_path / "runs" / "c1") and tags["soma.dir"] == "c1"
+    assert "soma.forked_from" not in tags
+    fork = Fork("runs/c0", "parent-key")
+    tags = {
+        p.key: p.value for p in campaign_points(micro_config(), "k", "s3://b/p/c2/", {}, fork) if isinstance(p, Tag)
+    }
+    assert tags["soma.url"] == "s3://b/p/c2" and tags["soma.forked_from"] == str(tmp_path / "runs" / "c0")
+    assert tags["soma.forked_from_campaign"] == "parent-key" and dir_name("s3://b/p/c2/") == "c2"
+    tiny = micro_config(name="tiny", preset="tiny")
+    assert (
+        default_experiment(tiny, "runs/c1") == "c1" and default_experiment(micro_config(name="sweep"), "c1") == "sweep"
+    )
+    t = resolve_target(cfg_with(backends=["mlflow"], mlflow_uri="http://x:1"), None, {}, url="runs/c9")
+    assert t.experiment == "micro"  # micro_config's own name

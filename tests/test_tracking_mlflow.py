@@ -66,6 +66,25 @@ def test_a_resumed_sink_continues_the_same_runs_in_order(server):
     assert [s for s, _ in loss] == [3, 6, 9, 12]  # once each, in the order sent
     assert runs["expert-0000"].info.status == "FINISHED"
     assert runs["expert-0000"].data.tags["mlflow.parentRunId"] == runs["campaign"].info.run_id
+    assert (runs["campaign"].info.run_name, runs["expert-0000"].info.run_name) == ("micro", "micro/expert-0000")
+
+
+def test_a_stopped_command_kills_its_runs_and_a_resume_reopens_them(server):
+    """KILLED (a stop) and RUNNING again (a resume), as the server keeps them."""
+    from pipelines.tracking_mlflow import MlflowSink
+    from soma_cluster.tracking import PARENT, RunState, Status
+
+    server.wait_ready()
+    sink = MlflowSink(server.uri, "status-test", "key-s", "c1", 10)
+    sink.write(sink.open().admit([RunState("expert-0000", Status.RUNNING), RunState(PARENT, Status.RUNNING)]))
+    sink.write([RunState("expert-0000", Status.KILLED), RunState(PARENT, Status.KILLED)])
+    runs = runs_of(server, "status-test")
+    assert {n: r.info.status for n, r in runs.items()} == {"campaign": "KILLED", "expert-0000": "KILLED"}
+    again = MlflowSink(server.uri, "status-test", "key-s", "c1", 10)  # a resumed driver: found again, reopened
+    sent = again.open().admit([RunState(PARENT, Status.RUNNING), RunState("expert-0000", Status.KILLED)])
+    assert sent == [RunState(PARENT, Status.RUNNING)]  # what the server holds already is not sent again
+    again.write(sent)
+    assert runs_of(server, "status-test")["campaign"].info.status == "RUNNING"
 
 
 def launch_killing_the_server(campaign: str, server: MlflowServer) -> subprocess.CompletedProcess:
@@ -105,6 +124,9 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
     ]
     assert runs["campaign"].data.params["train.updates"] == "12" and "config_digest" in runs["campaign"].data.params
     assert runs["campaign"].data.tags["soma.stage.seed"] == "finished"
+    assert runs["campaign"].info.status == "FINISHED" and runs["seed"].info.status == "FINISHED"  # not RUNNING on
+    assert runs["campaign"].data.tags["soma.url"] == campaign and runs["campaign"].info.run_name == "c"
+    assert runs["seed"].info.run_name == "c/seed" and runs["seed"].data.params["seed_stage.updates"] == "6"
 
     t0 = time.monotonic()
     p = launch_killing_the_server(campaign, server)
@@ -116,11 +138,12 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
     assert not any(g["backend"] == "tensorboard" for g in gaps)  # the other tracker lost nothing
     from tests.tbloaders import shown
 
+    key = store.read_json("tracking/key.json")["key"]
     for loader, tb in shown(str(Path(campaign) / "tensorboard")).items():  # as TensorBoard's own loaders show it
-        (run,) = tb.values()
-        for e in ("expert-0000", "expert-0001"):
+        assert set(tb) == {f"c-{key}/{r}" for r in ("campaign", "seed", "expert-0000", "expert-0001")}, loader
+        for e in ("expert-0000", "expert-0001"):  # one run per expert: their train_loss curves overlay
             curve = [(int(r["step"]), r["train_loss"]) for r in read_curve(store, e)]
-            got = run[f"{e}/train_loss"]
+            got = tb[f"c-{key}/{e}"]["train_loss"]
             assert [s for s, _ in got] == [s for s, _ in curve], loader  # each step once, in order
             assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
 
@@ -144,7 +167,11 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
         assert [s for s, _ in got] == [s for s, _ in curve]  # the gap is closed, nothing twice
         assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6)
         assert runs[job].data.tags["soma.state"] == "finished" and runs[job].info.status == "FINISHED"
+    for e in (0, 1):  # a child run carries what trained it and its shard's size
+        params = runs[f"expert-000{e}"].data.params
+        assert params["expert"] == str(e) and params["train.updates"] == "12" and int(params["shard.train_rows"]) > 0
     parent = runs["campaign"]
+    assert parent.info.status == "FINISHED"  # the campaign ended, its eval too: no longer RUNNING
     m = store.read_json("eval/metrics.json")
     assert parent.data.metrics["eval/ensemble_nats_per_byte"] == pytest.approx(m["ensemble"]["nats_per_byte"])
     assert parent.data.metrics["eval/seed_ci95_hi"] == pytest.approx(m["seed"]["ci95"][1])
@@ -154,6 +181,23 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
 
     again = json.loads(soma("track", campaign, "--json").stdout)["backends"]
     assert again["mlflow"]["points"] == 0 and again["tensorboard"]["points"] == 0
+
+    child = str(tmp_path / "fork")  # a fork's run names its parent's
+    assert soma("fork", campaign, child).returncode == 0
+    p = soma("track", child, "--backend", "mlflow", "--json")
+    assert p.returncode == 0, p.stderr
+    forked = runs_of(server, "tracked")
+    (fork_run,) = [r for r in client(server).search_runs([forked["campaign"].info.experiment_id]) if
+                   r.info.run_name == "fork"]  # fmt: skip
+    assert fork_run.data.tags["soma.forked_from"] == campaign
+    assert fork_run.data.tags["soma.forked_from_run"] == parent.info.run_id
+    print(
+        f"\nparent run: status {parent.info.status}, name {parent.info.run_name!r}, tags "
+        f"{ {k: v for k, v in parent.data.tags.items() if k.startswith('soma.')} }; expert-0000: status "
+        f"{runs['expert-0000'].info.status}, name {runs['expert-0000'].info.run_name!r}, params "
+        f"{dict(sorted(runs['expert-0000'].data.params.items()))}; fork: "
+        f"{ {k: v for k, v in fork_run.data.tags.items() if k.startswith('soma.fork')} }"
+    )
     print(
         f"\nlaunch with the tracker killed: {launch_s:.1f} s; backfill sent {filled['mlflow']['points']} points; "
         f"runs {sorted(runs)}; parent metrics {sorted(parent.data.metrics)}; artifacts {sorted(arts)}; "

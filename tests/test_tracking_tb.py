@@ -64,13 +64,15 @@ def assert_shows_the_campaign(tb: Path, store: Store, jobs: list[str]) -> None:
     from tests.tbloaders import shown
 
     for loader, runs in shown(str(tb)).items():
-        (run,) = runs.values()
-        for tag, pts in run.items():
-            steps = [s for s, _ in pts]
-            assert steps == sorted(set(steps)), (loader, tag, steps)  # each step once, in step order
+        (folder,) = {name.split("/")[0] for name in runs}  # the campaign's, holding one run per job
+        assert set(runs) == {f"{folder}/{job}" for job in ["campaign", *jobs]}, loader
+        for name, run in runs.items():
+            for tag, pts in run.items():
+                steps = [s for s, _ in pts]
+                assert steps == sorted(set(steps)), (loader, name, tag, steps)  # each step once, in step order
         for job in jobs:
             curve = [(int(r["step"]), r["train_loss"]) for r in read_curve(store, job)]
-            got = run[f"{job}/train_loss"]
+            got = runs[f"{folder}/{job}"]["train_loss"]
             assert [s for s, _ in got] == [s for s, _ in curve], (loader, job)
             assert [v for _, v in got] == pytest.approx([v for _, v in curve], rel=1e-6), (loader, job)
 
