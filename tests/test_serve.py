@@ -56,7 +56,10 @@ def score_until_done(url: str, body: dict, tries: int = 40) -> tuple[dict, int]:
 
 @pytest.fixture(scope="module")
 def head():
-    with RayHead(args=("--num-cpus=4",)) as h:
+    metrics = free_port()
+    args = ("--num-cpus=4", f"--metrics-export-port={metrics}", '--system-config={"metrics_report_interval_ms": 500}')
+    with RayHead(args=args) as h:
+        h.metrics_port = metrics
         yield h
 
 
@@ -200,6 +203,35 @@ def test_health_names_what_is_served(served, trained_campaign):
     assert status == 200 and info["status"] == "ok" and info["n_experts"] == 3 and info["top_k"] == 2
     assert info["experts_loaded"] == 3 and info["seed_fallback"] == [] and info["device"] == "cpu"
     assert info["source"] == served["source"] == str(trained_campaign)
+
+
+def test_metrics_reach_prometheus_through_rays_exporter(served, head):
+    """Serve's own request and batch metrics and soma's, in Prometheus's text format on the node's exporter."""
+    import re
+
+    score_until_done(served["url"], {"texts": DOCS})  # something batched and scored, whatever ran before
+    deadline, text = time.monotonic() + 90, ""
+    want = (
+        "ray_soma_serve_experts_loaded",
+        "ray_serve_num_http_requests",
+        "ray_serve_actual_batch_size_bucket",
+        "ray_soma_serve_pass_windows_bucket",
+        "ray_serve_http_request_latency_ms_bucket",
+        "ray_soma_serve_windows",
+    )
+    while time.monotonic() < deadline:  # bounded: the exporter reports every 0.5 s here
+        try:
+            text = urllib.request.urlopen(f"http://127.0.0.1:{head.metrics_port}/metrics", timeout=5).read().decode()
+        except OSError:
+            text = ""
+        if all(w in text for w in want):
+            break
+        time.sleep(1)
+    missing = [w for w in want if w not in text]
+    names = sorted({ln.split("{")[0] for ln in text.splitlines() if "soma" in ln or "batch" in ln})
+    assert not missing, (missing, names)
+    loaded = [float(v) for v in re.findall(r"^ray_soma_serve_experts_loaded\{[^}]*\} ([0-9.]+)$", text, re.M)]
+    assert loaded and set(loaded) == {3.0}, loaded  # every expert replica holds the 3 experts
 
 
 def test_a_flood_gets_503_with_retry_after_and_every_request_completes(served, lm):
