@@ -124,9 +124,12 @@ def main() -> None:
     p.add_argument("--device", default="cpu", help="cpu or cuda: the expert replica's device, and the API's")
     args = p.parse_args()
     levels = [int(c) for c in args.concurrency.split(",")]
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
     import ray
-    import torch
     from ray import serve
 
     from pipelines.serve_app import build as build_app

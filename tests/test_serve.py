@@ -21,7 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
-from conftest import assert_one_line_error, soma
+from conftest import assert_one_line_error, soma, soma_here
 from ports import free_port
 from rayhead import RayHead, marked_pids
 
@@ -338,12 +338,12 @@ def test_serve_refuses_bad_input_with_one_line(tmp_path, trained_campaign):
         (("serve", str(trained_campaign), "--port", "0"), ("--port",)),
         (("serve", str(trained_campaign), "--replicas", "0"), ("--replicas",)),
     ]
-    for args, needles in cases:
-        assert_one_line_error(soma(*args, timeout=120), *needles)
+    for args, needles in cases:  # in this process: each is refused before Ray or Serve is imported
+        assert_one_line_error(soma_here(*args), *needles)
     camp = tmp_path / "untrained"  # as if never launched: no expert has a checkpoint, nothing to serve
     shutil.copytree(trained_campaign, camp)
     shutil.rmtree(camp / "experts")
-    assert_one_line_error(soma("serve", str(camp), timeout=120), "no trained expert", "soma launch")
+    assert_one_line_error(soma("serve", str(camp), timeout=120), "no trained expert", "soma launch")  # a real process
 
 
 def test_serve_in_the_foreground_stops_on_sigterm_and_leaves_nothing(trained_campaign):
