@@ -15,7 +15,9 @@ unit), requests/s, p50 and p99 latency of a request.
 
 The API, at the same batch size: RoutedLM.score_many on the same documents in groups of max_batch_windows (the
 expert replica's pass) in this process, timed around the call. The goal: service / API >= 0.8 at the highest
-concurrency. The service's answers are checked against the API's (the same nats, document by document).
+concurrency. The service's answers are checked against the API's: the same nats, document by document, to
+float32's precision (a pass that holds other requests' windows may round differently; alone, a request's nats are
+the API's bit for bit, as tests/test_serve.py checks).
 
   PYTHONPATH=. python benchmarks/bench_serve.py [--windows 256] [--docs 8] [--concurrency 1,8,32]
                                                 [--batch-windows 256] [--repeats 2] [--fit-chunks 8000]
@@ -172,6 +174,7 @@ def main() -> None:
             setups[n] = (d, path, api_lm)
         url = f"http://127.0.0.1:{args.port}/v1/score"
         runs: dict[tuple[int, str], list[dict]] = {}
+        agree: list[float] = []
         for rep in range(args.repeats):
             for n in list(setups) if rep % 2 == 0 else list(setups)[::-1]:
                 d, path, api_lm = setups[n]
@@ -207,7 +210,11 @@ def main() -> None:
                     want += [s.nats for s in api_lm.score_many([g[0] for g in group], prefix=[g[1] for g in group])]
                 runs.setdefault((n, "API"), []).append({"seconds": time.perf_counter() - t, "latency": []})
                 print(f"  rep {rep}: N={n} API: {runs[n, 'API'][-1]['seconds']:.2f} s", flush=True)
-                assert got == want, "the service's nats differ from the API's"
+                # a pass of other requests' windows beside them may round differently (float32 matmuls over another
+                # batch shape): the same nats to float32's precision, not bit for bit
+                diff = float(np.max(np.abs(np.array(got) - np.array(want)) / np.abs(np.array(want))))
+                agree.append(diff)
+                assert diff < 1e-5, f"the service's nats differ from the API's by {diff:.2e} (relative)"
                 serve.delete("soma")
         print("\n| case | " + " | ".join(f"N={n}, d={setups[n][0]}" for n in setups) + " | N=256 / N=8 |")
         print("|---|---|---|---|")
@@ -227,6 +234,7 @@ def main() -> None:
         for n in setups:
             ratio = min(r["seconds"] for r in runs[n, "API"]) / min(r["seconds"] for r in runs[n, top])
             print(f"N={n}: service at {levels[-1]} clients / API throughput = {ratio:.2f} (goal >= 0.8)")
+        print(f"service against API: largest relative difference of a document's nats {max(agree):.1e}")
         print(f"device {args.device}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
     finally:
         try:
