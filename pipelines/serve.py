@@ -14,6 +14,7 @@ from dataclasses import asdict, dataclass
 
 from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
+from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
 from soma_cluster.lm import Routing
 from soma_cluster.serving import APP_NAME, ROUTE_PREFIX, ServeSettings
@@ -50,6 +51,13 @@ def checked_source(settings: ServeSettings) -> Routing:
 def serve_config(settings: ServeSettings, host: str, port: int) -> dict:
     """The Serve config file that deploys the same application (`serve deploy`, KubeRay's serveConfigV2): the
     settings that differ from their defaults as the application's args."""
+    try:
+        settings.source.encode("utf-8")
+    except UnicodeEncodeError:
+        raise SomaError(
+            f"{shown(settings.source)}: a Serve config file is UTF-8 text and this path is not; rename the directory, "
+            "or serve it with soma serve (without --dry-run)"
+        ) from None
     return {
         "http_options": {"host": host, "port": port},
         "applications": [
@@ -75,17 +83,16 @@ def serve_campaign(settings: ServeSettings, address: str | None, host: str, port
 
         from pipelines.serve_app import build
 
-        serve.start(http_options={"host": host, "port": port})
         try:
-            _deploy(serve, build(settings.model_dump()))
+            _deploy(serve, build(settings.model_dump()), host, port)
         except SomaError:
             if not detach:
                 _remove(serve, addr.remote)
             raise
-        served = Served(
+        served = Served(  # shown: a path that is not UTF-8, escaped (--json is text)
             f"http://{host}:{port}{ROUTE_PREFIX}",
             APP_NAME,
-            routing.source,
+            shown(routing.source),
             routing.config.n_experts,
             settings.replicas,
             detach,
@@ -100,22 +107,29 @@ def serve_campaign(settings: ServeSettings, address: str | None, host: str, port
             _remove(serve, addr.remote)
 
 
-def _deploy(serve, app) -> None:
-    """serve.run, with a failure to deploy (a replica that cannot load its models) as one line."""
+def _deploy(serve, app, host: str, port: int) -> None:
+    """Serve's proxies on host:port, then the application; a proxy that cannot bind (the port is taken) or a
+    replica that cannot load its models is one line, not a traceback."""
+    from ray.exceptions import RayError
     from ray.serve.exceptions import RayServeException
 
     try:
+        serve.start(http_options={"host": host, "port": port})
+    except (RayError, RayServeException, RuntimeError, TimeoutError) as exc:
+        raise SomaError(
+            f"Serve's HTTP proxy did not start on {host}:{port}: {_cause(exc)}; pass another --port (or --host)"
+        ) from None
+    try:
         serve.run(app, name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
-    except RayServeException as exc:
-        raise SomaError(f"the application did not deploy: {_first_line(exc)}") from None
-    except RuntimeError as exc:
-        raise SomaError(f"the application did not deploy: {_first_line(exc)}") from None
+    except (RayError, RayServeException, RuntimeError, TimeoutError) as exc:
+        raise SomaError(f"the application did not deploy: {_cause(exc)}") from None
 
 
-def _first_line(exc: BaseException) -> str:
+def _cause(exc: BaseException) -> str:
+    """The line of a Ray error that says what went wrong (its last 'SomaError:' or '...Error:' line)."""
     lines = [ln.strip() for ln in str(exc).splitlines() if ln.strip()]
-    errors = [ln for ln in lines if "SomaError" in ln or "error" in ln.lower()]
-    return (errors[-1] if errors else lines[0] if lines else type(exc).__name__)[:400]
+    said = [ln for ln in lines if "SomaError" in ln] or [ln for ln in lines if "Error:" in ln or "error" in ln.lower()]
+    return (said[-1] if said else lines[0] if lines else type(exc).__name__)[:400]
 
 
 def _remove(serve, remote: bool) -> None:

@@ -32,6 +32,7 @@ from ray.serve.exceptions import BackPressureError, DeploymentUnavailableError
 from ray.serve.handle import DeploymentHandle
 from ray.serve.metrics import Counter, Gauge, Histogram
 
+from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
 from soma_cluster.lm import Route, RoutedLM, Routing, finish, kept_prompt, tally, tally_start, windows_of
 from soma_cluster.serving import (
@@ -119,7 +120,7 @@ class SomaExperts:
     def info(self) -> dict:
         return {
             "version": self.version,
-            "source": self.lm.source,
+            "source": shown(self.lm.source),  # a path that is not UTF-8, escaped: JSON is text
             "n_experts": self.lm.n_experts,
             "experts_loaded": len(self.lm.experts),
             "seed_fallback": list(self.lm.seed_fallback),
@@ -214,7 +215,7 @@ class SomaRouter:
         except RequestError as exc:
             return _error(exc, self.cfg.retry_after_s)
         self.docs.inc(len(docs))
-        return JSONResponse({"source": self.routing.source, "scores": scores})
+        return JSONResponse({"source": shown(self.routing.source), "scores": scores})
 
     @api.post("/v1/generate")
     async def generate(self, request: Request) -> Response:

@@ -21,6 +21,7 @@ from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     StrictBool,
     StrictFloat,
     StrictInt,
@@ -49,13 +50,22 @@ class Encoding(StrEnum):
     BASE64 = "base64"  # any bytes (a byte model reads any), as standard base64
 
 
+def _path(value: object) -> str:
+    """A path as the command line gives it: any str, one that is not UTF-8 (surrogate escapes) included."""
+    if not isinstance(value, str):
+        raise ValueError(f"a path or URL (a string), not {type(value).__name__}")
+    if not value.strip():
+        raise ValueError("empty; give a campaign or an export directory (or an s3:// URL)")
+    return value
+
+
 class ServeSettings(BaseModel):
     """The Serve application's settings: `soma serve`'s options, or `args:` of a Serve config file
     (deploy/kuberay/rayservice.yaml). Only `source` is required."""
 
     model_config = ConfigDict(extra="forbid")
 
-    source: Annotated[StrictStr, Field(min_length=1)]  # a campaign directory or a `soma export`, local or s3://
+    source: Annotated[str, PlainValidator(_path)]  # a campaign directory or a `soma export`, local or s3://
     step: Annotated[StrictInt, Field(ge=0)] | None = None  # a campaign's checkpoints of this step (default: newest)
     replicas: Annotated[StrictInt, Field(ge=1, le=4096)] = 1  # expert replicas (each holds every expert)
     max_replicas: Annotated[StrictInt, Field(ge=1, le=4096)] | None = None  # set: autoscale replicas..max_replicas
@@ -162,7 +172,7 @@ def first_error(exc: ValidationError) -> tuple[str, str | None]:
     """pydantic's first complaint as one line, and the dotted field it names ('texts.3')."""
     err = exc.errors()[0]
     where = ".".join(str(p) for p in err["loc"] if not _type_tag(p)) or None
-    msg = " ".join(str(err["msg"]).split())
+    msg = " ".join(str(err["msg"]).split()).removeprefix("Value error, ")
     return (f"{where}: {msg}" if where else msg), where
 
 
