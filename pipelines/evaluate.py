@@ -618,9 +618,10 @@ def load_lines(m: dict) -> str:
     load = m.get("routing_load")
     if not load:
         return ""
-    rows = "\n".join(
-        f"| {expert_name(int(e))} | {c} | {c / max(load['windows'], 1):.2f} |" for e, c in load["per_expert"].items()
-    )
+    loads = sorted(load["per_expert"].items(), key=lambda ec: (-ec[1], int(ec[0])))
+    shown = loads if len(loads) <= 16 else loads[:8] + loads[-8:]  # N = 256: the busiest and the idlest eight
+    rows = "\n".join(f"| {expert_name(int(e))} | {c} | {c / max(load['windows'], 1):.2f} |" for e, c in shown)
+    which = "" if shown is loads else f" (the 8 busiest and the 8 least busy of {len(loads)}; all in `metrics.json`)"
     if m.get("routing_warning"):
         verdict = f"**Warning: {m['routing_warning']}.**"
     elif not load["judged"]:
@@ -638,6 +639,7 @@ Windows routed to each expert (each window counts for its top-{load["top_k"]}): 
 {load["fair_share"]:.2f}; busiest {expert_name(load["busiest"])} at {load["max_share"]:.2f}; normalized entropy of the
 load {load["normalized_entropy"]:.2f} (1: even). A warning is given when the busiest share exceeds min(2 k/N,
 (1 + k/N) / 2) = {load["threshold"]:.2f}, where k/N x windows is at least {bd.LOAD_MIN_FAIR}. {verdict}
+Busiest first{which}:
 
 | expert | windows | share |
 |---|---|---|
