@@ -607,6 +607,37 @@ def evaluate(
     _run(go)
 
 
+@app.command()
+def compare(
+    campaigns: list[str] = typer.Argument(..., help="two campaigns or more, with the same test windows"),
+    baseline: Optional[str] = typer.Option(
+        None, "--baseline", help="the campaign the others are paired against (default: the first)"
+    ),
+    as_json: bool = JsonOpt,
+) -> None:
+    """Several campaigns' routed ensembles on the same test windows: each one's loss and its paired difference from
+    a baseline campaign, as a table (or --json). Campaigns with other test windows are refused; nothing is written."""
+
+    def go() -> None:
+        from pipelines.compare import compare as run
+        from pipelines.compare import table
+        from soma_cluster.breakdown import pick_baseline
+
+        stores = [open_store(c) for c in campaigns]
+        loaded = [(s, load_config(s)) for s in stores]  # every target checked before any is evaluated
+        if len(campaigns) < 2:
+            raise SomaError(
+                f"soma compare needs two campaigns or more, got {len(campaigns)}; name the others too "
+                f"(soma eval {campaigns[0]} evaluates one)"
+            )
+        m = run(loaded, pick_baseline(campaigns, [s.url for s in stores], baseline))
+        if as_json:
+            return emit_json({"schema": 1, **m})
+        out.print(table(m), markup=False)
+
+    _run(go)
+
+
 def _say_in_progress(m: dict) -> None:
     """A campaign evaluated while it trains says so beside the numbers (stdout: it qualifies them)."""
     running, driver = m.get("in_progress") or [], m.get("driver_running")

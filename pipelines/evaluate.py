@@ -13,7 +13,9 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from pipelines.common import console
 from pipelines.tracking import check_tracking, track_stage
+from soma_cluster import breakdown as bd
 from soma_cluster.checkpoint import Checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
@@ -26,10 +28,14 @@ from soma_cluster.ensemble import (
     bootstrap_weights,
     ci,
     evaluate_ensemble,
+    expert_probs,
+    load_documents,
     load_models,
     load_windows,
+    require_same_windows,
     strided_windows,
     window_logprobs,
+    windows_digest,
 )
 from soma_cluster.errors import SomaError
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
@@ -37,7 +43,7 @@ from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
 from soma_cluster.prices import usd_per_hour
 from soma_cluster.revisions import revisions
-from soma_cluster.router import Router, load_router
+from soma_cluster.router import Router, load_router, router_text
 from soma_cluster.shards import open_shard
 from soma_cluster.snapshot import SNAPSHOT
 from soma_cluster.storage import Store, sha256
@@ -133,6 +139,14 @@ class Ensemble:
             for e, s in self.substituted.items()
         ]
 
+    def units(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """(body, head) of every expert in order, the seed model's where it stands in for one."""
+        seed = (self.seed["body"], self.seed["head"])
+        return [
+            (ck.tensors["body"], ck.tensors["head"]) if (ck := self.checkpoints.get(e)) else seed
+            for e in range(self.cfg.n_experts)
+        ]
+
     def seed_nats(self, win: Windows, context: int, device: torch.device) -> np.ndarray:
         return -window_logprobs(
             self.cfg.model, self.seed["body"], self.seed["head"], win.data, context, self.cfg.eval.batch, device
@@ -175,6 +189,65 @@ def _paired(a: np.ndarray, b: np.ndarray, w: np.ndarray, scored: np.ndarray | No
     return {"nats_per_byte": m[0], "ci95": list(m[1:])}
 
 
+def explain(
+    store: Store,
+    ens: Ensemble,
+    win: Windows,
+    ctx: int,
+    device: torch.device,
+    nats: np.ndarray,
+    seed_nats: np.ndarray,
+    routed: dict[int, int],
+    w: np.ndarray,
+) -> dict:
+    """The evaluation's one number taken apart (soma_cluster/breakdown.py): loss per source and per document, the
+    baselines and the top-k sensitivity on the same windows (paired with the ensemble), the routing load, and the
+    ledger's elapsed wall time beside its actor-seconds."""
+    cfg, router = ens.cfg, ens.router
+    docs = load_documents(store)
+    k = min(router.cfg.top_k, cfg.n_experts)
+    rows = bd.baseline_rows(len(win.data), cfg.n_experts, k)
+    t0 = time.perf_counter()
+    probs = expert_probs(cfg.model, ens.units(), win.data[rows], ctx, cfg.eval.batch, device)  # (N, m, S)
+    emb = router.embed([router_text(bytes(x[: router.cfg.prefix_bytes])) for x in win.data[rows]])
+    routes = {j: router.route(emb, j) for j in bd.sensitivity_ks(cfg.n_experts, k)}
+    wr, ens_rows = w[:, rows], nats[rows]
+    base = bd.baselines(probs, ens_rows, seed_nats[rows], wr, k)
+    sens = bd.top_k_sensitivity(probs, routes, ens_rows, wr)
+    seconds = time.perf_counter() - t0
+    load = bd.routing_load(routed, len(win.data), k, cfg.n_experts)
+    return {
+        "by_source": [
+            g.as_dict() for g in bd.by_source(nats, seed_nats, win.docs, {d: s for d, (_, s) in docs.items()}, w)
+        ],
+        "by_document": [vars(d) for d in bd.by_document(nats, seed_nats, win.docs, docs)],
+        "baselines": {
+            "windows": len(rows),
+            "all_windows": len(rows) == len(win.data),
+            "expert_windows": int(cfg.n_experts * len(rows)),
+            "seconds": seconds,
+            "ensemble": bd.Loss.of(ens_rows, wr).summary(),
+            **{b.name: b.as_dict() for b in base},
+        },
+        "top_k_sensitivity": [t.as_dict() for t in sens],
+        "expert_test_nats": {
+            expert_name(e): float(-np.log(np.maximum(probs[e], 1e-300)).mean()) for e in range(cfg.n_experts)
+        },
+        "routing_load": load.as_dict(),
+        "routing_warning": load.warning(expert_name),
+    }
+
+
+def wall_time(store: Store) -> dict:
+    """Per ledger category: the clock time something of it ran (elapsed) beside the sum over its records (actor)."""
+    led = Ledger(store)
+    return {
+        "elapsed_seconds": bd.elapsed_seconds(led.records()),
+        "actor_seconds": {c: v for c, v in led.totals().wall_seconds.items() if v},
+        "rule": "elapsed: the union of the records' intervals [t - wall_seconds, t]; actor: their sum",
+    }
+
+
 def evaluate(
     store: Store,
     cfg: CampaignConfig,
@@ -187,6 +260,8 @@ def evaluate(
     are evaluated as the seed model and listed (`require_all`: refused instead, before any work). The numbers and
     the report go to the campaign's trackers, if any, with `track_tags` on its run (`soma experiment`'s arm)."""
     check_tracking(store, cfg)  # refused before the work, not after it
+    if compare is not None:
+        require_same_windows((store.url, windows_digest(store)), [(compare[0].url, windows_digest(compare[0]))])
     t0 = time.monotonic()
     device = pick_device()
     ens = Ensemble.load(store, cfg)
@@ -249,8 +324,12 @@ def evaluate(
             "this_minus_other": _paired(res.nats, other.nats, w),
             "substituted": other_ens.substitutes(other.per_expert_windows),
         }
+    metrics.update(explain(store, ens, win, ctx, device, res.nats, seed_nats, res.per_expert_windows, w))
+    if metrics["routing_warning"]:
+        console.print(f"warning: {metrics['routing_warning']}", markup=False, soft_wrap=True)
     _charge(store, cfg, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
+    metrics["wall_time"] = wall_time(store)
     metrics["curves_figure"] = plot_curves(store, cfg)
     store.write_json("eval/metrics.json", metrics)
     store.write_bytes("eval/report.md", report(cfg, metrics).encode())
@@ -446,6 +525,140 @@ def _compare_lines(m: dict) -> str:
     )
 
 
+def _ci_cell(v: dict, sign: str = "") -> str:
+    return f"{v['nats_per_byte']:{sign}.4f} [{v['ci95'][0]:{sign}.4f}, {v['ci95'][1]:{sign}.4f}]"
+
+
+def source_lines(m: dict, shown: int = 5) -> str:
+    """Loss per source, and the hardest and easiest documents."""
+    if not m.get("by_source"):
+        return ""
+    rows = "\n".join(
+        f"| {g['source']} | {g['windows']} | {g['documents']} | {_ci_cell(g['ensemble'])} | {_ci_cell(g['seed'])} | "
+        f"{_ci_cell(g['ensemble_minus_seed'], '+')} |"
+        for g in m["by_source"]
+    )
+    docs = m.get("by_document") or []
+    picked = docs if len(docs) <= 2 * shown else docs[:shown] + docs[-shown:]
+    drows = "\n".join(
+        f"| {d['name'] or d['doc']} | {d['source']} | {d['windows']} | {d['ensemble_nats_per_byte']:.4f} | "
+        f"{d['seed_nats_per_byte']:.4f} |"
+        for d in picked
+    )
+    which = "every document" if picked is docs else f"the {shown} hardest and the {shown} easiest of {len(docs)}"
+    return f"""
+### Loss per source and per document
+
+Each window belongs to the held-out document that owns its first scored byte; a source's interval resamples only its
+own documents.
+
+| source | windows | documents | ensemble nats/byte [95% CI] | seed | ensemble minus seed, paired |
+|---|---|---|---|---|---|
+{rows}
+
+Per document ({which}; all of them in `metrics.json`'s `by_document`), ensemble loss, hardest first:
+
+| document | source | windows | ensemble nats/byte | seed |
+|---|---|---|---|---|
+{drows}
+"""
+
+
+def baseline_lines(m: dict) -> str:
+    """The baselines and the top-k sensitivity, paired with the routed ensemble on the same windows."""
+    b = m.get("baselines")
+    if not b:
+        return ""
+    n_exp = len(m.get("expert_test_nats") or {}) or "N"
+    where = (
+        f"all {b['windows']} windows"
+        if b["all_windows"]
+        else f"{b['windows']} of the {m['windows']} windows, evenly spaced (every expert on every window costs "
+        f"{n_exp} x windows forwards: kept to at most twice the ensemble's own pass, or 4,096 expert-windows)"
+    )
+    names = {
+        "best_single": f"best single expert ({expert_name(b['best_single']['expert'])})",
+        "oracle": f"oracle routing, top-{b['oracle']['k']}",
+        "uniform_mixture": "uniform mixture over all experts",
+        "seed": "seed model (N = 1)",
+    }
+    rows = "\n".join(
+        f"| {label} | {_ci_cell(b[key])} | {_ci_cell(b[key]['ensemble_minus_this'], '+')} |"
+        for key, label in names.items()
+    )
+    sens = "\n".join(
+        f"| {t['k']}{' (configured)' if t['k'] == m['top_k'] else ''} | {_ci_cell(t['router'])} | "
+        f"{_ci_cell(t['router_minus_ensemble'], '+')} | {_ci_cell(t['oracle'])} |"
+        for t in m.get("top_k_sensitivity") or []
+    )
+    return f"""
+### Baselines on the same windows
+
+Every expert scored {where}, in {b["seconds"]:.1f} s; each line is paired with the routed ensemble on those windows
+({_ci_cell(b["ensemble"])} there). Best single expert: {bd.BEST_SINGLE_RULE}. Oracle routing: {bd.ORACLE_RULE};
+it reads the targets, so it bounds what a better router could do with these experts. Uniform mixture:
+{bd.UNIFORM_MIXTURE_RULE}.
+
+| baseline | nats/byte [95% CI] | ensemble minus it, paired (< 0: the ensemble is better) |
+|---|---|---|
+{rows}
+
+### Sensitivity to top-k
+
+The router's k nearest experts, weighted by its rule ({m["weighting"]}) over those k, from the same per-expert
+probabilities; paired against the configured top-{m["top_k"]}; oracle top-k as above.
+
+| k | router top-k nats/byte [95% CI] | minus top-{m["top_k"]}, paired | oracle top-k |
+|---|---|---|---|
+{sens}
+"""
+
+
+def load_lines(m: dict) -> str:
+    load = m.get("routing_load")
+    if not load:
+        return ""
+    loads = sorted(load["per_expert"].items(), key=lambda ec: (-ec[1], int(ec[0])))
+    shown = loads if len(loads) <= 16 else loads[:8] + loads[-8:]  # N = 256: the busiest and the idlest eight
+    rows = "\n".join(f"| {expert_name(int(e))} | {c} | {c / max(load['windows'], 1):.2f} |" for e, c in shown)
+    which = "" if shown is loads else f" (the 8 busiest and the 8 least busy of {len(loads)}; all in `metrics.json`)"
+    if m.get("routing_warning"):
+        verdict = f"**Warning: {m['routing_warning']}.**"
+    elif not load["judged"]:
+        verdict = (
+            "Not judged: every window goes to every expert (k = N)"
+            if load["top_k"] >= load["n_experts"]
+            else f"Not judged: the fair count k/N x windows is under {bd.LOAD_MIN_FAIR} windows"
+        )
+    else:
+        verdict = "The load does not concentrate."
+    return f"""
+### Routing load
+
+Windows routed to each expert (each window counts for its top-{load["top_k"]}): fair share k/N =
+{load["fair_share"]:.2f}; busiest {expert_name(load["busiest"])} at {load["max_share"]:.2f}; normalized entropy of the
+load {load["normalized_entropy"]:.2f} (1: even). A warning is given when the busiest share exceeds min(2 k/N,
+(1 + k/N) / 2) = {load["threshold"]:.2f}, where k/N x windows is at least {bd.LOAD_MIN_FAIR}. {verdict}
+Busiest first{which}:
+
+| expert | windows | share |
+|---|---|---|
+{rows}
+"""
+
+
+def wall_lines(m: dict) -> str:
+    led, wt = m["ledger"], m.get("wall_time")
+    actor = ", ".join(f"{k} {v:.1f}" for k, v in led["wall_seconds"].items() if v)
+    if not wt:
+        return f"Actor-seconds per category (the ledger's records summed): {actor}.\n"
+    elapsed = ", ".join(f"{k} {v:.1f}" for k, v in wt["elapsed_seconds"].items())
+    return (
+        f"Elapsed wall time per category (the clock: the union of the ledger records' intervals): {elapsed}.\n"
+        f"Actor-seconds per category (the records summed: N actors side by side count N times): {actor}.\n"
+    )
+
+
 CURVES_FIGURE = "Training curves (from `curves/*.csv`, one per expert):\n\n![per-expert curves](curves.png)\n"
 
 
@@ -461,8 +674,9 @@ def usd_line(led: dict) -> str:
 
 def report(cfg: CampaignConfig, m: dict) -> str:
     led = m["ledger"]
+    alone = m.get("expert_test_nats") or {}
     rows = "\n".join(
-        f"| {name} | {v['step']} | {v['own_val_nats']:.4f} | {v['routed_windows']} |"
+        f"| {name} | {v['step']} | {v['own_val_nats']:.4f} | {alone.get(name, math.nan):.4f} | {v['routed_windows']} |"
         for name, v in m["per_expert"].items()
     )
     return f"""# soma-cluster evaluation: {cfg.name} (preset {cfg.preset})
@@ -483,9 +697,10 @@ routing by the {m.get("rule", "nearest")} rule; config {m.get("config_digest", "
 Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_per_byte"]:+.4f} nats/byte
 [{m["ensemble_minus_seed"]["ci95"][0]:+.4f}, {m["ensemble_minus_seed"]["ci95"][1]:+.4f}].
 {_compare_lines(m)}
-| expert | updates | own-shard val nats/byte | windows routed to it |
-|---|---|---|---|
+| expert | updates | own-shard val nats/byte | test nats/byte, alone | windows routed to it |
+|---|---|---|---|---|
 {rows}
+{source_lines(m)}{baseline_lines(m)}{load_lines(m)}
 
 {CURVES_FIGURE if m.get("curves_figure") else ""}
 Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s including routing; routing is
@@ -494,8 +709,7 @@ Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s inc
 Compute (from the ledger): {led["gpu_hours_total"]:.4f} aggregate {led["unit"]}
 ({", ".join(f"{k} {v:.4f}" for k, v in led["gpu_hours"].items())}); forwards {json.dumps(led["forwards"])}.
 {usd_line(led)}
-Wall seconds per category: {", ".join(f"{k} {v:.1f}" for k, v in led["wall_seconds"].items())}.
-
+{wall_lines(m)}
 SOMA is a zero-order method: it is meant to beat other zero-order training at matched compute, not
 backpropagation, which remains far better per GPU-hour (in the paper: 1.05 vs 1.83 nats/byte at 100 GPU-hours).
 """

@@ -8,6 +8,7 @@ the cluster's CPU workers, staging under the campaign. This module holds what th
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import time
@@ -37,6 +38,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.jobs import Category, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.parts import (
+    DOCUMENTS,
     WINDOWS,
     PartStats,
     count_part,
@@ -167,6 +169,11 @@ def _publish_windows(store: Store, stage: Store, stats: list[PartStats], cfg: Ca
             rel = WINDOWS.format(st.part)
             store.write_bytes(rel, stage.read_bytes(rel))
             files.append({"name": rel.rsplit("/", 1)[-1], "rows": st.windows, "sha256": st.windows_sha256})
+    # each window's document's name and source, for the loss per source; outside the windows' own digest, so the
+    # windows of a campaign prepared before it compare equal to the same windows prepared after
+    docs = sorted((d for st in stats for d in st.test_docs), key=lambda d: d[0])
+    raw = json.dumps({"documents": [{"doc": d, "name": n, "source": s} for d, n, s in docs]}).encode()
+    store.write_bytes(DOCUMENTS, raw)
     store.write_json(
         "test/manifest.json",
         {
@@ -174,6 +181,7 @@ def _publish_windows(store: Store, stage: Store, stats: list[PartStats], cfg: Ca
             "window_bytes": cfg.eval.window_bytes,
             "files": files,
             "sha256": sha256("".join(f["sha256"] for f in files).encode()),
+            "documents": {"name": DOCUMENTS.rsplit("/", 1)[-1], "count": len(docs), "sha256": sha256(raw)},
         },
     )
 

@@ -14,6 +14,7 @@ probabilities are the seed model's (see `unit_routes`).
 
 from __future__ import annotations
 
+import json
 import math
 import time
 from dataclasses import dataclass
@@ -30,6 +31,7 @@ from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.events import JobHistory, history
 from soma_cluster.jobs import ENDED_WITH_CHECKPOINT, SEED_JOB, Job, expert_name
 from soma_cluster.model import Layout, forward_blocks, target_logprobs
+from soma_cluster.parts import DOCUMENTS
 from soma_cluster.router import Router, router_text
 from soma_cluster.shards import rows_to_numpy
 from soma_cluster.storage import Store, sha256
@@ -78,6 +80,39 @@ def load_windows(store: Store, max_windows: int) -> Windows:
         data.append(rows_to_numpy(table.column("window").combine_chunks(), meta["window_bytes"])[mine])
         docs.append(table.column("doc").to_numpy()[mine])
     return Windows(np.ascontiguousarray(np.concatenate(data)), np.concatenate(docs))
+
+
+def load_documents(store: Store) -> dict[int, tuple[str, str]]:
+    """Document id -> (name, source) of the test windows' documents; empty for a campaign prepared before
+    test/documents.json (its windows' source is then "unknown")."""
+    entry = store.read_json("test/manifest.json").get("documents")
+    if not entry:
+        return {}
+    raw = store.read_bytes(DOCUMENTS)
+    if sha256(raw) != entry["sha256"]:
+        raise ChecksumError(f"{store.url}/{DOCUMENTS} fails its checksum (corrupt); re-run soma prepare")
+    return {int(d["doc"]): (d["name"], d["source"]) for d in json.loads(raw)["documents"]}
+
+
+def windows_digest(store: Store) -> str:
+    """The test windows' identity: test/manifest.json's sha256 over its window files (equal for a fork)."""
+    try:
+        return store.read_json("test/manifest.json")["sha256"]
+    except FileNotFoundError:
+        raise SomaError(f"{store.url} has no test windows (test/manifest.json); run soma prepare {store.url}") from None
+
+
+def require_same_windows(base: tuple[str, str], others: list[tuple[str, str]]) -> None:
+    """A paired comparison scores every campaign on one set of windows, which must be every campaign's held-out
+    windows: (url, windows_digest) of the baseline and of each other; refused naming the first that differs."""
+    for url, digest in others:
+        if digest != base[1]:
+            raise SomaError(
+                f"{url} has other test windows than {base[0]} (test/manifest.json sha256 {digest[:12]} vs "
+                f"{base[1][:12]}): a paired comparison needs the same held-out windows (one campaign's windows may be "
+                f"the other's training data); compare campaigns forked from one parent (soma fork) or prepared from "
+                f"the same corpus and config"
+            )
 
 
 # time steps per block of the evaluation forward: the working set stays in cache (16-32 beat 64 for both d=32 and d=181)
@@ -143,6 +178,35 @@ def window_logprobs(
         for a in range(0, len(windows), batch)
     ]
     return np.concatenate(out) if out else np.zeros((0, windows.shape[1] - 1 - context))
+
+
+def expert_probs(
+    model: ModelConfig,
+    units: list[tuple[torch.Tensor, torch.Tensor]],
+    windows: np.ndarray,
+    context: int,
+    batch: int,
+    device: torch.device,
+) -> np.ndarray:
+    """Every unit (body, head) on every window: p(target) (U, m, S) float64, in packed passes as the ensemble's
+    (plan_passes), so U experts on m windows cost U x m window forwards in few wide passes."""
+    out = np.zeros((len(units), len(windows), windows.shape[1] - 1 - context), dtype=np.float64)
+    for passes in plan_passes(dict.fromkeys(range(len(units)), len(windows)), batch):
+        padded = np.zeros((len(passes), passes[0][2], windows.shape[1]), dtype=np.uint8)
+        for i, (_, a, n) in enumerate(passes):
+            padded[i, :n] = windows[a : a + n]
+        lp = packed_logprobs(
+            model,
+            [units[u][0] for u, _, _ in passes],
+            [units[u][1] for u, _, _ in passes],
+            padded,
+            context,
+            device,
+            [n for _, _, n in passes],
+        )
+        for i, (u, a, n) in enumerate(passes):
+            out[u, a : a + n] = np.exp(lp[i, :n])
+    return out
 
 
 def bootstrap_weights(groups: np.ndarray, resamples: int, seed: int) -> np.ndarray:

@@ -36,6 +36,7 @@ from soma_cluster.storage import Store, file_sha256
 
 SEQS = "seqs/part-{:05d}.arrow"  # staged train sequences of a part (their keys are row_keys of their places)
 EMBEDDINGS = "emb/part-{:05d}.npy"  # their router embeddings, float32
+DOCUMENTS = "test/documents.json"  # each held-out document that owns a window: its id, name and source
 WINDOWS = "test/part-{:05d}.arrow"  # a part's evaluation windows (window, doc): staged, then published as is
 WRITE_ROWS = 4096  # rows per record batch of a staged file
 EMBED_ROWS = 4096  # texts per router.embed call
@@ -90,6 +91,8 @@ class PartStats:
     sources: dict[str, int] = field(default_factory=dict)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     lowest_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
+    # [owner id, name, source] of each held-out document that owns a window (test/documents.json: loss per source)
+    test_docs: list[list] = field(default_factory=list)
 
 
 class _Staged:
@@ -157,6 +160,7 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
     ):
         train = Packer(cfg.shards.seq_bytes)
         test = Packer(cfg.eval.window_bytes, owner_at=cfg.eval.context_bytes + 1)
+        names: dict[int, tuple[str, str]] = {}  # held-out documents that own no window yet: (name, source)
         batch: list[bytes] = []
 
         def flush_seqs() -> None:
@@ -172,9 +176,14 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
             stats.bytes += len(doc.data)
             if is_test_doc(doc.doc_id, cfg.corpus.test_fraction, cfg.seed):
                 stats.test_documents += 1
+                names[test.n_docs] = (doc.doc_id, doc.source)
                 for w, owner in test.add(doc.data):
                     windows.add(w, owner_id(part.index, owner))
                     stats.windows += 1
+                    if owner in names:  # its first window: the document's name and source are kept once
+                        stats.test_docs.append([owner_id(part.index, owner), *names.pop(owner)])
+                        for passed in [k for k in names if k < owner]:  # owners only grow: these own none
+                            del names[passed]
             else:
                 batch.extend(s for s, _ in train.add(doc.data))
                 if len(batch) >= WRITE_ROWS:

@@ -157,13 +157,14 @@ class Router:
         """(n, k) -> (n,) the expert whose shard a sequence belongs to: its best score."""
         return assign(emb, self.centroids, self.offsets)
 
-    def route(self, emb: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-        """(n, k) -> experts (n, m) and weights (n, m) for the m = min(top_k, N) best scores, so the first
+    def route(self, emb: np.ndarray, top_k: int | None = None) -> tuple[np.ndarray, np.ndarray]:
+        """(n, k) -> experts (n, m) and weights (n, m) for the m = min(top_k, N) best scores (top_k: the config's
+        unless given; the evaluation's top-k sensitivity asks for others), so the first
         expert of a window is the one whose shard it would be in. softmax weighting is c-BTM's
         exp(-d^2 / T) with the rule's distance d^2 = 2 - 2 score: for unit vectors 2 - 2 cos is the squared
         Euclidean distance to the centroid, and the offset adds 2 b_j (nothing under rule nearest)."""
         scores = self.scores(emb)
-        m = min(self.cfg.top_k, self.n_experts)
+        m = min(top_k or self.cfg.top_k, self.n_experts)
         top = np.argsort(-scores, axis=1, kind="stable")[:, :m]
         if self.cfg.weighting == "uniform":
             return top, np.full(top.shape, 1.0 / m, dtype=np.float64)

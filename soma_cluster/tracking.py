@@ -363,8 +363,9 @@ class Feed:
         return out + ([RunState(j, Status.KILLED) for j in sorted(self.running)] if state == "stopped" else [])
 
     def evaluation(self, m: Mapping, t: float) -> list[Point]:
-        """`soma eval`'s ensemble, seed and uniform nats/byte with their 95% intervals, at the evaluation's count
-        in the ledger (a later evaluation is a later step)."""
+        """`soma eval`'s ensemble, seed and uniform nats/byte with their 95% intervals, the baselines' nats/byte and
+        the busiest expert's share of the windows, at the evaluation's count in the ledger (a later evaluation is a
+        later step)."""
         values: dict[str, float] = {}
         for who in ("ensemble", "seed", "uniform"):
             s = m.get(who) or {}
@@ -375,6 +376,12 @@ class Feed:
         d = m.get("ensemble_minus_seed") or {}
         if d.get("nats_per_byte") is not None:
             values["eval/ensemble_minus_seed"] = d["nats_per_byte"]
+        base = m.get("baselines") or {}  # the baselines on the same windows (soma_cluster/breakdown.py)
+        for who in ("best_single", "oracle", "uniform_mixture"):
+            if (base.get(who) or {}).get("nats_per_byte") is not None:
+                values[f"eval/{who}_nats_per_byte"] = base[who]["nats_per_byte"]
+        if (m.get("routing_load") or {}).get("max_share") is not None:
+            values["eval/routing_max_share"] = m["routing_load"]["max_share"]
         step = max(self.evals, 1)
         return [Metric(PARENT, k, step, float(v), t) for k, v in values.items()]
 

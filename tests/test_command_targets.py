@@ -27,7 +27,7 @@ from soma_cluster.storage import Store
 
 GROUP = typer.main.get_command(app)
 COMMANDS = sorted(GROUP.commands)
-DIRECTORY_ARGS = {"campaign", "parent", "directory", "directories"}
+DIRECTORY_ARGS = {"campaign", "parent", "directory", "directories", "campaigns"}
 # (command, argument) that make a new directory: a missing or empty one is what they want, not a wrong target
 MAKES = {
     ("prepare", "campaign"),
@@ -102,6 +102,7 @@ def _needs_more_than_prepare(command: str, argument: str) -> bool:
         ("score", "campaign"),  # the trained ensemble: a seed at least
         ("sample", "campaign"),
         ("export", "campaign"),
+        ("compare", "campaigns"),  # trained ensembles (and two of them)
     }
 
 

@@ -303,6 +303,8 @@ COMMANDS: dict[str, Invocation] = {
     "sample": Invocation(lambda p, w: ["sample", p.camp, "--prompt", "ab", "--max-bytes", "5", "--json"], False),
     # the new directory is refused where another driver holds its lease (it may be preparing a campaign there)
     "export": Invocation(lambda p, w: ["export", p.camp, p.new], True, drives=True),
+    # two campaigns' ensembles on the same windows, paired (here the campaign with itself): reads, writes nothing
+    "compare": Invocation(lambda p, w: ["compare", p.camp, p.camp, "--json"], False),
     # serving reads the ensemble once; the dry run checks it and prints the Serve config without starting Ray
     # (tests/test_serve.py serves for real)
     "serve": Invocation(lambda p, w: ["serve", p.camp, "--dry-run"], False),
@@ -331,6 +333,8 @@ SLOW_CELLS = {
     ("sample", "full_tmp"),
     ("export", "full_tmp"),
     ("set", "full_tmp"),
+    ("compare", "separate_fs"),
+    ("compare", "full_tmp"),
 }
 
 
