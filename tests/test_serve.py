@@ -300,7 +300,7 @@ def test_an_expert_replica_killed_under_load_loses_no_request(served, head, lm):
 
 
 def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, trained_campaign, tmp_path):
-    export = tmp_path / "export"
+    export = tmp_path / os.fsdecode(b"export-\xe9")  # a name that is not UTF-8: served, shown escaped
     proc = soma("export", str(trained_campaign), str(export), "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-2000:]
     url = served["url"]
@@ -315,14 +315,14 @@ def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, traine
     deadline = time.monotonic() + 180
     while time.monotonic() < deadline:  # bounded: the new version takes over
         status, _, data = http(url + "healthz")
-        if status == 200 and json.loads(data)["source"] == info["source"]:
+        if status == 200 and json.loads(data)["source"] == info["source"] == f"{tmp_path}/export-\\xe9":
             break
         time.sleep(1)
     time.sleep(2)
     stop.set()
     for t in threads:
         t.join(timeout=120)
-    assert json.loads(http(url + "healthz")[2])["source"] == str(export)
+    assert json.loads(http(url + "healthz")[2])["source"] == info["source"]
     assert not failures, failures[:5]
     assert len(counts) > 10
 
@@ -344,6 +344,24 @@ def test_serve_refuses_bad_input_with_one_line(tmp_path, trained_campaign):
     shutil.copytree(trained_campaign, camp)
     shutil.rmtree(camp / "experts")
     assert_one_line_error(soma("serve", str(camp), timeout=120), "no trained expert", "soma launch")  # a real process
+
+
+@pytest.mark.slow
+def test_a_taken_port_is_one_line(trained_campaign):
+    import socket
+
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        proc = soma("serve", str(trained_campaign), "--port", str(port), timeout=300)
+    assert_one_line_error(proc, f"did not start on 127.0.0.1:{port}", "pass another --port")
+
+
+def test_dry_run_refuses_a_path_a_config_file_cannot_hold(trained_campaign, tmp_path):
+    camp = tmp_path / os.fsdecode(b"caf\xe9")
+    os.symlink(trained_campaign, camp)
+    assert_one_line_error(soma_here("serve", str(camp), "--dry-run"), "caf\\xe9", "UTF-8", "without --dry-run")
 
 
 def test_serve_in_the_foreground_stops_on_sigterm_and_leaves_nothing(trained_campaign):
