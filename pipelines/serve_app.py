@@ -34,7 +34,17 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import Route, RoutedLM, Routing, finish, kept_prompt, tally, tally_start, windows_of
+from soma_cluster.lm import (
+    Route,
+    RoutedLM,
+    Routing,
+    finish,
+    kept_prompt,
+    tally,
+    tally_start,
+    tally_total,
+    windows_of,
+)
 from soma_cluster.serving import (
     RequestError,
     ServeSettings,
@@ -64,6 +74,7 @@ class WindowJob:
     firsts: list[int]
     top: np.ndarray
     weights: np.ndarray
+    per_byte: bool = False  # False: each window's (summed nats, scored bytes) come back, not its per-byte nats
 
 
 @dataclass
@@ -128,16 +139,17 @@ class SomaExperts:
             "top_k": self.lm.router.cfg.top_k,
         }
 
-    async def score(self, job: WindowJob) -> tuple[list[np.ndarray], tuple[int, ...]]:
+    async def score(self, job: WindowJob) -> tuple[list, tuple[int, ...]]:
         if job.version != self.version:
             raise VersionMismatch(f"router {job.version}, experts {self.version}")
         return await self._batched(job), self.lm.seed_fallback
 
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005, batch_size_fn=_windows_in)
-    async def _batched(self, jobs: list[WindowJob]) -> list[list[np.ndarray]]:
+    async def _batched(self, jobs: list[WindowJob]) -> list[list]:
         return await asyncio.to_thread(self._pass, jobs)
 
-    def _pass(self, jobs: list[WindowJob]) -> list[list[np.ndarray]]:
+    def _pass(self, jobs: list[WindowJob]) -> list[list]:
+        """One pass over the windows of every job; per job, per window: its nats (per_byte) or (sum, count)."""
         windows = [w for j in jobs for w in j.windows]
         firsts = [f for j in jobs for f in j.firsts]
         top = np.concatenate([j.top for j in jobs])
@@ -148,7 +160,8 @@ class SomaExperts:
         self.scored.inc(sum(len(n) for n in nats))
         out, at = [], 0
         for j in jobs:
-            out.append(nats[at : at + len(j.windows)])
+            mine = nats[at : at + len(j.windows)]
+            out.append(mine if j.per_byte else [(float(n.sum()), len(n)) for n in mine])
             at += len(j.windows)
         return out
 
@@ -262,6 +275,7 @@ class SomaRouter:
                         firsts[i : i + step],
                         top[i : i + step],
                         weights[i : i + step],
+                        per_byte,
                     ),
                 )
                 for i in range(0, len(windows), step)
@@ -271,7 +285,10 @@ class SomaRouter:
         substituted = parts[0][1] if parts else ()
         acc = [tally_start(len(p) + len(t)) for p, t in zip(pre, docs, strict=True)]
         for r, n in enumerate(nats):
-            tally(acc[owner[r]], n, top[r], per_byte)
+            if per_byte:
+                tally(acc[owner[r]], n, top[r], per_byte)
+            else:
+                tally_total(acc[owner[r]], n[0], n[1], top[r])
         out = []
         for a in acc:
             s = finish(a, substituted, per_byte)

@@ -185,13 +185,19 @@ def tally_start(n_bytes: int = 0) -> dict:
 
 def tally(a: dict, nats: np.ndarray, experts: Iterable[int], per_byte: bool) -> None:
     """One scored window into its document's totals: its nats and the experts it was routed to."""
-    a["nats"] += float(nats.sum())
-    a["scored"] += len(nats)
+    tally_total(a, float(nats.sum()), len(nats), experts)
+    if per_byte:
+        a["parts"].append(nats)
+
+
+def tally_total(a: dict, total: float, count: int, experts: Iterable[int]) -> None:
+    """tally() from a window's summed nats and scored bytes (what crosses the network when no per-byte nats are
+    asked for)."""
+    a["nats"] += total
+    a["scored"] += count
     a["windows"] += 1
     for e in experts:
         a["experts"].setdefault(int(e), None)
-    if per_byte:
-        a["parts"].append(nats)
 
 
 def finish(a: dict, substituted: Iterable[int], per_byte: bool) -> Score:
