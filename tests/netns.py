@@ -109,7 +109,8 @@ class Host:
     name: str  # head, w1, w2 ... (short: it names the bridge's port)
     ns: str
     ip: str
-    tmp: str  # this host's Ray temp dir
+    tmp: str  # this host's Ray temp dirs: <tmp><n> for its n-th start
+    starts: int = 0
     ray_args: tuple[str, ...] = ()
     env: dict[str, str] = field(default_factory=dict)
 
@@ -179,10 +180,13 @@ class Cluster:
             role = ["--head", f"--port={GCS_PORT}", "--include-dashboard=false", "--num-cpus=1", "--num-gpus=0"]
         else:
             role = [f"--address={self.address}", "--num-cpus=1", "--num-gpus=1"]
+        # a fresh temp dir per start: `ray start --head` refuses a temp dir whose last cluster's address it finds
+        # in use by any gcs_server on the machine (a killed one not yet reaped counts)
+        host.starts += 1
         with open(f"{self.root}/{host.name}-start.log", "a") as log:  # the child keeps its own copy of the fd
             return host.popen(
-                RAY, "start", *role, f"--node-ip-address={host.ip}", f"--temp-dir={host.tmp}", "--disable-usage-stats",
-                *host.ray_args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+                RAY, "start", *role, f"--node-ip-address={host.ip}", f"--temp-dir={host.tmp}{host.starts}",
+                "--disable-usage-stats", *host.ray_args, stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
             )  # fmt: skip
 
     def _wait_started(self, procs: dict[str, subprocess.Popen]) -> None:

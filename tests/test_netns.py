@@ -31,6 +31,10 @@ SECTIONS = dict(
     retry={"max_retries": 2, "backoff_s": 0.2, "heartbeat_timeout_s": 120},
 )
 EXPERTS = ("expert-0000", "expert-0001")
+LEASE_TTL_S = 10  # SOMA_LEASE_TTL_S for the driver-cut case (30 s by default)
+# how soon Ray ends a driver cut from the GCS: it notices after a gRPC keepalive times out (Ray's default 120 s),
+# then tries to reconnect for gcs_rpc_server_reconnect_timeout_s (60 s): 181 s measured with both defaults
+CUT_DRIVER_RAY = {"RAY_grpc_client_keepalive_timeout_ms": "10000", "RAY_gcs_rpc_server_reconnect_timeout_s": "20"}
 BLIP_S = 2.0  # a partition well inside Ray's detection time with netns.FAST_HEALTH_CHECK (6-10 s)
 METRICS_LOST = ("metrics disabled", "metrics update failed", "did not reach their holder")  # pipelines/metrics.py
 
@@ -55,19 +59,19 @@ def cluster(hosts):
     return hosts
 
 
-def soma_on(c: Cluster, host: str, *args, timeout: float = 600) -> subprocess.CompletedProcess:
+def soma_on(c: Cluster, host: str, *args, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
     """The CLI in a process on `host`, against the cluster's head."""
     return c.hosts[host].run(
         sys.executable, "-m", "pipelines.cli", *args, "--address", c.address, "--no-progress",
-        capture_output=True, text=True, timeout=timeout, cwd=REPO,
+        capture_output=True, text=True, timeout=timeout, cwd=REPO, env=c.hosts[host].environ(**env),
     )  # fmt: skip
 
 
-def launch_on(c: Cluster, host: str, camp: Path) -> subprocess.Popen:
+def launch_on(c: Cluster, host: str, camp: Path, **env: str) -> subprocess.Popen:
     with open(camp.parent / f"{camp.name}-driver.log", "w") as log:  # the child keeps its own copy of the fd
         return c.hosts[host].popen(
             sys.executable, "-m", "pipelines.cli", "launch", str(camp), "--address", c.address, "--no-progress",
-            stdout=log, stderr=subprocess.STDOUT, cwd=REPO,
+            stdout=log, stderr=subprocess.STDOUT, cwd=REPO, env=c.hosts[host].environ(**env),
         )  # fmt: skip
 
 
@@ -216,3 +220,76 @@ def test_lossy_and_slow_links_lose_nothing(cluster, seeded):
     assert sum(n["alive"] for n in cluster.nodes()) == 3
     assert_bitwise(camp, seeded / "ref")
     assert_ledger_exact(camp, seeded / "ref")
+
+
+@pytest.mark.slow
+def test_head_lost_and_restarted_then_resume_finishes_bitwise(cluster, seeded):
+    """The head's host lost mid-launch (every process on it killed, the driver's too) and Ray started on it again:
+    the workers' raylets have lost their GCS and are started again too; `soma resume` on the head finishes the
+    campaign bitwise equal to the unfaulted run, each GPU-second record once."""
+    camp = seeded / "head"
+    shutil.copytree(seeded / "seeded", camp)
+    driver = launch_on(cluster, "head", camp)
+    try:
+        first_checkpoint(cluster, camp)
+        t0 = time.monotonic()
+        cluster.restart("head")  # the driver (on the head's host) goes with it
+        assert driver.wait(timeout=30) != 0
+        cluster.ensure_healthy()
+        print(f"\nhead restarted, workers rejoined in {time.monotonic() - t0:.1f} s")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    t0 = time.monotonic()
+    out = soma_on(cluster, "head", "resume", str(camp))
+    assert out.returncode == 0, out.stderr[-3000:]
+    print(f"resume finished in {time.monotonic() - t0:.1f} s")
+    hist = history(Store(str(camp)))
+    assert all(hist[j].state == "finished" and hist[j].failures == 0 for j in EXPERTS)
+    assert_bitwise(camp, seeded / "ref")
+    raw = [json.loads(line)["id"] for line in (camp / "ledger/ledger.jsonl").read_text().splitlines()]
+    assert len(raw) == len(set(raw))
+    cfg = micro_config(**SECTIONS)
+    mine, ref = Ledger(Store(str(camp))).totals(), Ledger(Store(str(seeded / "ref"))).totals()
+    # work done past the last checkpoint by the killed driver's actors is billed at most once more (wasted)
+    slack = 2 * cfg.spsa.n_pert * cfg.train.chunk_updates * cfg.n_experts
+    trained, reference = mine.forwards["expert_training"], ref.forwards["expert_training"]
+    assert reference <= trained <= reference + slack
+
+
+@pytest.mark.slow
+def test_driver_host_cut_longer_than_the_lease_then_resume_takes_over(cluster, seeded):
+    """The driver runs on a worker's host, cut off mid-launch for longer than the lease's ttl. It still reaches
+    the campaign (the filesystem is shared, as a store reachable from both sides would be), so it keeps renewing
+    the lease: `soma resume --take-over` on the head is refused while it lives, never running beside it. Ray ends
+    the cut driver once it has lost the GCS (CUT_DRIVER_RAY); then the resume takes over at once and finishes
+    bitwise, with nothing counted against an expert."""
+    camp = seeded / "drvcut"
+    shutil.copytree(seeded / "seeded", camp)
+    lease = {"SOMA_LEASE_TTL_S": str(LEASE_TTL_S)}
+    driver = launch_on(cluster, "w1", camp, **lease, **CUT_DRIVER_RAY)
+    try:
+        wait_for(lambda: expert_events(camp, "checkpointed"), 300, "a first checkpoint")
+        cut_at = time.time()
+        cluster.partition("w1")
+        early = soma_on(cluster, "head", "resume", str(camp), "--take-over", **lease)
+        print(f"\nresume --take-over {time.time() - cut_at:.1f} s into the cut: exit {early.returncode}")
+        rc = driver.wait(timeout=600)
+        ended = time.time() - cut_at
+        print(f"the cut driver exited {rc} after {ended:.1f} s")
+        t0 = time.monotonic()
+        out = soma_on(cluster, "head", "resume", str(camp), "--take-over", **lease)
+        print(f"resume --take-over after it: exit {out.returncode} in {time.monotonic() - t0:.1f} s")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        cluster.heal("w1")
+    assert early.returncode == 2 and "renew" in early.stderr, early.stderr[-2000:]
+    assert rc != 0 and ended < 120  # Ray's defaults: 181 s
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert [e for e in expert_events(camp, "failed") if e.get("counted")] == []
+    hist = history(Store(str(camp)))
+    assert all(hist[j].state == "finished" and hist[j].failures == 0 for j in EXPERTS)
+    assert_bitwise(camp, seeded / "ref")
+    raw = [json.loads(line)["id"] for line in (camp / "ledger/ledger.jsonl").read_text().splitlines()]
+    assert len(raw) == len(set(raw))
