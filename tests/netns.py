@@ -138,14 +138,16 @@ class Cluster:
     --num-gpus 0`), each in its own namespace. Use as a context manager: whatever happens, every process is killed
     and every namespace (with its veths and the bridge) deleted on exit."""
 
-    def __init__(self, workers: int = 2, head_env: dict[str, str] | None = None):
+    def __init__(
+        self, workers: int = 2, head_env: dict[str, str] | None = None, worker_env: dict[str, str] | None = None
+    ):
         tag = uuid.uuid4().hex[:6]
         self.prefix = f"{PREFIX}-{os.getpid()}-{tag}"
         self.root = tempfile.mkdtemp(prefix=f"soma-ns-{tag}-", dir="/tmp")  # short: Ray's socket paths
         self.bridge_ns = f"{self.prefix}-br"
         self.hosts: dict[str, Host] = {}
         self.head_env = {**FAST_HEALTH_CHECK, **(head_env or {})}
-        self.n_workers = workers
+        self.n_workers, self.worker_env = workers, dict(worker_env or {})
         self.made: list[str] = []
 
     @property
@@ -204,7 +206,7 @@ class Cluster:
         sweep_orphans()
         self._make_bridge()
         head = self.add_host("head", env=self.head_env)
-        workers = [self.add_host(f"w{i + 1}") for i in range(self.n_workers)]
+        workers = [self.add_host(f"w{i + 1}", env=self.worker_env) for i in range(self.n_workers)]
         self._wait_started({"head": self._ray_start(head)})
         self._wait_started({w.name: self._ray_start(w) for w in workers})  # at once: each start is mostly waiting
         self.wait_nodes(lambda ns: sum(n["alive"] for n in ns) == len(self.ray_hosts()), "every node alive")
@@ -286,10 +288,24 @@ class Cluster:
         sh("tc", "-n", self.hosts[name].ns, "qdisc", "replace", "dev", "eth0", "root", "tbf", "rate", rate,
            "burst", "32kbit", "latency", "400ms")  # fmt: skip
 
+    def block(self, name: str, peer: str) -> None:
+        """Drop every packet between host `name` and host `peer` (both ways, in `name`'s namespace): only that path
+        is cut, as when one node loses its route to the storage."""
+        rules = (
+            "table inet soma_block {\n"
+            f" chain in {{ type filter hook input priority 0; ip saddr {self.hosts[peer].ip} drop; }}\n"
+            f" chain out {{ type filter hook output priority 0; ip daddr {self.hosts[peer].ip} drop; }}\n"
+            "}\n"
+        )
+        subprocess.run(
+            ["ip", "netns", "exec", self.hosts[name].ns, "nft", "-f", "-"], input=rules, text=True, check=True
+        )
+
     def clear(self, name: str) -> None:
-        """Undo lossy() and slow()."""
+        """Undo lossy(), block() and slow()."""
         ns = self.hosts[name].ns
-        sh("ip", "netns", "exec", ns, "nft", "delete", "table", "inet", "soma_loss", check=False)
+        for table in ("soma_loss", "soma_block"):
+            sh("ip", "netns", "exec", ns, "nft", "delete", "table", "inet", table, check=False)
         sh("tc", "-n", ns, "qdisc", "del", "dev", "eth0", "root", check=False)
 
     # -- teardown -----------------------------------------------------------------------------------------------

@@ -17,7 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import micro_config
-from netns import REPO, Cluster, missing
+from netns import REPO, SUBNET, Cluster, missing
+from s3server import moto_server_bin
 
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
@@ -35,6 +36,16 @@ LEASE_TTL_S = 10  # SOMA_LEASE_TTL_S for the driver-cut case (30 s by default)
 # how soon Ray ends a driver cut from the GCS: it notices after a gRPC keepalive times out (Ray's default 120 s),
 # then tries to reconnect for gcs_rpc_server_reconnect_timeout_s (60 s): 181 s measured with both defaults
 CUT_DRIVER_RAY = {"RAY_grpc_client_keepalive_timeout_ms": "10000", "RAY_gcs_rpc_server_reconnect_timeout_s": "20"}
+S3_IP = f"{SUBNET}.4"  # the fourth host (after head, w1, w2): an S3 server, made by the case that needs it
+S3_ENV = {  # every worker's, and the driver's when the campaign is on S3
+    "AWS_ACCESS_KEY_ID": "test",
+    "AWS_SECRET_ACCESS_KEY": "test",
+    "AWS_DEFAULT_REGION": "us-east-1",
+    "AWS_EC2_METADATA_DISABLED": "true",
+    "SOMA_S3_ENDPOINT": f"http://{S3_IP}:5000",
+    "SOMA_S3_TIMEOUT_S": "3",
+}
+S3_BLOCK_S = 40.0  # how long one worker cannot reach the S3 server (at most: until the launch ends)
 BLIP_S = 2.0  # a partition well inside Ray's detection time with netns.FAST_HEALTH_CHECK (6-10 s)
 METRICS_LOST = ("metrics disabled", "metrics update failed", "did not reach their holder")  # pipelines/metrics.py
 
@@ -45,7 +56,7 @@ def hosts():
     if reason:
         pytest.skip(reason)
     t0 = time.monotonic()
-    with Cluster(workers=2) as c:
+    with Cluster(workers=2, worker_env=S3_ENV) as c:
         print(f"\nnetns cluster up in {time.monotonic() - t0:.1f} s")
         yield c
         t0 = time.monotonic()
@@ -59,10 +70,12 @@ def cluster(hosts):
     return hosts
 
 
-def soma_on(c: Cluster, host: str, *args, timeout: float = 600, **env: str) -> subprocess.CompletedProcess:
-    """The CLI in a process on `host`, against the cluster's head."""
+def soma_on(
+    c: Cluster, host: str, *args, timeout: float = 600, address: bool = True, **env: str
+) -> subprocess.CompletedProcess:
+    """The CLI in a process on `host`, against the cluster's head (without `address`, on no Ray)."""
     return c.hosts[host].run(
-        sys.executable, "-m", "pipelines.cli", *args, "--address", c.address, "--no-progress",
+        sys.executable, "-m", "pipelines.cli", *args, *(("--address", c.address, "--no-progress") if address else ()),
         capture_output=True, text=True, timeout=timeout, cwd=REPO, env=c.hosts[host].environ(**env),
     )  # fmt: skip
 
@@ -293,3 +306,112 @@ def test_driver_host_cut_longer_than_the_lease_then_resume_takes_over(cluster, s
     assert_bitwise(camp, seeded / "ref")
     raw = [json.loads(line)["id"] for line in (camp / "ledger/ledger.jsonl").read_text().splitlines()]
     assert len(raw) == len(set(raw))
+
+
+@pytest.fixture(scope="module")
+def s3host(hosts):
+    """moto_server on a host of its own (S3_IP), with a bucket `soma`."""
+    host = hosts.add_host("s3")
+    assert host.ip == S3_IP
+    server = host.popen(
+        moto_server_bin(), "-H", S3_IP, "-p", "5000", stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT
+    )
+    mkdir = (
+        "import s3fs, sys\n"
+        "fs = s3fs.S3FileSystem(key='test', secret='test', client_kwargs={'endpoint_url': sys.argv[1]})\n"
+        "fs.mkdir('soma')"
+    )
+    env = hosts.hosts["head"].environ(**S3_ENV)
+    try:
+        wait_for(
+            lambda: hosts.hosts["head"].run(sys.executable, "-c", mkdir, S3_ENV["SOMA_S3_ENDPOINT"], env=env,
+                                            capture_output=True, timeout=60).returncode == 0,
+            60, "the S3 server",
+        )  # fmt: skip
+        yield host
+    finally:
+        server.kill()
+        server.wait(timeout=10)
+
+
+def inspect_on_s3(c: Cluster, url: str, ref: Path) -> dict:
+    """Read the campaign at `url` on the head's host (only it reaches S3): the experts whose final checkpoint is
+    not bitwise the reference's, the failed events' (cause, counted, job), each expert's counted failures, state
+    and the addresses its attempts started on, the training forwards billed, and whether each ledger record is
+    there once."""
+    code = (
+        "import json, sys, torch\n"
+        "from pipelines.common import open_store\n"
+        "from soma_cluster.checkpoint import load_checkpoint\n"
+        "from soma_cluster.events import history\n"
+        "from soma_cluster.ledger import Ledger\n"
+        "from soma_cluster.storage import Store\n"
+        "s, r = open_store(sys.argv[1]), Store(sys.argv[2])\n"
+        "differ = []\n"
+        f"for job in {EXPERTS!r}:\n"
+        "    a, b = (load_checkpoint(x, 'experts/' + job).tensors for x in (s, r))\n"
+        "    differ += [job] if a.keys() != b.keys() or not all(torch.equal(a[k], b[k]) for k in a) else []\n"
+        "h = history(s)\n"
+        f"jobs = {EXPERTS!r}\n"
+        "failed = [[e.get('cause'), e.get('counted'), e['job']] for j in jobs for e in h[j].events"
+        " if e['event'] == 'failed']\n"
+        "ids = [rec['id'] for rec in Ledger(s).records()]\n"
+        "print(json.dumps({'differ': differ, 'failed': failed, 'failures': {j: h[j].failures for j in jobs},"
+        " 'started_on': {j: [e.get('node_ip') for e in h[j].events if e['event'] == 'started'] for j in jobs},"
+        " 'states': {j: str(h[j].state.value) for j in jobs}, 'ids_once': len(ids) == len(set(ids)),"
+        " 'forwards': Ledger(s).totals().forwards['expert_training']}))\n"
+    )
+    out = c.hosts["head"].run(sys.executable, "-c", code, url, str(ref), env=c.hosts["head"].environ(**S3_ENV),
+                              capture_output=True, text=True, timeout=120, cwd=REPO)  # fmt: skip
+    assert out.returncode == 0, out.stderr[-3000:]
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+@pytest.mark.slow
+def test_storage_unreachable_from_one_worker(cluster, s3host, seeded, text_corpus):
+    """The campaign on S3 (a server on a host of its own); mid-launch one worker loses its route to it for up to
+    S3_BLOCK_S. The expert there fails with `storage_unreachable`, not counted, and is retried (on either worker)
+    until it runs; the campaign finishes bitwise equal to the unfaulted run on a filesystem."""
+    from soma_cluster.config import to_yaml_text
+
+    cfg_file = seeded / "s3.yaml"
+    cfg_file.write_text(to_yaml_text(micro_config(corpus={"source": str(text_corpus)}, **SECTIONS)))
+    url = "s3://soma/camp"
+    out = soma_on(cluster, "head", "prepare", url, "--config", str(cfg_file), address=False, **S3_ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    out = soma_on(cluster, "head", "seed", url, **S3_ENV)
+    assert out.returncode == 0, out.stderr[-3000:]
+    log = seeded / "s3-driver.log"
+    with open(log, "w") as fh:
+        driver = cluster.hosts["head"].popen(
+            sys.executable, "-m", "pipelines.cli", "launch", url, "--address", cluster.address, "--no-progress",
+            stdout=fh, stderr=subprocess.STDOUT, cwd=REPO, env=cluster.hosts["head"].environ(**S3_ENV),
+        )  # fmt: skip
+    victim = None
+    try:
+        # the driver's log names the first checkpoint (no events file to read from here: it is on S3)
+        wait_for(lambda: "expert" in log.read_text() or driver.poll() is not None, 300, "the launch")
+        time.sleep(3.0)
+        victim = "w1"
+        cut_at = time.monotonic()
+        cluster.block(victim, "s3")
+        while driver.poll() is None and time.monotonic() - cut_at < S3_BLOCK_S:  # bounded
+            time.sleep(0.5)
+        cluster.clear(victim)
+        blocked = time.monotonic() - cut_at
+        rc = driver.wait(timeout=900)
+        print(f"\nS3 unreachable from {victim} for {blocked:.1f} s; launch exit {rc}")
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+        if victim is not None:
+            cluster.clear(victim)
+    assert rc == 0, log.read_text()[-3000:]
+    seen = inspect_on_s3(cluster, url, seeded / "ref")
+    print(seen)
+    assert seen["differ"] == [] and seen["ids_once"]
+    assert set(seen["states"].values()) == {"finished"} and set(seen["failures"].values()) == {0}
+    assert seen["failed"] and all(
+        cause == "storage_unreachable" and not counted for cause, counted, _ in seen["failed"]
+    )
+    assert seen["forwards"] == Ledger(Store(str(seeded / "ref"))).totals().forwards["expert_training"]
