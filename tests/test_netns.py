@@ -106,6 +106,14 @@ def wait_for(pred, timeout: float, what: str):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def assert_resume_changes_nothing(c: Cluster, camp: Path) -> None:
+    """`soma resume` after the fault: the campaign has ended, so it ends at once, training and billing nothing."""
+    before = (len(events(camp, kind="started")), (camp / "ledger/ledger.jsonl").read_text())
+    out = soma_on(c, "head", "resume", str(camp))
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert (len(events(camp, kind="started")), (camp / "ledger/ledger.jsonl").read_text()) == before
+
+
 def first_checkpoint(hosts: Cluster, camp: Path) -> tuple[dict, dict, str]:
     """The first expert checkpoint of a launch, the `started` event of its attempt, and the host it runs on."""
     first = wait_for(lambda: expert_events(camp, "checkpointed"), 300, "a first checkpoint")[0]
@@ -175,6 +183,7 @@ def test_worker_partitioned_mid_launch_is_node_lost_then_heals_and_rejoins(clust
     assert_ledger_exact(camp, seeded / "ref")
     log = (camp.parent / "cut-driver.log").read_text()
     assert not any(m in log for m in METRICS_LOST), log[-2000:]  # the campaign's metrics holder is on the head
+    assert_resume_changes_nothing(hosts, camp)
 
     # healed: the node Ray declared dead does not come back by itself (its raylet exits); restarted, it rejoins
     ip = hosts.hosts[victim].ip
