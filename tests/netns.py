@@ -37,7 +37,7 @@ RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 120.0  # `ray start` takes 10-20 s per node on a loaded 2-core host; three at once longer
 
 # Ray's health checks, set on the head: a partitioned node's checks time out, so it is declared dead after about
-# threshold * (period + timeout). Ray's defaults (3000 ms, 10000 ms, 5) gave 64 s; these (4 * 2.5 s) 9.4-9.8 s.
+# threshold * (period + timeout). Ray's defaults (3000 ms, 10000 ms, 5) gave 64 s; these (4 * 2.5 s) 9.2-9.8 s.
 # docs/scheduling.md says what an operator should set and what it costs in false deaths.
 FAST_HEALTH_CHECK = {
     "RAY_health_check_initial_delay_ms": "1000",
