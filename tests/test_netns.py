@@ -424,3 +424,35 @@ def test_storage_unreachable_from_one_host(cluster, s3host, seeded, text_corpus,
     assert all(cause == "storage_unreachable" and not counted for cause, counted, _ in seen["failed"])
     assert seen["failed"] or victim == "head"
     assert seen["forwards"] == Ledger(Store(str(seeded / "ref"))).totals().forwards["expert_training"]
+
+
+@pytest.mark.slow
+def test_lossy_links_during_prepare_on_ray_data(cluster, tmp_path, text_corpus):
+    """`soma prepare --address` (Ray Data on the cluster's CPUs) while both workers drop 10% of their packets each
+    way: it finishes, and its router, shards and test windows are file for file the local engine's."""
+    from test_prepare_ray import campaign_digests, engine_config
+
+    from soma_cluster.config import to_yaml_text
+
+    part_bytes = sum(f.stat().st_size for f in text_corpus.iterdir()) // 6  # several parts, so several nodes read
+    local = Store(str(tmp_path / "prep-local"))
+    prepare(local, engine_config(str(text_corpus), "local", part_bytes))
+    cfg_file = tmp_path / "prep-ray.yaml"
+    cfg_file.write_text(to_yaml_text(engine_config(str(text_corpus), "ray", part_bytes)))
+    for w in ("w1", "w2"):
+        cluster.lossy(w, 10)
+    try:
+        t0 = time.monotonic()
+        out = cluster.hosts["head"].run(
+            sys.executable, "-m", "pipelines.cli", "prepare", str(tmp_path / "prep-ray"), "--config", str(cfg_file),
+            "--address", cluster.address, capture_output=True, text=True, timeout=600, cwd=REPO,
+        )  # fmt: skip
+        took = time.monotonic() - t0
+    finally:
+        for w in ("w1", "w2"):
+            cluster.clear(w)
+    assert out.returncode == 0, out.stderr[-3000:]
+    read = [ln for ln in out.stderr.splitlines() + out.stdout.splitlines() if ln.startswith("read ") and " on " in ln]
+    print(f"\nprepare on Ray Data over lossy links: {took:.1f} s; {read}")
+    a, b = campaign_digests(local), campaign_digests(Store(str(tmp_path / "prep-ray")))
+    assert a == b and len(a) > 5
