@@ -9,7 +9,7 @@ export RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER := 0
 export RAY_AUTH_MODE := disabled
 export RAY_USAGE_STATS_ENABLED := 0
 
-.PHONY: venv demo test lint prometheus mlflow clean
+.PHONY: venv demo test lint prometheus netns mlflow clean
 
 venv: $(STAMP)
 
@@ -41,6 +41,18 @@ prometheus:
 		&& echo "installed $$(prometheus --version 2>&1 | head -1)" \
 		|| echo "prometheus could not be installed: the Prometheus tests will be skipped" >&2; \
 	else echo "prometheus not installed (needs root and apt-get): the Prometheus tests will be skipped" >&2; fi
+
+# tests/test_netns.py runs Ray on real hosts in network namespaces: iproute2 (ip, tc) and nftables (packet loss),
+# installed when root can (as in CI); elsewhere those tests are skipped and say why
+netns:
+	@command -v ip >/dev/null && command -v tc >/dev/null && command -v nft >/dev/null && exit 0; \
+	if [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		{ DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 nftables >/dev/null 2>&1 || \
+		  { apt-get update -qq >/dev/null 2>&1 && \
+		    DEBIAN_FRONTEND=noninteractive apt-get install -y -qq --no-install-recommends iproute2 nftables >/dev/null 2>&1; }; } \
+		&& echo "installed $$(nft --version 2>&1 | head -1), $$(ip -V 2>&1 | head -1)" \
+		|| echo "iproute2/nftables could not be installed: the network namespace tests will be skipped" >&2; \
+	else echo "iproute2/nftables not installed (needs root and apt-get): the network namespace tests will be skipped" >&2; fi
 
 # tests/test_tracking_mlflow.py runs a real MLflow tracking server: full mlflow, whose pyarrow<26 conflicts with
 # soma's pin, so in a venv of its own; where it cannot install (no network) those tests are skipped and say why

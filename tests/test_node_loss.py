@@ -34,6 +34,38 @@ def cluster():
     c.shutdown()
 
 
+def test_metrics_holder_lives_on_the_head_wherever_the_driver_runs(cluster):
+    """A driver on a worker node opens the campaign's metrics holder: it is placed on the head (a worker's loss
+    would take the campaign's last metrics with it), and a driver on the head finds that same holder."""
+    import ray
+    from ray._private.state import actors
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from soma_cluster.metricpoints import campaign_labels
+    from workers.metrics_holder import open_holder
+
+    alive = [n for n in ray.nodes() if n["Alive"]]
+    head = next(n["NodeID"] for n in alive if "node:__internal_head__" in n["Resources"])
+    worker = next(n["NodeID"] for n in alive if n["NodeID"] != head)
+    # four campaigns: Ray places an actor that asks for nothing on any node, so one holder on the head may be luck
+    campaigns = [campaign_labels(f"/tmp/soma-holder-placement-{i}", "micro", "c0ffee") for i in range(4)]
+
+    @ray.remote(num_cpus=0, scheduling_strategy=NodeAffinitySchedulingStrategy(worker, soft=False))
+    def driver_on_a_worker(campaigns):
+        holders = [open_holder(labels) for labels in campaigns]
+        ray.get([h.hold_for.remote(60.0) for h in holders])  # each removes itself a minute after this test
+        return ray.get_runtime_context().get_node_id(), holders
+
+    here, holders = ray.get(driver_on_a_worker.remote(campaigns))
+    try:
+        assert here == worker
+        assert [actors(actor_id=h._actor_id.hex())["Address"]["NodeID"] for h in holders] == [head] * len(holders)
+        assert open_holder(campaigns[0])._actor_id == holders[0]._actor_id  # the next driver, on the head, finds it
+    finally:
+        for h in holders:
+            ray.kill(h)
+
+
 def test_node_removal_retries_its_experts_bitwise(cluster, tmp_path, text_corpus):
     import ray
 

@@ -7,6 +7,12 @@ keeps the last values for HOLD_S after the last publish (`soma_driver_up` turns 
 `soma_campaign_ended` tells an ended campaign from a lost driver), then removes itself. A new driver of the same
 campaign finds it by name and goes on publishing. On a Ray the driver started itself there is nothing to hold:
 that Ray ends with the command (pipelines/metrics.py decides).
+
+It lives on the head node, wherever the driver runs: a worker node can be lost (a partition, a spot reclaim) and
+the holder (max_restarts=0, its values in memory) would go with it, taking the campaign's last metrics; the head's
+loss ends the cluster's GCS, and every detached actor with it, so the head is the one node whose loss costs
+nothing more. The special resource `node:__internal_head__` that Ray gives the head (and only the head) pins it
+there, as Ray Train pins its own state actor.
 """
 
 from __future__ import annotations
@@ -23,6 +29,7 @@ HOLD_ENV = "SOMA_METRICS_HOLD_S"
 HOLD_S = 900.0  # how long a campaign's last values stay after its last driver published (15 minutes)
 DOWN_S = 20.0  # no publish for this long: soma_driver_up is 0 (a driver publishes every 5 s)
 NAMESPACE = "soma-metrics"
+ON_HEAD = {"node:__internal_head__": 0.001}  # a sliver of the head's own resource: placed on the head, nowhere else
 
 
 def hold_s() -> float:
@@ -96,5 +103,9 @@ def holder_name(campaign_url: str) -> str:
 def open_holder(labels: dict[str, str]):
     """The campaign's holder: the running one (a driver before this one made it), else a new one."""
     return MetricsHolder.options(
-        name=holder_name(labels["campaign"]), namespace=NAMESPACE, lifetime="detached", get_if_exists=True
+        name=holder_name(labels["campaign"]),
+        namespace=NAMESPACE,
+        lifetime="detached",
+        get_if_exists=True,
+        resources=ON_HEAD,
     ).remote(labels, hold_s())
