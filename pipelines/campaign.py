@@ -29,25 +29,48 @@ from ray.exceptions import (
 )
 from rich.table import Table
 
-from pipelines.campaign_lease import held, holding
-from pipelines.common import console, frozen_heap, progress
+from pipelines.campaign_lease import held, hold, holding
+from pipelines.common import console, frozen_heap, load_config, open_store, progress
 from pipelines.metrics import CampaignMetrics
+from pipelines.rayaddress import ray_address
+from pipelines.raysession import ray_session
 from pipelines.reopen import reopen_failed, reopen_retrain, reopen_unverified
 from pipelines.revise import LiveRevisions, log_applied, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
+from soma_cluster.budget import BudgetBook
 from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
-from soma_cluster.checkpoint import latest_meta
+from soma_cluster.checkpoint import latest_meta, training_bytes
 from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.eta import Eta
 from soma_cluster.events import history, require_seed
-from soma_cluster.failures import WORDS, actor_death_cause, exception_cause, stop_line, waiting
-from soma_cluster.jobs import SEED_JOB, TERMINAL, Cause, Event, Job, JobState, StopReason, expert_jobs, expert_name
+from soma_cluster.failures import (
+    WORDS,
+    actor_death_cause,
+    exception_cause,
+    expert_names,
+    select_failed,
+    stop_line,
+    waiting,
+)
+from soma_cluster.jobs import (
+    SEED_JOB,
+    TERMINAL,
+    Cause,
+    Event,
+    Job,
+    JobState,
+    StopReason,
+    expert_jobs,
+    expert_name,
+)
 from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
+from soma_cluster.revisions import check as check_revision
+from soma_cluster.revisions import record as record_revision
 from soma_cluster.schedule import POLL_S, Action, Chunk, Lost, Reuse, Scheduler, Start, Stop
 from soma_cluster.snapshot import (
     SNAPSHOT,
@@ -619,14 +642,15 @@ def launch(
     # an expert is finished only while its last checkpoint verifies
     reopen_unverified(store, expert_jobs(cfg.n_experts))
     take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
-    cap = cfg.budget.campaign_gpu_hours
-    spent = Ledger(store).totals().gpu_hours
+    # the scheduler's own arithmetic (GPU-seconds), asked before Ray starts: a spent campaign is refused, not launched
+    spent_s = sum(Ledger(store).totals().gpu_seconds.values())
+    left_s = BudgetBook(cfg.budget).left(None, 0.0, spent_s)
     hist = history(store)
     unended = [j for j in expert_jobs(cfg.n_experts) if not (j.name in hist and hist[j.name].terminal)]
-    if cap is not None and spent >= cap and unended:
+    if left_s is not None and left_s <= 0 and unended:
         raise SomaError(
-            f"campaign budget budget.campaign_gpu_hours={cap} is already spent ({spent:.4f} GPU-hours in the ledger); "
-            f"start a new campaign with a larger budget"
+            f"campaign budget budget.campaign_gpu_hours={cfg.budget.campaign_gpu_hours} is already spent "
+            f"({spent_s / 3600.0:.4f} GPU-hours in the ledger); start a new campaign with a larger budget"
         )
     r = cfg.resources
     console.print(
@@ -639,6 +663,40 @@ def launch(
     console.print(ended_table(outcome, {j.name: v for j, v in driver.sched.seen.items()}))
     raise_failures(driver, "experts")
     return outcome
+
+
+def launch_command(
+    campaign: str,
+    address: str | None,
+    show_progress: bool,
+    log_every_s: float,
+    command: str,
+    take_over: bool,
+    retry_failed: list[str] | None = None,
+    retrain: list[str] | None = None,
+    from_step: int | None = None,
+    sets: list[str] | None = None,
+) -> None:
+    """`soma launch` and `soma resume`: the experts named (`retry_failed`, `retrain`), the revision (`sets`) and the
+    Ray address are checked before the lease is taken; the place and its room (hold) before Ray starts or any
+    expert is queued. Then the revision is recorded, as soma set would write it, and the campaign runs."""
+    store = open_store(campaign)
+    cfg = load_config(store)
+    names = [j.name for j in expert_jobs(cfg.n_experts)]
+    if retry_failed:  # one named that did not fail is bad input
+        select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
+    if retrain:
+        expert_names(retrain, names)
+    if sets:
+        check_revision(cfg, list(sets), driver_running=False, origin="--set")
+    addr = ray_address(address)
+    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
+        if sets:
+            rev = record_revision(store, load_campaign_config(store), list(sets), driver_running=False)
+            print(f"revision {rev.rev}: {rev.line()}", file=sys.stderr)
+            cfg = load_config(store)
+        with ray_session(cfg, addr):
+            launch(store, cfg, show_progress, log_every_s, retry_failed, retrain, from_step)
 
 
 def ended_line(outcome: dict[str, str]) -> str:
