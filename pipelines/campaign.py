@@ -62,7 +62,7 @@ from soma_cluster.jobs import (
     Event,
     Job,
     JobState,
-    StopReason,
+    LostAs,
     expert_jobs,
     expert_name,
 )
@@ -109,14 +109,14 @@ def lost_actor(exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
     node (SIGKILL, the kernel's OOM killer, a crash) is the expert's."""
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
     if getattr(exc, "preempted", False):
-        return Lost(StopReason.PREEMPTED, f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
+        return Lost(LostAs.PREEMPTED, f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
     if isinstance(exc, OutOfMemoryError):
         cause = Cause.OUT_OF_MEMORY
     elif isinstance(exc, (NodeDiedError, ActorUnavailableError)):
         cause = Cause.NODE_LOST
     else:
         cause = actor_death_cause(str(exc))
-    what = cause if cause.infra else "actor_died"  # the expert's crash reads as it always did
+    what = LostAs(cause) if cause.infra else LostAs.ACTOR_DIED  # the expert's crash reads as it always did
     return Lost(what, f"{type(exc).__name__}: {first}", cause)
 
 
@@ -140,7 +140,7 @@ def lost_task(exc: RayTaskError) -> Lost:
     waited out; bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device) ends the job; anything else
     is retried. The traceback goes to the `failed` event and, for the expert's own, to the driver's log."""
     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-    raised = Lost("exception", f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
+    raised = Lost(LostAs.EXCEPTION, f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
     kind = exception_cause(cause)
     trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
     if kind.infra:
@@ -149,7 +149,7 @@ def lost_task(exc: RayTaskError) -> Lost:
             file=sys.stderr,
             flush=True,
         )
-        return Lost(kind, raised.reason, kind, trace)
+        return Lost(LostAs(kind), raised.reason, kind, trace)
     if kind == Cause.BAD_INPUT:
         return replace(raised, cause=kind, traceback=trace)  # bad input ends the job: its event keeps the why
     print(f"Traceback (most recent call last), in the worker: {raised.reason}\n{trace}", file=sys.stderr, flush=True)
@@ -333,10 +333,10 @@ class Driver:
                     # the worker found the lease changed: the driver's own compare-and-swap decides (LeaseLost here
                     # too); if the driver still holds it, the worker is retried like any loss, never as bad input
                     self.lease.check(now=True)
-                    return self.sched.on_lost(uid, Lost("exception", str(exc.cause), Cause.EXCEPTION))
+                    return self.sched.on_lost(uid, Lost(LostAs.EXCEPTION, str(exc.cause), Cause.EXCEPTION))
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
-                return self.sched.on_lost(uid, Lost("hang", "result not retrievable", Cause.HANG))
+                return self.sched.on_lost(uid, Lost(LostAs.HANG, "result not retrievable", Cause.HANG))
         if isinstance(result, SetupReport):
             return self.sched.on_setup(uid, result)
         return self.sched.on_chunk(uid, result)
@@ -345,7 +345,7 @@ class Driver:
         """lost_actor, with a crash on a node that turns out to be dead taken for the node's loss."""
         lost, process = lost_actor(exc), self.sched.units[uid].process
         if lost.cause == Cause.CRASH and process is not None and process.node and node_died(process.node):
-            return Lost(Cause.NODE_LOST, f"its node {process.node[:12]} died: {lost.reason}", Cause.NODE_LOST)
+            return Lost(LostAs.NODE_LOST, f"its node {process.node[:12]} died: {lost.reason}", Cause.NODE_LOST)
         return lost
 
     # -- main loop ------------------------------------------------------------------------------------
@@ -526,7 +526,9 @@ class Driver:
             for j, end in self.sched.outcome.items()
             if end == JobState.BUDGET_EXHAUSTED and j.expert is not None
         }
-        over = {e: o for e, o in self.sched.book.overruns(self.sched.spent, self.sched.largest).items() if e in stopped}
+        totals = self.sched.books.totals
+        over = self.sched.book.overruns(totals.per_expert_gpu_seconds, totals.per_expert_largest)
+        over = {e: o for e, o in over.items() if e in stopped}
         if over:
             e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
             per, _ = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, 1)
@@ -577,7 +579,7 @@ class Driver:
                     self._apply(self._collect(uid, ref, result))
         else:
             now = time.monotonic()
-            time.sleep(min(POLL_S, max(0.0, min(self.sched.retry_at.values(), default=now) - now)))
+            time.sleep(min(POLL_S, max(0.0, min(self.sched.retries.at.values(), default=now) - now)))
         self._placed()
         self._apply(self.sched.watchdog())
 
