@@ -29,25 +29,48 @@ from ray.exceptions import (
 )
 from rich.table import Table
 
-from pipelines.campaign_lease import held, holding
-from pipelines.common import console, frozen_heap, progress
+from pipelines.campaign_lease import held, hold, holding
+from pipelines.common import console, frozen_heap, load_config, open_store, progress
 from pipelines.metrics import CampaignMetrics
+from pipelines.rayaddress import ray_address
+from pipelines.raysession import ray_session
 from pipelines.reopen import reopen_failed, reopen_retrain, reopen_unverified
 from pipelines.revise import LiveRevisions, log_applied, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
+from soma_cluster.budget import BudgetBook
 from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
-from soma_cluster.checkpoint import latest_meta
+from soma_cluster.checkpoint import latest_meta, training_bytes
 from soma_cluster.config import CampaignConfig
 from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.eta import Eta
 from soma_cluster.events import history, require_seed
-from soma_cluster.failures import WORDS, actor_death_cause, exception_cause, stop_line, waiting
-from soma_cluster.jobs import SEED_JOB, TERMINAL, Cause, Event, Job, JobState, StopReason, expert_jobs, expert_name
+from soma_cluster.failures import (
+    WORDS,
+    actor_death_cause,
+    exception_cause,
+    expert_names,
+    select_failed,
+    stop_line,
+    waiting,
+)
+from soma_cluster.jobs import (
+    SEED_JOB,
+    TERMINAL,
+    Cause,
+    Event,
+    Job,
+    JobState,
+    LostAs,
+    expert_jobs,
+    expert_name,
+)
 from soma_cluster.lease import LeaseLost
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import SetupReport
+from soma_cluster.revisions import check as check_revision
+from soma_cluster.revisions import record as record_revision
 from soma_cluster.schedule import POLL_S, Action, Chunk, Lost, Reuse, Scheduler, Start, Stop
 from soma_cluster.snapshot import (
     SNAPSHOT,
@@ -86,14 +109,14 @@ def lost_actor(exc: RayActorError | OutOfMemoryError | NodeDiedError) -> Lost:
     node (SIGKILL, the kernel's OOM killer, a crash) is the expert's."""
     first = str(exc).splitlines()[0][:200] if str(exc) else ""
     if getattr(exc, "preempted", False):
-        return Lost(StopReason.PREEMPTED, f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
+        return Lost(LostAs.PREEMPTED, f"node drained: {type(exc).__name__}: {first}", Cause.PREEMPTED)
     if isinstance(exc, OutOfMemoryError):
         cause = Cause.OUT_OF_MEMORY
     elif isinstance(exc, (NodeDiedError, ActorUnavailableError)):
         cause = Cause.NODE_LOST
     else:
         cause = actor_death_cause(str(exc))
-    what = cause if cause.infra else "actor_died"  # the expert's crash reads as it always did
+    what = LostAs(cause) if cause.infra else LostAs.ACTOR_DIED  # the expert's crash reads as it always did
     return Lost(what, f"{type(exc).__name__}: {first}", cause)
 
 
@@ -117,7 +140,7 @@ def lost_task(exc: RayTaskError) -> Lost:
     waited out; bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device) ends the job; anything else
     is retried. The traceback goes to the `failed` event and, for the expert's own, to the driver's log."""
     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-    raised = Lost("exception", f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
+    raised = Lost(LostAs.EXCEPTION, f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
     kind = exception_cause(cause)
     trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
     if kind.infra:
@@ -126,7 +149,7 @@ def lost_task(exc: RayTaskError) -> Lost:
             file=sys.stderr,
             flush=True,
         )
-        return Lost(kind, raised.reason, kind, trace)
+        return Lost(LostAs(kind), raised.reason, kind, trace)
     if kind == Cause.BAD_INPUT:
         return replace(raised, cause=kind, traceback=trace)  # bad input ends the job: its event keeps the why
     print(f"Traceback (most recent call last), in the worker: {raised.reason}\n{trace}", file=sys.stderr, flush=True)
@@ -310,10 +333,10 @@ class Driver:
                     # the worker found the lease changed: the driver's own compare-and-swap decides (LeaseLost here
                     # too); if the driver still holds it, the worker is retried like any loss, never as bad input
                     self.lease.check(now=True)
-                    return self.sched.on_lost(uid, Lost("exception", str(exc.cause), Cause.EXCEPTION))
+                    return self.sched.on_lost(uid, Lost(LostAs.EXCEPTION, str(exc.cause), Cause.EXCEPTION))
                 return self.sched.on_lost(uid, lost_task(exc))
             except GetTimeoutError:
-                return self.sched.on_lost(uid, Lost("hang", "result not retrievable", Cause.HANG))
+                return self.sched.on_lost(uid, Lost(LostAs.HANG, "result not retrievable", Cause.HANG))
         if isinstance(result, SetupReport):
             return self.sched.on_setup(uid, result)
         return self.sched.on_chunk(uid, result)
@@ -322,7 +345,7 @@ class Driver:
         """lost_actor, with a crash on a node that turns out to be dead taken for the node's loss."""
         lost, process = lost_actor(exc), self.sched.units[uid].process
         if lost.cause == Cause.CRASH and process is not None and process.node and node_died(process.node):
-            return Lost(Cause.NODE_LOST, f"its node {process.node[:12]} died: {lost.reason}", Cause.NODE_LOST)
+            return Lost(LostAs.NODE_LOST, f"its node {process.node[:12]} died: {lost.reason}", Cause.NODE_LOST)
         return lost
 
     # -- main loop ------------------------------------------------------------------------------------
@@ -503,7 +526,9 @@ class Driver:
             for j, end in self.sched.outcome.items()
             if end == JobState.BUDGET_EXHAUSTED and j.expert is not None
         }
-        over = {e: o for e, o in self.sched.book.overruns(self.sched.spent, self.sched.largest).items() if e in stopped}
+        totals = self.sched.books.totals
+        over = self.sched.book.overruns(totals.per_expert_gpu_seconds, totals.per_expert_largest)
+        over = {e: o for e, o in over.items() if e in stopped}
         if over:
             e, worst = max(over.items(), key=lambda kv: kv[1].gpu_s)
             per, _ = self.sched.book.worst_overrun_s(self.cfg.resources.num_gpus, POLL_S, 1)
@@ -554,7 +579,7 @@ class Driver:
                     self._apply(self._collect(uid, ref, result))
         else:
             now = time.monotonic()
-            time.sleep(min(POLL_S, max(0.0, min(self.sched.retry_at.values(), default=now) - now)))
+            time.sleep(min(POLL_S, max(0.0, min(self.sched.retries.at.values(), default=now) - now)))
         self._placed()
         self._apply(self.sched.watchdog())
 
@@ -619,14 +644,15 @@ def launch(
     # an expert is finished only while its last checkpoint verifies
     reopen_unverified(store, expert_jobs(cfg.n_experts))
     take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
-    cap = cfg.budget.campaign_gpu_hours
-    spent = Ledger(store).totals().gpu_hours
+    # the scheduler's own arithmetic (GPU-seconds), asked before Ray starts: a spent campaign is refused, not launched
+    spent_s = sum(Ledger(store).totals().gpu_seconds.values())
+    left_s = BudgetBook(cfg.budget).left(None, 0.0, spent_s)
     hist = history(store)
     unended = [j for j in expert_jobs(cfg.n_experts) if not (j.name in hist and hist[j.name].terminal)]
-    if cap is not None and spent >= cap and unended:
+    if left_s is not None and left_s <= 0 and unended:
         raise SomaError(
-            f"campaign budget budget.campaign_gpu_hours={cap} is already spent ({spent:.4f} GPU-hours in the ledger); "
-            f"start a new campaign with a larger budget"
+            f"campaign budget budget.campaign_gpu_hours={cfg.budget.campaign_gpu_hours} is already spent "
+            f"({spent_s / 3600.0:.4f} GPU-hours in the ledger); start a new campaign with a larger budget"
         )
     r = cfg.resources
     console.print(
@@ -639,6 +665,40 @@ def launch(
     console.print(ended_table(outcome, {j.name: v for j, v in driver.sched.seen.items()}))
     raise_failures(driver, "experts")
     return outcome
+
+
+def launch_command(
+    campaign: str,
+    address: str | None,
+    show_progress: bool,
+    log_every_s: float,
+    command: str,
+    take_over: bool,
+    retry_failed: list[str] | None = None,
+    retrain: list[str] | None = None,
+    from_step: int | None = None,
+    sets: list[str] | None = None,
+) -> None:
+    """`soma launch` and `soma resume`: the experts named (`retry_failed`, `retrain`), the revision (`sets`) and the
+    Ray address are checked before the lease is taken; the place and its room (hold) before Ray starts or any
+    expert is queued. Then the revision is recorded, as soma set would write it, and the campaign runs."""
+    store = open_store(campaign)
+    cfg = load_config(store)
+    names = [j.name for j in expert_jobs(cfg.n_experts)]
+    if retry_failed:  # one named that did not fail is bad input
+        select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
+    if retrain:
+        expert_names(retrain, names)
+    if sets:
+        check_revision(cfg, list(sets), driver_running=False, origin="--set")
+    addr = ray_address(address)
+    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
+        if sets:
+            rev = record_revision(store, load_campaign_config(store), list(sets), driver_running=False)
+            print(f"revision {rev.rev}: {rev.line()}", file=sys.stderr)
+            cfg = load_config(store)
+        with ray_session(cfg, addr):
+            launch(store, cfg, show_progress, log_every_s, retry_failed, retrain, from_step)
 
 
 def ended_line(outcome: dict[str, str]) -> str:

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
-from pipelines.common import console
+from pipelines.common import console, load_config, open_store, out
 from pipelines.tracking import check_tracking, track_stage
 from soma_cluster import breakdown as bd
 from soma_cluster.checkpoint import Checkpoint
@@ -713,3 +713,67 @@ Compute (from the ledger): {led["gpu_hours_total"]:.4f} aggregate {led["unit"]}
 SOMA is a zero-order method: it is meant to beat other zero-order training at matched compute, not
 backpropagation, which remains far better per GPU-hour (in the paper: 1.05 vs 1.83 nats/byte at 100 GPU-hours).
 """
+
+
+def evaluate_for(
+    store: Store, cfg: CampaignConfig, text: str | None, stride: int, require_all: bool, compare: str | None
+) -> dict:
+    """`soma eval`: long-document mode on `text`, else the test windows, paired with the campaign at `compare`;
+    the document --json prints."""
+    if text is not None:
+        return {"schema": 1, "mode": "text", **evaluate_text(store, cfg, text, stride, require_all)}
+    other = None
+    if compare is not None:
+        other_store = open_store(compare)
+        other = (other_store, load_config(other_store))
+    m = evaluate(store, cfg, other, require_all)
+    return {"schema": 1, "mode": "windows", "report": f"{store.url}/eval/report.md", **m}
+
+
+def show_evaluation(store: Store, m: dict, compare: str | None) -> None:
+    """`soma eval`'s lines on stdout: what qualifies the numbers (a campaign still in training, the experts the seed
+    stood in for), then the numbers and where the report is."""
+    say_in_progress(m)
+    if m["mode"] == "text":
+        say_substituted(m["substituted"])
+        out.print(
+            f"long-document mode: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed "
+            f"{m['seed']['nats_per_byte']:.4f} on {m['scored_bytes']:,} bytes; report: {m['report']}"
+        )
+        return
+    say_substituted(m["substituted"], m.get("compare", {}).get("substituted", []), compare)
+    if compare is not None:
+        d = m["compare"]["this_minus_other"]
+        out.print(
+            f"this minus {compare}: {d['nats_per_byte']:+.4f} nats/byte [{d['ci95'][0]:+.4f}, {d['ci95'][1]:+.4f}]"
+        )
+    out.print(
+        f"ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte, seed {m['seed']['nats_per_byte']:.4f}, "
+        f"uniform {m['uniform']['nats_per_byte']:.4f}; report: {store.url}/eval/report.md"
+    )
+
+
+def say_in_progress(m: dict) -> None:
+    """A campaign evaluated while it trains says so beside the numbers (stdout: it qualifies them)."""
+    running, driver = m.get("in_progress") or [], m.get("driver_running")
+    if running or driver:
+        out.print(
+            f"campaign still in training: {len(running)} expert(s) not ended, evaluated at their latest checkpoint "
+            "(or as the seed model where they have none)"
+            + (f": {', '.join(x['expert'] + ' (' + x['state'] + ')' for x in running[:8])}" if running else "")
+            + (f"; {driver} holds it" if driver else ""),
+            markup=False,
+            soft_wrap=True,
+        )
+
+
+def say_substituted(mine: list[dict], theirs: list[dict] = (), compare: str | None = None) -> None:
+    """A partial campaign's result says so beside the numbers (stdout: it qualifies them)."""
+    for subs, whose in ((mine, ""), (theirs, f" of {compare}")):
+        if subs:
+            out.print(
+                f"seed model stands in for {len(subs)} expert(s){whose} with no checkpoint: "
+                + ", ".join(f"{s['expert']} ({s['end']}, {s['routed_windows']} windows)" for s in subs),
+                markup=False,
+                soft_wrap=True,
+            )

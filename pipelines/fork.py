@@ -15,12 +15,13 @@ the parent spent on them, so the child's GPU-hours count the training it continu
 from __future__ import annotations
 
 import json
+import os
 
 from pipelines.campaign_lease import holding
-from pipelines.common import claim_campaign, console, load_config
+from pipelines.common import claim_campaign, console, load_config, open_store
 from soma_cluster.accounting import FORKED_SEQ
 from soma_cluster.checkpoint import latest_meta
-from soma_cluster.config import CampaignConfig
+from soma_cluster.config import CampaignConfig, merge_trees, parse_overrides, validated
 from soma_cluster.errors import SomaError
 from soma_cluster.events import LOG as EVENTS
 from soma_cluster.events import emit, require_seed
@@ -89,6 +90,22 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -
         f"the records of its preprocessing and seed{warmth}"
     )
     return summary
+
+
+def fork_command(parent_url: str, child_url: str, sets: list[str], warm: bool) -> dict:
+    """`soma fork PARENT CAMPAIGN --set ...`: the child is checked (outside its parent, writable) and its config is
+    the parent's with `sets` over it, before anything is copied."""
+    parent, child = open_store(parent_url), open_store(child_url)
+    if parent.local and child.local:
+        a, b = os.path.realpath(parent.root), os.path.realpath(child.root)
+        if b == a or b.startswith(a + os.sep) or a.startswith(b + os.sep):
+            raise SomaError(
+                f"soma fork {parent_url} {child_url}: the new campaign must lie outside its parent (and hold no "
+                "part of it); pass a new directory beside it"
+            )
+    child.check_writable()
+    tree = merge_trees(load_config(parent).model_dump(mode="json"), parse_overrides(sets))
+    return fork(parent, child, validated(tree, "fork overrides"), warm)
 
 
 def _latest_checkpoints(parent: Store, pcfg: CampaignConfig) -> dict[str, bytes]:

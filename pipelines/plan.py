@@ -200,6 +200,46 @@ def plan(
     return p
 
 
+def plan_for(
+    store: Store,
+    cfg: CampaignConfig,
+    gpus: float | None,
+    recalibrate: bool,
+    address: str | None,
+    wait_s: float,
+    wait_given: bool,
+) -> dict:
+    """`soma plan`: on the Ray cluster at `address` (else RAY_ADDRESS), for its GPUs now unless `gpus` says how many
+    the campaign will run on, calibrating on a worker that holds an actor's resources within `wait_s`; without a
+    cluster, here, for `gpus` (default resources.local_gpus). `wait_given`: --wait was typed, which needs a cluster."""
+    from pipelines.rayaddress import ray_address
+
+    if gpus is not None and gpus < cfg.resources.num_gpus:
+        raise SomaError(
+            f"--gpus {gpus:g} cannot hold one actor of resources.num_gpus={cfg.resources.num_gpus}; pass at least that"
+        )
+    addr = ray_address(address)  # form, then a bounded probe
+    if not addr.remote:
+        if wait_given:
+            raise SomaError(
+                f"--wait {wait_s:g} has no effect without a Ray cluster (it waits for a worker of one to time the "
+                "calibration); pass --address HOST:PORT (or set RAY_ADDRESS), or leave out --wait"
+            )
+        return plan(store, cfg, gpus, recalibrate)
+    import ray
+
+    from pipelines.raysession import ray_session
+
+    with ray_session(cfg, addr):
+        planned = gpus if gpus is not None else float(ray.cluster_resources().get("GPU", 0.0))
+        if planned < cfg.resources.num_gpus:
+            raise SomaError(
+                f"the cluster at {addr.text} has {planned:g} GPUs now (an autoscaling one may start with none); "
+                f"pass --gpus K, the GPUs the campaign will run on"
+            )
+        return plan(store, cfg, planned, recalibrate, cluster_wait_s=wait_s)
+
+
 def render(p: dict, unit: str) -> str:
     """The plan as lines of text (stdout)."""
     c, h, w, b = p["calibration"], p["gpu_hours"], p["wall_seconds"], p["budget"]

@@ -17,8 +17,11 @@ from pathlib import Path
 import numpy as np
 from scipy import stats
 
+from soma_cluster.diskerrors import require_writable_dir
+from soma_cluster.errors import SomaError
 from soma_cluster.methods import method_named
 from soma_cluster.storage import Store, temp_prefix
+from soma_cluster.targets import EXPERIMENT_FILE, RESULTS_FILE, not_an_experiment
 
 ZO_NOTE = (
     "SOMA is a zero-order method: it is meant to beat other zero-order training (monolithic SPSA, EGGROLL) "
@@ -300,6 +303,26 @@ included, evaluation not); on a CPU-only host a logical GPU's GPU-seconds are it
 
 {ZO_NOTE}
 """
+
+
+def read_results(stores: list[Store], readme: str | None) -> list[dict]:
+    """`soma report`'s inputs, each checked before any report is rewritten: the README (`--readme`) exists and its
+    directory is writable, and every experiment directory is writable and holds results.json. Their results."""
+    if readme:
+        if not os.path.isfile(readme):
+            raise SomaError(
+                f"--readme {readme} is not a file; pass the README whose results section to rewrite "
+                "(it must exist and hold one)"
+            )
+        require_writable_dir(os.path.dirname(os.path.abspath(readme)), what="the README's directory")
+    results = []
+    for store in stores:
+        store.check_writable()
+        if not store.exists(RESULTS_FILE):
+            marker = store.read_json(EXPERIMENT_FILE) if store.exists(EXPERIMENT_FILE) else {}
+            raise not_an_experiment(store.url, store.listdir(""), marker.get("experiment"))
+        results.append(store.read_json(RESULTS_FILE))
+    return results
 
 
 def write_report(store: Store, res: dict) -> str:

@@ -14,11 +14,12 @@ import math
 import time
 from collections.abc import Callable
 
+from pipelines.common import out
 from pipelines.status import lease_view
 from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.config import CampaignConfig
 from soma_cluster.diskerrors import storage_error
-from soma_cluster.errors import StorageUnreachable
+from soma_cluster.errors import SomaError, StorageUnreachable
 from soma_cluster.events import EXTENDED, LOG, emit, history
 from soma_cluster.jobs import Event
 from soma_cluster.revisions import DIR, Revision, applied, apply, revisions, to_reopen
@@ -116,7 +117,7 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
         raise err from None
     revs = revisions(store)[: rev.rev]  # what this revision changed, against the ones before it (others may follow)
     was, now = apply(base, revs[:-1]), apply(base, revs)
-    out = {
+    result = {
         "schema": 1,
         "campaign": store.url,
         "revision": rev.as_json(),
@@ -129,9 +130,33 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
     if running and wait_s:
         while time.monotonic() - t0 < wait_s:
             if applied(store.read_log(LOG)) >= rev.rev:
-                out["applied"], out["applied_after_s"] = True, time.monotonic() - t0
+                result["applied"], result["applied_after_s"] = True, time.monotonic() - t0
                 break
             time.sleep(WAIT_POLL_S)
         else:
-            out["applied"] = False
-    return out
+            result["applied"] = False
+    return result
+
+
+def say_applied(store: Store, r: dict, wait_s: float | None) -> None:
+    """`soma set`'s lines on stdout: the revision, and who applies it when (set_config's result `r`); a driver that
+    did not apply it within --wait is an error."""
+    rev = r["revision"]
+    out.print(f"revision {rev['rev']} of {store.url}: {changed(rev)} (by {rev['by']})", markup=False)
+    n = len(r["reopens"])
+    trains = f"; {n} ended expert(s) will train on from their latest checkpoint" if n else ""
+    if r["driver"] is None:
+        out.print(f"no driver holds the campaign: soma resume {store.url} applies it{trains}", markup=False)
+    elif r["applied"]:
+        out.print(f"applied by {r['driver']} after {r['applied_after_s']:.1f} s{trains}", markup=False)
+    elif r["applied"] is False:
+        raise SomaError(
+            f"{r['driver']} did not apply revision {rev['rev']} within --wait {wait_s:g} s; it is recorded, and the "
+            f"driver (or the next soma resume {store.url}) applies it"
+        )
+    else:
+        out.print(f"{r['driver']} applies it within a second (or, if it ends first, soma resume){trains}", markup=False)
+
+
+def changed(rev: dict) -> str:
+    return ", ".join(f"{k} {rev['was'].get(k)} -> {v}" for k, v in rev["set"].items())

@@ -12,6 +12,7 @@ import sys
 import time
 from dataclasses import asdict, dataclass
 
+from pipelines.common import emit_json
 from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
 from soma_cluster.corpus import shown
@@ -161,3 +162,16 @@ def _remove(serve, remote: bool) -> None:
 
 def as_json(served: Served) -> dict:
     return {"schema": 1, **asdict(served)}
+
+
+def print_serve_config(settings: ServeSettings, host: str, port: int, as_json: bool) -> None:
+    """`soma serve --dry-run`: the source and settings checked, then the Serve config file that deploys them on
+    stdout (YAML, or JSON with --json)."""
+    import yaml
+
+    routing = checked_source(settings)
+    doc = serve_config(settings, host, port)
+    if as_json:
+        return emit_json({"schema": 1, **doc})
+    sys.stdout.write(yaml.safe_dump(doc, sort_keys=False))
+    print(f"{routing.source}: {routing.config.n_experts} experts; the config above deploys it", file=sys.stderr)

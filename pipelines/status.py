@@ -5,6 +5,7 @@ After a campaign that was planned (`soma plan`), predicted GPU-hours and wall ti
 from __future__ import annotations
 
 import os
+import sys
 import time
 from enum import StrEnum
 
@@ -13,6 +14,8 @@ from rich.measure import Measurement
 from rich.table import Table
 from rich.text import Text
 
+from pipelines.common import emit_json, load_config, out
+from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
@@ -20,7 +23,7 @@ from soma_cluster.jobs import EXPERT_SPEND, TERMINAL, Category, Event, JobState
 from soma_cluster.lease import LEASE, Holder, LeaseRecord, Verdict, judge, process_alive
 from soma_cluster.ledger import Ledger
 from soma_cluster.revisions import revisions
-from soma_cluster.snapshot import SNAPSHOT, budget_view, build, fmt_duration, history_rows
+from soma_cluster.snapshot import SNAPSHOT, budget_view, build, fmt_duration, fmt_span, history_rows
 from soma_cluster.storage import Store
 
 STALE_S = 30.0  # a driver's snapshot older than this, and not its last, means the driver is gone (or stuck)
@@ -335,3 +338,52 @@ def print_full(console: Console, renderable, width: int | None = None) -> None:
         return
     width = Measurement.get(console, console.options.update(width=100_000, max_width=100_000), renderable).maximum
     Console(file=console.file, width=max(width, 40), highlight=False, color_system=None).print(renderable)
+
+
+def wait_prepared(store: Store, wait_s: float, interval_s: float) -> None:
+    """A watch of a job that starts with soma prepare: wait up to `wait_s` for its config (load_config then says
+    what is missing, if it still is)."""
+    if store.exists(CONFIG_FILE):
+        return
+    print(f"soma: {store.url} is not prepared yet; waiting up to {fmt_span(wait_s)} for it", file=sys.stderr)
+    deadline = time.monotonic() + wait_s
+    while not store.exists(CONFIG_FILE) and time.monotonic() < deadline:
+        time.sleep(min(interval_s, 5.0))
+
+
+def show_status(store: Store, as_json: bool, watch: bool, interval_s: float, count: int, wait_s: float) -> None:
+    """`soma status`: the snapshot on stdout once, or with `watch` every `interval_s` seconds until the driver's
+    last one (watch_step), `count` refreshes (0: no limit), or `wait_s` seconds without a driver."""
+    if watch:
+        wait_prepared(store, wait_s, interval_s)
+    cfg = load_config(store)
+    shown, since = 0, time.time()
+    idle_since, told = since, False
+    while True:
+        snap = load_status(store, cfg)
+        if as_json:
+            emit_json(snap, lines=watch)
+        else:
+            if watch and out.is_terminal:
+                out.clear()
+            width = table_width(out)
+            print_full(out, render(snap, width), width)
+        shown += 1
+        if not watch or (count and shown >= count):
+            return
+        now = time.time()
+        step = watch_step(snap, since, idle_since, now, wait_s)
+        if step is Watch.RUNNING:
+            idle_since, told = now, False
+        elif step is Watch.WAITING and not told:
+            print(f"soma: no driver runs {store.url} now; waiting up to {fmt_span(wait_s)} for one", file=sys.stderr)
+            told = True
+        if step is Watch.NO_DRIVER:
+            print(
+                f"soma: no driver took {store.url} in {fmt_span(wait_s)}; start one (soma launch / soma resume "
+                f"{store.url}) or watch longer (--wait)",
+                file=sys.stderr,
+            )
+        if step not in (Watch.RUNNING, Watch.WAITING):
+            return
+        time.sleep(interval_s)

@@ -169,6 +169,24 @@ class StopReason(StrEnum):
     PREEMPTED = "preempted"
 
 
+class LostAs(StrEnum):
+    """How an actor's attempt was lost, as the driver saw it: the first word of its reason (`what: detail` in its
+    events; schedule.Lost). An infrastructure's loss is named by its Cause."""
+
+    EXCEPTION = "exception"  # the worker's code raised
+    ACTOR_DIED = "actor_died"  # its process died, its node did not
+    HANG = "hang"  # no heartbeat, or its result not retrievable
+    STOPPED = "stopped"  # the campaign stopped for its environment
+    PREEMPTED = "preempted"  # its node was drained or reclaimed
+    BUDGET_EXHAUSTED = "budget_exhausted"  # the driver's hard stop past the grace
+    DISK_FULL = "disk_full"
+    READ_ONLY = "read_only"
+    PERMISSION = "permission"
+    STORAGE_UNREACHABLE = "storage_unreachable"
+    NODE_LOST = "node_lost"
+    OUT_OF_MEMORY = "out_of_memory"
+
+
 # -- the state machine -----------------------------------------------------------------------------------------
 _AFTER = {
     Event.LAUNCHED: JobState.RUNNING,

@@ -37,6 +37,7 @@ from soma_cluster.jobs import (
     JobStatus,
     JobView,
     LossKind,
+    LostAs,
     StopReason,
     advance,
 )
@@ -114,10 +115,13 @@ Action = Start | Reuse | Chunk | Stop
 class Lost:
     """Why an actor's attempt ended without a clean report. The reason its events give is `what: detail`."""
 
-    what: str  # the reason's first word: a Cause (an infrastructure's), exception, actor_died, hang, preempted, ...
+    what: LostAs  # the reason's first word (a plain string of one is taken as its LostAs)
     detail: str  # what failed, in the words of the error or the driver
     cause: Cause | None = None  # recorded in the `failed` event; an INFRA loss always has one
     traceback: str | None = None
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "what", LostAs(self.what))
 
     @property
     def reason(self) -> str:
@@ -157,15 +161,6 @@ class Scheduler:
         self.bad_input: dict[Job, Lost] = {}
         self.seen: dict[Job, JobView] = {j: JobView() for j in self.jobs}  # what `soma status` shows of each job
         self._ids = itertools.count()
-        # the parts' own dicts, under the names the driver and the tests read
-        self.retry_at, self.failures, self.infra_since = (
-            self.retries.at,
-            self.retries.failures,
-            self.retries.infra_since,
-        )
-        self.spent = self.books.totals.per_expert_gpu_seconds  # each expert's GPU-seconds, every record included
-        self.largest = self.books.totals.per_expert_largest  # each expert's largest single record
-        self.start_cost = self.books.start_cost
 
     @property
     def spent_total(self) -> float:
@@ -179,14 +174,14 @@ class Scheduler:
 
     @property
     def finished(self) -> bool:
-        return not (self.pending or self.units or self.retry_at)
+        return not (self.pending or self.units or self.retries.at)
 
     def left(self, job: Job, share: int | None = None) -> float | None:
         """GPU-seconds the job may still spend, the tighter of its GPU-hour and dollar caps; the campaign's remainder
         is shared among the open jobs (`share`: among that many)."""
         if share is None:
             share = max(1, len(self.open) + (0 if job in self.open else 1))
-        spent = self.spent.get(job.expert, 0.0) if job.expert is not None else 0.0
+        spent = self.books.totals.per_expert_gpu_seconds.get(job.expert, 0.0) if job.expert is not None else 0.0
         totals = self.books.totals
         caps = [
             self.book.left(job.expert, spent, self.spent_total, share),
@@ -210,7 +205,7 @@ class Scheduler:
             view=self.seen.get(job, JobView()),
             spent_s=self.books.spent(job),
             left_s=None if state in TERMINAL else self.left(job),
-            retries=self.failures.get(job, 0),
+            retries=self.retries.failures.get(job, 0),
             beat_age_s=self.clock() - unit.last_beat if running else None,
         )
 
@@ -238,7 +233,7 @@ class Scheduler:
         self.outcome.update(was.outcome)
         self.pending.extend(was.pending)
         self.next_attempt.update(was.next_attempt)
-        self.failures.update(was.failures)
+        self.retries.failures.update(was.failures)
         self.cause.update(was.cause)
 
     def _event(self, event: Event, job: Job, **fields) -> None:
@@ -318,7 +313,7 @@ class Scheduler:
         if left <= 0:
             return "budget cannot cover a launch"
         alone = self.left(job, share=1)
-        need = self.start_cost.need_s(min(self.cfg.train.chunk_updates, self.cfg.train.updates))
+        need = self.books.start_cost.need_s(min(self.cfg.train.chunk_updates, self.cfg.train.updates))
         if need is not None and alone is not None and alone < need:
             return (
                 f"budget cannot cover a start-up plus one chunk: {alone:.2f} GPU-s left, {need:.2f} needed "
@@ -405,7 +400,7 @@ class Scheduler:
         if hb.val is not None:
             view.val = hb.val
         self.books.record(c.job.category, hb.usage - c.reported, c, c.seq)
-        self.start_cost.observe_updates(hb.usage.gpu_seconds - c.reported.gpu_seconds, hb.updates)
+        self.books.start_cost.observe_updates(hb.usage.gpu_seconds - c.reported.gpu_seconds, hb.updates)
         c.reported = hb.usage
         if hb.val is not None:
             c.improving = hb.best_val is not None and hb.val <= hb.best_val
@@ -427,10 +422,10 @@ class Scheduler:
             return
         self._end(c)
         if hb.failed:
-            self._lose(c, Lost("exception", hb.error, error_cause(hb.error)))
+            self._lose(c, Lost(LostAs.EXCEPTION, hb.error, error_cause(hb.error)))
         elif hb.reason == StopReason.PREEMPTED:
             unit.leaving = True
-            self._lose(c, Lost(StopReason.PREEMPTED, "the worker got SIGTERM and checkpointed", Cause.PREEMPTED))
+            self._lose(c, Lost(LostAs.PREEMPTED, "the worker got SIGTERM and checkpointed", Cause.PREEMPTED))
         else:
             self._finish(c.job, JobState(hb.reason), attempt=c.attempt, step=hb.step, val=hb.best_val)
 
@@ -529,9 +524,9 @@ class Scheduler:
         out: list[Action] = []
         why = f"the campaign stopped for its environment ({self.stopped.cause})"
         for unit in list(self.units.values()):
-            out += self.on_lost(unit.id, Lost("stopped", why, Cause.PREEMPTED))
+            out += self.on_lost(unit.id, Lost(LostAs.STOPPED, why, Cause.PREEMPTED))
         self.pending.clear()
-        self.retry_at.clear()
+        self.retries.at.clear()
         return out
 
     def _finish(self, job: Job, end: JobState, **fields) -> None:
@@ -548,7 +543,8 @@ class Scheduler:
         candidates |= {
             j.expert: True for j in self.jobs if j.expert is not None and j not in self.outcome and j not in self.open
         }
-        for expert, s in self.book.release(job.expert, self.spent.get(job.expert, 0.0), candidates).items():
+        spent = self.books.totals.per_expert_gpu_seconds.get(job.expert, 0.0)
+        for expert, s in self.book.release(job.expert, spent, candidates).items():
             self._event(Event.BUDGET_GRANTED, Job(expert), expert=expert, gpu_seconds=s, source=job.name)
 
     # -- hangs and budgets ----------------------------------------------------------------------------
@@ -574,9 +570,9 @@ class Scheduler:
                 if c.cap_s is not None and c.reported.gpu_seconds + held > c.cap_s + self.cfg.budget.grace_gpu_seconds
             )
             if silent > self.cfg.retry.heartbeat_timeout_s:
-                out += self.on_lost(unit.id, Lost("hang", f"no heartbeat for {silent:.0f} s", Cause.HANG))
+                out += self.on_lost(unit.id, Lost(LostAs.HANG, f"no heartbeat for {silent:.0f} s", Cause.HANG))
             elif over:
-                out += self.on_lost(unit.id, Lost(StopReason.BUDGET_EXHAUSTED, "hard stop past the grace"), stop=over)
+                out += self.on_lost(unit.id, Lost(LostAs.BUDGET_EXHAUSTED, "hard stop past the grace"), stop=over)
         return out
 
     def on_placed(self, uid: int, held_for_s: float) -> None:
@@ -605,7 +601,7 @@ class Scheduler:
             c.started, c.setup, c.reported = True, usage, usage
             self.books.startup(c, usage, "start-up, hard-stopped by the driver before it reported (the driver's clock)")
         why = f"hard stop past the grace during start-up ({held:.1f} s held)"
-        return self.on_lost(unit.id, Lost(StopReason.BUDGET_EXHAUSTED, why), stop=over)
+        return self.on_lost(unit.id, Lost(LostAs.BUDGET_EXHAUSTED, why), stop=over)
 
     def _cancel(self, unit: Unit) -> list[Action]:
         """A queued actor whose jobs the budget can no longer cover is withdrawn before it holds a GPU."""

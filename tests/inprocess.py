@@ -79,8 +79,8 @@ class InProcess:
     def next_call(self) -> int | None:
         """Start what the scheduler wants started; the unit whose call runs next (lowest id), or None when idle."""
         self.apply(self.sched.requests(float("inf"), 10**6))
-        if not self.calls and self.sched.retry_at:
-            self.clock.now = max(self.clock.now, min(self.sched.retry_at.values()))  # sleep until the next retry
+        if not self.calls and self.sched.retries.at:
+            self.clock.now = max(self.clock.now, min(self.sched.retries.at.values()))  # sleep until the next retry
             self.apply(self.sched.requests(float("inf"), 10**6))
         return min(self.calls) if self.calls else None
 

@@ -21,7 +21,8 @@ import pytest
 import typer.main
 from typer.testing import CliRunner
 
-from pipelines.cli import OPTION_PAIRS, _Checked, _shown, app
+from pipelines.cli import app
+from pipelines.cli_harness import OPTION_PAIRS, Checked, shown
 from soma_cluster.snapshot import fmt_span
 from soma_cluster.storage import Store
 
@@ -279,7 +280,7 @@ PAIR_CASES = [(p.command, p.option, p.other, p.needs) for p in OPTION_PAIRS]
 
 
 def test_every_command_checks_its_inputs_and_every_pair_names_real_inputs():
-    assert all(isinstance(GROUP.commands[c], _Checked) for c in COMMANDS), COMMANDS
+    assert all(isinstance(GROUP.commands[c], Checked) for c in COMMANDS), COMMANDS
     for command, option, other, _ in PAIR_CASES:
         _given(command, option), _given(command, other)  # raises StopIteration for a name the command lacks
     assert {(c, o) for c, o, _, _ in PAIR_CASES} >= {("eval", "stride"), ("status", "wait"), ("eval", "compare")}
@@ -295,7 +296,7 @@ def test_an_input_without_its_partner_or_with_its_contradiction_is_one_line(comm
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and len(errors) == 1, (bad, result.stderr[-1500:], result.exception)
     word = "has no effect without" if needs else "contradict"
-    a, b = (_shown(GROUP.commands[command], n) for n in (option, other))
+    a, b = (shown(GROUP.commands[command], n) for n in (option, other))
     assert word in errors[0] and a in errors[0] and b in errors[0], errors[0]
     assert not any(tmp_path.iterdir()), bad
     # the check lets the right use through (a file as every directory stops the command right after it)

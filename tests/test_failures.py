@@ -132,8 +132,8 @@ def disk_full(job="expert-0000") -> Lost:
 
 def run_one(s, clock, gpu_s=1.0):
     """Start the job that is due (sleeping the fake clock to its retry), report its setup; the unit."""
-    if not s.pending and s.retry_at:
-        clock[0] = max(clock[0], min(s.retry_at.values()))
+    if not s.pending and s.retries.at:
+        clock[0] = max(clock[0], min(s.retries.at.values()))
     (start,) = s.requests(1)
     s.on_setup(start.unit.id, started([0], gpu_s=gpu_s))
     return start.unit
@@ -159,7 +159,7 @@ def test_infrastructure_failures_spend_no_retry_and_stop_the_campaign_after_the_
     assert s.stopped is not None and s.stopped.cause == Cause.DISK_FULL and s.stopped.job == "expert-0000"
     assert len(tries) >= 5 and Job(0) not in s.outcome  # max_retries 1: an expert failure would have ended it
     assert 20.0 <= s.stopped.waited_s <= 20.0 + 0.5 + 1e-9  # the bound plus one try, never later
-    assert s.failures.get(Job(0), 0) == 0 and history(s.store)["expert-0000"].failures == 0
+    assert s.retries.failures.get(Job(0), 0) == 0 and history(s.store)["expert-0000"].failures == 0
     delays = [e["delay_s"] for e in s.store.read_log("events.jsonl") if e["event"] == "retry_scheduled"]
     assert all(
         e["counted"] is False and e["cause"] == "disk_full"
@@ -186,13 +186,13 @@ def test_a_checkpoint_clears_the_condition_and_expert_failures_still_count(tmp_p
     acts = s.on_chunk(
         unit.id, ChunkReport({0: beat(6, 3.0, 6 * PER_UPDATE, checkpoint="step-000006", ckpt_step=6)}, 3.0)
     )
-    assert by(acts, Chunk) and Job(0) not in s.infra_since  # space came back: a checkpoint was written
+    assert by(acts, Chunk) and Job(0) not in s.retries.infra_since  # space came back: a checkpoint was written
     clock[0] += 30.0
     s.on_lost(unit.id, disk_full())  # a new streak, not 30 s old
-    assert s.stopped is None and Job(0) in s.retry_at
+    assert s.stopped is None and Job(0) in s.retries.at
     unit = run_one(s, clock)
     s.on_lost(unit.id, Lost("exception", "RuntimeError: boom", Cause.EXCEPTION))
-    assert s.failures[Job(0)] == 1 and s.stopped is None  # the expert's own: counted
+    assert s.retries.failures[Job(0)] == 1 and s.stopped is None  # the expert's own: counted
     unit = run_one(s, clock)
     s.on_lost(unit.id, Lost("actor_died", "ActorDiedError: worker died", Cause.CRASH))
     assert s.outcome == {Job(0): "failed_permanently"}  # max_retries 1: the second one ends it
@@ -218,7 +218,7 @@ def test_zero_wait_stops_at_the_first_and_the_stop_settles_every_open_attempt(tm
     assert not s.outcome  # nothing ended: `soma resume` goes on
     again = scheduler(tmp_path, [0.0], n_experts=3)
     again.restore(history(again.store))
-    assert sorted(j.expert for j in again.pending) == [0, 1, 2] and not again.failures.get(Job(0))
+    assert sorted(j.expert for j in again.pending) == [0, 1, 2] and not again.retries.failures.get(Job(0))
     assert again.cause[Job(1)] == "preempted" and again.cause[Job(0)] == "retry"
     t = Ledger(s.store).totals()
     assert t.gpu_seconds["preempted"] == pytest.approx(2.0) and t.gpu_seconds["wasted"] == pytest.approx(2.0)
@@ -238,7 +238,7 @@ def test_reopened_for_retry_failed_gives_the_retries_back_and_keeps_the_end(tmp_
     again = scheduler(tmp_path, clock, n_experts=1, retry={"max_retries": 0})
     again.restore(history(again.store))
     assert list(again.pending) == [Job(0)] and again.next_attempt[Job(0)] == 1 and again.cause[Job(0)] == "retry"
-    assert not again.failures.get(Job(0))
+    assert not again.retries.failures.get(Job(0))
 
 
 def test_reopen_failed_writes_one_event_per_job_and_nothing_on_a_refusal(tmp_path):
@@ -316,8 +316,8 @@ def test_a_packed_actor_lost_to_the_infrastructure_spends_no_retry_of_either_exp
     s.on_setup(start.unit.id, started([0, 1]))
     clock[0] = 1.0
     s.on_lost(start.unit.id, Lost(Cause.NODE_LOST, "ActorDiedError: its node has died", Cause.NODE_LOST))
-    assert sorted(j.expert for j in s.retry_at) == [0, 1] and not s.outcome and not s.failures
-    clock[0] = max(s.retry_at.values())
+    assert sorted(j.expert for j in s.retries.at) == [0, 1] and not s.outcome and not s.retries.failures
+    clock[0] = max(s.retries.at.values())
     (again,) = s.requests(1)
     assert sorted(j.expert for j in again.unit.jobs) == [0, 1]  # retried together, as a pack again
     failed = [e for e in s.store.read_log("events.jsonl") if e["event"] == "failed"]

@@ -136,7 +136,7 @@ def test_failure_retries_with_backoff_and_bills_the_retry_start_as_wasted(tmp_pa
     s.on_chunk(start.unit.id, ChunkReport({0: beat(3, 4.0, 3 * PER_UPDATE)}, 4.0))
     clock[0] = 1.0
     assert by(s.on_lost(start.unit.id, Lost("actor_died", "test")), Stop)
-    assert s.requests(1) == [] and 1.0 <= s.retry_at[Job(0)] - clock[0] <= 2.0  # backoff 2 s, jittered down to >= 1 s
+    assert s.requests(1) == [] and 1.0 <= s.retries.at[Job(0)] - clock[0] <= 2.0  # backoff 2 s, jittered down to >= 1 s
     clock[0] = 10.0
     (retry,) = s.requests(1)
     assert retry.unit.accounts[Job(0)].attempt == 1 and retry.unit.previous == (Incarnation("node-a", 4242, 1000.0),)
@@ -164,7 +164,7 @@ def test_preemption_is_not_a_failure(tmp_path):
         start.unit.id,
         ChunkReport({0: beat(4, 5.5, 4 * PER_UPDATE, reason="preempted", checkpoint="step-000004", ckpt_step=4)}, 5.5),
     )
-    assert by(acts, Stop) and s.pending[0] == Job(0) and not s.retry_at  # first in line again, no backoff
+    assert by(acts, Stop) and s.pending[0] == Job(0) and not s.retries.at  # first in line again, no backoff
     (again,) = s.requests(2)[:1]
     assert again.unit.accounts[Job(0)].cause == "preempted" and not again.unit.previous
     s.on_setup(again.unit.id, started([0], step=4, gpu_s=2.0))
@@ -211,7 +211,7 @@ def test_an_expert_failing_alone_in_its_pack_keeps_its_cause(tmp_path):
     s.on_chunk(start.unit.id, ChunkReport({0: bad, 1: beat(2, 2.0, 2 * PER_UPDATE)}, 2.0))
     (failed,) = [ev for ev in history(s.store)["expert-0000"].events if ev["event"] == "failed"]
     assert failed["cause"] == Cause.NON_FINITE and failed["reason"] == "exception: NonFiniteLoss: loss is nan"
-    assert s.failures[Job(0)] == 1 and Job(1) in s.open  # counted against its retries; its pack-mate trains on
+    assert s.retries.failures[Job(0)] == 1 and Job(1) in s.open  # counted against its retries; its pack-mate trains on
 
 
 def test_reuse_hands_an_idle_actor_the_next_experts(tmp_path):
@@ -322,7 +322,7 @@ def test_an_expert_whose_budget_cannot_cover_a_start_up_and_a_chunk_is_never_sta
     clock[0] = 2.0
     s.on_setup(first.unit.id, started([0], gpu_s=2.0))  # a start-up costs 2 GPU-s here
     s.on_chunk(first.unit.id, ChunkReport({0: beat(3, 3.2, 3 * PER_UPDATE)}, 3.2))  # and an update 0.4
-    assert s.start_cost.need_s(s.cfg.train.chunk_updates) == pytest.approx(2.0 + 3 * 0.4)
+    assert s.books.start_cost.need_s(s.cfg.train.chunk_updates) == pytest.approx(2.0 + 3 * 0.4)
     acts = s.requests(3, room=3)  # 3 GPU-s left each: less than 3.2
     assert acts == [] and s.outcome == {Job(1): "budget_exhausted", Job(2): "budget_exhausted"}
     ends = [e for e in s.store.read_log("events.jsonl") if e["event"] == "budget_exhausted"]
@@ -332,7 +332,7 @@ def test_an_expert_whose_budget_cannot_cover_a_start_up_and_a_chunk_is_never_sta
     again = scheduler(
         tmp_path, n_experts=3, budget={"expert_gpu_hours": 1.5 / 3600}
     )  # a new driver: the ledger remembers
-    assert again.start_cost.startup_s == pytest.approx(2.0)
+    assert again.books.start_cost.startup_s == pytest.approx(2.0)
 
 
 def test_seed_is_its_own_job(tmp_path):
@@ -487,7 +487,7 @@ def test_a_capped_expert_stops_within_its_derived_overrun_bound(seeded_inproc, t
     t = Ledger(store).totals()
     over = BudgetBook(cfg.budget).overruns(t.per_expert_gpu_seconds, t.per_expert_largest)
     # what the driver prints at its end comes from the scheduler's running sums, never a re-read of the ledger
-    kept = h.sched.book.overruns(h.sched.spent, h.sched.largest)
+    kept = h.sched.book.overruns(h.sched.books.totals.per_expert_gpu_seconds, h.sched.books.totals.per_expert_largest)
     assert sorted(kept) == sorted(over)
     assert all((kept[e].gpu_s, kept[e].bound_s) == pytest.approx((o.gpu_s, o.bound_s)) for e, o in over.items())
     assert h.sched.spent_total == pytest.approx(sum(t.gpu_seconds.values()))

@@ -253,7 +253,8 @@ def test_close_is_bounded_by_its_wait_and_counts_what_is_left():
     thread.put(metric_points(4, "seed"))
     t0 = time.monotonic()
     out = thread.close(0.5)
-    assert time.monotonic() - t0 < 2 and out.gap.dropped == 7 and out.sent == 0
+    # bounded by its wait, not by the gate that never opens; the slack is the host's (a loaded 2-core one)
+    assert time.monotonic() - t0 < 10 and out.gap.dropped == 7 and out.sent == 0
 
 
 def test_a_tracker_that_stays_down_is_tried_less_often_and_closing_does_not_wait_on_it():
@@ -270,7 +271,7 @@ def test_a_tracker_that_stays_down_is_tried_less_often_and_closing_does_not_wait
     assert thread.cooldown == 1.2
     t1 = time.monotonic()
     out = thread.close(20)  # wakes the thread from its cool-down: one more try, then the rest is missed
-    assert time.monotonic() - t1 < 3 and sink.calls == tries + 1  # not the 20 s it was given
+    assert time.monotonic() - t1 < 10 and sink.calls == tries + 1  # not the 20 s it was given (slack: a loaded host)
     assert out.sent == 0 and out.gap.dropped == n and out.gap.runs == {"expert-0000": [0, n - 1]}
 
 
@@ -279,14 +280,14 @@ def test_the_cool_down_starts_over_once_the_tracker_is_back():
     sink.gate.set()
     thread = SinkThread(sink, cap=1000, retries=0, cooldown_s=0.1, cooldown_max_s=5.0)
     thread.start(metric_points(3))
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a loaded host's margin: the loop ends as soon as the cool-down doubled twice
     while thread.cooldown < 0.4 and time.monotonic() < deadline:  # bounded: two failed batches double it twice
         thread.put(metric_points(1, "seed"))
         time.sleep(0.05)
     assert thread.cooldown >= 0.4
     sink.down = False
     thread.put([Metric("seed", "train_loss", 7, 1.0, 0.0)])
-    while not sink.got and time.monotonic() < deadline + 5:  # bounded: the next try after the cool-down
+    while not sink.got and time.monotonic() < deadline + 30:  # bounded: the next try after the cool-down
         time.sleep(0.05)
     assert sink.got and thread.cooldown == 0.1
     out = thread.close(5)

@@ -52,7 +52,7 @@ def test_the_wait_is_bounded_and_a_reused_pid_is_not_the_old_process(tmp_path):
     try:
         t = time.monotonic()
         assert worker_of(tmp_path, previous=(inc,))._outlive(bound_s=0.5) >= 0.5
-        assert time.monotonic() - t < 5.0  # bounded: it starts anyway, with a warning
+        assert time.monotonic() - t < 15.0  # bounded (0.5 s, plus a loaded host's slack): it starts anyway, warned
         other = Incarnation(None, proc.pid, inc.created - 100.0)
         assert not alive(other)  # same pid, another process start: not the one it waits for
         elsewhere = worker_of(tmp_path, previous=(Incarnation("other-node", proc.pid, inc.created),))

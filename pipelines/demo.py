@@ -1,0 +1,23 @@
+"""`soma demo`: a whole campaign in one command, prepare -> seed -> launch -> eval, under one lease."""
+
+from __future__ import annotations
+
+from pipelines.campaign import launch
+from pipelines.campaign_lease import hold
+from pipelines.evaluate import evaluate
+from pipelines.prepare import prepare
+from pipelines.rayaddress import Address
+from pipelines.raysession import ray_session
+from pipelines.seed import train_seed
+from soma_cluster.config import CampaignConfig
+from soma_cluster.storage import Store
+
+
+def demo(store: Store, cfg: CampaignConfig, addr: Address, take_over: bool) -> dict:
+    """Every stage of a campaign on `cfg`, on the Ray at `addr` (a local one when none); the evaluation's metrics."""
+    with hold(store, "soma demo", take_over):
+        prepare(store, cfg, addr.text or None)
+        with ray_session(cfg, addr):
+            train_seed(store, cfg)
+            launch(store, cfg)
+        return evaluate(store, cfg)
