@@ -300,9 +300,11 @@ def test_an_expert_replica_killed_under_load_loses_no_request(served, head, lm):
 
 
 def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, trained_campaign, tmp_path):
-    export = tmp_path / os.fsdecode(b"export-\xe9")  # a name that is not UTF-8: served, shown escaped
-    proc = soma("export", str(trained_campaign), str(export), "--dtype", "float32")
+    made = tmp_path / "export"
+    proc = soma("export", str(trained_campaign), str(made), "--dtype", "float32")
     assert proc.returncode == 0, proc.stderr[-2000:]
+    export = tmp_path / os.fsdecode(b"export-\xe9")  # a name that is not UTF-8: served, shown escaped
+    made.rename(export)
     url = served["url"]
     docs = [f"update {k} " * 150 for k in range(3)]
     want = {d: lm.score(d).nats for d in docs}  # an f32 export scores as the campaign does
