@@ -38,7 +38,7 @@ from soma_cluster.lease import LEASE_FILES
 from soma_cluster.ledger import Ledger
 from soma_cluster.revisions import revisions
 from soma_cluster.router import Router, load_router
-from soma_cluster.storage import Store, sha256
+from soma_cluster.storage import Store, pid_alive, sha256
 
 EXPORT_FILE = "soma-export.json"
 FORMAT = "soma-export"
@@ -215,20 +215,10 @@ def sweep_temps(parent: str) -> list[str]:
     removed = []
     for entry in os.listdir(parent):
         m = _STAGING.match(entry)
-        if m and not _alive(int(m.group(1))):
+        if m and not pid_alive(int(m.group(1))):
             shutil.rmtree(os.path.join(parent, entry), ignore_errors=True)
             removed.append(entry)
     return removed
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 # -- reading ----------------------------------------------------------------------------------------------------

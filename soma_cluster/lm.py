@@ -258,10 +258,20 @@ class Routing:
 
     @property
     def stride(self) -> int:
-        return max(1, self.config.eval.window_bytes - 1 - self.config.eval.context_bytes)
+        return stride_of(self.config)
 
     def routes_of(self, windows: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
-        return route_windows(self.router, [w[: self.router.cfg.prefix_bytes] for w in windows])
+        return routes_of(self.router, windows)
+
+
+def stride_of(config: CampaignConfig) -> int:
+    """Bytes between window starts: each window after the first scores this many new bytes."""
+    return max(1, config.eval.window_bytes - 1 - config.eval.context_bytes)
+
+
+def routes_of(router: Router, windows: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
+    """Each window's route from its first router.prefix_bytes: top (n, k) experts, weights (n, k)."""
+    return route_windows(router, [w[: router.cfg.prefix_bytes] for w in windows])
 
 
 def _store(url: str | os.PathLike, storage_options: dict | None) -> Store:
@@ -343,7 +353,7 @@ class RoutedLM:
     @property
     def stride(self) -> int:
         """Bytes between window starts: each window after the first scores this many new bytes."""
-        return max(1, self.config.eval.window_bytes - 1 - self.config.eval.context_bytes)
+        return stride_of(self.config)
 
     @property
     def seed_fallback(self) -> tuple[int, ...]:
@@ -432,7 +442,7 @@ class RoutedLM:
 
     def routes_of(self, windows: Sequence[bytes]) -> tuple[np.ndarray, np.ndarray]:
         """Each window's route from its first router.prefix_bytes: top (n, k) experts, weights (n, k)."""
-        return route_windows(self.router, [w[: self.router.cfg.prefix_bytes] for w in windows])
+        return routes_of(self.router, windows)
 
     def window_nats(
         self, windows: Sequence[bytes], firsts: Sequence[int], routed: tuple[np.ndarray, np.ndarray]
