@@ -18,6 +18,7 @@ import time
 import urllib.error
 import urllib.request
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import contextmanager
 from pathlib import Path
 
 import pytest
@@ -271,28 +272,38 @@ def _load(url: str, docs: list[str], want: dict[str, float], stop: threading.Eve
         i += 1
 
 
+@contextmanager
+def under_load(url: str, docs: list[str], want: dict[str, float], clients: int):
+    """`clients` threads scoring `docs` (each answer checked against `want`) for the body of the with: yields the
+    failures and the per-request 503 counts, complete once the with ends (the threads stopped and joined)."""
+    stop, failures, counts = threading.Event(), [], []
+    threads = [threading.Thread(target=_load, args=(url, docs, want, stop, failures, counts)) for _ in range(clients)]
+    for t in threads:
+        t.start()
+    try:
+        yield failures, counts
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=120)
+
+
 def test_an_expert_replica_killed_under_load_loses_no_request(served, head, lm):
     url = served["url"]
     docs = [f"document {k} " * 200 for k in range(4)]
     want = {d: lm.score(d).nats for d in docs}
     before = _expert_replicas(head)
     assert len(before) == 2, before
-    stop, failures, counts = threading.Event(), [], []
-    threads = [threading.Thread(target=_load, args=(url, docs, want, stop, failures, counts)) for _ in range(4)]
-    for t in threads:
-        t.start()
-    time.sleep(2)
-    os.kill(before[0], signal.SIGKILL)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:  # bounded: Serve starts a replacement
-        now = _expert_replicas(head)
-        if len(now) == 2 and before[0] not in now:
-            break
-        time.sleep(1)
-    time.sleep(2)
-    stop.set()
-    for t in threads:
-        t.join(timeout=120)
+    with under_load(url, docs, want, clients=4) as (failures, counts):
+        time.sleep(2)
+        os.kill(before[0], signal.SIGKILL)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # bounded: Serve starts a replacement
+            now = _expert_replicas(head)
+            if len(now) == 2 and before[0] not in now:
+                break
+            time.sleep(1)
+        time.sleep(2)
     assert not failures, failures[:5]
     assert len(counts) > 20, len(counts)
     now = _expert_replicas(head)
@@ -308,22 +319,16 @@ def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, traine
     url = served["url"]
     docs = [f"update {k} " * 150 for k in range(3)]
     want = {d: lm.score(d).nats for d in docs}  # an f32 export scores as the campaign does
-    stop, failures, counts = threading.Event(), [], []
-    threads = [threading.Thread(target=_load, args=(url, docs, want, stop, failures, counts)) for _ in range(3)]
-    for t in threads:
-        t.start()
-    port = int(url.rsplit(":", 1)[1].strip("/"))
-    info = _serve(export, head, port, *SETTINGS)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:  # bounded: the new version takes over
-        status, _, data = http(url + "healthz")
-        if status == 200 and json.loads(data)["source"] == info["source"] == f"{tmp_path}/export-\\xe9":
-            break
-        time.sleep(1)
-    time.sleep(2)
-    stop.set()
-    for t in threads:
-        t.join(timeout=120)
+    with under_load(url, docs, want, clients=3) as (failures, counts):
+        port = int(url.rsplit(":", 1)[1].strip("/"))
+        info = _serve(export, head, port, *SETTINGS)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline:  # bounded: the new version takes over
+            status, _, data = http(url + "healthz")
+            if status == 200 and json.loads(data)["source"] == info["source"] == f"{tmp_path}/export-\\xe9":
+                break
+            time.sleep(1)
+        time.sleep(2)
     assert json.loads(http(url + "healthz")[2])["source"] == info["source"]
     assert not failures, failures[:5]
     assert len(counts) > 10
