@@ -6,7 +6,7 @@ import json
 
 from conftest import micro_config, soma
 
-from soma_cluster.plan import _list_schedule, predict, stop_step
+from soma_cluster.costmodel import _list_schedule, predict, stop_step
 
 CAL = {
     "device": "cuda",

@@ -15,7 +15,7 @@ from pipelines.common import claim_campaign, open_store
 from pipelines.tracking import MODULES, SinkThread, require_packages
 from soma_cluster.config import from_yaml_text, resolve, to_yaml_text
 from soma_cluster.errors import SomaError
-from soma_cluster.tracking import (
+from soma_cluster.trackpoints import (
     PARENT,
     Artifact,
     Backend,
@@ -432,7 +432,7 @@ def test_soma_track_refusals_and_a_tensorboard_backfill(tmp_path):
 
 
 def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
-    from soma_cluster.tracking import settled
+    from soma_cluster.trackpoints import settled
 
     points = settled(replay(*retried_campaign()))
     states = [p.value for p in points if isinstance(p, Tag) and p.key == "soma.state"]
@@ -461,7 +461,7 @@ def test_runs_take_the_status_the_campaign_reached_and_reopen_on_resume():
     """A job's run is RUNNING from its start, FINISHED or FAILED at its end; a command that stops leaves the runs of
     its jobs in flight KILLED, and the campaign's run FINISHED, FAILED (an expert failed permanently) or KILLED;
     a resume starts them again (RUNNING)."""
-    from soma_cluster.tracking import Stage
+    from soma_cluster.trackpoints import Stage
 
     feed = Feed()
     ev = [{"event": "started", "job": j, "t": 1.0, "attempt": 0} for j in ("expert-0000", "expert-0001")]
@@ -479,13 +479,13 @@ def test_runs_take_the_status_the_campaign_reached_and_reopen_on_resume():
 
 
 def settled_states(points):
-    from soma_cluster.tracking import settled
+    from soma_cluster.trackpoints import settled
 
     return [p for p in settled(points) if isinstance(p, RunState)]
 
 
 def test_a_job_s_run_carries_its_parameters_and_its_shard():
-    from soma_cluster.tracking import job_params
+    from soma_cluster.trackpoints import job_params
 
     cfg = micro_config(n_experts=2)
     params = job_params(cfg, {"train_rows": [10, 12], "val_rows": [1, 2]})
@@ -505,7 +505,7 @@ def test_a_job_s_run_carries_its_parameters_and_its_shard():
 def test_tags_and_names_are_for_people(tmp_path, monkeypatch):
     """soma.url absolute (an s3:// URL as it is); a fork's run names its parent; the experiment is the campaign's
     name when a person gave one, else its directory's, never only the preset's."""
-    from soma_cluster.tracking import Fork, campaign_points, default_experiment, dir_name
+    from soma_cluster.trackpoints import Fork, campaign_points, default_experiment, dir_name
 
     monkeypatch.chdir(tmp_path)
     tags = {p.key: p.value for p in campaign_points(micro_config(), "k", "runs/c1", {}) if isinstance(p, Tag)}

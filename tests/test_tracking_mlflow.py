@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 
-from soma_cluster.curves import read_curve
+from soma_cluster.jobcurves import read_curve
 from soma_cluster.storage import Store
 from tests.conftest import soma
 from tests.mlflowserver import SKIP_REASON, MlflowServer, available
@@ -72,7 +72,7 @@ def test_a_resumed_sink_continues_the_same_runs_in_order(server):
 def test_a_stopped_command_kills_its_runs_and_a_resume_reopens_them(server):
     """KILLED (a stop) and RUNNING again (a resume), as the server keeps them."""
     from pipelines.tracking_mlflow import MlflowSink
-    from soma_cluster.tracking import PARENT, RunState, Status
+    from soma_cluster.trackpoints import PARENT, RunState, Status
 
     server.wait_ready()
     sink = MlflowSink(server.uri, "status-test", "key-s", "c1", 10)

@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from soma_cluster.curves import read_curve
+from soma_cluster.jobcurves import read_curve
 from soma_cluster.storage import Store
 from tests.conftest import soma
 
