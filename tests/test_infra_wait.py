@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error, soma
-from inprocess import InProcess
+from support.inprocess import InProcess
 from test_chaos import config, events, wait_for
 
 from pipelines.prepare import prepare

@@ -10,6 +10,7 @@ import time
 
 import pytest
 import yaml
+from conftest import assert_one_line_error, micro_config, soma
 
 from pipelines.common import claim_campaign, open_store
 from pipelines.tracking import MODULES, SinkThread, require_packages
@@ -30,7 +31,6 @@ from soma_cluster.trackpoints import (
     merged,
     resolve_target,
 )
-from tests.conftest import assert_one_line_error, micro_config, soma
 
 
 def cfg_with(**tracking):
@@ -299,9 +299,10 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     """Its data server drops a tag's points at or past a step that goes back (a restart), its Python loader draws
     them in file order: a gap filled by appending hid steps 9 and 12 in the one and put 6 last in the other."""
     pytest.importorskip("tensorboard")
+    from support.tbloaders import shown
+
     from pipelines.track import _fill
     from pipelines.tracking_tb import TensorBoardSink
-    from tests.tbloaders import shown
 
     events, ledger = retried_campaign()
     points = replay(events, ledger)
@@ -372,8 +373,9 @@ def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path)
     """A driver SIGKILLed mid-write leaves a record cut short, where every reader stops in that file: the next
     driver reads what is whole, sends the rest to a new file, and TensorBoard shows every step once."""
     pytest.importorskip("tensorboard")
+    from support.tbloaders import shown
+
     from pipelines.tracking_tb import TensorBoardSink
-    from tests.tbloaders import shown
 
     points = replay(*retried_campaign())
     first = TensorBoardSink(str(tmp_path), "k1", "micro")
