@@ -42,7 +42,6 @@ from soma_cluster.budget import BudgetBook
 from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
 from soma_cluster.checkpoint import latest_meta, training_bytes
 from soma_cluster.config import CampaignConfig
-from soma_cluster.curves import write_curves
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
 from soma_cluster.eta import Eta
 from soma_cluster.events import history, require_seed
@@ -55,6 +54,7 @@ from soma_cluster.failures import (
     stop_line,
     waiting,
 )
+from soma_cluster.jobcurves import write_curves
 from soma_cluster.jobs import (
     SEED_JOB,
     TERMINAL,
@@ -83,7 +83,7 @@ from soma_cluster.snapshot import (
     summary_line,
 )
 from soma_cluster.storage import Store
-from soma_cluster.tracking import Stage
+from soma_cluster.trackpoints import Stage
 from workers import actor_name, start_worker
 
 FLUSH_S = 0.25  # group commit: held log records are made durable at least this often

@@ -436,7 +436,7 @@ def track(
 
     def go() -> None:
         from pipelines.track import backfill
-        from soma_cluster.tracking import Backend
+        from soma_cluster.trackpoints import Backend
 
         for b in backend or []:
             if b not in tuple(Backend):

@@ -19,8 +19,6 @@ from soma_cluster import breakdown as bd
 from soma_cluster.checkpoint import Checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import documents
-from soma_cluster.curves import DIR as CURVES
-from soma_cluster.curves import read_curve
 from soma_cluster.ensemble import (
     UNIFORM_NATS,
     Substitute,
@@ -38,6 +36,8 @@ from soma_cluster.ensemble import (
     windows_digest,
 )
 from soma_cluster.errors import SomaError
+from soma_cluster.jobcurves import DIR as CURVES
+from soma_cluster.jobcurves import read_curve
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
@@ -47,7 +47,7 @@ from soma_cluster.router import Router, load_router, router_text
 from soma_cluster.shards import open_shard
 from soma_cluster.snapshot import SNAPSHOT
 from soma_cluster.storage import Store, sha256
-from soma_cluster.tracking import Stage
+from soma_cluster.trackpoints import Stage
 from soma_cluster.trainer import Trainer, pick_device
 
 

@@ -16,7 +16,7 @@ import torch
 
 from pipelines.campaign import launch
 from pipelines.common import console, contents, open_store
-from pipelines.curve import curve
+from pipelines.ensemblecurve import curve
 from pipelines.evaluate import evaluate
 from pipelines.fork import fork
 from pipelines.prepare import prepare

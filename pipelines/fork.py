@@ -30,7 +30,7 @@ from soma_cluster.ledger import LOG as LEDGER
 from soma_cluster.ledger import Ledger
 from soma_cluster.messages import Usage
 from soma_cluster.storage import Store, canonical_json, sha256
-from soma_cluster.tracking import absolute_url
+from soma_cluster.trackpoints import absolute_url
 
 SHARED = ("router", "shards", "test", "seed")
 # what defines the data and the seed model: a fork may not change it

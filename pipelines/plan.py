@@ -1,4 +1,4 @@
-"""`soma plan CAMPAIGN`: measure, then predict (soma_cluster/plan.py), before any GPU-hour is spent.
+"""`soma plan CAMPAIGN`: measure, then predict (soma_cluster/costmodel.py), before any GPU-hour is spent.
 
 The calibration times the real model on the real shards in this process, on this machine's device (CUDA
 when present): the packed update of resources.experts_per_actor experts (after one warm-up update), one
@@ -25,11 +25,11 @@ import torch
 
 from soma_cluster.checkpoint import has_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig
+from soma_cluster.costmodel import predict
 from soma_cluster.errors import DeviceError, SomaError
 from soma_cluster.events import seed_done
 from soma_cluster.jobs import SEED_JOB, Job, JobState
 from soma_cluster.ledger import Ledger
-from soma_cluster.plan import predict
 from soma_cluster.recipes import expert_start, job_shard, job_trainer, start_state
 from soma_cluster.schedule import POLL_S
 from soma_cluster.storage import Store

@@ -62,7 +62,7 @@ from soma_cluster.router import (
 )
 from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256
-from soma_cluster.tracking import Stage
+from soma_cluster.trackpoints import Stage
 
 STAGE_HOOKS: list[Callable[[str], None]] = []  # called with each stage's name as it ends ("setup": prepare_with
 # starts); benchmarks/bench_prepare.py reads every process's CPU there. Empty in normal use.

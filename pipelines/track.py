@@ -26,7 +26,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.jobs import SEED_JOB, JobState, expert_jobs
 from soma_cluster.storage import Store
-from soma_cluster.tracking import Backend, Metric, Point, RunState, Stage, Status, resolve_target, settled
+from soma_cluster.trackpoints import Backend, Metric, Point, RunState, Stage, Status, resolve_target, settled
 
 BACKFILL_TIMEOUT_S = 60.0  # one call to a tracker during a backfill, at most
 

@@ -1,7 +1,7 @@
 """The driver's experiment tracking (docs/tracking.md): each tracker (a sink: MLflow, TensorBoard) is fed from a
 bounded queue by a thread of its own, so a tracker that is down or slow never slows or fails training.
 
-The driver turns each record it writes into points (soma_cluster/tracking.py's Feed, microseconds) and only
+The driver turns each record it writes into points (soma_cluster/trackpoints.py's Feed, microseconds) and only
 enqueues them. A sink's thread sends them in batches; a batch that fails is tried `tracking.retries` more times
 with backoff, then dropped, and a queue past `tracking.queue_points` drops what arrives: both are counted, and
 at the end the gap is written to the campaign (tracking/gaps.jsonl) and printed. The campaign's own records
@@ -28,7 +28,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.events import LOG as EVENTS
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
-from soma_cluster.tracking import (
+from soma_cluster.trackpoints import (
     PARENT,
     PIP_HINT,
     TAG,
@@ -354,7 +354,7 @@ class Tracker:
             t.put(points)
 
     def stage(self, stage: Stage, state: str) -> None:
-        """A stage's tag and the campaign run's status (soma_cluster/tracking.py's Feed.stage)."""
+        """A stage's tag and the campaign run's status (soma_cluster/trackpoints.py's Feed.stage)."""
         self.put(self.feed.stage(stage, state))
 
     def close(self, record: bool = True) -> list[Outcome]:

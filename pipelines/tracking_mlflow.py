@@ -10,7 +10,7 @@ import os
 import tempfile
 import time
 
-from soma_cluster.tracking import PARENT, TAG, Artifact, Marks, Metric, Params, Point, RunState, Status, Tag
+from soma_cluster.trackpoints import PARENT, TAG, Artifact, Marks, Metric, Params, Point, RunState, Status, Tag
 
 MAX_METRICS, MAX_PARAMS, MAX_TAGS = 1000, 100, 100  # log_batch's limits per call
 FORK_RUN = TAG + "forked_from_run"  # a fork's parent run id, found by the parent campaign's key

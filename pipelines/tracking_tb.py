@@ -28,9 +28,9 @@ from soma_cluster.tbrun import (
     read_order,
     seq_of,
 )
-from soma_cluster.tracking import Marks, Metric, Params, Point
+from soma_cluster.trackpoints import Marks, Metric, Params, Point
 
-CONFIG_TEXT = "config"  # a run's parameters: the campaign's config, a job's own (soma_cluster/tracking.py job_params)
+CONFIG_TEXT = "config"  # a run's parameters: the campaign's config, a job's own (soma_cluster.trackpoints.job_params)
 CONFIG_TAG = f"{CONFIG_TEXT}/text_summary"  # the tag torch's add_text gives it: runs written by it read the same
 FILE_VERSION = "brain.Event:2"
 

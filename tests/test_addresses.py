@@ -16,7 +16,7 @@ import time
 import pytest
 import typer.main
 from conftest import micro_config
-from rayhead import free_port
+from support.rayhead import free_port
 from typer.testing import CliRunner
 
 from pipelines.cli import app
@@ -207,7 +207,7 @@ def test_a_gcs_and_a_ray_client_port_each_given_in_the_other_form_are_named(tmp_
     """A real head with its Ray Client server: ray:// for the GCS port (Ray waited 30 s for a client handshake,
     then blamed the token) and the client port as a GCS address are one line each, saying which form fits; both
     right forms pass the probe."""
-    from rayhead import RayHead
+    from support.rayhead import RayHead
 
     from pipelines.rayaddress import probe
 

@@ -12,7 +12,7 @@ import uuid
 
 import pytest
 from conftest import micro_config
-from rayhead import RayHead, free_port
+from support.rayhead import RayHead, free_port
 
 from pipelines.prepare import prepare
 from soma_cluster.config import to_yaml_text

@@ -12,7 +12,7 @@ import pytest
 import ray
 import yaml
 from conftest import micro_config
-from rayhead import RayHead
+from support.rayhead import RayHead
 
 from pipelines.campaign import Driver, expert_jobs
 from pipelines.prepare import prepare

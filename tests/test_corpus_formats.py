@@ -23,7 +23,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 from conftest import assert_one_line_error, soma
-from s3server import s3  # noqa: F401
+from support.s3server import s3  # noqa: F401
 
 from soma_cluster.config import CorpusConfig
 from soma_cluster.corpus import SKIP_HIDDEN, SKIP_SEEN, is_test_doc, shown, text_doc_id, user_documents

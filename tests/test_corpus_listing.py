@@ -20,7 +20,7 @@ import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 import pytest
 from conftest import assert_one_line_error, soma
-from s3server import s3  # noqa: F401
+from support.s3server import s3  # noqa: F401
 
 import soma_cluster.corpus as corpus
 from soma_cluster.config import CorpusConfig

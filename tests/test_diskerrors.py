@@ -180,7 +180,7 @@ def test_a_full_temp_dir_never_fails_a_shard_read(tmp_path, s3):  # noqa: F811
             open_shard(store, 0, str(cache / "soma-cache"))
 
 
-from s3server import s3  # noqa: E402,F401  (fixture)
+from support.s3server import s3  # noqa: E402,F401  (fixture)
 
 
 def test_inode_exhaustion_is_named_as_inodes_not_space(tmp_path):

@@ -443,4 +443,4 @@ def test_s3_campaign_held_by_another_driver(world, s3):  # noqa: F811
         holder.wait(30)
 
 
-from s3server import s3  # noqa: E402,F401  (fixture)
+from support.s3server import s3  # noqa: E402,F401  (fixture)

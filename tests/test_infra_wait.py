@@ -19,8 +19,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import assert_one_line_error, soma
-from inprocess import InProcess
-from test_faults import config, events, wait_for
+from support.inprocess import InProcess
+from test_chaos import config, events, wait_for
 
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint
@@ -31,7 +31,7 @@ from soma_cluster.jobs import SEED_JOB, expert_jobs
 from soma_cluster.ledger import Ledger
 from soma_cluster.storage import Store
 
-PER_UPDATE = 2 * 4  # forwards per update: 2 signs x n_pert 4 (test_faults.CHAOS)
+PER_UPDATE = 2 * 4  # forwards per update: 2 signs x n_pert 4 (test_chaos.CHAOS)
 
 
 def infra_config(text_corpus, **retry):

@@ -11,7 +11,7 @@ import threading
 from dataclasses import replace
 
 import pytest
-from s3server import s3  # noqa: F401
+from support.s3server import s3  # noqa: F401
 
 from soma_cluster.errors import SomaError
 from soma_cluster.lease import (

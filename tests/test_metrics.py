@@ -17,8 +17,8 @@ import pytest
 for mod in ("aiohttp_cors", "opencensus", "prometheus_client"):
     pytest.importorskip(mod, reason="the metrics endpoint needs ray[default] (pip install '.[metrics]')")
 
-from ports import free_port  # noqa: E402
-from test_faults import config  # noqa: E402
+from support.ports import free_port  # noqa: E402
+from test_chaos import config  # noqa: E402
 
 from pipelines.campaign import Driver  # noqa: E402
 from pipelines.prepare import prepare  # noqa: E402

@@ -1,5 +1,6 @@
-"""A campaign on real hosts: a Ray head and two worker hosts in network namespaces (tests/netns.py), the driver on
-the head's host as `soma launch --address` (as a Ray Job would run it), and the network failing between them.
+"""A campaign on real hosts: a Ray head and two worker hosts in network namespaces (tests/support/netns.py), the
+driver on the head's host as `soma launch --address` (as a Ray Job would run it), and the network failing between
+them.
 docs/scheduling.md ("Network partitions") states each outcome checked here.
 
 One cluster serves the whole module (up in ~11-40 s, down in ~1 s). Ray's health checks are shortened on the head
@@ -17,8 +18,8 @@ from pathlib import Path
 import pytest
 import torch
 from conftest import micro_config
-from netns import REPO, SUBNET, Cluster, missing
-from s3server import moto_server_bin
+from support.netns import REPO, SUBNET, Cluster, missing
+from support.s3server import moto_server_bin
 
 from pipelines.prepare import prepare
 from soma_cluster.checkpoint import load_checkpoint

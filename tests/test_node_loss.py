@@ -11,7 +11,7 @@ from functools import partial
 import pytest
 import torch
 from conftest import micro_config
-from test_faults import CHAOS, events, wait_for
+from test_chaos import CHAOS, events, wait_for
 
 from pipelines.campaign import Driver, Job, expert_jobs
 from pipelines.prepare import prepare

@@ -9,7 +9,7 @@ import signal
 
 import pytest
 import torch
-from test_faults import clone, config, events, final_tensors, run_in_thread, wait_for
+from test_chaos import clone, config, events, final_tensors, run_in_thread, wait_for
 
 from pipelines.campaign import Driver, Job, expert_jobs
 from pipelines.prepare import prepare

@@ -6,7 +6,7 @@ import json
 
 from conftest import micro_config, soma
 
-from soma_cluster.plan import _list_schedule, predict, stop_step
+from soma_cluster.costmodel import _list_schedule, predict, stop_step
 
 CAL = {
     "device": "cuda",
@@ -89,7 +89,7 @@ def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
 def test_soma_plan_calibrates_on_a_worker_of_the_cluster(tmp_path, text_corpus, micro_yaml, monkeypatch):
     """With --address the calibration is a Ray task holding an actor's resources (a KubeRay head has no GPU to
     time), reused only for cluster plans; GPUs default to the cluster's; a cluster without them is an error."""
-    from rayhead import RayHead
+    from support.rayhead import RayHead
 
     monkeypatch.delenv("RAY_ADDRESS", raising=False)
     camp, strict = str(tmp_path / "camp"), str(tmp_path / "strict")

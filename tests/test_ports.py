@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import socket
 
-from ports import RAY_FIXED_PORTS, RAY_WORKER_PORTS, free_port
+from support.ports import RAY_FIXED_PORTS, RAY_WORKER_PORTS, free_port
 
 
 def test_free_ports_are_distinct_bindable_and_not_rays() -> None:

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 from conftest import micro_config, soma
-from s3server import s3  # noqa: F401
+from support.s3server import s3  # noqa: F401
 
 from pipelines.common import contents
 from soma_cluster.config import CorpusConfig

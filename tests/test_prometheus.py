@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 from conftest import micro_config
-from promserver import BINARY, SKIP_REASON, Prometheus
-from rayhead import RayHead, free_port
+from support.promserver import BINARY, SKIP_REASON, Prometheus
+from support.rayhead import RayHead, free_port
 
 from pipelines.prepare import prepare
 from soma_cluster.storage import Store

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import yaml
 from conftest import MICRO, assert_one_line_error
-from s3server import s3  # noqa: F401  (fixture)
+from support.s3server import s3  # noqa: F401  (fixture)
 
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.storage import Store, put_file, sha256, storage_options_from_env
@@ -156,7 +156,7 @@ def test_unprepared_s3_campaign_is_one_line_error(s3):  # noqa: F811
 
 
 def test_unreachable_endpoint_is_a_clear_bounded_error(s3):  # noqa: F811
-    from s3server import free_port
+    from support.s3server import free_port
 
     opts = s3.storage_options(
         f"http://127.0.0.1:{free_port()}", connect_timeout=1, read_timeout=1, retries={"max_attempts": 1}
@@ -228,7 +228,7 @@ def test_missing_bucket_then_one_corpus_from_two_locations(s3, tmp_path, text_co
 def test_unreachable_endpoint_is_reported_within_the_bound(s3):  # noqa: F811
     import time
 
-    from s3server import free_port
+    from support.s3server import free_port
 
     gone = f"http://127.0.0.1:{free_port()}"
     for limit, env in ((15.0, {}), (3.0, {"SOMA_S3_TIMEOUT_S": "3"})):

@@ -1,7 +1,7 @@
 """The S3 endpoint goes away mid-run and comes back: writes are retried and nothing is lost.
 
 moto keeps its state only in memory, so a restarted moto_server would be empty. The endpoint the
-clients use is therefore a forwarding process (tests/tcpproxy.py) in front of moto: killing it
+clients use is therefore a forwarding process (tests/support/tcpproxy.py) in front of moto: killing it
 (SIGKILL) resets in-flight connections and refuses new ones, and it restarts on the same port. A
 second kind of outage pauses moto itself (SIGSTOP/SIGCONT): connections hang until a read timeout.
 """
@@ -12,7 +12,7 @@ import time
 
 import pytest
 from conftest import micro_config
-from s3server import Proxy, s3  # noqa: F401  (fixture)
+from support.s3server import Proxy, s3  # noqa: F401  (fixture)
 
 from pipelines.campaign import Driver, Job
 from pipelines.evaluate import evaluate

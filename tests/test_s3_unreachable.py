@@ -8,7 +8,7 @@ import time
 
 import pytest
 from conftest import micro_config
-from s3server import Proxy, s3  # noqa: F401  (fixture)
+from support.s3server import Proxy, s3  # noqa: F401  (fixture)
 
 from pipelines.campaign import Driver, Job, run_driver
 from pipelines.prepare import prepare

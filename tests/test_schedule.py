@@ -1,5 +1,5 @@
 """The Scheduler without Ray: decisions on a fake clock, fed typed messages; and the exact ledger after any
-kill moment, checked by property with real ExpertWorker objects run in this process (tests/inprocess.py)."""
+kill moment, checked by property with real ExpertWorker objects run in this process (tests/support/inprocess.py)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import shutil
 import pytest
 import torch
 from conftest import micro_config
-from inprocess import InProcess
+from support.inprocess import InProcess
 
 from soma_cluster.accounting import settle
 from soma_cluster.budget import BudgetBook

@@ -23,8 +23,8 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_one_line_error, soma, soma_here
-from ports import free_port
-from rayhead import RayHead, marked_pids
+from support.ports import free_port
+from support.rayhead import RayHead, marked_pids
 
 pytest.importorskip("ray.serve.handle", reason="ray[serve] is not installed (pip install -e '.[serve]')")
 

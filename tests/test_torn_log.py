@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 from conftest import micro_config
-from inprocess import InProcess
+from support.inprocess import InProcess
 
 from pipelines.prepare import prepare
 from soma_cluster.events import history

@@ -10,12 +10,13 @@ import time
 
 import pytest
 import yaml
+from conftest import assert_one_line_error, micro_config, soma
 
 from pipelines.common import claim_campaign, open_store
 from pipelines.tracking import MODULES, SinkThread, require_packages
 from soma_cluster.config import from_yaml_text, resolve, to_yaml_text
 from soma_cluster.errors import SomaError
-from soma_cluster.tracking import (
+from soma_cluster.trackpoints import (
     PARENT,
     Artifact,
     Backend,
@@ -30,7 +31,6 @@ from soma_cluster.tracking import (
     merged,
     resolve_target,
 )
-from tests.conftest import assert_one_line_error, micro_config, soma
 
 
 def cfg_with(**tracking):
@@ -299,9 +299,10 @@ def test_tensorboard_resume_and_backfill_as_tensorboard_shows_them(tmp_path):
     """Its data server drops a tag's points at or past a step that goes back (a restart), its Python loader draws
     them in file order: a gap filled by appending hid steps 9 and 12 in the one and put 6 last in the other."""
     pytest.importorskip("tensorboard")
+    from support.tbloaders import shown
+
     from pipelines.track import _fill
     from pipelines.tracking_tb import TensorBoardSink
-    from tests.tbloaders import shown
 
     events, ledger = retried_campaign()
     points = replay(events, ledger)
@@ -372,8 +373,9 @@ def test_a_record_torn_by_a_killed_driver_is_written_again_by_the_next(tmp_path)
     """A driver SIGKILLed mid-write leaves a record cut short, where every reader stops in that file: the next
     driver reads what is whole, sends the rest to a new file, and TensorBoard shows every step once."""
     pytest.importorskip("tensorboard")
+    from support.tbloaders import shown
+
     from pipelines.tracking_tb import TensorBoardSink
-    from tests.tbloaders import shown
 
     points = replay(*retried_campaign())
     first = TensorBoardSink(str(tmp_path), "k1", "micro")
@@ -432,7 +434,7 @@ def test_soma_track_refusals_and_a_tensorboard_backfill(tmp_path):
 
 
 def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
-    from soma_cluster.tracking import settled
+    from soma_cluster.trackpoints import settled
 
     points = settled(replay(*retried_campaign()))
     states = [p.value for p in points if isinstance(p, Tag) and p.key == "soma.state"]
@@ -461,7 +463,7 @@ def test_runs_take_the_status_the_campaign_reached_and_reopen_on_resume():
     """A job's run is RUNNING from its start, FINISHED or FAILED at its end; a command that stops leaves the runs of
     its jobs in flight KILLED, and the campaign's run FINISHED, FAILED (an expert failed permanently) or KILLED;
     a resume starts them again (RUNNING)."""
-    from soma_cluster.tracking import Stage
+    from soma_cluster.trackpoints import Stage
 
     feed = Feed()
     ev = [{"event": "started", "job": j, "t": 1.0, "attempt": 0} for j in ("expert-0000", "expert-0001")]
@@ -479,13 +481,13 @@ def test_runs_take_the_status_the_campaign_reached_and_reopen_on_resume():
 
 
 def settled_states(points):
-    from soma_cluster.tracking import settled
+    from soma_cluster.trackpoints import settled
 
     return [p for p in settled(points) if isinstance(p, RunState)]
 
 
 def test_a_job_s_run_carries_its_parameters_and_its_shard():
-    from soma_cluster.tracking import job_params
+    from soma_cluster.trackpoints import job_params
 
     cfg = micro_config(n_experts=2)
     params = job_params(cfg, {"train_rows": [10, 12], "val_rows": [1, 2]})
@@ -505,7 +507,7 @@ def test_a_job_s_run_carries_its_parameters_and_its_shard():
 def test_tags_and_names_are_for_people(tmp_path, monkeypatch):
     """soma.url absolute (an s3:// URL as it is); a fork's run names its parent; the experiment is the campaign's
     name when a person gave one, else its directory's, never only the preset's."""
-    from soma_cluster.tracking import Fork, campaign_points, default_experiment, dir_name
+    from soma_cluster.trackpoints import Fork, campaign_points, default_experiment, dir_name
 
     monkeypatch.chdir(tmp_path)
     tags = {p.key: p.value for p in campaign_points(micro_config(), "k", "runs/c1", {}) if isinstance(p, Tag)}

@@ -1,4 +1,4 @@
-"""A real MLflow tracking server (tests/mlflowserver.py) and TensorBoard's own loaders: a tiny campaign tracked
+"""A real MLflow tracking server (tests/support/mlflowserver.py) and TensorBoard's own loaders: a tiny campaign tracked
 live, its MLflow server killed in the middle of `soma launch` (training finishes, the gap is reported and
 recorded), restarted, and `soma track` filling the gap from the campaign's record, twice (the second sends
 nothing). Read back with MLflow's client: every job's losses at each step once, in order, equal to its curve
@@ -15,12 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import soma
+from support.mlflowserver import SKIP_REASON, MlflowServer, available
+from test_tracking import replay, retried_campaign
 
-from soma_cluster.curves import read_curve
+from soma_cluster.jobcurves import read_curve
 from soma_cluster.storage import Store
-from tests.conftest import soma
-from tests.mlflowserver import SKIP_REASON, MlflowServer, available
-from tests.test_tracking import replay, retried_campaign
 
 pytestmark = pytest.mark.skipif(not available(), reason=SKIP_REASON)
 pytest.importorskip("mlflow")
@@ -72,7 +72,7 @@ def test_a_resumed_sink_continues_the_same_runs_in_order(server):
 def test_a_stopped_command_kills_its_runs_and_a_resume_reopens_them(server):
     """KILLED (a stop) and RUNNING again (a resume), as the server keeps them."""
     from pipelines.tracking_mlflow import MlflowSink
-    from soma_cluster.tracking import PARENT, RunState, Status
+    from soma_cluster.trackpoints import PARENT, RunState, Status
 
     server.wait_ready()
     sink = MlflowSink(server.uri, "status-test", "key-s", "c1", 10)
@@ -136,7 +136,7 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
     gaps = [json.loads(x) for x in (Path(campaign) / "tracking" / "gaps.jsonl").read_text().splitlines()]
     assert any(g["backend"] == "mlflow" and g["dropped"] > 0 for g in gaps)
     assert not any(g["backend"] == "tensorboard" for g in gaps)  # the other tracker lost nothing
-    from tests.tbloaders import shown
+    from support.tbloaders import shown
 
     key = store.read_json("tracking/key.json")["key"]
     for loader, tb in shown(str(Path(campaign) / "tensorboard")).items():  # as TensorBoard's own loaders show it

@@ -1,5 +1,5 @@
-"""A tiny campaign tracked in TensorBoard only, as TensorBoard's own loaders (tests/tbloaders.py) show it: its log
-directory (a tmpfs) read-only at the start of `soma launch` (training finishes, the driver drops what it cannot
+"""A tiny campaign tracked in TensorBoard only, as TensorBoard's own loaders (tests/support/tbloaders.py) show it:
+its log directory (a tmpfs) read-only at the start of `soma launch` (training finishes, the driver drops what it cannot
 write, writes on once the directory is back, reports and records the gap), then `soma track` filling the gap
 below points written after it, twice (the second sends and rewrites nothing). Needs root for the mount."""
 
@@ -13,10 +13,10 @@ import time
 from pathlib import Path
 
 import pytest
+from conftest import soma
 
-from soma_cluster.curves import read_curve
+from soma_cluster.jobcurves import read_curve
 from soma_cluster.storage import Store
-from tests.conftest import soma
 
 pytest.importorskip("tensorboard")
 
@@ -61,7 +61,7 @@ def launch_with_an_outage(campaign: str, tb: Path) -> subprocess.CompletedProces
 
 
 def assert_shows_the_campaign(tb: Path, store: Store, jobs: list[str]) -> None:
-    from tests.tbloaders import shown
+    from support.tbloaders import shown
 
     for loader, runs in shown(str(tb)).items():
         (folder,) = {name.split("/")[0] for name in runs}  # the campaign's, holding one run per job

@@ -14,7 +14,7 @@ import urllib.parse
 import urllib.request
 from pathlib import Path
 
-from ports import free_port
+from support.ports import free_port
 
 BINARY = shutil.which("prometheus")
 SKIP_REASON = "the prometheus binary is not installed (make prometheus: Debian's package, as .ci/run does)"

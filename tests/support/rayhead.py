@@ -16,7 +16,7 @@ import time
 import uuid
 from pathlib import Path
 
-from ports import free_port
+from support.ports import free_port
 
 MARKER = "SOMA_TEST_RAY_HEAD"
 

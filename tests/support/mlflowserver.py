@@ -15,9 +15,9 @@ import time
 import urllib.request
 from pathlib import Path
 
-from ports import free_port
+from support.ports import free_port
 
-REPO = Path(__file__).resolve().parent.parent
+REPO = Path(__file__).resolve().parents[2]
 BINARY = os.environ.get("SOMA_TEST_MLFLOW") or str(REPO / ".venv-mlflow" / "bin" / "mlflow")
 SKIP_REASON = (
     f"no mlflow server at {BINARY} (make mlflow builds .venv-mlflow, as .ci/run does; or set SOMA_TEST_MLFLOW)"

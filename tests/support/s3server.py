@@ -2,7 +2,7 @@
 forwarder process in front of it that a test can kill and restart (an endpoint outage) while moto,
 whose state lives only in memory, keeps the data.
 
-Import the fixtures into a test module: `from s3server import s3  # noqa: F401`.
+Import the fixtures into a test module: `from support.s3server import s3  # noqa: F401`.
 """
 
 from __future__ import annotations
@@ -19,7 +19,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import pytest
-from ports import free_port
+
+from support.ports import free_port
 
 HERE = Path(__file__).resolve().parent
 START_TIMEOUT_S = 30.0
@@ -93,7 +94,7 @@ class MotoServer:
 
 
 class Proxy:
-    """tests/tcpproxy.py on 127.0.0.1:port forwarding to target_port; kill() and start() again = outage."""
+    """tests/support/tcpproxy.py on 127.0.0.1:port forwarding to target_port; kill() and start() again = outage."""
 
     def __init__(self, target_port: int, port: int | None = None):
         self.port, self.target_port = port or free_port(), target_port

@@ -32,7 +32,7 @@ from pathlib import Path
 SUBNET = "10.77.0"
 GCS_PORT = 6379
 PREFIX = "somat"  # every namespace this module makes is named somat-<owner pid>-<tag>-<host>
-REPO = str(Path(__file__).resolve().parent.parent)
+REPO = str(Path(__file__).resolve().parents[2])
 RAY = str(Path(sys.executable).with_name("ray"))
 START_TIMEOUT_S = 120.0  # `ray start` takes 10-20 s per node on a loaded 2-core host; three at once longer
 
