@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import http.client
 import json
 import os
 import shutil
@@ -36,8 +37,7 @@ import sys
 import tempfile
 import threading
 import time
-import urllib.error
-import urllib.request
+import urllib.parse
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -74,20 +74,28 @@ def write_export(lm: RoutedLM, root: str) -> str:
     return dest
 
 
-def post(url: str, body: bytes) -> tuple[float, dict, int]:
-    """(seconds, answer, 503s retried) of one request."""
+def post(url: str, body: bytes, conn: http.client.HTTPConnection | None = None) -> tuple[float, dict, int]:
+    """(seconds, answer, 503s retried) of one request: over `conn` (kept alive by its client) or a fresh connection."""
     t, retried = time.perf_counter(), 0
-    for _ in range(100):  # bounded
-        req = urllib.request.Request(url, data=body, method="POST", headers={"Content-Type": "application/json"})
-        try:
-            with urllib.request.urlopen(req, timeout=300) as r:
-                return time.perf_counter() - t, json.loads(r.read()), retried
-        except urllib.error.HTTPError as e:
-            if e.code != 503:
-                raise RuntimeError(f"HTTP {e.code}: {e.read()[:300]!r}") from None
+    parts = urllib.parse.urlsplit(url)
+    own = conn is None
+    if own:
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)
+    try:
+        for _ in range(100):  # bounded
+            conn.request("POST", parts.path, body=body, headers={"Content-Type": "application/json"})
+            r = conn.getresponse()
+            data = r.read()
+            if r.status == 200:
+                return time.perf_counter() - t, json.loads(data), retried
+            if r.status != 503:
+                raise RuntimeError(f"HTTP {r.status}: {data[:300]!r}")
             retried += 1
-            time.sleep(float(e.headers.get("Retry-After", "1")) / 10)
-    raise RuntimeError("503 a hundred times")
+            time.sleep(float(r.headers.get("Retry-After", "1")) / 10)
+        raise RuntimeError("503 a hundred times")
+    finally:
+        if own:
+            conn.close()
 
 
 def load(url: str, bodies: list[bytes], concurrency: int) -> dict:
@@ -96,16 +104,21 @@ def load(url: str, bodies: list[bytes], concurrency: int) -> dict:
     nxt = iter(range(len(bodies)))
 
     def client() -> None:
-        while True:
-            with lock:
-                i = next(nxt, None)
-            if i is None:
-                return
-            s, out, r = post(url, bodies[i])
-            with lock:
-                lat.append(s)
-                answers[i] = out
-                retried[0] += r
+        parts = urllib.parse.urlsplit(url)
+        conn = http.client.HTTPConnection(parts.hostname, parts.port, timeout=300)  # kept alive, as a real client's
+        try:
+            while True:
+                with lock:
+                    i = next(nxt, None)
+                if i is None:
+                    return
+                s, out, r = post(url, bodies[i], conn)
+                with lock:
+                    lat.append(s)
+                    answers[i] = out
+                    retried[0] += r
+        finally:
+            conn.close()
 
     t = time.perf_counter()
     with ThreadPoolExecutor(concurrency) as pool:
