@@ -74,6 +74,21 @@ def write_export(lm: RoutedLM, root: str) -> str:
     return dest
 
 
+def request_bodies(docs: list[tuple[bytes, bytes]], per_request: int) -> list[bytes]:
+    """(text, prefix) documents as /v1/score bodies of `per_request` documents each, base64: the exact bytes (a
+    window may cut a character)."""
+    bodies = []
+    for i in range(0, len(docs), per_request):
+        group = docs[i : i + per_request]
+        b64 = lambda x: base64.b64encode(x).decode()  # noqa: E731
+        bodies.append(
+            json.dumps(
+                {"texts": [b64(t) for t, _ in group], "prefix": [b64(q) for _, q in group], "encoding": "base64"}
+            ).encode()
+        )
+    return bodies
+
+
 def post(url: str, body: bytes, conn: http.client.HTTPConnection | None = None) -> tuple[float, dict, int]:
     """(seconds, answer, 503s retried) of one request: over `conn` (kept alive by its client) or a fresh connection."""
     t, retried = time.perf_counter(), 0
@@ -152,15 +167,7 @@ def main() -> None:
     fit, data = corpus_chunks(args.fit_chunks, args.windows)
     rows = [bytes(w) for w in data]
     docs = [(r[PREFIX:], r[:PREFIX]) for r in rows]
-    bodies = []
-    for i in range(0, len(docs), args.docs):
-        group = docs[i : i + args.docs]
-        b64 = lambda x: base64.b64encode(x).decode()  # noqa: E731 - the exact bytes (a window may cut a character)
-        bodies.append(
-            json.dumps(
-                {"texts": [b64(t) for t, _ in group], "prefix": [b64(q) for _, q in group], "encoding": "base64"}
-            ).encode()
-        )
+    bodies = request_bodies(docs, args.docs)
     as_sent = docs
     tokens = len(rows) * 1024
     root = tempfile.mkdtemp(prefix="soma-bench-serve-")
