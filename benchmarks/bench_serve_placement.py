@@ -12,7 +12,7 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     max_num_models_per_replica=M) reads that group's weights from a safetensors file of its own and builds a
     RoutedLM of those experts only, each load logged with its seconds (the table's loads are those of the timed
     run; the warm-up's are printed apart). The ingress MuxRouter checks the request with
-    soma_cluster.serving.parse_score, cuts each document into soma eval's windows (lm.windows_of) and routes each
+    soma_cluster.serveinput.parse_score, cuts each document into soma eval's windows (lm.windows_of) and routes each
     window (lm.Routing) exactly as SomaRouter does, then sends each window to every group holding one of its top-k
     experts (one call per group per request, handle.options(multiplexed_model_id=group)). The group replica scores
     in @serve.batch passes too (Serve splits a batch by model id): each (window, expert) pair is a row of
@@ -74,7 +74,7 @@ from bench_serve import PREFIX, load, post, request_bodies, write_export  # noqa
 from pipelines.serve_app import _error, _read_body  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
 from soma_cluster.lm import RoutedLM, Routing, finish, tally_start, tally_total, windows_of  # noqa: E402
-from soma_cluster.serving import RequestError, Status, parse_score, settings  # noqa: E402
+from soma_cluster.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
 
 
 @dataclass

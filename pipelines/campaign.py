@@ -35,7 +35,7 @@ from pipelines.metrics import CampaignMetrics
 from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
 from pipelines.reopen import reopen_failed, reopen_retrain, reopen_unverified
-from pipelines.revise import LiveRevisions, log_applied, reopened_names, take_up
+from pipelines.revision_pickup import LiveRevisions, log_applied, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
 from soma_cluster.budget import BudgetBook

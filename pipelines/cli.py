@@ -462,7 +462,7 @@ def presets(as_json: bool = JsonOpt) -> None:
     """List the presets and the experiments."""
 
     def go() -> None:
-        from soma_cluster.experiments import experiment_names
+        from soma_cluster.experimentspecs import experiment_names
 
         if as_json:
             rows = []
@@ -516,7 +516,7 @@ def set_(
     lets train on continue from their latest checkpoint (docs/cli.md, "Changing a campaign")."""
 
     def go() -> None:
-        from pipelines.revise import say_applied, set_config
+        from pipelines.revision_pickup import say_applied, set_config
 
         store = open_store(campaign)
         load_config(store)  # not a campaign (or a damaged revision): refused before anything is written
@@ -631,7 +631,7 @@ def serve(
     def go() -> None:
         from pipelines.serve import as_json as served_json
         from pipelines.serve import serve_campaign
-        from soma_cluster.serving import with_overrides
+        from soma_cluster.serveinput import with_overrides
 
         base = {"source": campaign, "replicas": replicas, "gpus_per_replica": gpus, "step": step}
         settings = with_overrides(base, list(overrides or []))

@@ -25,7 +25,7 @@ from pipelines.seed import train_seed
 from soma_cluster.config import CampaignConfig, parse_overrides
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
-from soma_cluster.experiments import ExperimentSpec, arm_configs, load_spec
+from soma_cluster.experimentspecs import ExperimentSpec, arm_configs, load_spec
 from soma_cluster.jobs import Category, Job, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import Layout, campaign_param_count

@@ -6,7 +6,7 @@ from pipelines.campaign import LOG_EVERY_S, Driver, raise_failures, run_driver
 from pipelines.campaign_lease import holding
 from pipelines.common import console
 from pipelines.reopen import reopen_failed, reopen_unverified
-from pipelines.revise import take_up
+from pipelines.revision_pickup import take_up
 from soma_cluster.config import CampaignConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.events import seed_done

@@ -18,7 +18,7 @@ from pipelines.raysession import ray_session
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
 from soma_cluster.lm import Routing
-from soma_cluster.serving import APP_NAME, ROUTE_PREFIX, ServeSettings
+from soma_cluster.serveinput import APP_NAME, ROUTE_PREFIX, ServeSettings
 
 REMOVE_TIMEOUT_S = 30.0
 

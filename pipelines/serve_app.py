@@ -1,7 +1,7 @@
 """The Serve application of `soma serve` (docs/serving.md): a router deployment in front of expert replicas.
 
     SomaRouter (HTTP ingress, FastAPI)          SomaExperts (replicas: every expert, on a GPU where there is one)
-      validate (soma_cluster.serving)             score: @serve.batch, windows of many requests in one pass
+      validate (soma_cluster.serveinput)          score: @serve.batch, windows of many requests in one pass
       cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
       route each window (router only, no weights)
       -> handle calls, retried on a lost replica
@@ -45,7 +45,7 @@ from soma_cluster.lm import (
     tally_total,
     windows_of,
 )
-from soma_cluster.serving import (
+from soma_cluster.serveinput import (
     RequestError,
     ServeSettings,
     Status,
@@ -343,7 +343,7 @@ class SomaRouter:
 
 
 def build(args: dict) -> serve.Application:
-    """The application from its settings (soma_cluster.serving.ServeSettings): a Serve application builder."""
+    """The application from its settings (soma_cluster.serveinput.ServeSettings): a Serve application builder."""
     cfg = settings(dict(args))
     back = BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s)
     scaling = (

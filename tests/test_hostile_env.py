@@ -107,7 +107,7 @@ def _experiment_dir(path: Path) -> Path:
     """A variance experiment's results.json, measured here on the fixed separable objective (a second or so):
     what `soma report` re-renders."""
     from pipelines.report import write_report
-    from soma_cluster.experiments import load_spec
+    from soma_cluster.experimentspecs import load_spec
     from soma_cluster.storage import Store
     from soma_cluster.variance import separable_ratio
 

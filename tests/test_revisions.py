@@ -9,7 +9,7 @@ import pytest
 from conftest import micro_config
 from test_schedule import PER_UPDATE, beat, by, scheduler, started
 
-from pipelines.revise import take_up
+from pipelines.revision_pickup import take_up
 from soma_cluster.config import to_yaml_text
 from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.events import EXTENDED, emit

@@ -448,7 +448,7 @@ def test_a_replay_tells_a_tracker_each_tag_and_end_at_its_last_value_once():
 
 def test_an_experiments_arms_share_one_tracker_experiment(monkeypatch):
     from pipelines.experiment import _tracked_as
-    from soma_cluster.experiments import load_spec
+    from soma_cluster.experimentspecs import load_spec
 
     spec = load_spec("zo-compare")
     monkeypatch.delenv("MLFLOW_EXPERIMENT_NAME", raising=False)

@@ -7,7 +7,7 @@ import pytest
 from pipelines.report import BEGIN, END, mean_interval, readme_section, update_readme, verdicts
 from soma_cluster.config import resolve
 from soma_cluster.errors import SomaError
-from soma_cluster.experiments import arm_configs, experiment_names, load_spec, width_for
+from soma_cluster.experimentspecs import arm_configs, experiment_names, load_spec, width_for
 from soma_cluster.model import campaign_param_count
 from soma_cluster.variance import separable_ratio
 
