@@ -53,6 +53,7 @@ from soma_cluster.failures import (
     actor_death_cause,
     exception_cause,
     expert_names,
+    node_of,
     select_failed,
     stop_line,
     waiting,
@@ -142,7 +143,11 @@ def lost_task(exc: RayTaskError) -> Lost:
     waited out; bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device) ends the job; anything else
     is retried. The traceback goes to the `failed` event and, for the expert's own, to the driver's log."""
     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-    raised = Lost(LostAs.EXCEPTION, f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
+    raised = Lost(
+        LostAs.EXCEPTION,
+        f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}",
+        node=node_of(cause),
+    )
     kind = exception_cause(cause)
     trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
     if kind.infra:
@@ -151,7 +156,7 @@ def lost_task(exc: RayTaskError) -> Lost:
             file=sys.stderr,
             flush=True,
         )
-        return Lost(LostAs(kind), raised.reason, kind, trace)
+        return Lost(LostAs(kind), raised.reason, kind, trace, raised.node)
     if kind == Cause.BAD_INPUT:
         return replace(raised, cause=kind, traceback=trace)  # bad input ends the job: its event keeps the why
     print(f"Traceback (most recent call last), in the worker: {raised.reason}\n{trace}", file=sys.stderr, flush=True)
@@ -305,6 +310,7 @@ class Driver:
             granted=unit.granted,
             previous=unit.previous,
             lease_generation=self.lease.generation if self.lease else None,
+            avoid_nodes=unit.avoid,
         )
 
     def _placed(self) -> None:
