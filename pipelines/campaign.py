@@ -16,7 +16,9 @@ import re
 import sys
 import threading
 import time
+from contextlib import contextmanager
 from dataclasses import replace
+from typing import Iterator
 
 import ray
 from ray.exceptions import (
@@ -50,6 +52,7 @@ from soma_cluster.failures import (
     actor_death_cause,
     exception_cause,
     expert_names,
+    node_of,
     select_failed,
     stop_line,
     waiting,
@@ -140,7 +143,11 @@ def lost_task(exc: RayTaskError) -> Lost:
     waited out; bad input (a SomaError: a corrupt shard or checkpoint, no CUDA device) ends the job; anything else
     is retried. The traceback goes to the `failed` event and, for the expert's own, to the driver's log."""
     cause = exc.cause if getattr(exc, "cause", None) is not None else exc
-    raised = Lost(LostAs.EXCEPTION, f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}")
+    raised = Lost(
+        LostAs.EXCEPTION,
+        f"{type(cause).__name__}: {str(cause).splitlines()[0][:300] if str(cause) else ''}",
+        node=node_of(cause),
+    )
     kind = exception_cause(cause)
     trace = ANSI.sub("", str(exc))[-TRACEBACK_CHARS:]
     if kind.infra:
@@ -149,7 +156,7 @@ def lost_task(exc: RayTaskError) -> Lost:
             file=sys.stderr,
             flush=True,
         )
-        return Lost(LostAs(kind), raised.reason, kind, trace)
+        return Lost(LostAs(kind), raised.reason, kind, trace, raised.node)
     if kind == Cause.BAD_INPUT:
         return replace(raised, cause=kind, traceback=trace)  # bad input ends the job: its event keeps the why
     print(f"Traceback (most recent call last), in the worker: {raised.reason}\n{trace}", file=sys.stderr, flush=True)
@@ -303,6 +310,7 @@ class Driver:
             granted=unit.granted,
             previous=unit.previous,
             lease_generation=self.lease.generation if self.lease else None,
+            avoid_nodes=unit.avoid,
         )
 
     def _placed(self) -> None:
@@ -408,6 +416,7 @@ class Driver:
             # by a background thread so the loop never waits on the disk or the object store
             # a SIGINT/SIGTERM only sets STOP.requested here: the loop ends between two results, with the state whole
             wait_s = self.cfg.retry.infra_wait_s  # the log writer waits out its disk or store this long
+            self.store.outage_wait = None  # the preparations are over (`preparing`): from here the loop's own waits
             with (
                 STOP.cooperative(),
                 self.store.batch(background=True, retry=lambda write, what: waiting(write, wait_s, what)),
@@ -681,24 +690,76 @@ def launch_command(
 ) -> None:
     """`soma launch` and `soma resume`: the experts named (`retry_failed`, `retrain`), the revision (`sets`) and the
     Ray address are checked before the lease is taken; the place and its room (hold) before Ray starts or any
-    expert is queued. Then the revision is recorded, as soma set would write it, and the campaign runs."""
+    expert is queued. Then the revision is recorded, as soma set would write it, and the campaign runs. Once the
+    store has answered (campaign.yaml read), an outage of it is waited out (`preparing`); a store that never
+    answers is reported as before, after SOMA_S3_TIMEOUT_S (exit 2: a wrong endpoint looks the same)."""
     store = open_store(campaign)
     cfg = load_config(store)
     names = [j.name for j in expert_jobs(cfg.n_experts)]
-    if retry_failed:  # one named that did not fail is bad input
-        select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
     if retrain:
         expert_names(retrain, names)
     if sets:
         check_revision(cfg, list(sets), driver_running=False, origin="--set")
-    addr = ray_address(address)
-    with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
-        if sets:
-            rev = record_revision(store, load_campaign_config(store), list(sets), driver_running=False)
-            print(f"revision {rev.rev}: {rev.line()}", file=sys.stderr)
-            cfg = load_config(store)
-        with ray_session(cfg, addr):
-            launch(store, cfg, show_progress, log_every_s, retry_failed, retrain, from_step)
+    with preparing(store, cfg.retry.infra_wait_s):
+        if retry_failed:  # one named that did not fail is bad input
+            select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
+        addr = ray_address(address)
+        with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
+            if sets:
+                rev = record_revision(store, load_campaign_config(store), list(sets), driver_running=False)
+                print(f"revision {rev.rev}: {rev.line()}", file=sys.stderr)
+                cfg = load_config(store)
+            with ray_session(cfg, addr):
+                launch(store, cfg, show_progress, log_every_s, retry_failed, retrain, from_step)
+
+
+PREPARATION_WAITS = frozenset({Cause.STORAGE_UNREACHABLE})  # what a launch's preparations wait out
+
+
+class OutageWait:
+    """Store.outage_wait for a launch's preparations: each storage call that finds the store unreachable past its own
+    retries (SOMA_S3_TIMEOUT_S) is tried again for up to retry.infra_wait_s, by the loop's own mechanism
+    (failures.waiting). Only an unreachable store is waited out: a missing bucket, denied access or a bad URL fail
+    at once, as bad input. Once a call has waited the whole bound, the command is stopping: later calls (the
+    lease's release on the way out) try once, so the stop is not delayed by a second wait."""
+
+    def __init__(self, wait_s: float):
+        self.wait_s = wait_s
+        self.gave_up: StorageUnreachable | None = None  # the first call that waited the whole bound in vain
+        self.waited_s = 0.0  # and how long it waited
+
+    def __call__(self, call, what: str):
+        if self.gave_up is not None:
+            return call()
+        t0 = time.monotonic()
+        try:
+            return waiting(call, self.wait_s, what, PREPARATION_WAITS)
+        except StorageUnreachable as exc:
+            if self.gave_up is None:
+                self.gave_up, self.waited_s = exc, time.monotonic() - t0
+            raise
+
+
+@contextmanager
+def preparing(store: Store, wait_s: float) -> Iterator[None]:
+    """A launch's preparations (what it reads and writes before its driver's loop runs: the lease, the sweeps,
+    reopened experts, revisions, the ledger's totals, the history) wait out an unreachable store for up to `wait_s`
+    (retry.infra_wait_s), as the loop's writes do; past that, StoppedByEnvironment (exit 4) naming the store, to be
+    followed by `soma resume` once it is back. The loop ends the waiting when it begins (Driver._run)."""
+    wait = OutageWait(wait_s)
+    store.outage_wait = wait
+    try:
+        yield
+    except StorageUnreachable:
+        if wait.gave_up is None:  # not the preparations' (a store never reached, or after the loop): as it was
+            raise
+        first = str(wait.gave_up).splitlines()[0].split("; ")[0][:200]  # the line's fix follows: not the error's hint
+        why = f"the driver's own storage call failed before its loop ran: {first}"
+        raise StoppedByEnvironment(
+            stop_line(Cause.STORAGE_UNREACHABLE, why, "the launch's preparations", wait.waited_s, wait_s, store.url)
+        ) from None
+    finally:
+        store.outage_wait = None
 
 
 def ended_line(outcome: dict[str, str]) -> str:

@@ -22,7 +22,7 @@ from pipelines.common import contents
 from pipelines.stopping import STOP
 from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.diskerrors import MARGIN_BYTES, storage_error
-from soma_cluster.errors import SomaError
+from soma_cluster.errors import SomaError, StorageUnreachable
 from soma_cluster.lease import LEASE, Lease
 from soma_cluster.storage import STAGING, Store
 from soma_cluster.targets import occupied
@@ -69,13 +69,28 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
             lease, count = _held[store.url]
             if count == 1:
                 del _held[store.url]
-                lease.release()
+                _release(store, lease)
                 if empty and not contents(store):  # refused or undone where there was no campaign: leave no lease
                     lease.forget(remove_dir=created)
                     if made_from is not None:
                         _remove_empty_parents(store.root, made_from)
             else:
                 _held[store.url] = (lease, count - 1)
+
+
+def _release(store: Store, lease: Lease) -> None:
+    """Release the lease on the way out; a store still unreachable then (the command stops for it) leaves it to
+    lapse: the command's own error says what happened, and the next driver on this host takes it at once (its
+    holder is gone), elsewhere after its ttl."""
+    try:
+        lease.release()
+    except StorageUnreachable as exc:
+        print(
+            f"warning: the driver lease {store.url}/{LEASE} was not released ({str(exc).split('; ')[0]}); it lapses "
+            f"{lease.ttl_s:g} s after its last renewal",
+            file=sys.stderr,
+            flush=True,
+        )
 
 
 def _sweep(store: Store) -> None:

@@ -155,7 +155,7 @@ REGISTRY: tuple[EnvVar, ...] = (
 )
 BY_NAME = {v.name: v for v in REGISTRY}
 # read only by the test suite (CONTRIBUTING.md names them), never by a command
-TEST_ONLY = ("SOMA_SLOW", "SOMA_TEST_MLFLOW", "SOMA_TEST_SETUP_DELAY_S")
+TEST_ONLY = ("SOMA_SLOW", "SOMA_TEST_MLFLOW", "SOMA_TEST_SETUP_DELAY_S", "SOMA_TEST_STORE_UNREACHABLE")
 
 
 def value(name: str, environ: Mapping[str, str] | None = None) -> object | None:

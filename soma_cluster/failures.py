@@ -49,7 +49,9 @@ FIX = {
     Cause.DISK_FULL: "free space (or raise the quota) on the filesystem that holds {url}",
     Cause.READ_ONLY: "make the filesystem that holds {url} writable again (remount it read-write)",
     Cause.PERMISSION: "give the user the workers run as read and write access to {url}",
-    Cause.STORAGE_UNREACHABLE: "bring the store of {url} back within reach of the workers (its endpoint, the network)",
+    Cause.STORAGE_UNREACHABLE: (
+        "bring the store of {url} back within reach of the driver and workers (endpoint, network)"
+    ),
     Cause.NODE_LOST: "check the cluster's nodes (ray status) and that GPU nodes can join it",
     Cause.OUT_OF_MEMORY: "free memory on the nodes, or give each expert more (fewer actors per node)",
 }
@@ -103,20 +105,40 @@ def error_cause(text: str) -> Cause:
 _NODE_DIED = re.compile(r"its node has died|node .* (is dead|has died|was removed)", re.I)
 
 
+RAISED_ON = "soma_node"  # the attribute a worker's exception carries: the Ray node id it was raised on
+
+
+def raised_on(exc: BaseException, node: str | None) -> BaseException:
+    """Mark `exc` with the node it is raised on (a worker's set-up, before the driver has heard where it runs); the
+    attribute travels with the exception to the driver (Ray pickles the exception, its __dict__ included)."""
+    if node is not None:
+        setattr(exc, RAISED_ON, node)
+    return exc
+
+
+def node_of(exc: BaseException) -> str | None:
+    """The node a worker's exception was raised on, if it says."""
+    node = getattr(exc, RAISED_ON, None)
+    return node if isinstance(node, str) else None
+
+
 def actor_death_cause(message: str) -> Cause:
     """An actor that died without raising (Ray's ActorDiedError): its node died, or only its process did."""
     return Cause.NODE_LOST if _NODE_DIED.search(message) else Cause.CRASH
 
 
-def waiting(fn: Callable[[], T], wait_s: float, what: str) -> T:
+def waiting(fn: Callable[[], T], wait_s: float, what: str, causes: frozenset[Cause] | None = None) -> T:
     """fn(), tried again with backoff (0.1 s doubling to 5 s) while it fails for the infrastructure, for up to wait_s:
-    the driver's own reads and writes wait out the disk or the store as its workers do. Then the error is raised."""
+    the driver's own reads and writes wait out the disk or the store as its workers do. Then the error is raised.
+    `causes`: only these infrastructure causes are waited out (None: every one); any other error is raised at once."""
     deadline, delay = time.monotonic() + wait_s, 0.1
     while True:
         try:
             return fn()
         except (OSError, SomaError) as exc:
-            if not exception_cause(exc).infra or time.monotonic() + delay > deadline:
+            cause = exception_cause(exc)
+            waited = cause.infra and (causes is None or cause in causes)
+            if not waited or time.monotonic() + delay > deadline:
                 raise
             log.warning("%s failed (%s: %s); trying again in %.1f s", what, type(exc).__name__, exc, delay)
             time.sleep(delay)

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 from typing import Callable
 
 from soma_cluster.accounting import NOTHING, Account, Books, Settlement
+from soma_cluster.avoidance import Avoidance
 from soma_cluster.budget import BudgetBook
 from soma_cluster.config import CampaignConfig
 from soma_cluster.events import EXTENDED, JobHistory, emit
@@ -71,6 +72,7 @@ class Unit:
     last_beat: float = 0.0
     process: Incarnation | None = None
     leaving: bool = False  # preempted: the actor checkpoints and exits, it takes no more jobs
+    avoid: frozenset[str] = frozenset()  # nodes its actor should rather not be placed on (soma_cluster/avoidance.py)
 
     @property
     def name(self) -> str:
@@ -119,6 +121,7 @@ class Lost:
     detail: str  # what failed, in the words of the error or the driver
     cause: Cause | None = None  # recorded in the `failed` event; an INFRA loss always has one
     traceback: str | None = None
+    node: str | None = None  # the Ray node it was lost on, where known (its error says; else its setup report)
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "what", LostAs(self.what))
@@ -150,6 +153,7 @@ class Scheduler:
         # the ledger, its live totals, the settlements; each record at the price in force (revisions included)
         self.books = Books(self.store, self.latest, lambda device: usd_per_hour(self.cfg.prices, device))
         self.retries = Retries(self.cfg.retry, self.clock, self.rng)
+        self.avoid = Avoidance(self.clock)  # nodes that could not reach the store, for a while
         self.units: dict[int, Unit] = {}
         self.open: dict[Job, Unit] = {}  # job -> the unit training it (queued or running)
         self.pending: deque[Job] = deque()  # jobs waiting for an actor, in order
@@ -286,6 +290,8 @@ class Scheduler:
         previous = tuple(self.killed.pop(j) for j in jobs if j in self.killed)
         unit = Unit(next(self._ids), accounts, self.clock(), reused_from, previous)
         unit.held_since = unit.requested if reused_from is not None else None  # an idle actor holds its share already
+        if reused_from is None:  # a new actor: placed by Ray, which can keep it off a node that failed the store
+            unit.avoid = self.avoid.nodes()
         self.units[unit.id] = unit
         for c in accounts.values():
             self.open[c.job] = unit
@@ -299,6 +305,7 @@ class Scheduler:
                 actor=unit.name,
                 reused=reused_from is not None,
                 cause=c.cause,
+                **({"avoid": sorted(unit.avoid)} if unit.avoid else {}),
             )
         return unit
 
@@ -351,6 +358,7 @@ class Scheduler:
     def on_setup(self, uid: int, report: SetupReport) -> list[Action]:
         unit = self.units[uid]
         unit.phase, unit.process, unit.last_beat = JobState.RUNNING, report.process, self.clock()
+        self.avoid.reached(report.process.node)  # its set-up read the store from there
         for expert, start in report.experts.items():
             c = unit.accounts[Job(expert)]
             c.started, c.step, c.setup, c.reported, c.device = True, start.step, start.usage, start.usage, report.device
@@ -418,6 +426,7 @@ class Scheduler:
         if hb.checkpoint:
             self._event(Event.CHECKPOINTED, c.job, attempt=c.attempt, step=hb.checkpoint_step, checkpoint=hb.checkpoint)
             self.retries.recovered(c.job)
+            self.avoid.reached(unit.process.node if unit.process is not None else None)
         if not hb.done:
             return
         self._end(c)
@@ -435,6 +444,9 @@ class Scheduler:
         past their budget). A queued unit held nothing, so there is nothing to settle."""
         unit = self.units.pop(uid)
         live = unit.live()
+        node = lost.node or (unit.process.node if unit.process is not None else None)
+        # a node that could not reach the store is avoided for a while, and named in the `failed` event
+        lost = replace(lost, node=node if self.avoid.lost(node, lost.cause) else None)
         share = self.cfg.resources.num_gpus / max(1, len(live))
         held = max(0.0, self.clock() - unit.last_beat) if unit.phase == JobState.RUNNING else 0.0
         unreported = Usage(held * share, held * share / self.cfg.resources.num_gpus)
@@ -484,6 +496,7 @@ class Scheduler:
             **settled,
             **({"cause": lost.cause} if lost.cause else {}),
             **({"counted": False} if infra else {}),
+            **({"node": lost.node} if lost.node else {}),
             **({"traceback": lost.traceback} if lost.traceback else {}),
         )
         if infra:

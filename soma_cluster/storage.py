@@ -251,6 +251,9 @@ class Store:
         self._writer: _LogWriter | None = None  # the background writer of a `batch(background=True)`
         self._tails_checked: set[str] = set()  # local logs whose unterminated last record was cut off
         self.fence: Callable[[], None] | None = None
+        # set while a command prepares (pipelines/campaign.py `preparing`): outage_wait(call, what) runs each remote
+        # call, waiting out an unreachable store for longer than one call's retries (SOMA_S3_TIMEOUT_S)
+        self.outage_wait: Callable[[Callable[[], Any], str], Any] | None = None
         # a local campaign directory seen to exist is never silently re-created: one that vanishes while a
         # command runs is an error (ENOENT naming it), not a fresh half-campaign
         self._root_seen = self.local and os.path.isdir(self.root)
@@ -361,15 +364,13 @@ class Store:
             f"or allow longer with {TIMEOUT_ENV} (now {self.timeout_s:g})"
         )
         # a listing cached before an outage may be stale after it
-        return retrying(
-            fn,
-            f"storage {self.url}: {what}",
-            self.timeout_s,
-            self.connect_timeout_s,
-            hint,
-            None if self.retries is None else self.retries + 1,
-            self.fs.invalidate_cache,
-        )
+        what = f"storage {self.url}: {what}"
+        tries = None if self.retries is None else self.retries + 1
+
+        def call() -> T:
+            return retrying(fn, what, self.timeout_s, self.connect_timeout_s, hint, tries, self.fs.invalidate_cache)
+
+        return call() if self.outage_wait is None else self.outage_wait(call, what)
 
     def require_bucket(self) -> None:
         """On s3://, the bucket exists and answers: checked before work that ends in writing to it."""

@@ -402,7 +402,7 @@ def test_storage_unreachable_from_one_host(cluster, s3host, seeded, text_corpus,
         # the events file is on S3, out of this host's reach: the driver's log says where the launch is. A worker
         # is cut as the experts launch ("launching 2 experts"), before one there could have finished; the driver
         # once its loop runs (its first "[soma ...]" line): an outage past SOMA_S3_TIMEOUT_S before that, in the
-        # launch's preparations, ends it with exit 2 (docs/scheduling.md)
+        # launch's preparations, is waited out too (docs/scheduling.md, tests/test_s3_preparations.py)
         mark = "[soma " if victim == "head" else "launching"
         wait_for(lambda: mark in log.read_text() or driver.poll() is not None, 300, "the launch")
         cut_at = time.monotonic()

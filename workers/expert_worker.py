@@ -32,7 +32,8 @@ import torch
 from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.checkpoint import has_checkpoint, load_checkpoint, save_checkpoint
 from soma_cluster.config import CampaignConfig
-from soma_cluster.errors import DeviceError
+from soma_cluster.errors import DeviceError, StorageUnreachable
+from soma_cluster.failures import raised_on
 from soma_cluster.jobs import Job, StopReason
 from soma_cluster.lease import WorkerFence
 from soma_cluster.messages import ChunkReport, ExpertStart, Heartbeat, Incarnation, SetupReport, Usage
@@ -44,6 +45,8 @@ from soma_cluster.trainer import NonFiniteLoss, Trainer, pick_device, update_exp
 log = logging.getLogger(__name__)
 # tests only: seconds every setup() sleeps first, a slow start-up (a loaded host, an image pull, a cold S3 read)
 SETUP_DELAY_ENV = "SOMA_TEST_SETUP_DELAY_S"
+# tests only: set (to anything) in a node's environment, every setup() there fails as if the store were unreachable
+UNREACHABLE_ENV = "SOMA_TEST_STORE_UNREACHABLE"
 
 
 def held_from(requested_at: float | None, granted: bool, now: float) -> float:
@@ -182,9 +185,19 @@ class ExpertWorker:
 
     def setup(self, experts: list[int | None] | None = None, attempts: list[int] | None = None) -> SetupReport:
         """Load the jobs (their checkpoints, or the seed). With `experts`, an actor whose jobs have all ended
-        takes new ones (resources.reuse_actors): the time since its last heartbeat goes to them."""
+        takes new ones (resources.reuse_actors): the time since its last heartbeat goes to them. An error says which
+        node raised it (the driver has not heard from this actor yet)."""
+        try:
+            return self._setup(experts, attempts)
+        except Exception as exc:
+            raised_on(exc, self.process.node)
+            raise
+
+    def _setup(self, experts: list[int | None] | None, attempts: list[int] | None) -> SetupReport:
         held_from = self.held_from
         time.sleep(float(os.environ.get(SETUP_DELAY_ENV, "0") or 0))
+        if os.environ.get(UNREACHABLE_ENV):
+            raise StorageUnreachable(f"storage {self.store.url}: read campaign.yaml failed ({UNREACHABLE_ENV} is set)")
         if experts is not None:
             if any(not m.told for m in self.members.values()):
                 raise RuntimeError("setup(experts=...) while jobs are still training in this actor")
