@@ -15,7 +15,7 @@ import time
 
 import pytest
 from conftest import micro_config
-from s3server import Proxy, s3  # noqa: F401  (fixture)
+from support.s3server import Proxy, s3  # noqa: F401  (fixture)
 
 from pipelines.campaign import preparing
 from pipelines.campaign_lease import hold
