@@ -8,7 +8,7 @@ directories (soma_cluster.export.export, float32) and served from them exactly a
 Load: --windows test windows of 1,025 bytes, each a document scored as soma eval scores it (the first 257 bytes as
 its prefix, the 768 after it scored: RoutedLM.score(w[257:], prefix=w[:257])); a request carries --docs documents
 (`texts` and `prefix` lists, base64: the exact bytes). Clients are threads of this process, each sending its next
-request when the last one was answered (a closed loop), every request over a fresh HTTP connection to 127.0.0.1; a
+request when the last one was answered (a closed loop), over one kept-alive HTTP connection to 127.0.0.1 each; a
 503 is retried after its Retry-After and counted. Each level of concurrency (--concurrency) runs every window once
 per repeat, the two ensembles alternating. Readings: byte-tokens/s (1,024 predictions read per window, bench_lm.py's
 unit), requests/s, p50 and p99 latency of a request.

@@ -2,6 +2,7 @@
 
     SomaRouter (HTTP ingress, FastAPI)          SomaExperts (replicas: every expert, on a GPU where there is one)
       validate (soma_cluster.serveinput)          score: @serve.batch, windows of many requests in one pass
+                                                         (Passes: one pass at a time, every queued batch in it)
       cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
       route each window (router only, no weights)
       -> handle calls, retried on a lost replica
@@ -19,7 +20,7 @@ import base64
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Iterator
+from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
 import numpy as np
@@ -102,6 +103,46 @@ def _windows_in(jobs: list[WindowJob]) -> int:
     return sum(len(j.windows) for j in jobs)
 
 
+class Passes:
+    """Serve's batches coalesced into passes of the ensemble, one pass at a time, each taking every batch queued
+    when it starts (oldest first, up to `max_windows`; a batch larger than that runs alone).
+
+    Why not @serve.batch alone: in Ray 2.60 (concurrent batches, ray-project/ray#53096) its queue forms the next
+    batch as soon as a request arrives, while the current pass runs, and freezes it `batch_wait_timeout_s` later;
+    under load the replica then runs many small passes instead of one full one. Measured on 2 CPU cores at N = 8,
+    32 clients of 8 windows each (256 in flight): passes of 8 to 56 windows at 87 ms a window, against 40 ms a
+    window in passes of 256. Here Serve's batches (its batch metrics count them) wait while a pass runs and join
+    the next."""
+
+    def __init__(self, run: Callable[[list[WindowJob]], list[list]], max_windows: int):
+        self.run, self.max_windows = run, max_windows
+        self.queued: list[tuple[list[WindowJob], asyncio.Future]] = []
+        self.lock = asyncio.Lock()  # one pass at a time; asyncio's lock wakes its waiters in order
+
+    async def submit(self, jobs: list[WindowJob]) -> list[list]:
+        done: asyncio.Future = asyncio.get_running_loop().create_future()
+        self.queued.append((jobs, done))
+        while not done.done():
+            async with self.lock:
+                if done.done():  # an earlier holder's pass took it
+                    break
+                take, windows = [], 0
+                while self.queued and (not take or windows + _windows_in(self.queued[0][0]) <= self.max_windows):
+                    take.append(self.queued.pop(0))
+                    windows += _windows_in(take[-1][0])
+                try:
+                    out = await asyncio.to_thread(self.run, [j for group, _ in take for j in group])
+                except Exception as exc:  # noqa: BLE001 - every caller of the pass gets its error
+                    for _, fut in take:
+                        fut.set_exception(exc)
+                else:
+                    at = 0
+                    for group, fut in take:
+                        fut.set_result(out[at : at + len(group)])
+                        at += len(group)
+        return await done
+
+
 @serve.deployment(name="SomaExperts", health_check_period_s=5, health_check_timeout_s=30)
 class SomaExperts:
     """Every expert of the ensemble, scoring windows in batched passes and generating bytes."""
@@ -116,6 +157,7 @@ class SomaExperts:
         self.version = version_of(self.cfg)
         self._batched.set_max_batch_size(self.cfg.max_batch_windows)
         self._batched.set_batch_wait_timeout_s(self.cfg.batch_wait_s)
+        self.passes = Passes(self._pass, self.cfg.max_batch_windows)
         Gauge("soma_serve_experts_loaded", description="Experts held by this replica (checkpoints, not the seed).").set(
             len(self.lm.experts)
         )
@@ -144,9 +186,10 @@ class SomaExperts:
             raise VersionMismatch(f"router {job.version}, experts {self.version}")
         return await self._batched(job), self.lm.seed_fallback
 
-    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005, batch_size_fn=_windows_in)
+    # batches run concurrently (max_concurrent_batches): each only queues its jobs for the next pass (Passes)
+    @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005, batch_size_fn=_windows_in, max_concurrent_batches=4096)
     async def _batched(self, jobs: list[WindowJob]) -> list[list]:
-        return await asyncio.to_thread(self._pass, jobs)
+        return await self.passes.submit(jobs)
 
     def _pass(self, jobs: list[WindowJob]) -> list[list]:
         """One pass over the windows of every job; per job, per window: its nats (per_byte) or (sum, count)."""

@@ -419,3 +419,54 @@ def test_dry_run_prints_a_serve_config_that_ray_accepts(trained_campaign):
     assert app.import_path == "pipelines.serve_app:build"
     assert app.args == {"source": str(trained_campaign), "max_batch_windows": 512}
     build(app.args)  # what `serve deploy` would build
+
+
+def test_passes_coalesce_the_batches_queued_while_one_runs():
+    """Serve's batches that arrive while a pass runs join the next pass, oldest first, up to max_windows; every
+    caller gets its own windows' answers, or the pass's error (pipelines.serve_app.Passes, no Ray needed)."""
+    import asyncio
+
+    import numpy as np
+
+    from pipelines.serve_app import Passes, WindowJob
+
+    def job(tag: str, n: int) -> WindowJob:
+        return WindowJob("v", [tag.encode()] * n, [0] * n, np.zeros((n, 1), int), np.ones((n, 1)))
+
+    passes: list[list[str]] = []
+    release = threading.Event()
+
+    def run(jobs: list[WindowJob]) -> list[list]:
+        passes.append([j.windows[0].decode() for j in jobs])
+        if len(passes) == 1:
+            assert release.wait(10)  # the first pass runs until every other batch is queued
+        if any(j.windows[0] == b"boom" for j in jobs):
+            raise ValueError("pass failed")
+        return [[(j.windows[0].decode(), i) for i in range(len(j.windows))] for j in jobs]
+
+    async def main():
+        p = Passes(run, max_windows=8)
+        first = asyncio.create_task(p.submit([job("a", 2)]))
+        for _ in range(100):  # bounded: until the first pass has started
+            if passes:
+                break
+            await asyncio.sleep(0.01)
+        later = [asyncio.create_task(p.submit([job(t, n)])) for t, n in (("b", 3), ("c", 1), ("d", 4), ("e", 9))]
+        await asyncio.sleep(0.05)
+        release.set()
+        return await asyncio.wait_for(asyncio.gather(first, *later), 10)
+
+    out = asyncio.run(main())
+    # b + c fit 8 windows with each other and d would not (3 + 1 + 4 = 8 does): one pass; e (9) alone
+    assert passes == [["a"], ["b", "c", "d"], ["e"]]
+    assert out[0] == [[("a", 0), ("a", 1)]] and out[1] == [[("b", 0), ("b", 1), ("b", 2)]]
+    assert out[3] == [[("d", i) for i in range(4)]] and len(out[4][0]) == 9
+
+    passes.clear()
+    release.set()
+
+    async def failing():
+        p = Passes(run, max_windows=8)
+        return await asyncio.gather(p.submit([job("boom", 1)]), return_exceptions=True)
+
+    assert [type(e) for e in asyncio.run(failing())] == [ValueError]
