@@ -182,7 +182,7 @@ def ray_local():
 
 
 def pytest_collection_modifyitems(config, items):
-    """Long runs are marked slow and run only with SOMA_SLOW=1 (make test stays under ~20 min on 2 cores)."""
+    """Long runs are marked slow and run only with SOMA_SLOW=1 (make test stays under 30 min on 2 cores)."""
     if os.environ.get("SOMA_SLOW") == "1":
         return
     skip = pytest.mark.skip(reason="slow: set SOMA_SLOW=1 to run")

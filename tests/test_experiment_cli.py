@@ -4,6 +4,7 @@ launch under a GPU-hour budget, eval with its curve), then the report, its figur
 import json
 from pathlib import Path
 
+import pytest
 from conftest import assert_one_line_error, soma
 
 MICRO_SETS = [
@@ -35,7 +36,11 @@ MICRO_SETS = [
 # test wants 3) at 0.01 GPU-hours and at 0.02; 0.003 was spent by the seed alone. One thread each at 0.02: every arm
 # ran 430-895 steps. At 0.01 with one thread and two busy loops beside it, mono-spsa's seed stage (start-up included)
 # spent all 36 GPU-seconds. The test checks the machinery, not the preset's speed: one thread, 0.02 GPU-hours
-# (with the two busy loops: seed stages 26-28 GPU-s, every arm 6 curve points or more).
+# (with the two busy loops: seed stages 26-28 GPU-s, every arm 6 curve points or more). Four arms bound by 72
+# GPU-seconds each on one logical GPU are five minutes of wall time (314 s of a 42-minute suite on 2026-12-06), so the
+# test is slow: SOMA_SLOW=1 runs it. The experiment machinery stays in make test through the variance experiment
+# below, forks through test_fork_cli_..., and the zo-compare spec's arms (match_params, forks) in
+# tests/test_experimentspecs.py.
 BUDGET_H = 0.02
 ZO_SETS = ("train.threads=1", f"budget.campaign_gpu_hours={BUDGET_H}")
 
@@ -44,6 +49,7 @@ def sets(*extra):
     return [a for s in (*MICRO_SETS, *extra) for a in ("--set", s)]
 
 
+@pytest.mark.slow
 def test_zo_compare_runs_every_baseline_through_the_campaign_machinery(tmp_path):
     out = tmp_path / "zo"
     proc = soma(
