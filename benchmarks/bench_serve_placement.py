@@ -6,7 +6,7 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
 
   - all experts: pipelines.serve_app.build as benchmarks/bench_serve.py deploys it (SomaRouter ingress + SomaExperts),
     with --replicas expert replicas, each holding every expert and scoring the windows of many requests in one
-    @serve.batch pass (RoutedLM.window_nats).
+    pass (@serve.batch batches coalesced by pipelines.serve_app.Passes; RoutedLM.window_nats).
   - multiplexed G:M: the experts cut into G groups of contiguous ids (N/G each); an expert deployment SomaGroups
     (--replicas replicas) whose multiplexed model id is a group's number, and whose loader (serve.multiplexed with
     max_num_models_per_replica=M) reads that group's weights from a safetensors file of its own and builds a
@@ -15,7 +15,8 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     soma_cluster.serveinput.parse_score, cuts each document into soma eval's windows (lm.windows_of) and routes each
     window (lm.Routing) exactly as SomaRouter does, then sends each window to every group holding one of its top-k
     experts (one call per group per request, handle.options(multiplexed_model_id=group)). The group replica scores
-    in @serve.batch passes too (Serve splits a batch by model id): each (window, expert) pair is a row of
+    in @serve.batch batches (Serve splits a batch by model id) coalesced into one pass at a time, as SomaExperts's
+    (pipelines.serve_app.Passes; each group's pairs through its model): each (window, expert) pair is a row of
     RoutedLM.window_nats routed to that expert alone with weight 1, whose nats are -log(exp(log p)) = -log p, and
     it sends back each pair's per-byte log-probability as float32 (the kernel's own precision: the value comes
     back bit for bit). The router mixes them as ensemble.evaluate_ensemble does: p = sum_k w_k exp(log p_k) in
@@ -71,7 +72,7 @@ from bench_inference import corpus_chunks  # noqa: E402
 from bench_lm import ENSEMBLES, build  # noqa: E402
 from bench_serve import PREFIX, load, post, request_bodies, write_export  # noqa: E402
 
-from pipelines.serve_app import _error, _read_body  # noqa: E402
+from pipelines.serve_app import Passes, _error, _read_body  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
 from soma_cluster.lm import RoutedLM, Routing, finish, tally_start, tally_total, windows_of  # noqa: E402
 from soma_cluster.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
@@ -129,6 +130,7 @@ class SomaGroups:
         # M from the args: the instance-attribute form of @serve.multiplexed (Serve detects it on the instance)
         self.get_group = serve.multiplexed(max_num_models_per_replica=args["max_groups"])(load_group)
         self._batched.set_max_batch_size(args["max_batch_pairs"])
+        self.passes = Passes(self._run, args["max_batch_pairs"], lambda items: _pairs_in([j for _, j in items]))
         self._batched.set_batch_wait_timeout_s(args["batch_wait_s"])
 
     def _load(self, group: str) -> RoutedLM:
@@ -144,13 +146,19 @@ class SomaGroups:
     async def score(self, job: GroupJob) -> list[np.ndarray]:
         return await self._batched(job)
 
-    @serve.batch(max_batch_size=1024, batch_wait_timeout_s=0.005, batch_size_fn=_pairs_in)
+    # as the application's SomaExperts: Serve's batches (split by model id) queue for one pass at a time, which
+    # takes every queued batch, of any group, each with the group model it was given (held against Serve's LRU)
+    @serve.batch(max_batch_size=1024, batch_wait_timeout_s=0.005, batch_size_fn=_pairs_in, max_concurrent_batches=4096)
     async def _batched(self, jobs: list[GroupJob]) -> list[list[np.ndarray]]:
-        out: list = [None] * len(jobs)
-        for group in dict.fromkeys(j.group for j in jobs):  # Serve splits batches by model id; this is a guard
-            mine = [i for i, j in enumerate(jobs) if j.group == group]
-            lm = await self.get_group(group)
-            for i, lp in zip(mine, await asyncio.to_thread(self._pass, lm, [jobs[i] for i in mine]), strict=True):
+        models = {g: await self.get_group(g) for g in dict.fromkeys(j.group for j in jobs)}
+        return await self.passes.submit([(models[j.group], j) for j in jobs])
+
+    def _run(self, items: list[tuple[RoutedLM, GroupJob]]) -> list[list[np.ndarray]]:
+        """One pass: each group's pairs together, through that group's model."""
+        out: list = [None] * len(items)
+        for group in dict.fromkeys(j.group for _, j in items):
+            mine = [i for i, (_, j) in enumerate(items) if j.group == group]
+            for i, lp in zip(mine, self._pass(items[mine[0]][0], [items[i][1] for i in mine]), strict=True):
                 out[i] = lp
         return out
 

@@ -114,12 +114,14 @@ class Passes:
     window in passes of 256. Here Serve's batches (its batch metrics count them) wait while a pass runs and join
     the next."""
 
-    def __init__(self, run: Callable[[list[WindowJob]], list[list]], max_windows: int):
-        self.run, self.max_windows = run, max_windows
-        self.queued: list[tuple[list[WindowJob], asyncio.Future]] = []
+    def __init__(self, run: Callable[[list], list], max_windows: int, size: Callable[[list], int] = _windows_in):
+        """`run(items)`: one pass, an answer per item, in a thread; `size(items)`: their windows (WindowJobs' by
+        default; benchmarks/bench_serve_placement.py passes its own items)."""
+        self.run, self.max_windows, self.size = run, max_windows, size
+        self.queued: list[tuple[list, asyncio.Future]] = []
         self.lock = asyncio.Lock()  # one pass at a time; asyncio's lock wakes its waiters in order
 
-    async def submit(self, jobs: list[WindowJob]) -> list[list]:
+    async def submit(self, jobs: list) -> list:
         done: asyncio.Future = asyncio.get_running_loop().create_future()
         self.queued.append((jobs, done))
         while not done.done():
@@ -127,9 +129,9 @@ class Passes:
                 if done.done():  # an earlier holder's pass took it
                     break
                 take, windows = [], 0
-                while self.queued and (not take or windows + _windows_in(self.queued[0][0]) <= self.max_windows):
+                while self.queued and (not take or windows + self.size(self.queued[0][0]) <= self.max_windows):
                     take.append(self.queued.pop(0))
-                    windows += _windows_in(take[-1][0])
+                    windows += self.size(take[-1][0])
                 try:
                     out = await asyncio.to_thread(self.run, [j for group, _ in take for j in group])
                 except Exception as exc:  # noqa: BLE001 - every caller of the pass gets its error

@@ -241,6 +241,12 @@ def test_an_empty_or_blank_address_means_a_local_ray_and_overrides_ray_address(m
 
 
 def test_auto_with_no_ray_on_this_machine_is_one_line(tmp_path, monkeypatch):
+    from ray._private.services import find_gcs_addresses
+
+    # auto falls back to any GCS process on the machine (Ray's own lookup): another suite's or user's Ray, on a
+    # shared host, is one, and the premise of the test does not hold there (as on a developer's host, 2026-12-06)
+    if find_gcs_addresses():
+        pytest.skip("a Ray runs on this machine (not this test's): auto finds it, so 'no Ray' cannot be tried here")
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks for a running cluster's address
     with pytest.raises(SomaError, match="no Ray runs on this machine"):
         ray_address("auto")
