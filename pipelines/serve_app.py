@@ -10,9 +10,11 @@
 Build it with `build(args)` (a Serve application builder: `import_path: pipelines.serve_app:build` in a Serve
 config file, as deploy/kuberay/rayservice.yaml does) or through `soma serve`.
 
-Placement: every expert replica holds every expert. At N = 256 the experts of the paper's size are a few hundred
-MB (docs/serving.md has the measurement), so one GPU holds them all, and a window's top-k experts run in the same
-pass as every other window's: a request fans out to no other replica and nothing is loaded on demand.
+Placement: every expert replica holds every expert. An ensemble of the paper's size is tens of MB (docs/serving.md
+has the measurement), so one device holds it all, and a window's top-k experts run in the same pass as every other
+window's: a request fans out to no other replica and nothing is loaded on demand. Multiplexing groups of experts
+(@serve.multiplexed) measured slower at N = 256: 0.70 to 0.89 of this throughput
+(benchmarks/bench_serve_placement.py).
 """
 
 import asyncio
