@@ -1,12 +1,12 @@
 """A retry steered away from a node that cannot reach the store, on a real multi-node Ray
 (ray.cluster_utils.Cluster): two worker nodes of one logical GPU each; every actor set-up on one of them fails as
 if its store were unreachable (SOMA_TEST_STORE_UNREACHABLE in that node's environment). The expert's first attempt
-is made to land there (the other node's GPU held by a placeholder while it is placed); its retry, asked to prefer
-other nodes, lands on the other one and finishes, nothing counted against it."""
+is made to land there (the other node's GPU held by a placeholder until that attempt has failed, which frees it
+seconds before the retry is started); its retry, asked to prefer other nodes, lands on the other one and finishes,
+nothing counted against it."""
 
 from __future__ import annotations
 
-import threading
 import time
 
 import pytest
@@ -17,7 +17,7 @@ from pipelines.prepare import prepare
 from soma_cluster.events import history
 from soma_cluster.jobs import SEED_JOB, Job
 from soma_cluster.storage import Store
-from workers.expert_worker import SETUP_DELAY_ENV, UNREACHABLE_ENV
+from workers.expert_worker import UNREACHABLE_ENV
 
 
 @pytest.fixture(scope="module")
@@ -27,8 +27,7 @@ def cluster():
 
     t0 = time.monotonic()
     c = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
-    # its set-ups fail after 2 s: time for the test to free the other node's GPU once the attempt is placed here
-    cut = c.add_node(num_cpus=1, num_gpus=1, env_vars={UNREACHABLE_ENV: "1", SETUP_DELAY_ENV: "2"})
+    cut = c.add_node(num_cpus=1, num_gpus=1, env_vars={UNREACHABLE_ENV: "1"})  # its set-ups fail: store unreachable
     fine = c.add_node(num_cpus=1, num_gpus=1)
     ray.init(address=c.address, log_to_driver=False, logging_level="WARNING")
     c.wait_for_nodes()
@@ -57,7 +56,8 @@ def test_retry_after_storage_unreachable_lands_on_the_other_node(cluster, tmp_pa
     import ray
 
     _, cut, fine = cluster
-    cfg = micro_config(corpus={"source": str(text_corpus)}, retry={"backoff_s": 0.2, "infra_wait_s": 120})
+    # the first retry waits 2-4 s (backoff_s 4, half of it jitter): the placeholder is gone by then
+    cfg = micro_config(corpus={"source": str(text_corpus)}, retry={"backoff_s": 4.0, "infra_wait_s": 120})
     store = Store(str(tmp_path / "c"))
     t0 = time.monotonic()
     prepare(store, cfg)
@@ -67,25 +67,17 @@ def test_retry_after_storage_unreachable_lands_on_the_other_node(cluster, tmp_pa
     print(f"prepared and seeded in {time.monotonic() - t0:.1f} s")
 
     held = _holding(fine)  # expert-0000's first attempt can only be placed on the cut node
-    queued = threading.Event()
     driver = Driver(store, cfg, [Job(0)], show_progress=False)
     observe = driver.sched.observe
+    freed: list[float] = []
 
     def watch(rec: dict) -> None:
         observe(rec)
-        if rec["event"] == "queued":
-            queued.set()
-
-    driver.sched.observe = watch
-    freed: list[float] = []
-
-    def free() -> None:
-        if queued.wait(60):
-            time.sleep(0.5)  # placed on the cut node by now; its set-up fails 2 s after it starts
+        if rec["event"] == "failed" and not freed:  # the first attempt failed there: free the other node now
             ray.kill(held)
             freed.append(time.monotonic())
 
-    threading.Thread(target=free, daemon=True).start()
+    driver.sched.observe = watch
     t1 = time.monotonic()
     assert driver.run() == {"expert-0000": "finished"}
     print(f"expert trained in {time.monotonic() - t1:.1f} s")
