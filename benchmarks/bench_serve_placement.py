@@ -12,7 +12,7 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     max_num_models_per_replica=M) reads that group's weights from a safetensors file of its own and builds a
     RoutedLM of those experts only, each load logged with its seconds (the table's loads are those of the timed
     run; the warm-up's are printed apart). The ingress MuxRouter checks the request with
-    soma_cluster.serveinput.parse_score, cuts each document into soma eval's windows (lm.windows_of) and routes each
+    soma_cluster.serveinput.parse_score, cuts documents into soma eval's windows (serve_app.cut_documents), routes each
     window (lm.Routing) exactly as SomaRouter does, then sends each window to every group holding one of its top-k
     experts (one call per group per request, handle.options(multiplexed_model_id=group)). The group replica scores
     in @serve.batch batches (Serve splits a batch by model id) coalesced into one pass at a time, as SomaExperts's
@@ -72,9 +72,9 @@ from bench_inference import corpus_chunks  # noqa: E402
 from bench_lm import ENSEMBLES, build  # noqa: E402
 from bench_serve import PREFIX, load, post, request_bodies, write_export  # noqa: E402
 
-from pipelines.serve_app import Passes, _error, _read_body  # noqa: E402
+from pipelines.serve_app import Passes, _error, _read_body, cut_documents  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
-from soma_cluster.lm import RoutedLM, Routing, finish, tally_start, tally_total, windows_of  # noqa: E402
+from soma_cluster.lm import RoutedLM, Routing, finish, tally_start, tally_total  # noqa: E402
 from soma_cluster.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
 
 
@@ -204,12 +204,7 @@ class MuxRouter:
         return JSONResponse({"source": shown(self.routing.source), "scores": scores})
 
     async def _score(self, docs: list[bytes], pre: list[bytes]) -> list[dict]:
-        windows, firsts, owner = [], [], []
-        for d, (p, t) in enumerate(zip(pre, docs, strict=True)):
-            for data, first, _ in windows_of([p + t], self.routing.window_bytes, self.routing.stride, len(p)):
-                windows.append(data)
-                firsts.append(first)
-                owner.append(d)
+        windows, firsts, owner = cut_documents(self.routing, docs, pre)
         top, weights = await asyncio.to_thread(self.routing.routes_of, windows)
         where = self.group_of[top]  # (n, k): the group of each routed expert
         calls, pairs = [], []

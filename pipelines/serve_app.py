@@ -101,6 +101,18 @@ def version_of(cfg: ServeSettings) -> str:
     return json.dumps([store.url, cfg.step, digest])
 
 
+def cut_documents(routing: Routing, docs: list[bytes], pre: list[bytes]) -> tuple[list[bytes], list[int], list[int]]:
+    """Each document, read after its prefix, cut into soma eval's windows: each window's bytes, its first scored
+    prediction, and the index of the document it came from."""
+    windows, firsts, owner = [], [], []
+    for d, (p, t) in enumerate(zip(pre, docs, strict=True)):
+        for data, first, _ in windows_of([p + t], routing.window_bytes, routing.stride, len(p)):
+            windows.append(data)
+            firsts.append(first)
+            owner.append(d)
+    return windows, firsts, owner
+
+
 def _windows_in(jobs: list[WindowJob]) -> int:
     return sum(len(j.windows) for j in jobs)
 
@@ -304,12 +316,7 @@ class SomaRouter:
 
     # -- work ----------------------------------------------------------------------------------------------------
     async def _score(self, docs: list[bytes], pre: list[bytes], per_byte: bool) -> list[dict]:
-        windows, firsts, owner = [], [], []
-        for d, (p, t) in enumerate(zip(pre, docs, strict=True)):
-            for data, first, _ in windows_of([p + t], self.routing.window_bytes, self.routing.stride, len(p)):
-                windows.append(data)
-                firsts.append(first)
-                owner.append(d)
+        windows, firsts, owner = cut_documents(self.routing, docs, pre)
         top, weights = await asyncio.to_thread(self.routing.routes_of, windows)
         step = self.cfg.max_batch_windows
         parts = await asyncio.gather(
