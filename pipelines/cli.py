@@ -72,11 +72,11 @@ def prepare(
     default with --address: on the cluster's CPU workers with Ray Data)."""
 
     def go() -> None:
-        from pipelines.prepare import prepare as run
-
         store, cfg = open_store(campaign), config_from_options(preset, config, set, corpus, experts)
         addr = checked_address(address)  # a wrong address is refused before anything is written
         claim_campaign(store, cfg, write=False)  # another campaign's directory is refused before its lease is touched
+        from pipelines.prepare import prepare as run  # torch and scikit-learn: a second, after what refuses at once
+
         with hold(store, "soma prepare", take_over):
             run(store, cfg, addr.text or None)
 
@@ -200,11 +200,11 @@ def evaluate(
     model under the same routing, and listed."""
 
     def go() -> None:
-        from pipelines.evaluate import evaluate_for, show_evaluation
-
         store = open_store(campaign)
         cfg = load_config(store)
-        store.check_writable()  # the report is written at the end: fail before evaluating
+        store.check_writable()  # the report is written at the end: fail before evaluating (and importing torch)
+        from pipelines.evaluate import evaluate_for, show_evaluation
+
         doc = evaluate_for(store, cfg, text, stride, require_all, compare)
         if as_json:
             return emit_json(doc)
@@ -225,10 +225,6 @@ def compare(
     a baseline campaign, as a table (or --json). Campaigns with other test windows are refused; nothing is written."""
 
     def go() -> None:
-        from pipelines.compare import compare as run
-        from pipelines.compare import table
-        from soma_cluster.breakdown import pick_baseline
-
         stores = [open_store(c) for c in campaigns]
         loaded = [(s, load_config(s)) for s in stores]  # every target checked before any is evaluated
         if len(campaigns) < 2:
@@ -236,6 +232,10 @@ def compare(
                 f"soma compare needs two campaigns or more, got {len(campaigns)}; name the others too "
                 f"(soma eval {campaigns[0]} evaluates one)"
             )
+        from pipelines.compare import compare as run  # torch: after the targets are checked
+        from pipelines.compare import table
+        from soma_cluster.breakdown import pick_baseline
+
         m = run(loaded, pick_baseline(campaigns, [s.url for s in stores], baseline))
         if as_json:
             return emit_json({"schema": 1, **m})
@@ -570,9 +570,9 @@ def sample(
     they are drawn; the route is fixed on the prompt (docs/inference.md)."""
 
     def go() -> None:
+        open_store(campaign)  # a wrong target is named before a prompt is read
         from pipelines.inference import load, prompts, sample
 
-        open_store(campaign)  # a wrong target is named before a prompt is read
         texts = prompts(list(prompt or []), prompt_file)
         lm = load(campaign, device, step)
         sample(lm, texts, max_bytes, temperature, top_k, seed, as_json, sys.stdout.write_bytes)

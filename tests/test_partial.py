@@ -139,7 +139,12 @@ def test_a_partial_campaign_evaluates_with_the_seed_in_place_of_a_missing_expert
     assert_one_line_error(soma("eval", str(camp)), "expert-0000 has no checkpoint", "soma resume")
 
 
-@pytest.mark.parametrize("max_pending", [0, None], ids=["one-at-a-time", "queued-in-ray"])
+# one-at-a-time runs with SOMA_SLOW=1 (16 s): its decision, a start-up the cap cannot cover is never started, is
+# the scheduler's and tests/test_schedule.py checks it without Ray; queued-in-ray is the default and Ray's placement
+@pytest.mark.parametrize(
+    "max_pending",
+    [pytest.param(0, marks=pytest.mark.slow, id="one-at-a-time"), pytest.param(None, id="queued-in-ray")],
+)
 def test_a_slow_start_up_is_hard_stopped_within_the_printed_bound(seeded, tmp_path, max_pending):
     """grace 1 GPU-s, a 1.5 GPU-s cap, a start-up held 6 s on one logical GPU. one-at-a-time: expert-0000 is
     stopped in its start-up; expert-0001, whose cap cannot cover the start-up just measured, is never started.

@@ -29,7 +29,9 @@ for mod in ("aiohttp_cors", "opencensus", "prometheus_client"):
     pytest.importorskip(mod, reason="Ray's metrics agent needs ray[default] (pip install '.[metrics]')")
 
 ROOT = Path(__file__).resolve().parents[1]
-GONE_S = 40  # past the 20-30 s after which Ray drops a dead process's metrics
+# past the time Ray drops a dead process's metrics: Ray 2.60's OpenTelemetry recorder keeps a gauge for twice the
+# report interval (20 s by default; 2 s on this module's head, RAY_metrics_report_interval_ms=1000), then a scrape
+GONE_S = 10
 
 
 def dashboard_queries() -> list[tuple[str, str, str]]:
