@@ -7,6 +7,7 @@ import shutil
 import subprocess
 import sys
 import tempfile
+from dataclasses import dataclass
 from pathlib import Path
 
 for _k, _v in {
@@ -150,22 +151,39 @@ def text_corpus(tmp_path_factory) -> Path:
     return root
 
 
+@dataclass(frozen=True)
+class Trained:
+    """The session's trained micro campaign: its directory, its config file, and the CLI's own runs that made it
+    (prepare, seed, launch: what they printed, for tests of the CLI end to end)."""
+
+    camp: Path
+    config: Path
+    runs: dict[str, subprocess.CompletedProcess]
+
+
 @pytest.fixture(scope="session")
-def trained_campaign(tmp_path_factory, text_corpus) -> Path:
+def trained(tmp_path_factory, text_corpus) -> Trained:
     """A micro campaign of 3 experts (top-2 routing), prepared, seeded and launched by the real CLI in its own
     processes (its Ray comes and goes with them). Read-only: a test that writes copies it."""
     root = tmp_path_factory.mktemp("trained")
     cfg = root / "micro3.yaml"
     cfg.write_text(yaml.safe_dump({**MICRO, "n_experts": 3, "router": {**MICRO["router"], "top_k": 2}}))
     camp = root / "c"
+    runs = {}
     for args in (
         ["prepare", str(camp), "--config", str(cfg), "--corpus", str(text_corpus)],
         ["seed", str(camp), "--no-progress"],
         ["launch", str(camp), "--no-progress"],
     ):
-        proc = soma(*args, timeout=600)
+        proc = runs[args[0]] = soma(*args, timeout=600)
         assert proc.returncode == 0, (args, proc.stderr[-3000:])
-    return camp
+    return Trained(camp, cfg, runs)
+
+
+@pytest.fixture(scope="session")
+def trained_campaign(trained) -> Path:
+    """The trained micro campaign's directory (read-only: a test that writes copies it)."""
+    return trained.camp
 
 
 @pytest.fixture(scope="module")

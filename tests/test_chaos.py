@@ -238,8 +238,11 @@ def test_campaign_budget_is_shared_and_never_launches_past_it(seeded, tmp_path, 
     assert len(events(store2, kind="launched")) == launched
 
 
+@pytest.mark.slow
 def test_driver_sigkill_then_resume_finishes_without_double_counting(seeded, reference, tmp_path):
-    """The driver (with the local Ray it started) is SIGKILLed mid-campaign; `soma resume` finishes it."""
+    """The driver (with the local Ray it started) is SIGKILLed mid-campaign; `soma resume` finishes it. With SOMA_SLOW=1
+    (25 s): tests/test_driver_lease.py SIGKILLs a training driver and resumes it in make test, with the same checks
+    (bitwise, training forwards equal to the unfaulted run's, no ledger record twice); here its Ray dies with it."""
     import subprocess
     import sys
 

@@ -6,16 +6,13 @@ import shutil
 from conftest import assert_one_line_error, soma
 
 
-def test_end_to_end(tmp_path, text_corpus, micro_yaml):
+def test_end_to_end(tmp_path, text_corpus, trained):
+    """prepare, seed and launch are the session's `trained` campaign (the CLI in its own processes, what they printed
+    kept); eval, status, resume and the rest run on a copy of it."""
     camp = str(tmp_path / "camp")
-    procs = {}
-    for args in (
-        ["prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)],
-        ["seed", camp, "--no-progress"],
-        ["launch", camp, "--no-progress"],
-        ["eval", camp, "--json"],
-        ["status", camp],
-    ):
+    shutil.copytree(trained.camp, camp)
+    procs = dict(trained.runs)
+    for args in (["eval", camp, "--json"], ["status", camp]):
         proc = procs[args[0]] = soma(*args)
         assert proc.returncode == 0, (args, proc.stdout[-2000:], proc.stderr[-4000:])
     metrics = json.loads((tmp_path / "camp" / "eval" / "metrics.json").read_text())
@@ -23,16 +20,17 @@ def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     assert metrics["scored_bytes"] == metrics["windows"] * 768
     # data on stdout, logs on stderr: the status table is on stdout; without a bar the driver logs summary lines
     assert "expert-0001" in proc.stdout and "finished" in proc.stdout and "expert-0001" not in proc.stderr
-    assert "| 3 finished" in procs["launch"].stderr.replace("\n", " ") or "3 finished |" in procs["launch"].stderr, (
+    assert "| 4 finished" in procs["launch"].stderr.replace("\n", " ") or "4 finished |" in procs["launch"].stderr, (
         procs["launch"].stderr
     )
     assert json.loads(procs["eval"].stdout)["ensemble"] == metrics["ensemble"]  # eval --json: one document
     snap = json.loads(soma("status", camp, "--json").stdout)
-    assert snap["source"] == "driver" and snap["final"] and snap["counts"] == {"finished": 3}
+    assert snap["source"] == "driver" and snap["final"] and snap["counts"] == {"finished": 4}
     assert [(r["job"], r["step"], r["target"]) for r in snap["jobs"]] == [
         ("seed", 6, 6),
         ("expert-0000", 12, 12),
         ("expert-0001", 12, 12),
+        ("expert-0002", 12, 12),
     ]
     curve = (tmp_path / "camp" / "curves" / "expert-0001.csv").read_text().splitlines()
     assert curve[0] == "step,attempt,train_loss,val_loss,gpu_seconds,eps,lr,t" and curve[-1].startswith("12,0,")
@@ -42,7 +40,7 @@ def test_end_to_end(tmp_path, text_corpus, micro_yaml):
     report = (tmp_path / "camp" / "eval" / "report.md").read_text()
     assert "not" in report and "backprop" in report
     # preparing again with the same config is a no-op; `resume` on a finished campaign retrains nothing
-    assert soma("prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
+    assert soma("prepare", camp, "--config", str(trained.config), "--corpus", str(text_corpus)).returncode == 0
     events = (tmp_path / "camp" / "events.jsonl").read_text().count("\n")
     assert soma("resume", camp, "--no-progress").returncode == 0
     assert (tmp_path / "camp" / "events.jsonl").read_text().count("\n") == events

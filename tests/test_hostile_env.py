@@ -16,6 +16,7 @@ import os
 import shutil
 import subprocess
 import sys
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -367,8 +368,8 @@ def _cells():
             yield pytest.param(command, condition, marks=marks, id=f"{command}-{condition}")
 
 
-@pytest.mark.parametrize("command,condition", list(_cells()))
-def test_cell(world, tmp_path, command, condition):
+def check_cell(world: World, tmp_path: Path, command: str, condition: str) -> None:
+    """One cell: the command run under the condition, in a place of its own under tmp_path."""
     inv = COMMANDS[command]
     with CONDITIONS[condition](world, tmp_path) as place:
         args = inv.args(place, world)
@@ -389,6 +390,35 @@ def test_cell(world, tmp_path, command, condition):
             assert not staged, f"staging left behind: {staged}"
             if not inv.writes:
                 assert tree_hash(place.dir) == before, "a reading command wrote"
+
+
+@pytest.fixture(scope="module")
+def matrix(world, tmp_path_factory, request) -> dict[tuple[str, str], BaseException | None]:
+    """Every selected cell, run ahead two at a time: a cell is mostly a process start and a command's imports, and its
+    place (mounts, holder process, files) is its own. What each one raised (an assertion, pytest.skip where mounting
+    is refused), for its test to raise."""
+    cells = [
+        (item.callspec.params["command"], item.callspec.params["condition"])
+        for item in request.session.items
+        if item.module is request.module and item.originalname == "test_cell" and not item.get_closest_marker("skip")
+    ]
+    root = tmp_path_factory.mktemp("cells")
+
+    def one(cell: tuple[str, str]) -> BaseException | None:
+        try:
+            check_cell(world, root / "-".join(cell), *cell)
+        except BaseException as exc:  # noqa: BLE001 (handed to the cell's test, which raises it)
+            return exc
+        return None
+
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        return dict(zip(cells, pool.map(one, cells), strict=True))
+
+
+@pytest.mark.parametrize("command,condition", list(_cells()))
+def test_cell(matrix, command, condition):
+    if (raised := matrix[(command, condition)]) is not None:
+        raise raised
 
 
 # -- the S3 store: the temp dir is where its uploads start ----------------------------------------------------
