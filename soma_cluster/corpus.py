@@ -50,9 +50,10 @@ class Document:
     data: bytes
 
 
-def _stable_order(paths: Iterable[Path]) -> list[Path]:
-    """A machine-independent shuffle of a file list, so a capped corpus mixes its sources' topics."""
-    return sorted(paths, key=lambda p: hashlib.sha1(str(p).encode()).digest())
+def _stable_order(root: Path, paths: Iterable[Path]) -> list[Path]:
+    """A machine-independent shuffle of a file list, so a capped corpus mixes its sources' topics: keyed by the path
+    relative to its source's root, so a source under the venv (licenses) gives the same order wherever it lives."""
+    return sorted(paths, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).digest())
 
 
 def _read_maybe_gz(path: Path) -> bytes:
@@ -84,13 +85,14 @@ def _files(
 ) -> Iterator[Document]:
     if not root.is_dir():
         return
-    for path in _stable_order(p for p in root.glob(pattern) if p.is_file() and not p.is_symlink() and not skip(p)):
+    found = (p for p in root.glob(pattern) if p.is_file() and not p.is_symlink() and not skip(p))
+    for path in _stable_order(root, found):
         try:
             data = reader(path)
         except (OSError, EOFError, gzip.BadGzipFile):
             continue
-        if len(data) >= MIN_DOC_BYTES:
-            yield Document(f"{source}:{path}", source, data)
+        if len(data) >= MIN_DOC_BYTES:  # named relative to the root, as a user corpus's files are (the test split)
+            yield Document(f"{source}:{path.relative_to(root)}", source, data)
 
 
 def _pydoc_topics() -> Iterator[Document]:

@@ -376,3 +376,19 @@ def test_prepare_reads_links_reports_names_left_out_and_refuses_what_it_cannot_r
     proc = soma("prepare", str(tmp_path / "camp3"), "--config", micro_yaml, "--corpus", str(corpus_dir))
     assert_one_line_error(proc, f"{corpus_dir / 'more.zip'} is a zip archive", "unzip it")
     assert not (tmp_path / "camp3").exists()
+
+
+def test_a_builtin_source_is_the_same_wherever_its_root_lives(tmp_path):
+    """The built-in `licenses` source reads the venv's site-packages: two clones' venvs hold the same files at other
+    paths, and must give the same documents in the same order, with the same ids (the test split hashes them)."""
+    docs = {}
+    for place in ("a", "b/deeper"):
+        root = tmp_path / place / "site-packages"
+        for i in range(12):
+            lic = root / f"pkg{i}-1.0.dist-info" / "LICENSE"
+            lic.parent.mkdir(parents=True)
+            lic.write_bytes(f"license text of package {i}\n".encode() * 20)
+        docs[place] = [(d.doc_id, d.data) for d in corpus._files(root, "*.dist-info/**/LICENSE*", Path.read_bytes, "x")]
+    assert docs["a"] == docs["b/deeper"] and len(docs["a"]) == 12
+    assert docs["a"][0][0].startswith("x:pkg") and str(tmp_path) not in docs["a"][0][0]
+    assert [i for i, _ in docs["a"]] != sorted(i for i, _ in docs["a"])  # still a shuffle, not name order
