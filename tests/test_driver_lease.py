@@ -54,7 +54,12 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
 
 def events(camp: Path) -> list[dict]:
     path = camp / "events.jsonl"
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+    if not path.exists():
+        return []
+    # the driver may be appending: a last line without its newline is a record being written, not one yet (as the
+    # campaign's own readers skip it)
+    complete = path.read_text().split("\n")[:-1]
+    return [json.loads(line) for line in complete if line.strip()]
 
 
 def wait_for(pred, what: str, timeout: float = 120.0, proc: subprocess.Popen | None = None):
