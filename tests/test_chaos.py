@@ -63,8 +63,7 @@ def clone(seeded, dest: Path, cfg=None):
 
 
 def events(store, job=None, kind=None):
-    lines = Path(store.full("events.jsonl")).read_text().split("\n")[:-1]  # not a last line still being appended
-    out = [json.loads(line) for line in lines if line.strip()]
+    out = store.read_log("events.jsonl")  # the campaign's own reader: skips a last line still being appended
     return [e for e in out if (job is None or e["job"] == job) and (kind is None or e["event"] == kind)]
 
 

@@ -20,6 +20,8 @@ import pytest
 import yaml
 from conftest import MICRO, assert_one_line_error, soma
 
+from soma_cluster.storage import Store
+
 # long enough to be caught training (a few seconds of updates after the actors start), short enough to finish
 LONG = {
     **MICRO,
@@ -53,13 +55,8 @@ def finish(proc: subprocess.Popen, timeout: float = 300) -> tuple[int, str, str]
 
 
 def events(camp: Path) -> list[dict]:
-    path = camp / "events.jsonl"
-    if not path.exists():
-        return []
-    # the driver may be appending: a last line without its newline is a record being written, not one yet (as the
-    # campaign's own readers skip it)
-    complete = path.read_text().split("\n")[:-1]
-    return [json.loads(line) for line in complete if line.strip()]
+    """The campaign's events as its own reader gives them (a last line the driver is still appending is skipped)."""
+    return Store(str(camp)).read_log("events.jsonl")
 
 
 def wait_for(pred, what: str, timeout: float = 120.0, proc: subprocess.Popen | None = None):
@@ -141,7 +138,6 @@ def assert_as_if_never_stopped(camp: Path, reference: Path) -> None:
 
     from soma_cluster.checkpoint import load_checkpoint
     from soma_cluster.ledger import Ledger
-    from soma_cluster.storage import Store
 
     mine, ref = Store(str(camp)), Store(str(reference))
     for e in range(2):
