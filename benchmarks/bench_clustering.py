@@ -57,7 +57,7 @@ import time
 import numpy as np
 
 from soma_cluster.config import resolve
-from soma_cluster.corpus import Packer, builtin_documents, is_test_doc
+from soma_cluster.corpus import Packer, is_test_doc
 from soma_cluster.parts import row_keys
 from soma_cluster.router import (
     TIE_DIMS,
@@ -70,6 +70,7 @@ from soma_cluster.router import (
     router_text,
 )
 from soma_cluster.storage import Store
+from soma_cluster.textsources import builtin_documents
 
 
 # -- quality ----------------------------------------------------------------------------------------------

@@ -26,10 +26,10 @@ import numpy as np
 import torch
 
 from soma_cluster.config import ModelConfig, RouterConfig
-from soma_cluster.corpus import builtin_documents
 from soma_cluster.ensemble import Windows, evaluate_ensemble
 from soma_cluster.model import Layout, init_body, init_head
 from soma_cluster.router import fit_router, router_text
+from soma_cluster.textsources import builtin_documents
 
 
 def corpus_chunks(n_fit: int, n_windows: int) -> tuple[list[str], np.ndarray]:

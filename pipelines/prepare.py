@@ -62,6 +62,7 @@ from soma_cluster.router import (
 )
 from soma_cluster.shards import val_every, write_manifests
 from soma_cluster.storage import Store, sha256
+from soma_cluster.textsources import NAMED_SOURCES
 from soma_cluster.trackpoints import Stage
 
 STAGE_HOOKS: list[Callable[[str], None]] = []  # called with each stage's name as it ends ("setup": prepare_with
@@ -134,7 +135,7 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         sum(st.seqs for st in stats),
     )
     if n_docs == 0 or read == 0:
-        if cfg.corpus.source == "builtin":
+        if cfg.corpus.source in NAMED_SOURCES:
             raise SomaError(f"corpus {cfg.corpus.source} holds no text; point corpus.source at files with text in them")
         raise no_text_error(cfg.corpus, skipped)
     if not n_windows:

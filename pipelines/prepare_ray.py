@@ -178,8 +178,8 @@ class RayEngine:
         return name
 
     def read(self, parts: list[Part], keep_keys: int) -> list[PartStats]:
-        out = [read_part(self.cfg, p, self.stage, keep_keys) for p in parts if p.builtin]  # the driver's own files
-        remote = [p for p in parts if not p.builtin]
+        out = [read_part(self.cfg, p, self.stage, keep_keys) for p in parts if p.named]  # the driver's own files
+        remote = [p for p in parts if not p.named]
         if remote:
             console.print(f"reading {len(remote)} parts on the cluster")
             rows = [{"spec": json.dumps({"index": p.index, "files": [asdict(f) for f in p.files]})} for p in remote]

@@ -47,7 +47,9 @@ def _numeric(annotation: Any) -> bool:
 
 
 class CorpusConfig(_Section):
-    # "builtin", a local path or an s3:// URL (a file or a directory; formats in docs/prepare.md)
+    # "builtin" (fixed text shipped with soma: the same bytes on every machine), "machine" (this machine's own
+    # text: Python's docs and sources, man and info pages, package docs), a local path or an s3:// URL (a file or a
+    # directory; formats in docs/prepare.md; a directory named builtin or machine: ./builtin)
     source: str = Field("builtin", min_length=1)
     max_bytes: int = Field(64_000_000, gt=0, le=2**50)  # cap on corpus bytes read
     text_field: str = Field("text", min_length=1)  # JSONL / Parquet column holding the text

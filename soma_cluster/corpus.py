@@ -1,7 +1,7 @@
 """Documents in, fixed-size byte sequences out.
 
-The built-in corpus is real text already on the machine (Python's own docs and sources, license
-texts, man/info pages and package docs where present); nothing is downloaded. A user corpus is a
+The named sources (soma_cluster.textsources) are `builtin`, fixed real text that ships in the package (the
+same bytes on every machine), and `machine`, the text this machine has; nothing is downloaded. A user corpus is a
 local or s3:// path: a file or a directory of files, each read in the format its name says (FORMATS:
 plain text, JSONL, either also .gz/.bz2/.xz/.lzma, Parquet, Arrow IPC). docs/prepare.md says what a document
 is in each, and which files a directory gives (hidden names left out, links followed once).
@@ -19,12 +19,11 @@ import lzma
 import os
 import re
 import stat
-import sysconfig
 import zlib
 from collections import deque
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Callable, Iterable, Iterator
+from typing import Iterator
 
 import fsspec
 import numpy as np
@@ -37,110 +36,9 @@ from soma_cluster.config import CorpusConfig
 from soma_cluster.errors import SomaError
 from soma_cluster.formats import Format, Layout, format_of, refused
 from soma_cluster.storage import storage_options_from_env, transient_errors, with_s3_defaults
+from soma_cluster.textsources import NAMED_SOURCES, Document, named_documents
 
-MIN_DOC_BYTES = 64
-MAX_DOC_BYTES = 256_000
 SEPARATOR = b"\n\n"
-
-
-@dataclass(frozen=True)
-class Document:
-    doc_id: str  # stable name (path, topic, row) used for the test split and the bootstrap
-    source: str  # which built-in source or user file it came from
-    data: bytes
-
-
-def _stable_order(root: Path, paths: Iterable[Path]) -> list[Path]:
-    """A machine-independent shuffle of a file list, so a capped corpus mixes its sources' topics: keyed by the path
-    relative to its source's root, so a source under the venv (licenses) gives the same order wherever it lives."""
-    return sorted(paths, key=lambda p: hashlib.sha1(str(p.relative_to(root)).encode()).digest())
-
-
-def _read_maybe_gz(path: Path) -> bytes:
-    raw = path.read_bytes()
-    return gzip.decompress(raw) if path.suffix == ".gz" else raw
-
-
-_TROFF = re.compile(rb"\\f[BIRP]|\\\(..|\\[-e&|^]|\\s[-+]?\d")
-
-
-def _clean_troff(data: bytes) -> bytes:
-    """Man pages are troff: drop comments and macro names, keep the words."""
-    out = []
-    for line in data.split(b"\n"):
-        if line.startswith(b'.\\"') or line.startswith(b"'\\\""):
-            continue
-        if line.startswith(b"."):
-            line = line.split(b" ", 1)[1] if b" " in line else b""
-        out.append(_TROFF.sub(b"", line))
-    return b"\n".join(out)
-
-
-def _files(
-    root: Path,
-    pattern: str,
-    reader: Callable[[Path], bytes],
-    source: str,
-    skip: Callable[[Path], bool] = lambda p: False,
-) -> Iterator[Document]:
-    if not root.is_dir():
-        return
-    found = (p for p in root.glob(pattern) if p.is_file() and not p.is_symlink() and not skip(p))
-    for path in _stable_order(root, found):
-        try:
-            data = reader(path)
-        except (OSError, EOFError, gzip.BadGzipFile):
-            continue
-        if len(data) >= MIN_DOC_BYTES:  # named relative to the root, as a user corpus's files are (the test split)
-            yield Document(f"{source}:{path.relative_to(root)}", source, data)
-
-
-def _pydoc_topics() -> Iterator[Document]:
-    try:
-        from pydoc_data.topics import topics
-    except ImportError:
-        return
-    for name in sorted(topics):
-        yield Document(f"pydoc:{name}", "pydoc-topics", topics[name].encode())
-
-
-def builtin_sources() -> dict[str, Iterator[Document]]:
-    """Every source of real text this machine has; missing ones simply yield nothing."""
-    stdlib = Path(sysconfig.get_paths()["stdlib"])
-    purelib = Path(sysconfig.get_paths()["purelib"])
-    skip_tests = lambda p: "test" in p.parts or "tests" in p.parts or "site-packages" in p.parts  # noqa: E731
-    return {
-        "pydoc-topics": _pydoc_topics(),
-        "python-stdlib": _files(stdlib, "**/*.py", Path.read_bytes, "python-stdlib", skip_tests),
-        "licenses": _files(purelib, "*.dist-info/**/LICENSE*", Path.read_bytes, "licenses"),
-        "common-licenses": _files(Path("/usr/share/common-licenses"), "*", Path.read_bytes, "common-licenses"),
-        "man-pages": _files(
-            Path("/usr/share/man"), "man[1-8]/*.gz", lambda p: _clean_troff(_read_maybe_gz(p)), "man-pages"
-        ),
-        "info-pages": _files(Path("/usr/share/info"), "*.gz", _read_maybe_gz, "info-pages"),
-        "package-docs": _files(Path("/usr/share/doc"), "*/*", _read_maybe_gz, "package-docs"),
-    }
-
-
-def builtin_documents(max_bytes: int, counts: dict[str, int] | None = None) -> Iterator[Document]:
-    """Mix the sources by bytes (next document from the source with the fewest bytes so far) until
-    max_bytes; `counts` receives the bytes taken per source. Documents are capped at MAX_DOC_BYTES so
-    a few huge files (info manuals, changelogs) cannot crowd out the rest."""
-    live = builtin_sources()
-    taken = dict.fromkeys(live, 0)
-    total = 0
-    while live and total < max_bytes:
-        name = min(live, key=lambda n: taken[n])
-        doc = next(live[name], None)
-        if doc is None:
-            del live[name]
-            continue
-        data = doc.data[: min(MAX_DOC_BYTES, max_bytes - total)]
-        taken[name] += len(data)
-        total += len(data)
-        yield Document(doc.doc_id, doc.source, data)
-    if counts is not None:
-        counts.update({k: v for k, v in taken.items() if v})
 
 
 # -- user corpora: naming and errors -------------------------------------------------------------------
@@ -776,13 +674,14 @@ class CorpusFile:
 @dataclass(frozen=True)
 class Part:
     """Consecutive corpus files (relative-path order) of about prepare.part_bytes on disk, packed on their own:
-    a sequence never spans two parts. No files: the built-in corpus, one part, read where the driver runs."""
+    a sequence never spans two parts. No files: a named source (builtin, machine), one part, read where the driver
+    runs."""
 
     index: int
     files: tuple[CorpusFile, ...] = ()
 
     @property
-    def builtin(self) -> bool:
+    def named(self) -> bool:
         return not self.files
 
 
@@ -790,7 +689,7 @@ def plan_parts(cfg: CorpusConfig, part_bytes: int) -> list[Part]:
     """The corpus's parts. corpus.max_bytes is applied file by file, the same in every engine and without
     reading anything: a file is read if the files before it hold fewer bytes on disk than the cap, and gives
     documents until their bytes reach what the cap leaves (the document that reaches it is kept whole)."""
-    if cfg.source == "builtin":
+    if cfg.source in NAMED_SOURCES:
         return [Part(0)]
     fs, root = corpus_fs(cfg)
     parts: list[Part] = []
@@ -819,8 +718,8 @@ def part_documents(
 ) -> Iterator[Document]:
     """The documents of one part; `counts` receives bytes per source or file kind, `skipped` the files left
     out, by reason."""
-    if part.builtin:
-        yield from builtin_documents(cfg.max_bytes, counts)
+    if part.named:
+        yield from named_documents(cfg.source, cfg.max_bytes, counts)
         return
     fs, _ = corpus_fs(cfg)
     skipped = {} if skipped is None else skipped
@@ -881,7 +780,7 @@ def more_test_documents(
             f"eval.window_bytes (now {window_bytes}) if the documents are short"
         )
     plain = sum(v for k, v in sources.items() if format_of(f"_.{k}").layout is Layout.TEXT)
-    if cfg.source != "builtin" and plain * f >= 2 * window_bytes:  # bytes enough to hold out: too few documents
+    if cfg.source not in NAMED_SOURCES and plain * f >= 2 * window_bytes:  # bytes enough to hold out: too few documents
         size = int(plain * f / HELD_OUT_DOCS) // 1000 * 1000
         if MIN_DOCUMENT_BYTES <= size < cfg.document_bytes:
             return (
@@ -923,8 +822,8 @@ def documents(
 ) -> Iterator[Document]:
     """The corpus's documents; `counts` receives bytes per source or file kind, `skipped` the user files
     left out, by reason."""
-    if cfg.source == "builtin":
-        yield from builtin_documents(cfg.max_bytes, counts)
+    if cfg.source in NAMED_SOURCES:
+        yield from named_documents(cfg.source, cfg.max_bytes, counts)
         return
     for doc in user_documents(cfg, skipped):
         if counts is not None:

@@ -21,7 +21,7 @@ import pytest  # noqa: E402
 import yaml  # noqa: E402
 
 from soma_cluster.config import resolve  # noqa: E402
-from soma_cluster.corpus import builtin_documents  # noqa: E402
+from soma_cluster.textsources import builtin_documents  # noqa: E402
 
 MICRO = {
     "name": "micro",

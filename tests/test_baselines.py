@@ -6,12 +6,12 @@ import torch
 from conftest import assert_packed_equals_separate, copy_problem
 
 from soma_cluster.config import BPTTConfig, CampaignConfig, EggrollConfig, ModelConfig, SPSAConfig
-from soma_cluster.corpus import builtin_documents
 from soma_cluster.eggroll import directions, eggroll_estimate, zscore
 from soma_cluster.methods import method_named
 from soma_cluster.model import Layout, copy_losses, init_body, init_head
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import probes, spsa_estimate
+from soma_cluster.textsources import builtin_documents
 from soma_cluster.trainer import Trainer, TrainState
 
 SEQ = 96

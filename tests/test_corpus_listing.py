@@ -23,6 +23,7 @@ from conftest import assert_one_line_error, soma
 from support.s3server import s3  # noqa: F401
 
 import soma_cluster.corpus as corpus
+import soma_cluster.textsources as textsources
 from soma_cluster.config import CorpusConfig
 from soma_cluster.corpus import (
     MAX_RECORD_BYTES,
@@ -378,17 +379,18 @@ def test_prepare_reads_links_reports_names_left_out_and_refuses_what_it_cannot_r
     assert not (tmp_path / "camp3").exists()
 
 
-def test_a_builtin_source_is_the_same_wherever_its_root_lives(tmp_path):
-    """The built-in `licenses` source reads the venv's site-packages: two clones' venvs hold the same files at other
+def test_a_machine_source_is_the_same_wherever_its_root_lives(tmp_path):
+    """The machine's `licenses` source reads the venv's site-packages: two clones' venvs hold the same files at other
     paths, and must give the same documents in the same order, with the same ids (the test split hashes them)."""
     docs = {}
-    for place in ("a", "b/deeper"):
+    for place in ("a", "b/tests/deeper"):  # a root under a folder named tests: skip judges the relative path only
         root = tmp_path / place / "site-packages"
         for i in range(12):
             lic = root / f"pkg{i}-1.0.dist-info" / "LICENSE"
             lic.parent.mkdir(parents=True)
             lic.write_bytes(f"license text of package {i}\n".encode() * 20)
-        docs[place] = [(d.doc_id, d.data) for d in corpus._files(root, "*.dist-info/**/LICENSE*", Path.read_bytes, "x")]
-    assert docs["a"] == docs["b/deeper"] and len(docs["a"]) == 12
+        found = textsources.local_files("x", root, "*.dist-info/**/LICENSE*", textsources._skip_tests)
+        docs[place] = [(d.doc_id, d.data) for d in (f.document() for f in found)]
+    assert docs["a"] == docs["b/tests/deeper"] and len(docs["a"]) == 12
     assert docs["a"][0][0].startswith("x:pkg") and str(tmp_path) not in docs["a"][0][0]
     assert [i for i, _ in docs["a"]] != sorted(i for i, _ in docs["a"])  # still a shuffle, not name order

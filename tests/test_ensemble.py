@@ -6,10 +6,10 @@ import pytest
 import torch
 
 from soma_cluster.config import ModelConfig, RouterConfig
-from soma_cluster.corpus import builtin_documents
 from soma_cluster.ensemble import Windows, evaluate_ensemble, packed_logprobs, plan_passes, window_logprobs
 from soma_cluster.model import init_body, init_head
 from soma_cluster.router import fit_router, router_text
+from soma_cluster.textsources import builtin_documents
 
 CPU = torch.device("cpu")
 

@@ -8,11 +8,11 @@ from conftest import assert_packed_equals_separate
 
 from soma_cluster.checkpoint import load_checkpoint, save_checkpoint
 from soma_cluster.config import ModelConfig, SPSAConfig, resolve
-from soma_cluster.corpus import builtin_documents
 from soma_cluster.model import Layout, campaign_param_count, copy_losses, init_body, init_head
 from soma_cluster.shards import Shard
 from soma_cluster.spsa import probes, spsa_estimate
 from soma_cluster.storage import Store
+from soma_cluster.textsources import builtin_documents
 from soma_cluster.trainer import Trainer, TrainState
 
 SEQ = 128
