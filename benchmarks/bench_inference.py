@@ -66,7 +66,8 @@ def main() -> None:
     for n, d, head in ((256, 32, "shared_frozen"), (8, 181, "own")):
         cfg = ModelConfig(d=d, head=head)
         t = time.perf_counter()
-        router, _ = fit_router(fit, n, RouterConfig(max_features=20000, min_df=3, svd_dim=128, kmeans_iters=5), seed=0)
+        rcfg = RouterConfig(max_features=20000, min_df=3, svd_dim=128, kmeans_iters=5, top_k=4)  # the paper's top-4
+        router, _ = fit_router(fit, n, rcfg, seed=0)
         params = n * Layout(cfg).size + (256 * 32 if head != "own" else n * 256 * 32)
         setups.append((n, d, cfg, router, ensemble(cfg, n, seed=1), params, time.perf_counter() - t))
     best: dict[int, tuple[float, float]] = {}

@@ -55,7 +55,7 @@ from soma_cluster.router import fit_router  # noqa: E402
 
 CPU = torch.device("cpu")
 CONTEXT = 256  # eval.context_bytes: the kernel path scores predictions 256..1023 of each window
-ROUTER = RouterConfig(max_features=20000, min_df=3, svd_dim=128, kmeans_iters=5)  # as bench_inference.py
+ROUTER = RouterConfig(max_features=20000, min_df=3, svd_dim=128, kmeans_iters=5, top_k=4)  # as bench_inference.py
 ENSEMBLES = ((256, 32, "shared_frozen"), (8, 181, "own"))
 BATCHES = (8, 32)  # generate() batches besides one stream
 

@@ -234,7 +234,12 @@ def check_eval(device, size: dict) -> None:
     fit, data = corpus_chunks(size["fit"], size["windows"])
     win = Windows(np.ascontiguousarray(data), np.arange(len(data)))
     rcfg = RouterConfig(
-        max_features=20000, min_df=3, svd_dim=min(128, len(fit) // 4), kmeans_iters=5, balance_tolerance=size["balance"]
+        max_features=20000,
+        min_df=3,
+        svd_dim=min(128, len(fit) // 4),
+        kmeans_iters=5,
+        balance_tolerance=size["balance"],
+        top_k=4,  # the paper's top-4, at every N measured
     )
     rates = {}
     for n, d in size["ensembles"]:

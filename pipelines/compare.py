@@ -23,7 +23,7 @@ def compare(campaigns: list[tuple[Store, CampaignConfig]], baseline: int) -> dic
     )
     ensembles = [Ensemble.load(s, c) for s, c in campaigns]
     device = pick_device()
-    win = load_windows(base_store, base_cfg.eval.max_windows)
+    win = load_windows(base_store, base_cfg.eval_windows())
     ctx = base_cfg.eval.context_bytes
     w = bootstrap_weights(win.docs, base_cfg.eval.bootstrap, base_cfg.seed)
     results = []

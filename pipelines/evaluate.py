@@ -272,7 +272,7 @@ def evaluate(
         ens.require_all(store.url)
         if other_ens is not None:
             other_ens.require_all(compare[0].url)
-    win = load_windows(store, cfg.eval.max_windows)
+    win = load_windows(store, cfg.eval_windows())
     ctx = cfg.eval.context_bytes
     res = ens.run(win, ctx, device)
     t_seed = time.perf_counter()
@@ -401,7 +401,7 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         raise SomaError(
             f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)"
         )
-    st = strided_windows((d.data for d in documents(corpus)), cfg.eval.window_bytes, stride, cfg.eval.max_windows)
+    st = strided_windows((d.data for d in documents(corpus)), cfg.eval.window_bytes, stride, cfg.eval_windows())
     res = ens.run(st.windows, 0, device)
     seed_nats = ens.seed_nats(st.windows, 0, device)
     w = bootstrap_weights(st.windows.docs, cfg.eval.bootstrap, cfg.seed)

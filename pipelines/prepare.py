@@ -23,7 +23,7 @@ from pipelines.common import claim_campaign, console, progress
 from pipelines.prepare_engine import Engine, Routed
 from pipelines.tracking import check_tracking, track_stage
 from soma_cluster.campaignfile import CONFIG_FILE
-from soma_cluster.config import CampaignConfig
+from soma_cluster.config import CampaignConfig, default_top_k, setting_origin
 from soma_cluster.corpus import (
     Part,
     describe_counts,
@@ -60,9 +60,9 @@ from soma_cluster.router import (
     save_router,
     size_spread,
 )
-from soma_cluster.shards import val_every, write_manifests
+from soma_cluster.shards import MAX_VAL_SHARE, ValSplit, val_split, write_manifests
 from soma_cluster.storage import Store, sha256
-from soma_cluster.textsources import NAMED_SOURCES
+from soma_cluster.textsources import BUILTIN, NAMED_SOURCES
 from soma_cluster.trackpoints import Stage
 
 STAGE_HOOKS: list[Callable[[str], None]] = []  # called with each stage's name as it ends ("setup": prepare_with
@@ -110,11 +110,11 @@ class LocalEngine:
         return np.stack([count_part(router, self.stage, p, self.cache) for p in parts]), Routed(router)
 
     def write(
-        self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray
+        self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray, val_every: int
     ) -> list[dict]:
         shards = cfg.shards
         return [
-            write_part(routed.router, self.stage, store, p, b, shards.val_fraction, shards.rows_per_file, self.cache)
+            write_part(routed.router, self.stage, store, p, b, val_every, shards.rows_per_file, self.cache)
             for p, b in zip(parts, before, strict=True)
         ]
 
@@ -144,10 +144,16 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
             f"{cfg.eval.window_bytes}-byte evaluation window; "
             + more_test_documents(cfg.corpus, n_docs, sources, cfg.eval.window_bytes, read)
         )
+    capped = setting_origin(cfg, "corpus.max_bytes")
     console.print(
         f"corpus: {n_docs} documents, {read / 1e6:.1f} MB ({describe_counts(sources)}) in {len(stats)} "
         f"part{'s' * (len(stats) > 1)}; {n_seqs} train sequences, {n_windows} test windows from {n_test} held-out "
         f"documents{describe_skipped(skipped, 3)}"
+        + (
+            f"; reading stopped at corpus.max_bytes={cfg.corpus.max_bytes:_} ({capped})"
+            if read >= cfg.corpus.max_bytes
+            else ""
+        )
     )
     return {
         "documents": n_docs,
@@ -187,22 +193,60 @@ def _publish_windows(store: Store, stage: Store, stats: list[PartStats], cfg: Ca
     )
 
 
-def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
-    every = val_every(cfg.shards.val_fraction)
+def _val_split(cfg: CampaignConfig, smallest: int) -> ValSplit:
+    return val_split(cfg.shards.val_fraction, cfg.train.val_batches * cfg.spsa.batch, smallest)
+
+
+def more_data(cfg: CampaignConfig, info: dict, n_seqs_needed: int | None = None) -> str:
+    """What gives prepare more data, naming what bound it: corpus.max_bytes (and where its value came from) when it
+    stopped the reading, the built-in corpus's size when that was all of it, else the corpus itself."""
+    c = cfg.corpus
+    read = info.get("bytes", 0)
+    need = ""
+    if n_seqs_needed and info.get("train_sequences"):  # bytes per train sequence as this corpus packed them
+        want = int(read * n_seqs_needed / info["train_sequences"] * 1.1) + 1
+        need = f" (about {want / 1e6:,.0f} MB for that)" if want >= 1e6 else f" (about {want:_} bytes for that)"
+    if read >= c.max_bytes:
+        return (
+            f"corpus.max_bytes={c.max_bytes:_} ({setting_origin(cfg, 'corpus.max_bytes')}) stopped the reading at "
+            f"{read / 1e6:.1f} MB: raise it{need}"
+        )
+    if c.source == BUILTIN:
+        return (
+            f"the built-in corpus holds {read / 1e6:.1f} MB in all: name a larger corpus{need} (--corpus PATH, or "
+            "corpus.source=machine for this machine's own text)"
+        )
+    return f"add data{need}"
+
+
+def _smallest_shard(cfg: CampaignConfig) -> int:
+    """The fewest sequences a shard can hold: shards.min_train_seqs train and at least one val under the split."""
+    low = cfg.shards.min_train_seqs + 1
+    # the split raises val to a share of at least MAX_VAL_SHARE when it must, so m = 10 (low + 1) has one val row
+    for m in range(low, 2 * low + 20):
+        n_val = _val_split(cfg, m).val_rows(m)
+        if n_val >= 1 and m - n_val >= cfg.shards.min_train_seqs:
+            return m
+    return 2 * low + 20
+
+
+def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray, split: ValSplit, info: dict | None = None) -> None:
+    info = info or {}
     e = int(np.argmin(sizes))
     n = int(sizes[e])
-    n_val = n // every
+    n_val = split.val_rows(n)
     if n - n_val < cfg.shards.min_train_seqs:
+        need = cfg.n_experts * (cfg.shards.min_train_seqs + split.wanted)
         raise SomaError(
             f"{expert_name(e)} would get {n} sequences ({n_val} val), below shards.min_train_seqs="
-            f"{cfg.shards.min_train_seqs} train; lower n_experts or add data"
+            f"{cfg.shards.min_train_seqs} train; lower n_experts, or {more_data(cfg, info, need)}"
         )
     if n_val < 1:
         need = math.ceil(1000 / max(n, 2)) / 1000  # round(1 / fraction) <= n puts one of its n sequences in val
         raise SomaError(
-            f"{expert_name(e)} would get {n} sequences and 0 val: shards.val_fraction={cfg.shards.val_fraction} "
-            "puts one in "
-            f"every {every} in val; raise shards.val_fraction to {need} or more (or add data, or lower n_experts)"
+            f"{expert_name(e)} would get {n} sequences and 0 val: one in every {split.every} is val "
+            f"(shards.val_fraction={cfg.shards.val_fraction}); raise shards.val_fraction to {need} or more (or "
+            f"lower n_experts, or {more_data(cfg, info)})"
         )
     spread = size_spread(sizes)
     if cfg.router.rule == "balanced" and spread > cfg.router.balance_tolerance:
@@ -214,19 +258,24 @@ def _check_sizes(cfg: CampaignConfig, sizes: np.ndarray) -> None:
         )
 
 
-def _check_feasible(cfg: CampaignConfig, n_seqs: int, sample: list[bytes]) -> None:
+def _check_feasible(cfg: CampaignConfig, n_seqs: int, sample: list[bytes], info: dict | None = None) -> None:
     """Refusals _check_sizes would make after the router's fit (minutes on a large corpus), made from what is known
     before it: the smallest shard holds at most n_seqs // n_experts sequences whatever the routing; and identical
-    sequences always share a shard, so one that makes up a large share of the sample overfills its shard."""
-    every = val_every(cfg.shards.val_fraction)
+    sequences always share a shard, so one that makes up a large share of the sample overfills its shard. A refusal
+    for too little data names what bound it (more_data)."""
+    info = info or {}
     most = n_seqs // cfg.n_experts
-    if most - most // every < cfg.shards.min_train_seqs or most // every < 1:
-        need = "shards.min_train_seqs" if most - most // every < cfg.shards.min_train_seqs else "shards.val_fraction"
+    split = _val_split(cfg, most)
+    n_val = split.val_rows(most)
+    if most - n_val < cfg.shards.min_train_seqs or n_val < 1:
+        short = "shards.min_train_seqs" if most - n_val < cfg.shards.min_train_seqs else "shards.val_fraction"
+        smallest = _smallest_shard(cfg)
+        can = max(1, n_seqs // smallest)
         raise SomaError(
             f"{n_seqs} train sequences over n_experts={cfg.n_experts} leave the smallest shard at most {most} "
-            f"({most // every} val, one in every {every}), too few for {need} "
+            f"({n_val} val, one in every {split.every}), too few for {short} "
             f"(shards.min_train_seqs={cfg.shards.min_train_seqs}, shards.val_fraction={cfg.shards.val_fraction}); "
-            f"lower n_experts to {max(1, n_seqs // max(cfg.shards.min_train_seqs + 1, every))} or less, or add data"
+            f"lower n_experts to {can} or less, or {more_data(cfg, info, cfg.n_experts * smallest)}"
         )
     if cfg.router.rule != "balanced" or not sample:
         return
@@ -347,14 +396,14 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     if n_seqs < cfg.n_experts:
         raise SomaError(
             f"corpus gives {n_seqs} train sequences of {cfg.shards.seq_bytes} bytes, fewer than "
-            f"n_experts={cfg.n_experts}; lower n_experts or add data"
+            f"n_experts={cfg.n_experts}; lower n_experts, or {more_data(cfg, corpus_info, cfg.n_experts * 20)}"
         )
     with_seqs = [st.part for st in stats if st.seqs]
     lowest_keys = lowest(np.concatenate([st.lowest_keys for st in stats]), keep)
     below = threshold(lowest_keys, cfg.router.sample_chunks)
     keys, seqs = select(*engine.sample(with_seqs, below), below)
     lap("sample")
-    _check_feasible(cfg, n_seqs, seqs)  # what the sizes and the sample already rule out, before the router's fit
+    _check_feasible(cfg, n_seqs, seqs, corpus_info)  # what the sizes and the sample rule out, before the router's fit
     console.print(
         f"fitting router on {len(seqs)} sampled sequences (TF-IDF -> SVD {cfg.router.svd_dim} -> balanced k-means, "
         f"N={cfg.n_experts}, rule {cfg.router.rule})"
@@ -373,7 +422,8 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     per_part, routed = engine.count(router, with_seqs)  # (parts, N): each expert's sequences in each part
     sizes = per_part.sum(axis=0)
     lap("count")
-    _check_sizes(cfg, sizes)
+    split = _val_split(cfg, int(sizes.min()))
+    _check_sizes(cfg, sizes, split, corpus_info)
     store.check_writable(
         shard_bytes(cfg, n_seqs, corpus_info["test_windows"])
     )  # the room to publish, before publishing
@@ -381,7 +431,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     save_router(store, router)
     before = np.cumsum(per_part, axis=0) - per_part  # an expert's sequences in the parts before each
     manifests = write_manifests(
-        store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, routed, with_seqs, before)
+        store, cfg.n_experts, cfg.shards.seq_bytes, engine.write(store, cfg, routed, with_seqs, before, split.every)
     )
     _publish_windows(store, engine.stage, stats, cfg)
     lap("write")
@@ -420,14 +470,83 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         wall_seconds=summary["wall_seconds"],
         note="CPU: corpus, router fit, shard writing (no GPU)",
     )
-    for e, terms in enumerate(router.top_terms):
+    _show_experts(summary, router.top_terms)
+    _state_settings(cfg, summary, split)
+    return summary
+
+
+SHOWN_EXPERTS = 16  # prepare lists every expert up to this N; beyond, the smallest and largest shards
+
+
+def _show_experts(summary: dict, top_terms: list[list[str]]) -> None:
+    """Each expert's shard and top terms, one line each; at N > SHOWN_EXPERTS the three smallest and largest shards
+    and the rest counted (every expert is in shards/manifest.json)."""
+    rows = np.array(summary["train_rows"]) + np.array(summary["val_rows"])
+    n = len(rows)
+    order = np.argsort(rows, kind="stable")
+    shown = range(n) if n <= SHOWN_EXPERTS else sorted({*order[:3].tolist(), *order[-3:].tolist()})
+    for e in shown:
         console.print(
             f"  {expert_name(e)}: {summary['train_rows'][e]:6d} train / {summary['val_rows'][e]:4d} val  "
-            f"top terms: {' '.join(printable(t) for t in terms[:8])}",
+            f"top terms: {' '.join(printable(t) for t in top_terms[e][:8])}",
             soft_wrap=True,  # one expert, one line, whatever the terminal's width
             markup=False,  # a term is text, never rich markup
         )
-    return summary
+    if n > SHOWN_EXPERTS:
+        console.print(
+            f"  ... {n - len(shown)} more experts of {int(rows[order[3]])}-{int(rows[order[-4]])} sequences "
+            "(shown: the 3 smallest and 3 largest shards; all in shards/manifest.json)"
+        )
+
+
+def _state_settings(cfg: CampaignConfig, summary: dict, split: ValSplit) -> None:
+    """The settings whose defaults depend on N and on the data, as prepare chose them, each with the setting that
+    changes it (docs/config.md): routing top-k, expert validation, evaluation windows."""
+    from soma_cluster.breakdown import LOAD_MIN_FAIR  # here: it imports torch, which prepare's refusals run before
+
+    n, k = cfg.n_experts, cfg.top_k()
+    how = f"the default for N = {n}" if cfg.router.top_k is None else f"router.top_k={cfg.router.top_k}"
+    console.print(f"routing: each window to the top {k} of {n} experts ({how}; set router.top_k to change)")
+    if k >= n >= 2:
+        console.print(
+            f"warning: router.top_k={cfg.router.top_k} >= n_experts={n}: every window goes to every expert with "
+            f"weight 1/{n}, a uniform mixture, no routing (the default for N = {n} is {default_top_k(n)})",
+            markup=False,
+        )
+    val = min(summary["val_rows"])
+    raised = (
+        f", raised from shards.val_fraction={cfg.shards.val_fraction} so that a shard holds what one validation reads"
+        if split.raised
+        else ""
+    )
+    console.print(
+        f"expert validation: one in every {split.every} sequences of a shard, {val} or more each{raised} "
+        f"(train.val_batches x spsa.batch = {split.wanted})",
+        markup=False,
+    )
+    if val < split.wanted:
+        console.print(
+            f"warning: each shard's validation holds {val} sequences, fewer than the {split.wanted} one validation "
+            f"reads (the share is capped at {MAX_VAL_SHARE:.0%}): expert-validation losses, which drive the learning-"
+            "rate schedule, reuse sequences and are noisier; add data or lower n_experts",
+            markup=False,
+        )
+    windows = summary["corpus"]["test_windows"]
+    cap = cfg.eval_windows()
+    used = min(windows, cap)
+    origin = f"the default for N = {n}, k = {k}" if cfg.eval.max_windows is None else "eval.max_windows"
+    per = used * k / n
+    console.print(
+        f"evaluation: {used} of the {windows} test windows (at most {cap}: {origin}), about {per:.0f} routed to "
+        "each expert at an even load",
+        markup=False,
+    )
+    if per < LOAD_MIN_FAIR and n > 1:
+        console.print(
+            f"warning: about {per:.1f} test windows per expert is too few to judge each expert or the routing load: "
+            f"raise corpus.test_fraction (now {cfg.corpus.test_fraction}) or add data",
+            markup=False,
+        )
 
 
 def printable(term: str) -> str:

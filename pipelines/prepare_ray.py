@@ -135,7 +135,7 @@ def _write(
     options: dict,
     router_dir: str,
     campaign_url: str,
-    val_fraction: float,
+    val_every: int,
     rows_per_file: int,
 ) -> dict:
     """A part's sequences into the campaign's shard files (every part's files are its own: no shuffle)."""
@@ -148,7 +148,7 @@ def _write(
             Store(campaign_url, options),
             part,
             batch["before"][0],
-            val_fraction,
+            val_every,
             rows_per_file,
             tmp,
         )
@@ -260,7 +260,7 @@ class RayEngine:
         return np.stack([sizes[p] for p in parts]).astype(np.int64), Routed(router, router_dir)
 
     def write(
-        self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray
+        self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray, val_every: int
     ) -> list[dict]:
         if routed.staged is None:
             raise ValueError("RayEngine.write needs the router its own count staged")
@@ -275,7 +275,7 @@ class RayEngine:
                 options=self.options,
                 router_dir=routed.staged,
                 campaign_url=store.url,
-                val_fraction=cfg.shards.val_fraction,
+                val_every=val_every,
                 rows_per_file=cfg.shards.rows_per_file,
             ),
         )

@@ -106,7 +106,9 @@ class RouterConfig(_Section):
     svd_dim: int = Field(128, ge=2, le=4096)
     sample_chunks: int = Field(400_000, gt=0, le=100_000_000)  # chunks the vectorizer, SVD and k-means are fit on
     prefix_bytes: int = Field(256, gt=0, le=2**20)  # bytes of a window the router reads at inference
-    top_k: int = Field(4, ge=1, le=10_000)
+    # experts a window is routed to, the top min(top_k, N) scores; null: the default for N, round(N / 64) from 1 to 4
+    # (routing.md, "Choosing top-k"); top_k >= N mixes every expert with equal weight: a uniform mixture, no routing
+    top_k: int | None = Field(None, ge=1, le=10_000)
     weighting: Literal["uniform", "softmax"] = "uniform"  # softmax(-d^2/T) is c-BTM's option
     temperature: float = Field(0.1, gt=0.0, le=1000.0)
     kmeans_iters: int = Field(20, ge=1, le=100_000)
@@ -122,6 +124,35 @@ class RouterConfig(_Section):
     # the balanced rule's offsets are refitted on this many train sequences of lowest key (all of them when there are
     # fewer): their embeddings sit in the driver's memory (544 bytes each at svd_dim 128)
     refit_rows: int = Field(1_000_000, gt=0, le=2**40)
+
+    def k(self, n_experts: int) -> int:
+        """The experts each window is routed to at N = n_experts: top_k (or its default for N), at most N."""
+        return min(self.top_k if self.top_k is not None else default_top_k(n_experts), n_experts)
+
+    def resolved(self, n_experts: int) -> "RouterConfig":
+        """This config with top_k set to what it means at N = n_experts (the router saves it so)."""
+        return self.model_copy(update={"top_k": self.k(n_experts)})
+
+
+TOP_K_PER_EXPERTS = 64  # the default top_k routes each window to one expert per 64 experts...
+TOP_K_MAX = 4  # ...and at most 4: the paper's top-4 of 256
+
+
+def default_top_k(n_experts: int) -> int:
+    """router.top_k's default: round(N / 64) experts, at least 1 and at most 4 (1 up to N = 95, 2 from 96, 4 from
+    224; the paper's 4 at N = 256). Never N for N >= 2: top-N is a uniform mixture and routes nothing. Measured:
+    docs/routing.md, "Choosing top-k"."""
+    return max(1, min(TOP_K_MAX, round(n_experts / TOP_K_PER_EXPERTS)))
+
+
+EVAL_WINDOWS_MIN = 2048  # eval.max_windows's default: at least this many test windows...
+EVAL_WINDOWS_PER_EXPERT = 32  # ...and enough that each expert is routed about this many at an even load
+
+
+def default_eval_windows(n_experts: int, k: int) -> int:
+    """eval.max_windows's default: max(2048, 32 N / k) windows, so that at an even load (each window routed to k of
+    N experts) every expert sees about 32 or more: 2048 up to N = 64 k, 8192 at N = 1024 with k = 4."""
+    return max(EVAL_WINDOWS_MIN, -(-EVAL_WINDOWS_PER_EXPERT * n_experts // max(k, 1)))
 
 
 class ShardConfig(_Section):
@@ -297,7 +328,9 @@ class RetryConfig(_Section):
 class EvalConfig(_Section):
     window_bytes: int = Field(1025, ge=3, le=2**24)
     context_bytes: int = Field(256, ge=1, le=2**24)  # predictions before this index are not scored
-    max_windows: int = Field(2048, ge=1, le=10**8)
+    # test windows evaluated at most (evenly spaced over the test set); null: max(2048, 32 N / top_k), so that each
+    # expert is routed about 32 or more at an even load
+    max_windows: int | None = Field(None, ge=1, le=10**8)
     bootstrap: int = Field(10_000, ge=100, le=10**7)
     batch: int = Field(32, ge=1, le=2**16)
 
@@ -372,6 +405,16 @@ class CampaignConfig(_Section):
                 )
         return self
 
+    def top_k(self) -> int:
+        """Experts each window is routed to: router.top_k, or its default for n_experts, at most n_experts."""
+        return self.router.k(self.n_experts)
+
+    def eval_windows(self) -> int:
+        """Test windows an evaluation scores at most: eval.max_windows, or its default for n_experts and top_k."""
+        if self.eval.max_windows is not None:
+            return self.eval.max_windows
+        return default_eval_windows(self.n_experts, self.top_k())
+
     def digest(self) -> str:
         """A stable hash of the resolved config: tells 'same campaign' from 'a different one'. How prepare runs
         (engine, workers) is left out: every engine makes the same campaign; so is how it is tracked, and what its
@@ -393,6 +436,26 @@ def preset_tree(name: str) -> dict[str, Any]:
     if not path.is_file():
         raise SomaError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())}")
     return yaml.safe_load(path.read_text()) or {}
+
+
+def setting_origin(cfg: CampaignConfig, dotted: str) -> str:
+    """Where a resolved setting's value came from, in words for an error line: "preset tiny" when the preset file
+    gives that value, "the default" when it is the field's default, else "set in the config or --set"."""
+    value: Any = cfg
+    for key in dotted.split("."):
+        value = getattr(value, key)
+    preset: Any = preset_tree(cfg.preset) if cfg.preset in preset_names() else {}
+    for key in dotted.split("."):
+        preset = preset.get(key, _MISSING) if isinstance(preset, dict) else _MISSING
+    if preset is not _MISSING and preset == value:
+        return f"preset {cfg.preset}"
+    info = schema.field_at(CampaignConfig, dotted)
+    if info is not None and info.default == value:
+        return "the default"
+    return "set in the config or --set"
+
+
+_MISSING = object()
 
 
 def set_dotted(tree: dict[str, Any], dotted: str, value: Any) -> None:

@@ -40,7 +40,6 @@ NOTES = {
     "router.max_features": "TF-IDF vocabulary size",
     "router.min_df": "chunks a term must occur in to enter the vocabulary",
     "router.svd_dim": "dimensions the TF-IDF vectors are reduced to (truncated SVD) before clustering",
-    "router.top_k": "experts a test window is routed to: top min(top_k, N) scores ([routing.md](routing.md))",
     "router.temperature": "T of the softmax weighting",
     "router.kmeans_iters": "iterations of the (balanced) spherical k-means",
     "model.head": "shared_frozen: every expert uses the seed model's tied byte embedding (256 x embed_dim), frozen"
@@ -72,7 +71,6 @@ NOTES = {
     "retry.backoff_max_s": "cap on a retry's backoff",
     "retry.heartbeat_timeout_s": "a worker silent this long is treated as hung: killed and retried",
     "eval.window_bytes": "bytes per test window (the paper's 1,025: 256 of context, 768 predictions scored)",
-    "eval.max_windows": "test windows evaluated at most",
     "eval.bootstrap": "resamples of the paired document bootstrap behind every 95% interval",
     "eval.batch": "windows per evaluation pass",
 }

@@ -373,7 +373,7 @@ N = {cfg.n_experts} experts, each a byte-level recurrent model: a tied byte embe
 head {cfg.model.head}), {cfg.model.depth} pre-norm residual blocks of a bias-free LSTM and a GELU MLP at width
 d = {cfg.model.d}. A router (TF-IDF -> SVD {cfg.router.svd_dim} -> centroids, rule {cfg.router.rule}) reads the first
 {cfg.router.prefix_bytes} bytes of a window and mixes the next-byte probabilities of its top
-{min(cfg.router.top_k, cfg.n_experts)} experts ({cfg.router.weighting} weights).
+{cfg.top_k()} experts ({cfg.router.weighting} weights).
 
 ## Data
 

@@ -14,7 +14,7 @@ on the router.sample_chunks sequences of smallest key, the balanced rule's offse
 router.refit_rows smallest (a superset), both in key order. Keys depend on nothing an engine decides (worker
 count, completion order), so both engines draw the same samples: uniform over the whole corpus and reproducible
 from the seed. Sequences keep their corpus order (part, then index in the part) in each expert's shard, whose
-every val_every-th sequence is val (soma_cluster.shards.write_part_shards), in both engines.
+every val_every-th sequence is val (soma_cluster.shards.ValSplit), in both engines.
 """
 
 from __future__ import annotations
@@ -248,14 +248,15 @@ def write_part(
     store: Store,
     part: int,
     before: np.ndarray,
-    val_fraction: float,
+    val_every: int,
     rows_per_file: int,
     cache_dir: str,
 ) -> dict[int, dict[str, list[dict]]]:
-    """A part's sequences into the campaign's shard files; before[e]: expert e's sequences in earlier parts."""
+    """A part's sequences into the campaign's shard files; before[e]: expert e's sequences in earlier parts; one in
+    val_every of an expert's sequences is val (soma_cluster.shards.ValSplit)."""
     seqs = read_seqs(stage, part, cache_dir)
     return write_part_shards(
-        store, part, seqs, label_part(router, stage, part, cache_dir), before, val_fraction, rows_per_file
+        store, part, seqs, label_part(router, stage, part, cache_dir), before, val_every, rows_per_file
     )
 
 

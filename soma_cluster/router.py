@@ -164,7 +164,7 @@ class Router:
         exp(-d^2 / T) with the rule's distance d^2 = 2 - 2 score: for unit vectors 2 - 2 cos is the squared
         Euclidean distance to the centroid, and the offset adds 2 b_j (nothing under rule nearest)."""
         scores = self.scores(emb)
-        m = min(top_k or self.cfg.top_k, self.n_experts)
+        m = min(top_k or self.cfg.k(self.n_experts), self.n_experts)
         top = np.argsort(-scores, axis=1, kind="stable")[:, :m]
         if self.cfg.weighting == "uniform":
             return top, np.full(top.shape, 1.0 / m, dtype=np.float64)
@@ -590,7 +590,9 @@ def _top_terms(tfidf, labels: np.ndarray, vocabulary: list[str], n_clusters: int
 def fit_router(texts: list[str], n_clusters: int, cfg: RouterConfig, seed: int) -> tuple[Router, np.ndarray]:
     """Fit on a sample of chunk texts; returns the router and the sample's balanced k-means labels (equal to
     the row but for identical chunks, which share a cluster; prepare refits the offsets over all sequences).
-    Under rule nearest the offsets are zero (the centroids are the same)."""
+    Under rule nearest the offsets are zero (the centroids are the same). The router keeps cfg with top_k resolved
+    for N = n_clusters (router.json then says what routing the campaign uses)."""
+    cfg = cfg.resolved(n_clusters)
     if len(texts) < n_clusters:
         raise SomaError(f"router sample has {len(texts)} chunks for {n_clusters} experts; lower n_experts or add data")
     vec = _vectorizer(cfg)

@@ -33,6 +33,39 @@ def val_every(val_fraction: float) -> int:
     return max(2, round(1.0 / val_fraction))
 
 
+MAX_VAL_SHARE = 0.1  # the most of a shard that expert validation is raised to (unless shards.val_fraction asks more)
+
+
+@dataclass(frozen=True)
+class ValSplit:
+    """How a campaign's shards are split into train and expert validation: one sequence in `every` (in corpus order)
+    is val. shards.val_fraction is the least share; it is raised (up to MAX_VAL_SHARE) so that the smallest shard's
+    val holds `wanted` sequences, what one validation pass reads (train.val_batches x spsa.batch): a validation that
+    reads one sequence over and over drives the learning-rate schedule on noise."""
+
+    every: int
+    wanted: int  # sequences one validation pass reads
+    configured: int  # the `every` shards.val_fraction alone gives
+
+    @property
+    def raised(self) -> bool:
+        return self.every < self.configured
+
+    def val_rows(self, n: int) -> int:
+        """Val sequences of a shard of n."""
+        return n // self.every
+
+
+def val_split(val_fraction: float, wanted: int, smallest: int) -> ValSplit:
+    """The split for shards whose smallest holds `smallest` sequences (see ValSplit)."""
+    configured = val_every(val_fraction)
+    every = configured
+    if smallest // configured < wanted:
+        cap = val_every(max(MAX_VAL_SHARE, val_fraction))
+        every = max(cap, min(configured, smallest // max(wanted, 1)))
+    return ValSplit(every, wanted, configured)
+
+
 def schema(seq_bytes: int) -> pa.Schema:
     return pa.schema([pa.field(COLUMN, pa.binary(seq_bytes))])
 
@@ -68,14 +101,13 @@ def write_part_shards(
     seqs: pa.FixedSizeBinaryArray,
     labels: np.ndarray,
     before: np.ndarray,
-    val_fraction: float,
+    every: int,
     rows_per_file: int,
 ) -> dict[int, dict[str, list[dict]]]:
     """A corpus part's sequences into each expert's shard: shards/expert-E/train-PPPPP-KK.arrow (at most
     rows_per_file rows each) and val-PPPPP.arrow. `before[e]` counts expert e's sequences in the parts before
-    this one: an expert's sequences, in corpus order, are val at every val_every-th place. Returns
+    this one: an expert's sequences, in corpus order, are val at every `every`-th place (ValSplit.every). Returns
     {expert: {"train": entries, "val": entries}} for the experts with rows here."""
-    every = val_every(val_fraction)
     order = np.argsort(labels, kind="stable")  # by expert, corpus order within each
     bounds = np.concatenate([[0], np.cumsum(np.bincount(labels, minlength=len(before)))])
     out: dict[int, dict[str, list[dict]]] = {}

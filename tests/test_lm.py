@@ -31,7 +31,7 @@ def lm(trained_campaign) -> RoutedLM:
 def test_a_test_window_scores_exactly_what_soma_eval_gives(trained_campaign, lm):
     store = Store(str(trained_campaign))
     cfg = load_campaign_config(store)
-    win = load_windows(store, cfg.eval.max_windows)
+    win = load_windows(store, cfg.eval_windows())
     models = load_models(store, cfg.n_experts)
     experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in models.checkpoints.items()}
     res = evaluate_ensemble(load_router(store), cfg.model, experts, win, cfg.eval.context_bytes, cfg.eval.batch, CPU)

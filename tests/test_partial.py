@@ -72,7 +72,7 @@ def test_a_partial_campaign_evaluates_with_the_seed_in_place_of_a_missing_expert
     # the number is the routed mixture with expert-0001's probabilities replaced by the seed model's
     seed = load_checkpoint(store, "seed").tensors
     e0 = load_checkpoint(store, "experts/expert-0000").tensors
-    win = load_windows(store, cfg.eval.max_windows)
+    win = load_windows(store, cfg.eval_windows())
     want = evaluate_ensemble(
         load_router(store),
         cfg.model,

@@ -159,7 +159,9 @@ def test_router_clusters_are_balanced_and_reload_identically(tmp_path, texts):
     np.testing.assert_array_equal(emb_a, emb_b)
     np.testing.assert_array_equal(router.offsets, again.offsets)
     assert again.cfg.rule == "balanced" and np.abs(again.offsets).max() > 0
-    top, w = again.route(emb_b)
+    top, w = again.route(emb_b)  # router.top_k unset: the default for N = 4 routes each window to one expert
+    assert again.cfg.top_k == 1 and top.shape == (50, 1) and np.allclose(w.sum(1), 1.0)
+    top, w = again.route(emb_b, top_k=4)
     assert top.shape == (50, 4) and np.allclose(w.sum(1), 1.0)
     arrays = tmp_path / "c" / "router" / "arrays.safetensors"
     arrays.write_bytes(arrays.read_bytes()[:-10])
@@ -290,23 +292,24 @@ def test_router_needs_enough_chunks():
 
 
 def test_size_errors_name_the_setting_to_change():
-    from pipelines.prepare import _check_sizes
+    from pipelines.prepare import _check_sizes, _val_split
+    from soma_cluster.shards import ValSplit
 
     cfg = resolve("tiny", {"n_experts": 4, "shards": {"min_train_seqs": 16, "val_fraction": 0.01}})
+    sizes = np.array([300, 300, 10, 300])
     with pytest.raises(SomaError, match="shards.min_train_seqs") as err:
-        _check_sizes(cfg, np.array([300, 300, 10, 300]))
+        _check_sizes(cfg, sizes, _val_split(cfg, 10))
     assert "expert-0002" in str(err.value)
-    with pytest.raises(SomaError, match="shards.val_fraction") as err:  # train rows fine, no val row
-        _check_sizes(cfg, np.array([60, 60, 60, 60]))
+    with pytest.raises(SomaError, match="shards.val_fraction") as err:  # train rows fine, no val row at one in 100
+        _check_sizes(cfg, np.array([60, 60, 60, 60]), ValSplit(every=100, wanted=32, configured=100))
     fix = float(str(err.value).split("raise shards.val_fraction to ")[1].split()[0])
-    _check_sizes(
-        cfg.model_copy(update={"shards": cfg.shards.model_copy(update={"val_fraction": fix})}),
-        np.array([60, 60, 60, 60]),
-    )
+    fixed = cfg.model_copy(update={"shards": cfg.shards.model_copy(update={"val_fraction": fix})})
+    _check_sizes(fixed, np.array([60, 60, 60, 60]), ValSplit(every=60, wanted=32, configured=60))
+    _check_sizes(cfg, np.array([60, 60, 60, 60]), _val_split(cfg, 60))  # prepare's own split raises the share
     with pytest.raises(SomaError, match="balance_tolerance"):
-        _check_sizes(cfg, np.array([300, 300, 200, 400]))
+        _check_sizes(cfg, np.array([300, 300, 200, 400]), _val_split(cfg, 200))
     nearest = cfg.model_copy(update={"router": cfg.router.model_copy(update={"rule": "nearest"})})
-    _check_sizes(nearest, np.array([300, 300, 200, 400]))  # the paper's rule is not held to it
+    _check_sizes(nearest, np.array([300, 300, 200, 400]), _val_split(cfg, 200))  # the paper's rule is not held to it
 
 
 def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
@@ -319,7 +322,7 @@ def test_shards_round_trip_byte_exactly_and_detect_corruption(tmp_path):
     before, written = np.zeros(3, np.int64), []
     for i, (seqs, lab) in enumerate(zip(parts, labels, strict=True)):
         written.append(
-            write_part_shards(store, i, pa.array(seqs, pa.binary(64)), lab, before, val_fraction=0.1, rows_per_file=20)
+            write_part_shards(store, i, pa.array(seqs, pa.binary(64)), lab, before, every=10, rows_per_file=20)
         )
         before = before + np.bincount(lab, minlength=3)
     manifests = write_manifests(store, 3, 64, written)
@@ -422,8 +425,10 @@ def test_what_the_sizes_and_sample_rule_out_is_refused_before_the_router_fit():
     from soma_cluster.errors import SomaError
     from soma_cluster.router import identical_share
 
-    cfg = micro_config(n_experts=64)  # val one in 100: 4424 sequences leave at most 69 per expert, 0 val
-    with pytest.raises(SomaError, match=r"at most 69 \(0 val.*lower n_experts to 44 or less"):
+    # 4424 sequences leave at most 14 per expert: val raised to one in 10 (1), 13 train < shards.min_train_seqs 16;
+    # a shard needs 17 (16 train, 1 val), so 4424 // 17 = 260 experts can work
+    cfg = micro_config(n_experts=300)
+    with pytest.raises(SomaError, match=r"at most 14 \(1 val, one in every 10.*lower n_experts to 260 or less"):
         _check_feasible(cfg, 4424, [])
     _check_feasible(micro_config(n_experts=40), 4424, [bytes([i % 251, i // 251]) for i in range(2000)])
     same = [b"x" * 8] * 1000 + [bytes([i % 251, i // 251]) for i in range(1000)]
@@ -431,3 +436,54 @@ def test_what_the_sizes_and_sample_rule_out_is_refused_before_the_router_fit():
     assert share == 0.5 and 0.45 < at_least < 0.5
     with pytest.raises(SomaError, match=r"50.0% of the 2000 sampled sequences are one and the same"):
         _check_feasible(micro_config(n_experts=8), 40_000, same)
+
+
+@pytest.mark.parametrize(
+    "n,k,windows",
+    [(1, 1, 2048), (2, 1, 2048), (4, 1, 2048), (16, 1, 2048), (96, 2, 2048), (256, 4, 2048), (1024, 4, 8192)],
+)
+def test_defaults_that_depend_on_n_route_and_see_every_expert(n, k, windows):
+    """router.top_k and eval.max_windows unset: top-k routes (never N, a uniform mixture, for N >= 2) and is the
+    paper's 4 at N = 256; the windows give every expert about 32 or more at an even load."""
+    from soma_cluster.config import default_eval_windows, default_top_k
+
+    cfg = resolve("tiny", {"n_experts": n})
+    assert cfg.router.top_k is None and cfg.eval.max_windows is None  # the tiny preset leaves both to N
+    assert default_top_k(n) == cfg.top_k() == k and (k < n or n == 1)
+    assert cfg.eval_windows() == default_eval_windows(n, k) == windows and windows * k / n >= 32
+    asked = resolve("tiny", {"n_experts": n, "router": {"top_k": 4}, "eval": {"max_windows": 100}})
+    assert asked.top_k() == min(4, n) and asked.eval_windows() == 100  # what is asked for is kept
+    assert resolve("paper-n256", {}).top_k() == 4 and resolve("paper-small", {}).top_k() == 4  # the paper's values
+
+
+def test_the_val_split_holds_what_one_validation_reads():
+    """shards.val_fraction is the least share: raised, up to 10%, so that the smallest shard's val holds
+    train.val_batches x spsa.batch sequences; never lowered."""
+    from soma_cluster.shards import val_split
+
+    assert val_split(0.01, 32, 10_000).every == 100  # 100 val of 10,000: enough, as configured
+    s = val_split(0.01, 32, 1400)  # the demo's shards: 14 val at 1%, 32 wanted
+    assert s.raised and s.every == 43 and s.val_rows(1400) == 32
+    capped = val_split(0.01, 32, 171)  # N = 256 on 45 MB: 1 val at 1%; capped at 10%
+    assert capped.every == 10 and capped.val_rows(171) == 17
+    assert val_split(0.25, 32, 100).every == 4  # a larger share asked for is kept
+
+
+def test_a_refusal_for_too_little_data_names_what_bound_it():
+    """The preset's corpus.max_bytes, the built-in corpus's size, or the data: each named with the setting that
+    changes it and about how much is needed."""
+    from pipelines.prepare import _check_feasible, more_data
+
+    capped = resolve("tiny", {"n_experts": 256})
+    info = {"bytes": 6_000_000, "train_sequences": 5609}
+    with pytest.raises(SomaError) as err:
+        _check_feasible(capped, 5609, [], info)
+    line = str(err.value)
+    assert "lower n_experts to 79 or less" in line and "corpus.max_bytes=6_000_000 (preset tiny)" in line
+    assert "about 21 MB" in line
+    whole = resolve("tiny", {"n_experts": 256, "corpus": {"max_bytes": 100_000_000}})
+    assert "the built-in corpus holds 8.0 MB" in more_data(whole, {"bytes": 8_012_518, "train_sequences": 7392})
+    mine = resolve("tiny", {"corpus": {"source": "/data", "max_bytes": 100_000_000}})
+    assert more_data(mine, {"bytes": 1_000_000}) == "add data"
+    setit = resolve("tiny", {"corpus": {"max_bytes": 5_000_000}})
+    assert "(set in the config or --set)" in more_data(setit, {"bytes": 5_000_000})
