@@ -334,15 +334,14 @@ def demo(
 
     def go() -> None:
         from pipelines.demo import demo as run
+        from pipelines.demo import summary_lines
 
         t0 = time.monotonic()
         store = open_store(campaign)
         cfg = config_from_options(preset, None, set, None, None)
         m = run(store, cfg, checked_address(address), take_over)
-        out.print(
-            f"demo finished in {time.monotonic() - t0:.0f} s: ensemble {m['ensemble']['nats_per_byte']:.4f} nats/byte "
-            f"vs seed {m['seed']['nats_per_byte']:.4f} vs uniform {m['uniform']['nats_per_byte']:.4f}"
-        )
+        for line in summary_lines({**m, "n_experts": cfg.n_experts}, time.monotonic() - t0):
+            out.print(line, markup=False)
         out.print(f"report: {store.url}/eval/report.md")
 
     run_command(go)

@@ -20,9 +20,13 @@ from soma_cluster.errors import SomaError
 
 # The baselines need every expert on every window they score: N x m forwards of a window, where the routed ensemble
 # needs k x n. They score m windows, evenly spaced over the n, with N x m at most max(BASELINE_MIN_EXPERT_WINDOWS,
-# BASELINE_COST x k x n): never more than twice the ensemble's own pass, and all windows whenever that fits.
+# BASELINE_COST x k x n): never more than twice the ensemble's own pass, and all windows whenever that fits; but never
+# fewer than BASELINE_MIN_WINDOWS (all of them if fewer): at N = 256 the budget alone gave 16 windows, on which the
+# best single expert was a different one from the one all 2,310 windows named. Above the budget this costs N x 256
+# window passes (about 5 minutes at N = 256 on 2 CPU cores, 30 s on a GPU), and the report says so.
 BASELINE_MIN_EXPERT_WINDOWS = 4096
 BASELINE_COST = 2
+BASELINE_MIN_WINDOWS = 256
 # The routing load concentrates when the busiest expert's share of the windows exceeds min(2 f, (1 + f) / 2), f = k/N
 # the fair share (top-k of N: each window counts for k experts): twice its share, or past half the way from its share
 # to every window where twice is out of reach. Judged only where the fair count f x n is at least LOAD_MIN_FAIR windows
@@ -137,7 +141,7 @@ def baseline_rows(n_windows: int, n_experts: int, top_k: int) -> np.ndarray:
     """The windows the baselines score: all of them when N x n fits the budget (see BASELINE_COST), else m evenly
     spaced ones."""
     budget = max(BASELINE_MIN_EXPERT_WINDOWS, BASELINE_COST * top_k * n_windows)
-    m = min(n_windows, max(1, budget // max(n_experts, 1)))
+    m = min(n_windows, max(BASELINE_MIN_WINDOWS, budget // max(n_experts, 1)))
     if m >= n_windows:
         return np.arange(n_windows)
     return np.unique(np.linspace(0, n_windows - 1, m).round().astype(np.int64))

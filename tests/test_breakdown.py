@@ -56,8 +56,10 @@ def test_sensitivity_ks_and_the_baselines_window_budget():
     assert bd.sensitivity_ks(6, 4) == [1, 2, 4, 6]
     assert bd.sensitivity_ks(256, 4) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
     assert len(bd.baseline_rows(256, 4, 4)) == 256  # the tiny preset: every expert on every window
-    rows = bd.baseline_rows(2048, 256, 4)  # N = 256 on 2048 windows: 2 x 4 x 2048 expert-windows / 256 = 64 windows
-    assert len(rows) == 64 and rows[0] == 0 and rows[-1] == 2047 and np.all(np.diff(rows) > 0)
+    rows = bd.baseline_rows(2048, 256, 4)  # N = 256 on 2048 windows: the budget's 64 windows, raised to 256
+    assert len(rows) == 256 and rows[0] == 0 and rows[-1] == 2047 and np.all(np.diff(rows) > 0)
+    assert len(bd.baseline_rows(8192, 1024, 4)) == 256 and len(bd.baseline_rows(100, 1024, 4)) == 100
+    assert len(bd.baseline_rows(20_000, 16, 1)) == 2500  # the budget, 2 x 1 x 20,000 / 16, when it is above 256
 
 
 def test_routing_load_warns_when_one_expert_takes_every_window():

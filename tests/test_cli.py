@@ -225,3 +225,36 @@ def test_campaign_yaml_records_the_versions(tmp_path, text_corpus, micro_yaml):
     assert soma("prepare", str(camp), "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
     got = recorded_versions((camp / "campaign.yaml").read_text())
     assert got == {k: v.replace(" ", "_") for k, v in versions().items()} and got["ray"] and got["torch"]
+
+
+def test_the_demo_line_compares_routing_with_what_it_must_beat():
+    """soma demo prints the routed ensemble against the seed, the uniform mixture and the best single expert, each
+    with the paired difference, within 80 columns, and says which it did not beat."""
+    from pipelines.demo import summary_lines
+
+    def base(nats, lo, hi):
+        return {"nats_per_byte": nats, "ensemble_minus_this": {"nats_per_byte": (lo + hi) / 2, "ci95": [lo, hi]}}
+
+    m = {
+        "ensemble": {"nats_per_byte": 2.9685},
+        "uniform": {"nats_per_byte": 5.5452},
+        "top_k": 1,
+        "n_experts": 4,
+        "windows": 251,
+        "baselines": {
+            "all_windows": True,
+            "seed": base(3.0671, -0.11, -0.09),
+            "uniform_mixture": base(2.9932, -0.04, -0.01),
+            "best_single": base(2.9987, -0.05, 0.002),
+        },
+    }
+    lines = summary_lines(m, 57.0)
+    assert all(len(line) <= 80 for line in lines), lines
+    text = "\n".join(lines)
+    assert "routed ensemble 2.9685" in text and "top-1 of 4 experts" in text
+    for name in ("seed model (N = 1)", "uniform mixture", "best single expert", "uniform over bytes"):
+        assert name in text
+    last = lines[-1]
+    assert last.startswith("not beaten") and "best single expert" in last and "uniform mixture" not in last
+    m["baselines"]["best_single"] = base(2.9987, -0.05, -0.01)
+    assert not any(line.startswith("not beaten") for line in summary_lines(m, 57.0))
