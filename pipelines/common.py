@@ -91,19 +91,37 @@ class InfoColumn(TimeRemainingColumn):
 
 
 @contextmanager
-def progress(enabled: bool = True) -> Iterator[Progress]:
+def progress(enabled: bool = True, fit: bool = False) -> Iterator[Progress]:
+    """Progress bars on stderr; `fit`: as wide as the terminal and no wider, the bar taking what the other columns
+    leave (their `info` is the caller's to keep short: info_room)."""
     bar = Progress(
         TextColumn("{task.description}"),
-        BarColumn(),
+        BarColumn(bar_width=None if fit else 40),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
         InfoColumn(),
         console=console,
         disable=not enabled,
         transient=False,
+        expand=fit,
     )
     with bar:
         yield bar
+
+
+MIN_BAR = 10  # columns a fitted bar keeps, however long the text beside it
+
+
+def info_room(width: int, descriptions: list[str], largest_total: int) -> int:
+    """Columns left for a fitted progress display's `info` (progress(fit=True)) at `width`: what the description,
+    the bar (MIN_BAR), M/N, the elapsed time and the gaps between them leave."""
+    used = max(map(len, descriptions), default=0) + MIN_BAR + 2 * len(str(largest_total)) + 1 + len("10:00:00")
+    return max(0, width - used - 4)  # 4: one space between each of the five columns
+
+
+def fit_info(candidates: list[str], room: int) -> str:
+    """The first (most informative) of `candidates` that fits in `room` columns; '' when none does."""
+    return next((c for c in candidates if len(c) <= room), "")
 
 
 @contextmanager

@@ -211,6 +211,7 @@ class Scheduler:
             left_s=None if state in TERMINAL else self.left(job),
             retries=self.retries.failures.get(job, 0),
             beat_age_s=self.clock() - unit.last_beat if running else None,
+            starting=unit is not None and not running and unit.held_since is not None,
         )
 
     def revise(self, cfg: CampaignConfig, reopen: list[Job]) -> None:
