@@ -277,9 +277,9 @@ class Driver:
             uid = a.unit.id
             if isinstance(a, Start):
                 self.actors[uid] = self._start(a)
-                if (
-                    a.unit.held_since is None and self.sched.book.budgeted
-                ):  # when Ray places it, its start-up clock runs
+                # asked beyond the GPUs present, it waits in Ray's queue: once placed, its start-up clock runs (a
+                # budget counts it) and it holds a GPU (status counts it as running, `starting`, not queued)
+                if a.unit.held_since is None:
                     self.placing[uid] = self.actors[uid].holding.remote()
                 self.inflight[uid] = self.actors[uid].setup.remote()
             elif isinstance(a, Reuse):
@@ -317,7 +317,8 @@ class Driver:
 
     def _placed(self) -> None:
         """Actors that waited in Ray's queue and now hold their GPU share: the scheduler learns since when (the
-        worker's own clock start), so their start-up counts against their budget. Polled every QUEUED_POLL_S."""
+        worker's own clock start), so their start-up counts against their budget and the status counts them as
+        starting. Polled every QUEUED_POLL_S."""
         now = time.monotonic()
         if not self.placing or now - self._placing_polled < QUEUED_POLL_S:
             return
@@ -447,6 +448,7 @@ class Driver:
                         self._writer.close()
                     else:
                         self._last_report()
+                        self._last_show(bar, overall, tasks, targets)
         self._write_curves()
         if self.sched.book.expert_s is not None:
             self._say_overruns()
@@ -460,6 +462,16 @@ class Driver:
         except Exception as exc:
             console.print(f"warning: could not make the last status snapshot: {exc}", markup=False)
         self._writer.close()
+
+    def _last_show(self, bar, overall, tasks, targets) -> None:
+        """The bar's last state, from the last snapshot (the counts at the end, not 5 s before it); a view, so a
+        failure here is logged, never raised over the loop's own error."""
+        if not self.show:
+            return
+        try:
+            self._show(bar, overall, tasks, targets)
+        except Exception as exc:
+            console.print(f"warning: could not update the progress bar: {exc}", markup=False)
 
     def _write_curves(self) -> None:
         """curves/<job>.csv for this driver's jobs, from the events log (complete across retries and resumes)."""
@@ -522,7 +534,7 @@ class Driver:
             return
         self._reported = now
         snap = self.snapshot(final=final and self.sched.finished)
-        self._eta_s = snap["eta_s"]
+        self._eta_s = 0.0 if snap["final"] else snap["eta_s"]
         self._experts = snap["experts"]
         self._writer.submit(snap)
         self.metrics.update(snap)

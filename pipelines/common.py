@@ -10,6 +10,7 @@ from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
 from rich.text import Text
 
 from soma_cluster.campaignfile import CONFIG_FILE as CONFIG
@@ -94,12 +95,13 @@ class InfoColumn(TimeRemainingColumn):
 def progress(enabled: bool = True, fit: bool = False) -> Iterator[Progress]:
     """Progress bars on stderr; `fit`: as wide as the terminal and no wider, the bar taking what the other columns
     leave (their `info` is the caller's to keep short: info_room)."""
+    # fitted: the text columns never wrap (their text is kept short) and the bar takes the columns they leave
     bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(bar_width=None if fit else 40),
+        TextColumn("{task.description}", table_column=Column(no_wrap=True) if fit else None),
+        BarColumn(bar_width=None if fit else 40, table_column=Column(ratio=1) if fit else None),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        InfoColumn(),
+        InfoColumn(table_column=Column(no_wrap=True) if fit else None),
         console=console,
         disable=not enabled,
         transient=False,

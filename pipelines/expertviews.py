@@ -155,7 +155,13 @@ def plot_curves(store: Store, cfg: CampaignConfig) -> tuple[str | None, list[dic
         _bands(ax, bands({n: v for n, (_, v) in curves.items()}), "tab:orange", "expert-val", dots=True)
         for o, color in zip(named, plt.cm.tab10(np.linspace(0.2, 0.9, max(1, len(named)))), strict=False):
             steps, values = last_per_step(curves[o["expert"]][0])
-            ax.plot(steps, values, lw=0.8, color=color, label=f"{o['expert']} ({o['side']}: {o['final_loss']:.3f})")
+            ax.plot(
+                steps,
+                values,
+                lw=0.8,
+                color=color,
+                label=f"{o['expert']} (final val {o['final_loss']:.3f}, {o['side']})",
+            )
         ax.set_title(f"{cfg.name}: {len(curves)} experts' loss, median and quantile bands", fontsize=10)
         ax.legend(fontsize=6, ncol=2)
     ax.set_xlabel("update (step)")

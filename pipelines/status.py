@@ -449,6 +449,8 @@ def summary(snap: dict, width: int | None, height: int) -> Group:
     whole = render(snap, width)
     if _height(whole, width) <= budget:
         return whole
+    if _height(head, width) + 3 > budget:  # a very short terminal: the counts, GPU-hours and ETA alone
+        return Group(Text("\n".join(fact_lines(snap))))
     parts = [head]
     if snap.get("plan_vs_actual"):
         parts.append(Text(comparison_line(snap["plan_vs_actual"])))

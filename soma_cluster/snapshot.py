@@ -69,7 +69,8 @@ def _row(cfg: CampaignConfig, job: Job, s: JobStatus) -> dict:
 def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
     """job name -> row, for the jobs this scheduler runs: where each stands now, by the scheduler's own state
     machine (not the last event it wrote)."""
-    return {job.name: _row(sched.cfg, job, sched.status(job)) for job in sched.jobs}
+    on_gpu = sched.on_gpu()
+    return {job.name: _row(sched.cfg, job, sched.status(job, on_gpu)) for job in sched.jobs}
 
 
 def history_rows(

@@ -114,14 +114,14 @@ def attention(rows: list[dict], lim: Limits) -> list[Flag]:
 
 def experts_view(rows: list[dict]) -> dict:
     """The experts apart from the seed: how many, `counts` by state, how many of the queued ones are `starting` (their
-    actor holds its GPU share and is starting up: they take a GPU as running ones do), updates done of the target,
-    and the seed's state (None: no seed row)."""
+    actor holds its GPU share and is starting up: they take a GPU as running ones do; a retry starting stays
+    `retrying`), updates done of the target, and the seed's state (None: no seed row)."""
     experts = _experts(rows)
     seed = next((r["state"] for r in rows if r["job"] == SEED_JOB.name), None)
     return {
         "n": len(experts),
         "counts": {s: n for s in STATES if (n := sum(r["state"] == s for r in experts))},
-        "starting": sum(bool(r.get("starting")) for r in experts),
+        "starting": sum(bool(r.get("starting")) and r["state"] == JobState.QUEUED for r in experts),
         "ended": sum(r["state"] in TERMINAL for r in experts),
         "updates": sum(min(r["step"], r["target"]) for r in experts),
         "target": sum(r["target"] for r in experts),
@@ -133,7 +133,7 @@ def experts_text(view: dict) -> str:
     """'4 running (1 starting), 52/256 ended (50 finished, 2 failed_permanently), 198 queued': a starting expert counts
     as running (it holds a GPU), not as queued; the seed is never among them."""
     counts, starting = dict(view["counts"]), view["starting"]
-    moved = min(starting, counts.get(JobState.QUEUED, 0))  # an old snapshot's rows carry no `starting`
+    moved = min(starting, counts.get(JobState.QUEUED, 0))
     running = counts.pop(JobState.RUNNING, 0) + moved
     counts[JobState.QUEUED] = counts.get(JobState.QUEUED, 0) - moved
     parts = [f"{running} running" + (f" ({moved} starting)" if moved else "")] if running else []

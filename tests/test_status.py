@@ -89,6 +89,29 @@ def test_states_come_from_the_scheduler_not_the_last_event(tmp_path):
     assert state()["expert-0001"] == "retrying"
 
 
+def test_an_actor_placed_from_ray_s_queue_counts_as_running_without_a_budget(tmp_path):
+    """N = 4 on 2 GPUs, no budget: the two granted actors are starting at once; the two asked beyond the GPUs wait
+    in Ray's queue (queued). When a GPU frees, the oldest waiting one counts as starting (Ray places it; its process
+    starts before it can say so), and one Ray placed (`holding`, asked of every such actor) is known to be: a GPU
+    each, counted as running."""
+    s = scheduler(tmp_path, n_experts=4)
+    s.restore({})
+    units = [a.unit for a in by(s.requests(4, 2), Start)]
+    rows = lambda: scheduler_rows(s).values()  # noqa: E731
+    assert [r["starting"] for r in rows()] == [True, True, False, False]
+    s.on_setup(units[0].id, started([0]))
+    assert [r["starting"] for r in rows()] == [False, True, False, False]  # expert 0 runs
+    s.on_chunk(units[0].id, _report(0, beat(12, 3.0, 48, reason="finished")))
+    # its GPU is free: Ray places the oldest waiting actor, whose process starts before it can say so
+    assert [r["state"] for r in rows()] == ["finished", "queued", "queued", "queued"]
+    assert [r["starting"] for r in rows()] == [False, True, True, False]
+    from soma_cluster.statusview import experts_text, experts_view
+
+    assert experts_text(experts_view(list(rows()))) == "2 running (2 starting), 1/4 ended (1 finished), 1 queued"
+    s.on_placed(units[3].id, 0.5)  # Ray placed the last one instead: known, and the guess moves to it
+    assert [r["starting"] for r in rows()] == [False, True, False, True]
+
+
 def _report(expert, hb):
     from soma_cluster.messages import ChunkReport
 
