@@ -259,6 +259,8 @@ def fact_lines(snap: dict) -> list[str]:
     )
     if snap["final"]:
         when = f"ended; elapsed {fmt_duration(snap['elapsed_s'])}"
+    elif snap.get("stale"):
+        when = "ETA - (the snapshot is stale)"
     elif snap["source"] == "driver" and not stopped(snap):
         when = f"elapsed {fmt_duration(snap['elapsed_s'])}, ETA " + (
             "-" if snap["eta_s"] is None else fmt_duration(snap["eta_s"])
@@ -324,12 +326,16 @@ def fit_columns(rows: list[dict[str, str]], width: int | None) -> tuple[list[str
     return cols, (left if left >= ERROR_MIN else None)
 
 
-def job_table(snap: dict, width: int | None = None, wrap: bool = True) -> tuple[Table, list[str]]:
+def job_table(
+    snap: dict, width: int | None = None, wrap: bool = True, shown: int | None = None
+) -> tuple[Table, list[str]]:
     """The jobs' table fitted to `width` columns (None: as wide as it needs), and the columns it left out: names
     and states are never cut (soma status --json has every field). `wrap`: a long last error wraps; else it is cut
-    to one line (a watch keeps one line per row, to stay within the screen's height)."""
-    rows = [{**_cells(r), "error": r["last_error"] or ""} for r in snap["jobs"]]
-    cols, error_w = fit_columns(rows, width)
+    to one line (a watch keeps one line per row, to stay within the screen's height). `shown`: only the first rows,
+    in the columns that fit every row."""
+    every = [{**_cells(r), "error": r["last_error"] or ""} for r in snap["jobs"]]
+    cols, error_w = fit_columns(every, width)
+    rows = every[:shown]
     table = Table(box=None, pad_edge=False, show_edge=False)
     for col in cols:
         table.add_column(col, no_wrap=True, justify="right" if col in RIGHT else "left")
@@ -343,7 +349,7 @@ def job_table(snap: dict, width: int | None = None, wrap: bool = True) -> tuple[
     for r in rows:
         error = r["error"] if wrap else " ".join(r["error"].split())
         table.add_row(*[r[c] for c in cols], *([Text(error)] if error_w is not None else []))
-    errors = any(r["error"] for r in rows)  # a column of no errors left out loses nothing: not named
+    errors = any(r["error"] for r in every)  # a column of no errors left out loses nothing: not named
     left_out = [c for c in COLUMNS if c not in cols] + (["last error"] if error_w is None and errors else [])
     return table, left_out
 
@@ -376,22 +382,26 @@ def render(snap: dict, width: int | None = None, height: int | None = None, matc
     """Every job (`--all`, or those a filter chose: `matched` says which) under the header: the jobs' table fitted to
     `width` (naming what it left out) and, once ended, plan vs actual. With `height` (a watch), one line per row and
     only the rows that fit, the rest counted."""
-    head = head_lines(snap) + fact_lines(snap)
+    head = Text("\n".join(head_lines(snap) + fact_lines(snap)))
     jobs = snap["jobs"]
+    table, left_out = job_table(snap, width, wrap=height is None)
+    notes = [f"({len(left_out)} columns left out at {width} wide: {', '.join(left_out)}; --json has all)"] * bool(
+        left_out
+    ) + ([matched] if matched is not None else [])
     shown = jobs
-    if height is not None:
-        room = height - 1 - _height(Text("\n".join(head)), width) - 4  # blank, table header, note, matched line
-        shown = jobs[: max(0, room)] if len(jobs) > room else jobs
-    table, left_out = job_table({**snap, "jobs": shown}, width, wrap=height is None)
-    parts = [Text("\n".join(head)), Text("")]
+    if height is not None:  # one line per row: as many as the screen holds below the header, the rest counted
+        more = Text(f"+{len(jobs)} more rows below the screen (without --watch, all are listed)")
+        fixed = _height(head, width) + 2 + sum(_height(Text(n), width) for n in notes)  # 2: a blank, the columns
+        room = height - 1 - fixed
+        if len(jobs) > room:
+            shown = jobs[: max(0, room - _height(more, width))]
+            table, _ = job_table(snap, width, wrap=False, shown=len(shown))
+    parts = [head, Text("")]
     if shown:
         parts.append(table)
     if len(shown) < len(jobs):
         parts.append(Text(f"+{len(jobs) - len(shown)} more rows below the screen (without --watch, all are listed)"))
-    if left_out:
-        parts.append(Text(f"({len(left_out)} columns left out at {width} wide: {', '.join(left_out)}; --json has all)"))
-    if matched is not None:
-        parts.append(Text(matched))
+    parts += [Text(n) for n in notes]
     if snap.get("plan_vs_actual") and height is None:
         parts += [Text(""), comparison_table(snap["plan_vs_actual"])]
     return Group(*parts)
@@ -446,9 +456,8 @@ def summary(snap: dict, width: int | None, height: int) -> Group:
     as fit, and how to list the rest."""
     budget = max(1, height - 1)
     head = Text("\n".join(head_lines(snap) + fact_lines(snap)))
-    whole = render(snap, width)
-    if _height(whole, width) <= budget:
-        return whole
+    if len(snap["jobs"]) < budget and _height(whole := render(snap, width), width) <= budget:
+        return whole  # every job fits: no summary needed
     if _height(head, width) + 3 > budget:  # a very short terminal: the counts, GPU-hours and ETA alone
         return Group(Text("\n".join(fact_lines(snap))))
     parts = [head]

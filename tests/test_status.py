@@ -507,6 +507,14 @@ def test_the_summary_fits_one_80_by_24_screen_at_any_n(tmp_path):
     assert rows[:3] == ["expert-0058", "expert-0059", "expert-0060"], text  # the first failed ones, by name
     assert "needs attention (14 of 256 experts): 9 failed, 3 retrying, 2 over budget" in text, text
     assert f"+{14 - len(rows)} more: --state" in " ".join(text.split()), text
+    from pipelines.status import render
+    from soma_cluster.storage import Store
+
+    snap = load_status(Store(str(tmp_path / "n256")), micro_config(n_experts=256))
+    buf = io.StringIO()
+    print_full(Console(file=buf, width=80), render(snap, 80, 24), 80)  # --watch --all: one screen, rows counted
+    lines = buf.getvalue().splitlines()
+    assert len(lines) <= 23 and max(map(len, lines)) <= 80 and "more rows below the screen" in buf.getvalue(), lines
     everything = _summary_text(tmp_path / "n1024", micro_config(n_experts=1024), 80)
     assert "1024/1024 ended (1024 failed_permanently)" in everything and "1024 failed" in everything, everything
 
