@@ -145,7 +145,7 @@ def plot_curves(store: Store, cfg: CampaignConfig) -> tuple[str | None, list[dic
 
     fig, ax = plt.subplots(figsize=(7, 4))
     named = []
-    if len(curves) <= ROWS_MAX:
+    if cfg.n_experts <= ROWS_MAX:  # as the report's caption decides (curves_caption)
         _each(ax, plt, curves)
         ax.set_title(f"{cfg.name}: per-expert train (lines) and expert-val (dots) loss")
     else:
@@ -205,7 +205,7 @@ def curves_caption(m: dict, n_experts: int) -> str:
     named = m.get("curves_outliers") or []
     who = ", ".join(f"{o['expert']} ({o['side']}, {o['final_loss']:.4f})" for o in named) or "none"
     return (
-        f"Training curves (from `curves/*.csv`): over the {n_experts} experts at each step, the median and the 25-75%"
+        f"Training curves (from `curves/*.csv`): over the experts at each step, the median and the 25-75%"
         " and 5-95% bands of the train (blue) and expert-validation (orange) loss, min-max dotted; drawn and named,"
         f" the experts whose final expert-validation loss lies outside 5-95%: {who}.\n\n"
         "![per-expert curves, in bands](curves.png)\n"
