@@ -32,7 +32,7 @@ from ray.exceptions import (
 from rich.table import Table
 
 from pipelines.campaign_lease import held, hold, holding
-from pipelines.common import console, frozen_heap, load_config, open_store, progress
+from pipelines.common import console, fit_info, frozen_heap, info_room, load_config, open_store, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
@@ -85,6 +85,7 @@ from soma_cluster.snapshot import (
     scheduler_rows,
     summary_line,
 )
+from soma_cluster.statusview import experts_text, ranges_within
 from soma_cluster.storage import Store
 from soma_cluster.trackpoints import Stage
 from workers import actor_name, start_worker
@@ -238,6 +239,7 @@ class Driver:
         self._writer: SnapshotWriter | None = None
         self.eta = Eta()  # the ETA's estimator (soma_cluster/eta.py), fed the heartbeats as they are written
         self._eta_s: float | None = None  # the last snapshot's, for the progress bar
+        self._experts: dict | None = None  # the last snapshot's experts (statusview.experts_view), for the bar
         self.sched.observe = self._observe
         self.lease = held(store.url)  # the campaign's lease, whose generation fences the workers
         self.stopped: str | None = None  # why this driver stopped before its jobs ended (a signal, lease lost)
@@ -275,9 +277,9 @@ class Driver:
             uid = a.unit.id
             if isinstance(a, Start):
                 self.actors[uid] = self._start(a)
-                if (
-                    a.unit.held_since is None and self.sched.book.budgeted
-                ):  # when Ray places it, its start-up clock runs
+                # asked beyond the GPUs present, it waits in Ray's queue: once placed, its start-up clock runs (a
+                # budget counts it) and it holds a GPU (status counts it as running, `starting`, not queued)
+                if a.unit.held_since is None:
                     self.placing[uid] = self.actors[uid].holding.remote()
                 self.inflight[uid] = self.actors[uid].setup.remote()
             elif isinstance(a, Reuse):
@@ -315,7 +317,8 @@ class Driver:
 
     def _placed(self) -> None:
         """Actors that waited in Ray's queue and now hold their GPU share: the scheduler learns since when (the
-        worker's own clock start), so their start-up counts against their budget. Polled every QUEUED_POLL_S."""
+        worker's own clock start), so their start-up counts against their budget and the status counts them as
+        starting. Polled every QUEUED_POLL_S."""
         now = time.monotonic()
         if not self.placing or now - self._placing_polled < QUEUED_POLL_S:
             return
@@ -409,8 +412,9 @@ class Driver:
             j.name: self.cfg.seed_stage.updates if j.expert is None else self.cfg.train.updates
             for j in self.sched.pending
         }
-        with progress(self.show) as bar:
-            overall = bar.add_task("updates, all jobs", total=sum(targets.values()), info="")
+        with progress(self.show, fit=True) as bar:
+            what = "seed" if self._stage is Stage.SEED else "experts"  # the seed is never among the experts
+            overall = bar.add_task(what, total=sum(targets.values()), info="")
             tasks = {n: bar.add_task(n, total=t, info="") for n, t in targets.items()} if len(targets) <= 16 else {}
             # group commit: the records of every result in FLUSH_S go out in one durable write per log, written
             # by a background thread so the loop never waits on the disk or the object store
@@ -444,6 +448,7 @@ class Driver:
                         self._writer.close()
                     else:
                         self._last_report()
+                        self._last_show(bar, overall, tasks, targets)
         self._write_curves()
         if self.sched.book.expert_s is not None:
             self._say_overruns()
@@ -457,6 +462,16 @@ class Driver:
         except Exception as exc:
             console.print(f"warning: could not make the last status snapshot: {exc}", markup=False)
         self._writer.close()
+
+    def _last_show(self, bar, overall, tasks, targets) -> None:
+        """The bar's last state, from the last snapshot (the counts at the end, not 5 s before it); a view, so a
+        failure here is logged, never raised over the loop's own error."""
+        if not self.show:
+            return
+        try:
+            self._show(bar, overall, tasks, targets)
+        except Exception as exc:
+            console.print(f"warning: could not update the progress bar: {exc}", markup=False)
 
     def _write_curves(self) -> None:
         """curves/<job>.csv for this driver's jobs, from the events log (complete across retries and resumes)."""
@@ -519,7 +534,8 @@ class Driver:
             return
         self._reported = now
         snap = self.snapshot(final=final and self.sched.finished)
-        self._eta_s = snap["eta_s"]
+        self._eta_s = 0.0 if snap["final"] else snap["eta_s"]
+        self._experts = snap["experts"]
         self._writer.submit(snap)
         self.metrics.update(snap)
         if final:
@@ -621,13 +637,21 @@ class Driver:
         steps = {n: (t if self.outcome.get(n) == JobState.FINISHED else 0) for n, t in targets.items()}
         steps |= {job.name: unit.accounts[job].step for job, unit in self.sched.open.items()}
         views = {job.name: view for job, view in self.sched.seen.items()}
-        for name, task in tasks.items():
+        rows = [{"loss": v.loss, "val": v.val} for v in views.values()]
+        room = info_room(console.width, [t.description for t in bar.tasks], sum(targets.values()))
+        for name, task in tasks.items():  # a job's losses where they fit (they go before the bar wraps)
             view = views.get(name)
             info = loss_text(view.loss, view.val) if view is not None and view.loss is not None else ""
-            bar.update(task, completed=steps.get(name, 0), info=info)
-        rows = [{"loss": v.loss, "val": v.val} for v in views.values()]
-        eta = "-" if self._eta_s is None else fmt_duration(self._eta_s)
-        bar.update(overall, completed=sum(steps.values()), info=f"ETA {eta}  {loss_text(*newest_losses(rows))}")
+            bar.update(task, completed=steps.get(name, 0), info=fit_info([info], room))
+        eta = f"ETA {'-' if self._eta_s is None else fmt_duration(self._eta_s)}"
+        losses = loss_text(*newest_losses(rows))
+        if self._stage is Stage.SEED or self._experts is None:
+            said = [f"{eta}  {losses}", eta]
+        else:
+            v = self._experts
+            brief = f"{v['counts'].get(JobState.RUNNING, 0) + v['starting']} running, {v['ended']}/{v['n']} ended"
+            said = [f"{experts_text(v)}, {eta}  {losses}", f"{brief}, {eta}  {losses}", f"{brief}, {eta}", eta]
+        bar.update(overall, completed=sum(steps.values()), info=fit_info(said, room))
 
 
 @holding("soma launch")
@@ -763,31 +787,57 @@ def preparing(store: Store, wait_s: float) -> Iterator[None]:
 
 
 def ended_line(outcome: dict[str, str]) -> str:
-    """How the experts ended, as a sentence: '4 experts ended: 3 finished, 1 budget_exhausted (expert-0002).'"""
+    """How the experts ended, as a sentence: '4 experts ended: 3 finished, 1 budget_exhausted (expert-0002).'; past
+    four of a kind, their numbers as runs ('(experts 3, 17, 40-44)', what soma status --expert takes)."""
     counts = {k: sorted(n for n, v in outcome.items() if v == k) for k in sorted(set(outcome.values()))}
     parts = [
-        f"{len(names)} {state}"
-        + (f" ({', '.join(names[:4])}{', ...' if len(names) > 4 else ''})" if state != "finished" else "")
+        f"{len(names)} {state}" + (f" ({_which(names, 40, 'experts ')})" if state != JobState.FINISHED else "")
         for state, names in counts.items()
     ]
     return f"{len(outcome)} expert(s) ended: {', '.join(parts) or 'none'}."
 
 
-def ended_table(outcome: dict[str, str], views: dict) -> Table:
+def _which(names: list[str], room: int, prefix: str = "") -> str:
+    """Experts by name where they fit in `room` columns (up to four), else `prefix` and their numbers as runs, cut to
+    the room."""
+    if len(names) <= 4 and len(", ".join(names)) <= room:
+        return ", ".join(names)
+    numbers = [int(n.rsplit("-", 1)[1]) for n in names if n.startswith("expert-")]
+    return prefix + ranges_within(numbers, max(1, room - len(prefix)))
+
+
+ENDED_COLUMNS = ("ended", "experts", "train", "expert-val", "steps", "which")
+
+
+def ended_table(outcome: dict[str, str], views: dict, width: int | None = None) -> Table:
     """The experts by end state: how many, which, their newest training and expert-validation loss (mean, nats/byte),
-    and the steps they reached; `views`: job name -> its JobView."""
-    table = Table(box=None, pad_edge=False, show_edge=False)
-    for col in ("ended", "experts", "train", "expert-val", "steps", "which"):
-        table.add_column(col, justify="left" if col in ("ended", "which") else "right", no_wrap=col != "which")
+    and the steps they reached; `views`: job name -> its JobView. At `width` columns (default: the console's) `which`
+    takes what the others leave, so the table never wraps, whatever N is."""
+    rows = []
     for state in sorted(set(outcome.values()), key=lambda s: (s != JobState.FINISHED, s)):
         names = sorted(n for n, v in outcome.items() if v == state)
         seen = [views[n] for n in names if n in views]
         loss, val = newest_losses([{"loss": v.loss, "val": v.val} for v in seen])
         steps = sorted(v.step for v in seen)
         span = "-" if not steps else str(steps[0]) if steps[0] == steps[-1] else f"{steps[0]}-{steps[-1]}"
-        which = ", ".join(names[:4]) + (f", ... ({len(names) - 4} more)" if len(names) > 4 else "")
-        table.add_row(state, str(len(names)), _nats(loss), _nats(val), span, which)
+        rows.append([state, str(len(names)), _nats(loss), _nats(val), span, names])
+    need = {c: max([len(c)] + [len(r[i]) for r in rows]) for i, c in enumerate(ENDED_COLUMNS[:-1])}
+    cols = list(ENDED_COLUMNS[:-1])
+    while True:  # 2: the gap before a column
+        room = (console.width if width is None else width) - sum(need[c] + 2 for c in cols)
+        if room >= MIN_WHICH or not set(cols) & set(NARROW_DROPS):
+            break
+        cols.remove(next(c for c in NARROW_DROPS if c in cols))
+    table = Table(box=None, pad_edge=False, show_edge=False)
+    for col in cols + ["which"]:
+        table.add_column(col, justify="left" if col in ("ended", "which") else "right", no_wrap=True)
+    for *cells, names in rows:
+        table.add_row(*[c for c, col in zip(cells, ENDED_COLUMNS, strict=False) if col in cols], _which(names, room))
     return table
+
+
+MIN_WHICH = 16  # columns `which` needs to name a run of experts and how many more; below it, NARROW_DROPS go
+NARROW_DROPS = ("train", "steps", "expert-val")  # the columns a narrow terminal loses first, in this order
 
 
 def _nats(v: float | None) -> str:

@@ -26,8 +26,10 @@ from pipelines.cli_harness import (
     StepOpt,
     TakeOverOpt,
     check_every_command,
+    check_jobs,
     check_positive,
     check_scale,
+    check_states,
     check_temperature,
     checked_address,
     config_from_options,
@@ -263,14 +265,37 @@ def status(
         callback=check_positive,
         help="with --watch, seconds to wait for a driver to start (a job just submitted, a cluster coming up)",
     ),
+    every: bool = typer.Option(False, "--all", "-a", help="list every job, not the one-screen summary"),
+    state: Optional[str] = typer.Option(
+        None,
+        "--state",
+        "-t",
+        callback=check_states,
+        help="list the jobs in these states: a comma list (e.g. failed,retrying; aliases failed, ended, active, all)",
+    ),
+    expert: Optional[str] = typer.Option(
+        None,
+        "--expert",
+        "-e",
+        callback=check_jobs,
+        help="list these jobs: a comma list of expert numbers, ranges and names (e.g. 7,12-15,expert-0020,seed)",
+    ),
 ) -> None:
-    """Every job's state, step/target, expert-val loss, GPU-hours, budget left, retries, node, device and last error,
-    with counts by state, GPU-hours by category and an ETA (from the snapshot the driver writes)."""
+    """The campaign on one screen at any N: counts by state (the seed apart), GPU-hours and dollars, updates done and
+    the ETA, and the experts that need attention (failed, retrying, silent, over budget, slow), from the snapshot the
+    driver writes. --all, --state and --expert list jobs (state, step/target, losses, GPU-hours, budget left,
+    retries, device, node, last error); --json gives every field."""
 
     def go() -> None:
-        from pipelines.status import show_status
+        from pipelines.status import Selection, show_status
+        from soma_cluster.statusview import parse_jobs, parse_states
 
-        show_status(open_store(campaign), as_json, watch, interval, count, wait)
+        sel = Selection(
+            states=parse_states(state) if state is not None else None,
+            jobs=parse_jobs(expert) if expert is not None else None,
+            every=every,
+        )
+        show_status(open_store(campaign), as_json, watch, interval, count, wait, sel)
 
     run_command(go)
 

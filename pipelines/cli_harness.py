@@ -25,7 +25,9 @@ from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, r
 from soma_cluster.diskerrors import storage_error
 from soma_cluster.envvars import check_environment
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment
+from soma_cluster.jobs import STATES
 from soma_cluster.lease import LeaseLost
+from soma_cluster.statusview import ALIASES, parse_jobs, parse_states
 
 if TYPE_CHECKING:
     from pipelines.rayaddress import Address
@@ -387,6 +389,37 @@ StepOpt = typer.Option(
     None, "--step", min=0, help="a campaign's checkpoints of this step (default: each expert's latest)"
 )
 DeviceOpt = typer.Option(None, "--device", help="torch device: cpu, cuda or cuda:N (default: cuda when available)")
+
+
+def check_states(value: Optional[str]) -> Optional[str]:
+    """--state: a comma list of job states or their aliases (soma_cluster/statusview.py), as squeue's --states."""
+    if value is not None:
+        try:
+            parse_states(value)
+        except ValueError as exc:
+            bad_option(
+                f"--state/-t: {exc}; pass a comma list of {', '.join(STATES)}, or {', '.join(ALIASES)} "
+                "(e.g. --state failed,retrying)"
+            )
+    return value
+
+
+def check_jobs(value: Optional[str]) -> Optional[str]:
+    """--expert: a comma list of expert numbers, ranges lo-hi, names (expert-0007) and `seed`; whether each is one of
+    the campaign's is checked once its config is read."""
+    if value is not None:
+        try:
+            parse_jobs(value)
+        except ValueError as exc:
+            bad_option(f"--expert/-e: {exc}; pass e.g. --expert 7,12-15 (or expert-0007, or seed)")
+    return value
+
+
+# the options that take a comma list, with values each must refuse (tests/test_command_targets.py gives them all)
+LIST_CHECKS = {
+    check_states: ("", ",", "bogus", "running,bogus", "fail", "3"),
+    check_jobs: ("", ",", "x", "7,,8", "-1", "7-", "15-12", "expert-", "1e3", "seed-1", "3.5"),
+}
 
 
 def check_temperature(value: float) -> float:

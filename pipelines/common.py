@@ -10,6 +10,7 @@ from typing import Iterator
 
 from rich.console import Console
 from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn, TimeRemainingColumn
+from rich.table import Column
 from rich.text import Text
 
 from soma_cluster.campaignfile import CONFIG_FILE as CONFIG
@@ -91,19 +92,38 @@ class InfoColumn(TimeRemainingColumn):
 
 
 @contextmanager
-def progress(enabled: bool = True) -> Iterator[Progress]:
+def progress(enabled: bool = True, fit: bool = False) -> Iterator[Progress]:
+    """Progress bars on stderr; `fit`: as wide as the terminal and no wider, the bar taking what the other columns
+    leave (their `info` is the caller's to keep short: info_room)."""
+    # fitted: the text columns never wrap (their text is kept short) and the bar takes the columns they leave
     bar = Progress(
-        TextColumn("{task.description}"),
-        BarColumn(),
+        TextColumn("{task.description}", table_column=Column(no_wrap=True) if fit else None),
+        BarColumn(bar_width=None if fit else 40, table_column=Column(ratio=1) if fit else None),
         MofNCompleteColumn(),
         TimeElapsedColumn(),
-        InfoColumn(),
+        InfoColumn(table_column=Column(no_wrap=True) if fit else None),
         console=console,
         disable=not enabled,
         transient=False,
+        expand=fit,
     )
     with bar:
         yield bar
+
+
+MIN_BAR = 10  # columns a fitted bar keeps, however long the text beside it
+
+
+def info_room(width: int, descriptions: list[str], largest_total: int) -> int:
+    """Columns left for a fitted progress display's `info` (progress(fit=True)) at `width`: what the description,
+    the bar (MIN_BAR), M/N, the elapsed time and the gaps between them leave."""
+    used = max(map(len, descriptions), default=0) + MIN_BAR + 2 * len(str(largest_total)) + 1 + len("10:00:00")
+    return max(0, width - used - 4)  # 4: one space between each of the five columns
+
+
+def fit_info(candidates: list[str], room: int) -> str:
+    """The first (most informative) of `candidates` that fits in `room` columns; '' when none does."""
+    return next((c for c in candidates if len(c) <= room), "")
 
 
 @contextmanager

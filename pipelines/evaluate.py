@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import io
 import json
 import math
 import os
@@ -14,6 +13,7 @@ import numpy as np
 import torch
 
 from pipelines.common import console, load_config, open_store, out
+from pipelines.expertviews import capped, curves_caption, expert_lines, expert_spread, plot_curves
 from pipelines.tracking import check_tracking, track_stage
 from soma_cluster import breakdown as bd
 from soma_cluster.checkpoint import Checkpoint
@@ -36,8 +36,6 @@ from soma_cluster.ensemble import (
     windows_digest,
 )
 from soma_cluster.errors import SomaError
-from soma_cluster.jobcurves import DIR as CURVES
-from soma_cluster.jobcurves import read_curve
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
@@ -330,45 +328,12 @@ def evaluate(
     _charge(store, cfg, t0, device)
     metrics["ledger"] = Ledger(store).totals().as_dict()
     metrics["wall_time"] = wall_time(store)
-    metrics["curves_figure"] = plot_curves(store, cfg)
+    metrics["curves_figure"], metrics["curves_outliers"] = plot_curves(store, cfg)
+    metrics["expert_spread"] = expert_spread(metrics)
     store.write_json("eval/metrics.json", metrics)
     store.write_bytes("eval/report.md", report(cfg, metrics).encode())
     track_stage(store, cfg, Stage.EVAL, "finished", metrics=metrics, tags=track_tags)
     return metrics
-
-
-def plot_curves(store: Store, cfg: CampaignConfig) -> str | None:
-    """eval/curves.png: every expert's train (thin) and expert-validation (dots) loss against its step, from
-    curves/*.csv; None when no curve was written (a campaign from before the CSVs)."""
-    names = [expert_name(e) for e in range(cfg.n_experts) if store.exists(f"{CURVES}/{expert_name(e)}.csv")]
-    if not names:
-        return None
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    fig, ax = plt.subplots(figsize=(7, 4))
-    colors = plt.cm.viridis(np.linspace(0, 0.9, len(names)))
-    for name, color in zip(names, colors, strict=True):
-        rows = read_curve(store, name)
-        train = [(r["step"], r["train_loss"]) for r in rows if r["train_loss"] is not None]
-        val = [(r["step"], r["val_loss"]) for r in rows if r["val_loss"] is not None]
-        if train:
-            ax.plot(*zip(*train, strict=True), lw=0.8, color=color, alpha=0.6)
-        if val:
-            ax.plot(*zip(*val, strict=True), "o", ms=3, color=color, label=name if len(names) <= 16 else None)
-    ax.set_xlabel("update (step)")
-    ax.set_ylabel("nats/byte")
-    ax.set_title(f"{cfg.name}: per-expert train (lines) and expert-val (dots) loss")
-    if len(names) <= 16:
-        ax.legend(fontsize=6, ncol=2)
-    buf = io.BytesIO()
-    fig.tight_layout()
-    fig.savefig(buf, format="png", dpi=110)
-    plt.close(fig)
-    store.write_bytes("eval/curves.png", buf.getvalue())
-    return "eval/curves.png"
 
 
 def _charge(store: Store, cfg: CampaignConfig, t0: float, device: torch.device) -> None:
@@ -478,8 +443,10 @@ def progress_lines(m: dict) -> str:
     running, driver = m.get("in_progress") or [], m.get("driver_running")
     if not running and not driver:
         return ""
-    rows = "\n".join(f"| {x['expert']} | {x['state']} | {x['step']} / {x['target']} |" for x in running)
-    table = f"\n\n| expert | state (status.json) | step / target |\n|---|---|---|\n{rows}" if running else ""
+    lines = [f"| {x['expert']} | {x['state']} | {x['step']} / {x['target']} |" for x in running]
+    shown, more = capped(lines, "in_progress")
+    rows = "\n".join(shown)
+    table = f"\n\n| expert | state (status.json) | step / target |\n|---|---|---|\n{rows}{more}" if running else ""
     return (
         f"\n**Campaign still in training: {len(running)} expert(s) had not ended and are evaluated at their latest "
         f"checkpoint, which may not be their last (or as the seed model, where they have none yet)**"
@@ -493,14 +460,16 @@ def substitution_lines(m: dict) -> str:
     subs = m.get("substituted") or []
     if not subs:
         return ""
-    rows = "\n".join(
-        f"| {s['expert']} | {s['end']} | {s['step']} | {s['reason'] or ''} | {s['routed_windows']} |" for s in subs
+    shown, more = capped(
+        [f"| {s['expert']} | {s['end']} | {s['step']} | {s['reason'] or ''} | {s['routed_windows']} |" for s in subs],
+        "substituted",
     )
+    rows = "\n".join(shown)
     return (
         f"\n**Partial campaign: {len(subs)} expert(s) have no checkpoint and are evaluated as the seed model** "
         f"({SUBSTITUTION_RULE}; the seed scored {m.get('seed_substitute_windows', 0)} windows in their place). "
         "`soma eval --require-all` refuses this.\n\n"
-        f"| expert | end (events.jsonl) | step | why | windows routed to it |\n|---|---|---|---|---|\n{rows}\n"
+        f"| expert | end (events.jsonl) | step | why | windows routed to it |\n|---|---|---|---|---|\n{rows}{more}\n"
     )
 
 
@@ -659,9 +628,6 @@ def wall_lines(m: dict) -> str:
     )
 
 
-CURVES_FIGURE = "Training curves (from `curves/*.csv`, one per expert):\n\n![per-expert curves](curves.png)\n"
-
-
 def usd_line(led: dict) -> str:
     """The ledger in dollars, at the price each record was written with (nothing when no record had a price)."""
     if not led.get("usd_total") and not any((led.get("usd") or {}).values()):
@@ -674,11 +640,6 @@ def usd_line(led: dict) -> str:
 
 def report(cfg: CampaignConfig, m: dict) -> str:
     led = m["ledger"]
-    alone = m.get("expert_test_nats") or {}
-    rows = "\n".join(
-        f"| {name} | {v['step']} | {v['own_val_nats']:.4f} | {alone.get(name, math.nan):.4f} | {v['routed_windows']} |"
-        for name, v in m["per_expert"].items()
-    )
     return f"""# soma-cluster evaluation: {cfg.name} (preset {cfg.preset})
 
 N = {cfg.n_experts} experts, d = {cfg.model.d}, {m["parameters"]:,} parameters; top-{m["top_k"]} {m["weighting"]} \
@@ -697,12 +658,9 @@ routing by the {m.get("rule", "nearest")} rule; config {m.get("config_digest", "
 Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_per_byte"]:+.4f} nats/byte
 [{m["ensemble_minus_seed"]["ci95"][0]:+.4f}, {m["ensemble_minus_seed"]["ci95"][1]:+.4f}].
 {_compare_lines(m)}
-| expert | updates | own-shard val nats/byte | test nats/byte, alone | windows routed to it |
-|---|---|---|---|---|
-{rows}
-{source_lines(m)}{baseline_lines(m)}{load_lines(m)}
+{expert_lines(m)}{source_lines(m)}{baseline_lines(m)}{load_lines(m)}
 
-{CURVES_FIGURE if m.get("curves_figure") else ""}
+{curves_caption(m, cfg.n_experts)}
 Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s including routing; routing is
 {100 * m["routing_time_share"]:.1f}% of the ensemble's time.
 
@@ -773,7 +731,8 @@ def say_substituted(mine: list[dict], theirs: list[dict] = (), compare: str | No
         if subs:
             out.print(
                 f"seed model stands in for {len(subs)} expert(s){whose} with no checkpoint: "
-                + ", ".join(f"{s['expert']} ({s['end']}, {s['routed_windows']} windows)" for s in subs),
+                + ", ".join(f"{s['expert']} ({s['end']}, {s['routed_windows']} windows)" for s in subs[:8])
+                + (f" and {len(subs) - 8} more (eval/metrics.json's substituted)" if len(subs) > 8 else ""),
                 markup=False,
                 soft_wrap=True,
             )

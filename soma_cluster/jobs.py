@@ -275,3 +275,4 @@ class JobStatus:
     left_s: float | None = None  # GPU-seconds it may still spend (None: no budget, or it ended)
     retries: int = 0  # failures counted against retry.max_retries
     beat_age_s: float | None = None  # seconds since a running job's last report
+    starting: bool = False  # queued, but its actor holds its GPU share and is starting up (it takes a GPU)

@@ -155,6 +155,7 @@ class Scheduler:
         self.retries = Retries(self.cfg.retry, self.clock, self.rng)
         self.avoid = Avoidance(self.clock)  # nodes that could not reach the store, for a while
         self.units: dict[int, Unit] = {}
+        self.room = 0  # actors the GPUs present hold, as of the last requests (on_gpu)
         self.open: dict[Job, Unit] = {}  # job -> the unit training it (queued or running)
         self.pending: deque[Job] = deque()  # jobs waiting for an actor, in order
         self.next_attempt: dict[Job, int] = {}
@@ -199,8 +200,9 @@ class Scheduler:
         caps = [c for c in caps if c is not None]
         return min(caps) if caps else None
 
-    def status(self, job: Job) -> JobStatus:
-        """What `soma status` shows of the job now (soma_cluster/snapshot.py)."""
+    def status(self, job: Job, on_gpu: set[int] | None = None) -> JobStatus:
+        """What `soma status` shows of the job now (soma_cluster/snapshot.py); `on_gpu`: self.on_gpu(), where the
+        caller asks for many jobs at once."""
         state = self.state.get(job, JobState.PENDING)
         unit = self.open.get(job)
         running = unit is not None and unit.phase == JobState.RUNNING
@@ -211,7 +213,18 @@ class Scheduler:
             left_s=None if state in TERMINAL else self.left(job),
             retries=self.retries.failures.get(job, 0),
             beat_age_s=self.clock() - unit.last_beat if running else None,
+            starting=unit is not None and not running and unit.id in (self.on_gpu() if on_gpu is None else on_gpu),
         )
+
+    def on_gpu(self) -> set[int]:
+        """The units whose actor holds its GPU share now, as far as the driver can tell: running ones; starting ones
+        (granted at the request, reused, or placed: on_placed); and, while the GPUs present (`room` at the last
+        requests) have shares that those do not hold, the oldest still waiting in Ray's queue. Ray places its queue
+        as shares free, and a placed actor's process starts (1 to 20 s on a loaded host) before its first
+        instruction can tell the driver; without this, 0 to 3 of 4 GPUs' experts counted as running."""
+        known = {u.id for u in self.units.values() if u.phase == JobState.RUNNING or u.held_since is not None}
+        waiting = sorted(uid for uid in self.units if uid not in known)
+        return known | set(waiting[: max(0, self.room - len(known))])
 
     def revise(self, cfg: CampaignConfig, reopen: list[Job]) -> None:
         """A config revision in force from now on (soma set): the budgets, retries and concurrency of every decision
@@ -262,6 +275,7 @@ class Scheduler:
         Once the campaign is `stopped`: none, and every actor still queued or running is stopped."""
         if self.stopped is not None:
             return self._halt()
+        self.room = room
         out: list[Action] = []
         while len(self.units) < capacity:
             group = self.retries.due(self._pack) or (self._take() if self.pending else [])

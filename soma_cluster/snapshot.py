@@ -29,6 +29,7 @@ from soma_cluster.jobs import (
     expert_jobs,
 )
 from soma_cluster.ledger import Totals, hours_unit
+from soma_cluster.statusview import experts_text, experts_view
 
 if TYPE_CHECKING:
     from soma_cluster.schedule import Scheduler
@@ -61,13 +62,15 @@ def _row(cfg: CampaignConfig, job: Job, s: JobStatus) -> dict:
         "device": s.view.device,
         "last_error": s.view.last_error,
         "heartbeat_age_s": s.beat_age_s,
+        "starting": s.starting,
     }
 
 
 def scheduler_rows(sched: Scheduler) -> dict[str, dict]:
     """job name -> row, for the jobs this scheduler runs: where each stands now, by the scheduler's own state
     machine (not the last event it wrote)."""
-    return {job.name: _row(sched.cfg, job, sched.status(job)) for job in sched.jobs}
+    on_gpu = sched.on_gpu()
+    return {job.name: _row(sched.cfg, job, sched.status(job, on_gpu)) for job in sched.jobs}
 
 
 def history_rows(
@@ -146,6 +149,7 @@ def build(
         "final": final,
         "unit": hours_unit(devices),
         "counts": counts(listed),
+        "experts": experts_view(listed),
         "gpu_hours": hours,
         "gpu_hours_total": sum(hours.values()),
         "budget": budget_view(cfg),
@@ -191,9 +195,11 @@ def loss_text(loss: float | None, val: float | None) -> str:
 
 
 def summary_line(snap: dict) -> str:
-    """One line for a log collector: counts by state, the newest losses (each job's, averaged), GPU-hours by
-    category, ETA."""
-    c = ", ".join(f"{n} {s}" for s, n in snap["counts"].items())
+    """One line for a log collector: the experts by state (a starting one counts as running: it holds a GPU; the seed
+    is said apart, never among the experts), the newest losses (each job's, averaged), GPU-hours by category, ETA."""
+    view = experts_view(snap["jobs"])
+    c = f"experts {experts_text(view)}" if view["n"] else "no experts"
+    c += f" | seed {view['seed']}" if view["seed"] else ""
     spent = ", ".join(f"{k} {v:.4f}" for k, v in snap["gpu_hours"].items() if v > 0)
     eta = snap["eta_s"]
     eta_text = "-" if eta is None else fmt_duration(eta)

@@ -22,7 +22,7 @@ import typer.main
 from typer.testing import CliRunner
 
 from pipelines.cli import app
-from pipelines.cli_harness import OPTION_PAIRS, Checked, shown
+from pipelines.cli_harness import LIST_CHECKS, OPTION_PAIRS, Checked, shown
 from soma_cluster.snapshot import fmt_span
 from soma_cluster.storage import Store
 
@@ -223,6 +223,35 @@ def test_bad_option_value_is_one_line_naming_the_option(command, option, value, 
     assert result.exit_code == 2 and len(errors) == 1, (argv, value, result.stderr[-1500:], result.exception)
     assert option in errors[0] and "Traceback" not in result.stderr, errors[0]
     assert not any(tmp_path.iterdir()), argv  # refused before anything was made
+
+
+def list_options() -> list[tuple[str, str, object]]:
+    """(command, --option, its checker) for every option of every command that takes a comma list: those whose
+    callback is one of cli_harness.LIST_CHECKS (typer wraps a callback: the checker is its __wrapped__)."""
+    return [
+        (name, max(p.opts, key=len), check)
+        for name in COMMANDS
+        for p in GROUP.commands[name].params
+        if p.param_type_name == "option" and (check := getattr(p.callback, "__wrapped__", None)) in LIST_CHECKS
+    ]
+
+
+LIST_CASES = [(command, option, value) for command, option, check in list_options() for value in LIST_CHECKS[check]]
+
+
+def test_every_list_option_is_in_the_table():
+    assert {(c, o) for c, o, _ in list_options()} >= {("status", "--state"), ("status", "--expert")}
+
+
+@pytest.mark.parametrize("command,option,value", LIST_CASES, ids=[f"{c}{o}={v}" for c, o, v in LIST_CASES])
+def test_bad_list_value_is_one_line_naming_the_option(command, option, value, tmp_path):
+    """A comma list with a word that is no state, no expert, a range backwards: refused before anything is read."""
+    argv = argv_for(command, "", str(tmp_path / "camp"), {k: str(tmp_path / k) for k in DIRECTORY_ARGS})
+    result = CliRunner().invoke(app, [*argv, f"{option}={value}"], env={"COLUMNS": "300", "RAY_ADDRESS": ""})
+    errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
+    assert result.exit_code == 2 and len(errors) == 1, (argv, value, result.stderr[-1500:], result.exception)
+    assert option in errors[0] and "e.g." in errors[0] and "Traceback" not in result.stderr, errors[0]
+    assert not any(tmp_path.iterdir()), argv
 
 
 @pytest.mark.parametrize(
