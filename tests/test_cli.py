@@ -3,6 +3,7 @@
 import json
 import shutil
 
+import pytest
 from conftest import assert_one_line_error, soma
 
 
@@ -257,3 +258,19 @@ def test_the_demo_line_compares_routing_with_what_it_must_beat():
     assert last.startswith("not beaten") and "best single expert" in last and "uniform mixture" not in last
     m["baselines"]["best_single"] = base(2.9987, -0.05, -0.01)
     assert not any(line.startswith("not beaten") for line in summary_lines(m, 57.0))
+
+
+@pytest.mark.slow
+def test_make_demo_prints_what_the_readme_quotes(tmp_path):
+    """The built-in corpus is fixed bytes and training is seeded: `soma demo --preset tiny` prints, on every machine,
+    the numbers the README quotes (all but the seconds)."""
+    import re
+    from pathlib import Path
+
+    readme = (Path(__file__).resolve().parents[1] / "README.md").read_text()
+    quoted = readme.split("demo finished in", 1)[1].split("```", 1)[0]
+    proc = soma("demo", str(tmp_path / "demo"), "--preset", "tiny", timeout=1800)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    printed = proc.stdout.split("demo finished in", 1)[1].split("report:", 1)[0]
+    drop_seconds = lambda text: re.sub(r"^ \d+ s", "", text.strip())  # noqa: E731
+    assert drop_seconds(printed) == drop_seconds(quoted)
