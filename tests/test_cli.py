@@ -272,5 +272,5 @@ def test_make_demo_prints_what_the_readme_quotes(tmp_path):
     proc = soma("demo", str(tmp_path / "demo"), "--preset", "tiny", timeout=1800)
     assert proc.returncode == 0, proc.stderr[-3000:]
     printed = proc.stdout.split("demo finished in", 1)[1].split("report:", 1)[0]
-    drop_seconds = lambda text: re.sub(r"^ \d+ s", "", text.strip())  # noqa: E731
+    drop_seconds = lambda text: re.sub(r"^\d+ s", "", text.strip())  # noqa: E731
     assert drop_seconds(printed) == drop_seconds(quoted)
