@@ -44,6 +44,7 @@ from soma_cluster.revisions import revisions
 from soma_cluster.router import Router, load_router, router_text
 from soma_cluster.shards import open_shard
 from soma_cluster.snapshot import SNAPSHOT
+from soma_cluster.sources import FULL_EXPERTS, TOP_EXPERTS, table_from_json
 from soma_cluster.storage import Store, sha256
 from soma_cluster.trackpoints import Stage
 from soma_cluster.trainer import Trainer, pick_device
@@ -197,9 +198,11 @@ def explain(
     seed_nats: np.ndarray,
     routed: dict[int, int],
     w: np.ndarray,
+    top: np.ndarray | None = None,
 ) -> dict:
     """The evaluation's one number taken apart (soma_cluster/breakdown.py): loss per source and per document, the
-    baselines and the top-k sensitivity on the same windows (paired with the ensemble), the routing load, and the
+    baselines and the top-k sensitivity on the same windows (paired with the ensemble), the routing load (judged
+    against the test windows' mix of sources where `top`, (n, k) each window's experts, is given), and the
     ledger's elapsed wall time beside its actor-seconds."""
     cfg, router = ens.cfg, ens.router
     docs = load_documents(store)
@@ -214,6 +217,7 @@ def explain(
     sens = bd.top_k_sensitivity(probs, routes, ens_rows, wr)
     seconds = time.perf_counter() - t0
     load = bd.routing_load(routed, len(win.data), k, cfg.n_experts)
+    mix = source_routing(store, cfg, win, docs, top)
     return {
         "by_source": [
             g.as_dict() for g in bd.by_source(nats, seed_nats, win.docs, {d: s for d, (_, s) in docs.items()}, w)
@@ -232,8 +236,138 @@ def explain(
             expert_name(e): float(-np.log(np.maximum(probs[e], 1e-300)).mean()) for e in range(cfg.n_experts)
         },
         "routing_load": load.as_dict(),
-        "routing_warning": load.warning(expert_name),
+        **mix_metrics(mix, load),
     }
+
+
+# -- routing by source (soma_cluster/breakdown.py, "the routing load by source") --------------------------------------
+def source_routing(
+    store: Store, cfg: CampaignConfig, win: Windows, docs: dict[int, tuple[str, str]], top: np.ndarray | None
+) -> bd.SourceRouting | None:
+    """The test windows' routing by source against the train sequences' source x expert table of
+    shards/manifest.json (source_experts; a campaign prepared before it: no table, nothing judged by the mix)."""
+    if top is None:
+        return None
+    rows = store.read_json("shards/manifest.json").get("source_experts")
+    train = table_from_json(rows, cfg.n_experts) if rows else None
+    sources = [docs.get(int(d), ("", "unknown"))[1] for d in win.docs]
+    return bd.routing_by_source(sources, top, cfg.n_experts, train)
+
+
+def mix_metrics(mix: bd.SourceRouting | None, load: bd.RoutingLoad) -> dict:
+    """metrics.json's routing_by_source, and the routing warning: judged against the test windows' mix of sources
+    where the training table is there, else by the fair share alone (routing_load)."""
+    if mix is None or not mix.trained:
+        return {
+            "routing_by_source": mix.as_dict() if mix is not None else None,
+            "routing_warning": load.warning(expert_name),
+            "routing_note": None,
+        }
+    return {
+        "routing_by_source": mix.as_dict(),
+        "routing_warning": mix.warning(expert_name),
+        "routing_note": mix.note(expert_name),
+    }
+
+
+def mix_verdict(m: dict) -> str | None:
+    """The routing-load section's verdict when the load was judged against the mix of sources (None: it was not)."""
+    mix = m.get("routing_by_source")
+    if not (mix and mix["trained"] and mix["judged"]):
+        return None
+    if m.get("routing_warning"):
+        return f"**Warning: {m['routing_warning']}.** (Judged against the test windows' mix of sources: below.)"
+    if m.get("routing_note"):
+        return f"Judged against the test windows' mix of sources (below), it does not concentrate: {m['routing_note']}."
+    return "Judged against the test windows' mix of sources (below), it does not concentrate."
+
+
+SHOWN_SOURCE_ROWS = 20  # the report's routing-by-source table lists this many sources, the rest in one row
+SHOWN_MIX_EXPERTS = 8  # and this many experts, furthest above what the mix predicts
+
+
+def source_routing_lines(m: dict) -> str:
+    """The report's source x expert routing table of the test windows, and each expert's load against what the mix
+    of sources predicts (every row in metrics.json's routing_by_source)."""
+    mix = m.get("routing_by_source")
+    if not mix:
+        return ""
+    n, k, total = mix["n_experts"], mix["top_k"], max(mix["windows"], 1)
+    full = n <= FULL_EXPERTS
+    listed, rest = mix["sources"][:SHOWN_SOURCE_ROWS], mix["sources"][SHOWN_SOURCE_ROWS:]
+    if full:
+        head = "| source | windows | share | " + " | ".join(expert_name(e) for e in range(n)) + " |"
+        rule = "|---|---|---|" + "---|" * n
+    else:
+        head = f"| source | windows | share | top {TOP_EXPERTS} experts: routed (predicted) |"
+        rule = "|---|---|---|---|"
+    rows = [head, rule]
+    for r in listed:
+        cells = _source_cells(r, n, full, mix["trained"])
+        rows.append(f"| {_md(r['source'])} | {r['windows']} | {100 * r['windows'] / total:.0f}% | {cells} |")
+    if rest:
+        n_rest = sum(r["windows"] for r in rest)
+        blank = " | ".join([""] * (n if full else 1))
+        rows.append(f"| {len(rest):,} more sources | {n_rest} | {100 * n_rest / total:.0f}% | {blank} |")
+    recorded = "" if mix["trained"] else " (not recorded by this campaign's prepare: no prediction)"
+    which = "Every source" if not rest else f"The {len(listed)} largest of {len(mix['sources']):,} sources"
+    return f"""
+### Routing by source
+
+The test windows of each source (their held-out documents' sources, `test/documents.json`) and the share of them the
+router sent to each expert (each window counts for its top-{k}, so a row sums to {100 * k}%), in parentheses what the
+training shards predict: min(1, k x the share of the source's train sequences in that expert's shard, from
+`shards/manifest.json`'s `source_experts`){recorded}. {which}; all of them in `metrics.json`'s `routing_by_source`.
+
+{chr(10).join(rows)}
+{_mix_load_lines(mix)}"""
+
+
+def _source_cells(r: dict, n: int, full: bool, trained: bool) -> str:
+    routed = {int(e): c for e, c in r["routed"].items()}
+    pred = {int(e): p for e, p in r["predicted_share"].items()}
+
+    def cell(e: int) -> str:
+        got = f"{100 * routed.get(e, 0) / max(r['windows'], 1):.0f}%"
+        return f"{got} ({100 * pred.get(e, 0):.0f}%)" if trained else got
+
+    if full:
+        return " | ".join(cell(e) for e in range(n))
+    top = sorted(set(routed) | set(pred), key=lambda e: (-routed.get(e, 0), -pred.get(e, 0), e))[:TOP_EXPERTS]
+    return ", ".join(f"{expert_name(e)} {cell(e)}" for e in top)
+
+
+def _mix_load_lines(mix: dict) -> str:
+    if not mix["trained"]:
+        return ""
+    experts = mix["experts"]
+    ranked = sorted(experts, key=lambda x: (-x["share"] / max(x["threshold"], 1e-12), x["expert"]))
+    rows = "\n".join(
+        f"| {expert_name(x['expert'])} | {x['windows']} | {x['share']:.2f} | {x['expected_share']:.2f} | "
+        f"{x['threshold']:.2f} |"
+        for x in ranked[:SHOWN_MIX_EXPERTS]
+    )
+    which = "every expert" if len(experts) <= SHOWN_MIX_EXPERTS else f"the {SHOWN_MIX_EXPERTS} of {len(experts)}"
+    if not mix["judged"]:
+        verdict = f"Not judged: k = N, or k/N x windows is under {bd.LOAD_MIN_FAIR}."
+    elif mix["over"]:
+        verdict = f"{len(mix['over'])} expert(s) over their mark."
+    else:
+        verdict = "No expert is over its mark."
+    return f"""
+Each expert's load against what this mix of sources predicts: {bd.MIX_RULE}. An expert is warned about when its
+share of the windows exceeds min(2 f, (1 + f) / 2), f its expected share (at least {bd.LOAD_MIN_FAIR} windows'
+worth). {verdict} Furthest above their mark first ({which}):
+
+| expert | windows | share | expected share under the mix | warned above |
+|---|---|---|---|---|
+{rows}
+"""
+
+
+def _md(text: str) -> str:
+    """A label as one Markdown table cell shows it."""
+    return text.replace("|", "\\|")
 
 
 def wall_time(store: Store) -> dict:
@@ -322,7 +456,7 @@ def evaluate(
             "this_minus_other": _paired(res.nats, other.nats, w),
             "substituted": other_ens.substitutes(other.per_expert_windows),
         }
-    metrics.update(explain(store, ens, win, ctx, device, res.nats, seed_nats, res.per_expert_windows, w))
+    metrics.update(explain(store, ens, win, ctx, device, res.nats, seed_nats, res.per_expert_windows, w, res.top))
     if metrics["routing_warning"]:
         console.print(f"warning: {metrics['routing_warning']}", markup=False, soft_wrap=True)
     _charge(store, cfg, t0, device)
@@ -502,15 +636,22 @@ def source_lines(m: dict, shown: int = 5) -> str:
     """Loss per source, and the hardest and easiest documents."""
     if not m.get("by_source"):
         return ""
+    groups = m["by_source"][:SHOWN_SOURCE_ROWS]  # largest first; every source in metrics.json
     rows = "\n".join(
-        f"| {g['source']} | {g['windows']} | {g['documents']} | {_ci_cell(g['ensemble'])} | {_ci_cell(g['seed'])} | "
-        f"{_ci_cell(g['ensemble_minus_seed'], '+')} |"
-        for g in m["by_source"]
+        f"| {_md(g['source'])} | {g['windows']} | {g['documents']} | {_ci_cell(g['ensemble'])} | "
+        f"{_ci_cell(g['seed'])} | {_ci_cell(g['ensemble_minus_seed'], '+')} |"
+        for g in groups
     )
+    if len(m["by_source"]) > len(groups):
+        more = m["by_source"][len(groups) :]
+        rows += (
+            f"\n| {len(more):,} more sources (`by_source` in `metrics.json`) | {sum(g['windows'] for g in more)} | "
+            f"{sum(g['documents'] for g in more)} | | | |"
+        )
     docs = m.get("by_document") or []
     picked = docs if len(docs) <= 2 * shown else docs[:shown] + docs[-shown:]
     drows = "\n".join(
-        f"| {d['name'] or d['doc']} | {d['source']} | {d['windows']} | {d['ensemble_nats_per_byte']:.4f} | "
+        f"| {d['name'] or d['doc']} | {_md(d['source'])} | {d['windows']} | {d['ensemble_nats_per_byte']:.4f} | "
         f"{d['seed_nats_per_byte']:.4f} |"
         for d in picked
     )
@@ -591,7 +732,9 @@ def load_lines(m: dict) -> str:
     shown = loads if len(loads) <= 16 else loads[:8] + loads[-8:]  # N = 256: the busiest and the idlest eight
     rows = "\n".join(f"| {expert_name(int(e))} | {c} | {c / max(load['windows'], 1):.2f} |" for e, c in shown)
     which = "" if shown is loads else f" (the 8 busiest and the 8 least busy of {len(loads)}; all in `metrics.json`)"
-    if m.get("routing_warning"):
+    if mix_verdict(m):
+        verdict = mix_verdict(m)
+    elif m.get("routing_warning"):
         verdict = f"**Warning: {m['routing_warning']}.**"
     elif not load["judged"]:
         verdict = (
@@ -658,7 +801,7 @@ routing by the {m.get("rule", "nearest")} rule; config {m.get("config_digest", "
 Ensemble minus seed, paired document bootstrap: {m["ensemble_minus_seed"]["nats_per_byte"]:+.4f} nats/byte
 [{m["ensemble_minus_seed"]["ci95"][0]:+.4f}, {m["ensemble_minus_seed"]["ci95"][1]:+.4f}].
 {_compare_lines(m)}
-{expert_lines(m)}{source_lines(m)}{baseline_lines(m)}{load_lines(m)}
+{expert_lines(m)}{source_lines(m)}{baseline_lines(m)}{load_lines(m)}{source_routing_lines(m)}
 
 {curves_caption(m, cfg.n_experts)}
 Inference on {m["device"]}: {m["byte_tokens_per_second"]:,.0f} byte-tokens/s including routing; routing is

@@ -61,6 +61,7 @@ from soma_cluster.router import (
     size_spread,
 )
 from soma_cluster.shards import MAX_VAL_SHARE, ValSplit, val_split, write_manifests
+from soma_cluster.sources import label_parts, merge_tables, rows_note, table_json, table_lines
 from soma_cluster.storage import Store, sha256
 from soma_cluster.textsources import BUILTIN, NAMED_SOURCES
 from soma_cluster.trackpoints import Stage
@@ -106,8 +107,8 @@ class LocalEngine:
                 bar.advance(task)
         return np.concatenate(keys), np.concatenate(emb)
 
-    def count(self, router: Router, parts: list[int]) -> tuple[np.ndarray, Routed]:
-        return np.stack([count_part(router, self.stage, p, self.cache) for p in parts]), Routed(router)
+    def count(self, router: Router, parts: list[int]) -> tuple[list[np.ndarray], Routed]:
+        return [count_part(router, self.stage, p, self.cache) for p in parts], Routed(router)
 
     def write(
         self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray, val_every: int
@@ -122,10 +123,13 @@ class LocalEngine:
 def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
     """The corpus's totals over its parts, checked: text, and held-out windows to evaluate on."""
     sources: dict[str, int] = {}
+    formats: dict[str, int] = {}
     skipped: dict[str, list[str]] = {}
     for st in stats:
         for k, v in st.sources.items():
             sources[k] = sources.get(k, 0) + v
+        for k, v in st.formats.items():
+            formats[k] = formats.get(k, 0) + v
         for why, files in st.skipped.items():
             skipped.setdefault(why, []).extend(files)
     n_docs, read = sum(st.documents for st in stats), sum(st.bytes for st in stats)
@@ -142,7 +146,7 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         raise SomaError(
             f"corpus {shown(cfg.corpus.source)}: the {n_test} held-out documents (of {n_docs}) fill no "
             f"{cfg.eval.window_bytes}-byte evaluation window; "
-            + more_test_documents(cfg.corpus, n_docs, sources, cfg.eval.window_bytes, read)
+            + more_test_documents(cfg.corpus, n_docs, formats, cfg.eval.window_bytes, read)
         )
     capped = setting_origin(cfg, "corpus.max_bytes")
     console.print(
@@ -159,6 +163,7 @@ def _corpus_info(cfg: CampaignConfig, stats: list[PartStats]) -> dict:
         "documents": n_docs,
         "bytes": read,
         "sources": sources,
+        "formats": formats,
         "test_documents": n_test,
         "parts": len(stats),
         "skipped_files": {why: len(files) for why, files in skipped.items()},
@@ -386,12 +391,17 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
     for hook in STAGE_HOOKS:
         hook("setup")
 
-    parts = plan_parts(cfg.corpus, cfg.prepare.part_bytes)
+    labelled = label_parts(cfg.corpus, plan_parts(cfg.corpus, cfg.prepare.part_bytes))  # refusals before reading
+    parts = labelled.parts
+    for note in labelled.notes:
+        console.print(f"warning: {note}", markup=False, soft_wrap=True)
     balanced = cfg.router.rule == "balanced"
     keep = max(cfg.router.sample_chunks, cfg.router.refit_rows if balanced else 0)
     stats = engine.read(parts, keep)
     lap("read")
     corpus_info = _corpus_info(cfg, stats)
+    if note := rows_note(cfg.corpus, corpus_info["formats"]):
+        console.print(f"warning: {note}", markup=False, soft_wrap=True)
     n_seqs = corpus_info["train_sequences"]
     if n_seqs < cfg.n_experts:
         raise SomaError(
@@ -419,8 +429,11 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         router = replace(router, offsets=fit_offsets(emb, router.centroids, router.offsets))
     del emb
     lap("refit")
-    per_part, routed = engine.count(router, with_seqs)  # (parts, N): each expert's sequences in each part
+    tables, routed = engine.count(router, with_seqs)  # each part's (S_p, N): sequences per source and expert
+    per_part = np.stack([t.sum(axis=0) for t in tables])  # (parts, N): each expert's sequences in each part
     sizes = per_part.sum(axis=0)
+    labels = {st.part: st.seq_sources for st in stats}
+    by_source = merge_tables(cfg.n_experts, ((labels[p], t) for p, t in zip(with_seqs, tables, strict=True)))
     lap("count")
     split = _val_split(cfg, int(sizes.min()))
     _check_sizes(cfg, sizes, split, corpus_info)
@@ -451,6 +464,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         "fit_size_spread": cluster_spread(sample_labels, cfg.n_experts),
         "assigned_size_spread": size_spread(sizes),
         "top_terms": router.top_terms,
+        "source_experts": table_json(by_source),
         "stage_seconds": stages,
         "wall_seconds": time.monotonic() - t0,
     }
@@ -471,6 +485,7 @@ def prepare_with(engine: Engine, store: Store, cfg: CampaignConfig) -> dict:
         note="CPU: corpus, router fit, shard writing (no GPU)",
     )
     _show_experts(summary, router.top_terms)
+    _show_sources(by_source)
     _state_settings(cfg, summary, split)
     return summary
 
@@ -497,6 +512,19 @@ def _show_experts(summary: dict, top_terms: list[list[str]]) -> None:
             f"  ... {n - len(shown)} more experts of {int(rows[order[3]])}-{int(rows[order[-4]])} sequences "
             "(shown: the 3 smallest and 3 largest shards; all in shards/manifest.json)"
         )
+
+
+def _show_sources(by_source: dict[str, np.ndarray]) -> None:
+    """How each source's train sequences were sharded: a compact source x expert table (at most SHOWN_SOURCES
+    sources, every one in shards/manifest.json's source_experts)."""
+    console.print(
+        f"train sequences by source and expert ({len(by_source):,} source{'s' * (len(by_source) != 1)}; "
+        "shards/manifest.json):",
+        markup=False,
+        soft_wrap=True,
+    )
+    for line in table_lines(by_source):
+        console.print(line, markup=False, soft_wrap=True)
 
 
 def _state_settings(cfg: CampaignConfig, summary: dict, split: ValSplit) -> None:

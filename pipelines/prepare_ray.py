@@ -124,9 +124,14 @@ def _count(batch: dict, stage_url: str, options: dict, router_dir: str) -> dict:
     part = int(batch["part"][0])
     clock = TaskClock("count", part)
     with tempfile.TemporaryDirectory(prefix="soma-count-") as tmp:
-        sizes = count_part(_router(stage_url, options, router_dir), Store(stage_url, options), part, tmp)
+        table = count_part(_router(stage_url, options, router_dir), Store(stage_url, options), part, tmp)
     clock.done(_node_id)
-    return {"part": np.array([part]), "sizes": sizes[None, :]}
+    # (S, N) of this part, S its own: as bytes with its row count (parts' S differ, so no fixed-shape column)
+    return {
+        "part": np.array([part]),
+        "rows": np.array([table.shape[0]]),
+        "table": np.array([table.astype("<i8").tobytes()], dtype=object),
+    }
 
 
 def _write(
@@ -244,9 +249,9 @@ class RayEngine:
             emb.append(rows_to_numpy(col, col.type.byte_width).view(np.float32).copy())
         return np.concatenate(keys), np.concatenate(emb)
 
-    def count(self, router: Router, parts: list[int]) -> tuple[np.ndarray, Routed]:
-        """Each part's sequences per expert; the router is staged for the workers here, and `write` is handed
-        where (the returned Routed)."""
+    def count(self, router: Router, parts: list[int]) -> tuple[list[np.ndarray], Routed]:
+        """Each part's sequences per source and expert (parts.count_part); the router is staged for the workers
+        here, and `write` is handed where (the returned Routed)."""
         router_dir = self._save_router(router, "router")
         ds = self._parts(parts).map_batches(
             _count,
@@ -254,10 +259,11 @@ class RayEngine:
             **self.tasks,
             fn_kwargs=dict(stage_url=self.stage.url, options=self.options, router_dir=router_dir),
         )
-        sizes = {}
+        tables = {}
         for batch in ds.iter_batches(batch_format="numpy", batch_size=None):
-            sizes.update(zip(batch["part"].tolist(), batch["sizes"], strict=True))
-        return np.stack([sizes[p] for p in parts]).astype(np.int64), Routed(router, router_dir)
+            for p, rows, raw in zip(batch["part"].tolist(), batch["rows"].tolist(), batch["table"], strict=True):
+                tables[p] = np.frombuffer(raw, dtype="<i8").reshape(rows, router.n_experts).astype(np.int64)
+        return [tables[p] for p in parts], Routed(router, router_dir)
 
     def write(
         self, store: Store, cfg: CampaignConfig, routed: Routed, parts: list[int], before: np.ndarray, val_every: int

@@ -302,6 +302,155 @@ def routing_load(per_expert: dict[int, int], windows: int, top_k: int, n_experts
     )
 
 
+# -- the routing load by source --------------------------------------------------------------------------------------
+# The fair share k/N assumes every source spread over the experts alike; a test set that is 64% one language routes
+# most windows to the experts that language's training sequences went to, and that is the sharding working, not the
+# routing failing. So where prepare recorded the source x expert table of the train sequences (shards/manifest.json's
+# source_experts), each expert's load is judged against what the test windows' own mix of sources predicts:
+#   expected windows of expert e = sum over sources s of n_s x min(1, k x P_train(e | s)),
+# n_s the test windows of source s, P_train(e | s) the share of s's train sequences in e's shard (a source with none:
+# the shards' overall shares). The warning fires for an expert whose share of the windows exceeds min(2 f_e,
+# (1 + f_e) / 2), f_e its expected share (the fair-share rule's form), f_e counting at least LOAD_MIN_FAIR windows.
+MIX_RULE = (
+    "expected windows of expert e = sum over sources s of n_s x min(1, k x P_train(e | s)): n_s the test windows of "
+    "source s, P_train(e | s) the share of s's train sequences in e's shard (the shards' overall shares for a source "
+    "without train sequences)"
+)
+
+
+@dataclass(frozen=True)
+class SourceRouting:
+    windows: int
+    top_k: int
+    n_experts: int
+    sources: dict[str, int]  # test windows per source, largest first
+    routed: dict[str, np.ndarray]  # source -> (N,) its windows routed to each expert (each window counts for its k)
+    predicted: dict[str, np.ndarray]  # source -> (N,) min(1, k P_train(e | s)): the share of its windows e should get
+    trained: bool  # the training table was there (a campaign prepared before it: no expectation, nothing judged)
+    expected: np.ndarray  # (N,) expected windows per expert under the mix (MIX_RULE)
+    threshold: np.ndarray  # (N,) share of the windows above which an expert is warned about
+    judged: bool  # trained, k < N and k/N x windows >= LOAD_MIN_FAIR (as routing_load)
+    over: list[int]  # experts above their threshold, most over first
+    explained: list[int]  # experts above the fair-share rule's threshold but within their mix's
+
+    def observed(self) -> np.ndarray:
+        return sum(self.routed.values(), np.zeros(self.n_experts, np.int64))
+
+    def as_dict(self) -> dict:
+        """Every source and expert (metrics.json keeps every row; the report shows the largest)."""
+        obs = self.observed()
+        return {
+            "windows": self.windows,
+            "top_k": self.top_k,
+            "n_experts": self.n_experts,
+            "trained": self.trained,
+            "judged": self.judged,
+            "concentrated": bool(self.over) and self.judged,
+            "over": self.over,
+            "explained_by_mix": self.explained,
+            "rule": MIX_RULE,
+            "sources": [
+                {
+                    "source": s,
+                    "windows": n,
+                    "routed": {str(e): int(c) for e, c in enumerate(self.routed[s]) if c},
+                    "predicted_share": {str(e): round(float(p), 6) for e, p in enumerate(self.predicted[s]) if p}
+                    if self.trained
+                    else {},
+                }
+                for s, n in self.sources.items()
+            ],
+            "experts": [
+                {
+                    "expert": e,
+                    "windows": int(obs[e]),
+                    "share": float(obs[e]) / max(self.windows, 1),
+                    "expected_share": float(self.expected[e]) / max(self.windows, 1) if self.trained else None,
+                    "threshold": float(self.threshold[e]) if self.trained else None,
+                }
+                for e in range(self.n_experts)
+            ],
+        }
+
+    def mix(self, shown: int = 3) -> str:
+        """'perl 64%, man 20%, 4 more 16%'."""
+        items = list(self.sources.items())
+        text = ", ".join(f"{s} {100 * n / max(self.windows, 1):.0f}%" for s, n in items[:shown])
+        rest = sum(n for _, n in items[shown:])
+        return text + (f", {len(items) - shown} more {100 * rest / max(self.windows, 1):.0f}%" if rest else "")
+
+    def _why(self, e: int) -> str:
+        """The source that sends expert e the most expected windows: '64% of them perl, 85% of which the training
+        shards predict go to it'."""
+        s = max(self.sources, key=lambda s: (self.sources[s] * self.predicted[s][e], s))
+        share = 100 * self.sources[s] / max(self.windows, 1)
+        return f"{share:.0f}% of them {s}, {self.predicted[s][e]:.0%} of which the training shards predict go to it"
+
+    def warning(self, name) -> str | None:
+        """One sentence when an expert takes more windows than the test windows' mix of sources predicts."""
+        if not (self.judged and self.over):
+            return None
+        e = self.over[0]
+        obs = int(self.observed()[e])
+        more = f"; {len(self.over) - 1} more expert(s) over their mark" if len(self.over) > 1 else ""
+        return (
+            f"routing concentrates beyond the test windows' mix of sources: {name(e)} gets {obs} of {self.windows} "
+            f"windows (share {obs / self.windows:.2f}), where that mix ({self.mix()}) routed as the training shards "
+            f"were predicts {self.expected[e] / self.windows:.2f} (warned above {self.threshold[e]:.2f}){more}: the "
+            "router sends these windows to it more than their sources' training sequences went to it"
+        )
+
+    def note(self, name) -> str | None:
+        """What the mix explains: an expert over the fair-share mark but within what the mix predicts."""
+        if not (self.judged and self.explained):
+            return None
+        e = self.explained[0]
+        obs = int(self.observed()[e])
+        fair = self.top_k / self.n_experts
+        return (
+            f"{name(e)} gets {obs} of {self.windows} windows (share {obs / self.windows:.2f}), above the fair share's "
+            f"mark {min(2 * fair, (1 + fair) / 2):.2f}, but the test windows' mix of sources predicts "
+            f"{self.expected[e] / self.windows:.2f} ({self._why(e)}): the mix, not the router, concentrates the load"
+        )
+
+
+def routing_by_source(
+    window_sources: list[str], top: np.ndarray, n_experts: int, train: dict[str, np.ndarray] | None
+) -> SourceRouting:
+    """The test windows' routing by source (window_sources (n,) each window's source, top (n, k) its experts) and
+    each expert's load judged against the mix (MIX_RULE; train: source -> (N,) train sequences per expert, None for
+    a campaign prepared before prepare recorded it)."""
+    n, k = len(window_sources), min(top.shape[1] if top.ndim == 2 else 1, n_experts)
+    labels = np.array(window_sources, dtype=object)
+    counts = {s: int((labels == s).sum()) for s in dict.fromkeys(window_sources)}
+    sources = dict(sorted(counts.items(), key=lambda kv: (-kv[1], kv[0])))
+    routed = {
+        s: np.bincount(top[labels == s].ravel(), minlength=n_experts).astype(np.int64)[:n_experts] for s in sources
+    }
+    trained = bool(train)
+    predicted = {s: _predicted(train, s, k, n_experts) for s in sources} if trained else {}
+    expected = sum((sources[s] * predicted[s] for s in predicted), np.zeros(n_experts))  # zeros without a table
+    f_e = np.maximum(expected, LOAD_MIN_FAIR) / max(n, 1)
+    threshold = np.minimum(2 * f_e, (1 + f_e) / 2)
+    share = sum(routed.values(), np.zeros(n_experts)) / max(n, 1)
+    fair = k / n_experts
+    judged = trained and k < n_experts and fair * n >= LOAD_MIN_FAIR
+    over = [int(e) for e in np.argsort(-(share / threshold), kind="stable") if share[e] > threshold[e]]
+    fair_mark = min(2 * fair, (1 + fair) / 2)
+    explained = [int(e) for e in np.argsort(-share, kind="stable") if share[e] > fair_mark and e not in over]
+    return SourceRouting(
+        n, k, n_experts, sources, routed, predicted, trained, expected, threshold, judged, over, explained
+    )
+
+
+def _predicted(train: dict[str, np.ndarray], source: str, k: int, n_experts: int) -> np.ndarray:
+    """(N,) min(1, k P_train(e | source)); the shards' overall shares for a source with no train sequences."""
+    row = train.get(source)
+    if row is None or row.sum() == 0:
+        row = sum(train.values(), np.zeros(n_experts))
+    return np.minimum(1.0, k * row / max(row.sum(), 1))
+
+
 # -- elapsed wall time -----------------------------------------------------------------------------------------------
 def elapsed_seconds(records: list[dict]) -> dict[str, float]:
     """Per ledger category, the wall time during which at least one of its records was running: the length of the

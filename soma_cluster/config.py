@@ -22,6 +22,8 @@ from soma_cluster import schema
 from soma_cluster.configinput import ConfigText, read_config
 from soma_cluster.errors import SomaError
 from soma_cluster.formats import FormatSetting
+from soma_cluster.globs import compile_glob
+from soma_cluster.textsources import NAMED_SOURCES
 
 
 class _Section(BaseModel):
@@ -46,6 +48,10 @@ def _numeric(annotation: Any) -> bool:
     return any(a in (int, float) for a in args)
 
 
+# a source label's length at most (it is a table cell): a longer label of a row is cut, of a pattern refused
+SOURCE_LABEL_CHARS = 200
+
+
 class CorpusConfig(_Section):
     # "builtin" (fixed text shipped with soma: the same bytes on every machine), "machine" (this machine's own
     # text: Python's docs and sources, man and info pages, package docs), a local path or an s3:// URL (a file or a
@@ -61,6 +67,59 @@ class CorpusConfig(_Section):
     format: FormatSetting = "auto"
     test_fraction: float = Field(0.02, ge=0.0, lt=0.5)  # documents held out for the test set
     storage_options: dict[str, Any] = Field(default_factory=dict)  # fsspec options for an s3:// corpus
+    # Sources: the name each document is reported under (loss per source, the source x expert tables), never part of
+    # the data (docs/prepare.md, "Sources"). Without these settings, a file's first folder under the corpus root, or
+    # its file type (txt, pm, jsonl) for a file directly under it. Here: glob pattern -> label, matched on the path
+    # relative to the corpus root with git's rules ('*.pm', 'perl/**', 'man[1-8]'), the first match wins; a file no
+    # pattern matches keeps its folder's name
+    source_patterns: dict[str, str] = Field(default_factory=dict)
+    # a table (.csv, .jsonl, .parquet; a local path or s3://) with each file's `path` relative to the corpus root and
+    # its label in corpus.source_column ("source" when that is null); a file it does not list falls back to the
+    # patterns, then to its folder
+    source_manifest: str | None = Field(None, min_length=1)
+    # the column holding the labels: the manifest's, or without a manifest each JSONL, Parquet or Arrow row's own (text;
+    # null or empty: the file's label); null: no row labels
+    source_column: str | None = Field(None, min_length=1)
+
+    @field_validator("source_patterns", mode="before")
+    @classmethod
+    def _dotted(cls, patterns: Any) -> Any:
+        # --set corpus.source_patterns.*.pm=perl is split at each ".": {"*": {"pm": "perl"}}
+        nested = [k for k, v in patterns.items() if isinstance(v, dict)] if isinstance(patterns, dict) else []
+        if nested:
+            raise ValueError(
+                f"pattern {nested[0]!r} has a mapping for its label: a --set key is cut at each '.', so give a pattern "
+                "with a dot as YAML, --set 'corpus.source_patterns={\"*.pm\": perl}'"
+            )
+        return patterns
+
+    @field_validator("source_patterns")
+    @classmethod
+    def _patterns(cls, patterns: dict[str, str]) -> dict[str, str]:
+        for pattern, label in patterns.items():
+            compile_glob(pattern)  # a ValueError naming the pattern and how to write it
+            if not label.strip() or len(label) > SOURCE_LABEL_CHARS:
+                raise ValueError(
+                    f"pattern {pattern!r} has the label {label[:40]!r}; a label is 1 to {SOURCE_LABEL_CHARS} "
+                    "characters, not blank"
+                )
+        return patterns
+
+    @model_validator(mode="after")
+    def _sources_of_a_user_corpus(self) -> "CorpusConfig":
+        labelled = [k for k in ("source_patterns", "source_manifest", "source_column") if getattr(self, k)]
+        if labelled and self.source in NAMED_SOURCES:
+            raise ValueError(
+                f"corpus.{labelled[0]} labels the files of a corpus directory, and corpus.source={self.source} names "
+                "its own sources; point corpus.source at a directory (--corpus PATH), or leave out "
+                + ", ".join(f"corpus.{k}" for k in labelled)
+            )
+        if self.source_column is not None and self.source_manifest is None and self.source_column == self.text_field:
+            raise ValueError(
+                f"corpus.source_column={self.source_column!r} is corpus.text_field: each document would be its own "
+                "source; name the column that holds the labels"
+            )
+        return self
 
     @model_validator(mode="after")
     def _no_credentials(self) -> "CorpusConfig":
@@ -583,7 +642,7 @@ def validated(tree: dict[str, Any], origin: str) -> CampaignConfig:
         if info is None:  # inside a mapping setting (prices.gpu.H100.on_demand): the path, the rule, the value
             raise SomaError(f"{origin}: {where}: {first['msg']} (got {_shown(first.get('input'))})") from None
         raise SomaError(
-            f"{origin}: {where}: {first['msg']} (got {_shown(first.get('input'))}); "
+            f"{origin}: {where}: {first['msg'].removeprefix('Value error, ')} (got {_shown(first.get('input'))}); "
             f"set {where} to {schema.allowed(info)}"
         ) from None
 

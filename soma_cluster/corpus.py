@@ -32,9 +32,9 @@ import pyarrow.compute as pc
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from soma_cluster.config import CorpusConfig
+from soma_cluster.config import SOURCE_LABEL_CHARS, CorpusConfig
 from soma_cluster.errors import SomaError
-from soma_cluster.formats import Format, Layout, format_of, refused
+from soma_cluster.formats import COMPRESSIONS, FORMATS, Format, Layout, format_of, refused
 from soma_cluster.storage import storage_options_from_env, transient_errors, with_s3_defaults
 from soma_cluster.textsources import NAMED_SOURCES, Document, named_documents
 
@@ -45,8 +45,46 @@ SEPARATOR = b"\n\n"
 def shown(path: str) -> str:
     """A path as one line of text shows it: bytes that are not UTF-8 (a POSIX name may hold any) escaped as
     \\xNN, control characters as Python escapes them, so an error line can always be printed and read."""
-    text = os.fsencode(path).decode("utf-8", "backslashreplace")
+    return _escaped(os.fsencode(path))
+
+
+def _escaped(raw: bytes) -> str:
+    text = raw.decode("utf-8", "backslashreplace")
     return "".join(c if c.isprintable() else repr(c)[1:-1] for c in text)
+
+
+# -- sources: the name each document is reported under ------------------------------------------------------------
+def clean_label(value: str | bytes) -> str | None:
+    """A source label as tables and error lines can show it: one line of printable text (shown's
+    escapes), stripped, at most SOURCE_LABEL_CHARS characters (cut with an ellipsis); None for an empty one."""
+    if isinstance(value, str) and value.isprintable():  # most labels: nothing to escape (a surrogate is not printable)
+        text = value.strip()
+    else:
+        text = _escaped(value if isinstance(value, bytes) else _to_bytes(value)).strip()
+    if not text:
+        return None
+    return text if len(text) <= SOURCE_LABEL_CHARS else text[: SOURCE_LABEL_CHARS - 1] + "\u2026"
+
+
+def file_type(base: str) -> str:
+    """A file name's type, as a source: its last suffix, lower case, after a compression suffix (`a.txt.gz`: txt,
+    `usr__share__perl__5.36.0__CPAN.pm`: pm); `text` for a name without one."""
+    lower = base.lower()
+    for suffix, _ in COMPRESSIONS:
+        if lower.endswith(suffix) and len(lower) > len(suffix):
+            lower = lower[: -len(suffix)]
+            break
+    stem, dot, ext = lower.rpartition(".")
+    return (clean_label(ext) or "text") if dot and stem else "text"
+
+
+def default_source(name: str) -> str:
+    """A file's source when no setting gives one (corpus.source_patterns, source_manifest, source_column): the first
+    folder of its path under the corpus root (`perl/usr__share__perl__5.36.0__CPAN.pm`: perl), or for a file directly
+    under the root (a flat corpus, or a corpus that is one file) its file type."""
+    if "/" in name:
+        return clean_label(name.split("/", 1)[0]) or "text"
+    return file_type(name)
 
 
 def corpus_error(path: str, what: str, fix: str) -> SomaError:
@@ -111,7 +149,7 @@ def text_doc_id(name: str, offset: int) -> str:
     return name if offset == 0 else f"{name}#{offset}"
 
 
-def _text_docs(blocks: Iterator[bytes], name: str, kind: str, size: int) -> Iterator[Document]:
+def _text_docs(blocks: Iterator[bytes], name: str, source: str, size: int) -> Iterator[Document]:
     """A plain file's documents: the whole file if it holds at most `size` bytes, else cut by _cut; a function of
     the bytes and `size` only (not of how they arrive in blocks)."""
     buf, at, offset = bytearray(), 0, 0  # at: the current document's start in buf; offset: buf[0]'s in the file
@@ -121,10 +159,10 @@ def _text_docs(blocks: Iterator[bytes], name: str, kind: str, size: int) -> Iter
         buf += block
         while len(buf) - at > size:
             end, start = _cut(buf, at, size)
-            yield Document(text_doc_id(name, offset + at), kind, bytes(buf[at:end]))
+            yield Document(text_doc_id(name, offset + at), source, bytes(buf[at:end]))
             at = start
     if len(buf) > at:
-        yield Document(text_doc_id(name, offset + at), kind, bytes(buf[at:]))
+        yield Document(text_doc_id(name, offset + at), source, bytes(buf[at:]))
 
 
 MAX_RECORD_BYTES = 64 << 20  # a JSONL line or table value longer than this is refused, so memory stays bounded
@@ -196,21 +234,35 @@ def _to_bytes(text: str) -> bytes:
 
 
 def _jsonl_docs(
-    blocks: Iterator[bytes], path: str, name: str, kind: str, field: str, skipped: dict[str, list[str]]
+    blocks: Iterator[bytes],
+    path: str,
+    name: str,
+    source: str,
+    field: str,
+    skipped: dict[str, list[str]],
+    labels: str | None = None,
 ) -> Iterator[Document]:
     """A JSONL file's documents: each line an object whose `field` is a string (null or absent: no document). A
     line that is not JSON or not an object, or a `field` of another type, is an error naming the line; a file
-    with records but text in none of them is an error naming corpus.text_field; one without records is skipped."""
+    with records but text in none of them is an error naming corpus.text_field; one without records is skipped.
+    With `labels` (corpus.source_column), a record's source is that field's string (null, absent or empty: the
+    file's `source`); another type, or a file none of whose records has the field, is an error."""
     try:
-        yield from _jsonl_records(blocks, path, name, kind, field, skipped)
+        yield from _jsonl_records(blocks, path, name, source, field, skipped, labels)
     except _LongRecord as exc:
         raise _too_long(path, f"line {exc.index + 1}", exc.size, "split it into records of at most that size") from None
 
 
 def _jsonl_records(
-    blocks: Iterator[bytes], path: str, name: str, kind: str, field: str, skipped: dict[str, list[str]]
+    blocks: Iterator[bytes],
+    path: str,
+    name: str,
+    source: str,
+    field: str,
+    skipped: dict[str, list[str]],
+    labels: str | None,
 ) -> Iterator[Document]:
-    records, found, first = 0, 0, None
+    records, found, first, labelled = 0, 0, None, False
     for i, raw in _lines(blocks, MAX_RECORD_BYTES):
         line = raw.decode("utf-8", "surrogateescape")
         if not line.strip():
@@ -228,9 +280,11 @@ def _jsonl_records(
         records += 1
         first = (i, row) if first is None else first
         text = row.get(field)
+        labelled = labelled or (labels is not None and labels in row)
         if isinstance(text, str):
             found += bool(text)
-            yield Document(f"{name}:{i}", kind, _to_bytes(text))
+            label = _row_label(row, labels, path, i) if labels is not None else None
+            yield Document(f"{name}:{i}", label or source, _to_bytes(text))
         elif text is not None:
             raise corpus_error(
                 path,
@@ -245,6 +299,26 @@ def _jsonl_records(
             f"has no text in {field!r} in any of its {records} records",
             f"set corpus.text_field to the field that holds the text (line {first[0] + 1}, {_fields(first[1])})",
         )
+    elif labels is not None and not labelled:
+        raise corpus_error(
+            path,
+            f"has no field {labels!r} (corpus.source_column) in any of its {records} records",
+            f"set corpus.source_column to the field that holds each record's source (line {first[0] + 1}, "
+            f"{_fields(first[1])}), or leave it out to name sources by folder",
+        )
+
+
+def _row_label(row: dict, labels: str, path: str, i: int) -> str | None:
+    """A JSONL record's source label: its field `labels` as text, None where it is null, absent or empty."""
+    value = row.get(labels)
+    if value is None or isinstance(value, str):
+        return clean_label(value) if value else None
+    raise corpus_error(
+        path,
+        f"line {i + 1}: {labels!r} (corpus.source_column) is {_JSON_TYPES[type(value)]}, not a string",
+        f"write each record's source as a string, or set corpus.source_column to the field that holds it "
+        f"(line {i + 1}, {_fields(row)})",
+    )
 
 
 def _fields(row: dict) -> str:
@@ -252,9 +326,9 @@ def _fields(row: dict) -> str:
     return "its fields: " + ", ".join(names[:8]) + (", ..." if len(names) > 8 else "") if names else "it has no fields"
 
 
-def _is_text_type(t: pa.DataType) -> bool:
+def is_text_type(t: pa.DataType) -> bool:
     if pa.types.is_dictionary(t):
-        return _is_text_type(t.value_type)
+        return is_text_type(t.value_type)
     return any(
         check(t)
         for check in (
@@ -268,64 +342,84 @@ def _is_text_type(t: pa.DataType) -> bool:
     )
 
 
-def _open_table(fh, path: str, fmt: Format, field: str):
-    """(row groups or None if not known ahead, their unit's name, group(g) -> its batches of the column `field`,
-    None past the last) of a Parquet file, an Arrow IPC file or an Arrow IPC stream (what Hugging Face datasets
-    and Ray write as .arrow), checked to be text before anything is read."""
+def _open_table(fh, path: str, fmt: Format, field: str, labels: str | None = None):
+    """(row groups or None if not known ahead, their unit's name, group(g) -> its batches of the column `field`
+    (and `labels`, corpus.source_column, as the second), None past the last) of a Parquet file, an Arrow IPC file or
+    an Arrow IPC stream (what Hugging Face datasets and Ray write as .arrow), checked to be text before anything is
+    read."""
+    columns = [field] if labels is None else [field, labels]
     try:
         if fmt.name == "parquet":
             pf = pq.ParquetFile(fh)
             schema, groups, unit = pf.schema_arrow, pf.num_row_groups, "row group"
             group = lambda g: pf.iter_batches(  # noqa: E731
-                batch_size=_parquet_batch_rows(pf.metadata.row_group(g), field), columns=[field], row_groups=[g]
+                batch_size=_parquet_batch_rows(pf.metadata.row_group(g), field), columns=columns, row_groups=[g]
             )
         else:
             try:
                 reader = ipc.open_file(fh)
                 schema, groups, unit = reader.schema, reader.num_record_batches, "record batch"
-                group = lambda g: [reader.get_batch(g).select([field])]  # noqa: E731
+                group = lambda g: [reader.get_batch(g).select(columns)]  # noqa: E731
             except pa.ArrowInvalid:
                 fh.seek(0)
                 stream = ipc.open_stream(fh)  # an IPC stream: batches one after another, no footer
                 schema, groups, unit = stream.schema, None, "record batch"
-                group = lambda g: _next_batch(stream, field)  # noqa: E731
+                group = lambda g: _next_batch(stream, columns)  # noqa: E731
     except (pa.ArrowException, OSError) as exc:
         raise corpus_error(
             path, f"is not readable {fmt.name} ({exc})", "replace it, or remove it from the corpus"
         ) from None
-    if field not in schema.names:
-        raise corpus_error(path, f"has no column {field!r}", f"set corpus.text_field to one of {schema.names}")
-    if schema.names.count(field) > 1:  # Arrow allows it; which one is the text cannot be told
-        raise corpus_error(
-            path,
-            f"has {schema.names.count(field)} columns named {field!r}",
-            "write the file with one text column of that name, or set corpus.text_field to another column",
-        )
-    kind = schema.field(field).type
-    if not _is_text_type(kind):
-        texts = [f.name for f in schema if _is_text_type(f.type)]
-        raise corpus_error(
-            path,
-            f"column {field!r} is {kind}, not text (string or binary)",
-            f"set corpus.text_field to a text column ({texts or 'this file has none'})",
-        )
+    _text_column(schema, path, field, "corpus.text_field", "the text")
+    if labels is not None:
+        _text_column(schema, path, labels, "corpus.source_column", "each row's source")
     return groups, unit, group
 
 
-def _next_batch(stream: ipc.RecordBatchStreamReader, field: str) -> list[pa.RecordBatch] | None:
+def _text_column(schema: pa.Schema, path: str, column: str, setting: str, holds: str) -> None:
+    """The column is in the file once, and is text (string or binary, dictionary-encoded too): else one error naming
+    the file, the column and `setting`, with the file's columns."""
+    named = repr(column) + ("" if setting == "corpus.text_field" else f" ({setting})")
+    if column not in schema.names:
+        raise corpus_error(path, f"has no column {named}", f"set {setting} to one of {schema.names}")
+    if schema.names.count(column) > 1:  # Arrow allows it; which one is meant cannot be told
+        raise corpus_error(
+            path,
+            f"has {schema.names.count(column)} columns named {named}",
+            f"write the file with one column of that name, or set {setting} to another column",
+        )
+    kind = schema.field(column).type
+    if not is_text_type(kind):
+        texts = [f.name for f in schema if is_text_type(f.type)]
+        raise corpus_error(
+            path,
+            f"column {named} is {kind}, not text (string or binary)",
+            f"set {setting} to the text column that holds {holds} ({texts or 'this file has none'})",
+        )
+
+
+def _next_batch(stream: ipc.RecordBatchStreamReader, columns: list[str]) -> list[pa.RecordBatch] | None:
     try:
-        return [stream.read_next_batch().select([field])]
+        return [stream.read_next_batch().select(columns)]
     except StopIteration:
         return None
 
 
 def _table_docs(
-    fh, path: str, name: str, kind: str, fmt: Format, field: str, skipped: dict[str, list[str]]
+    fh,
+    path: str,
+    name: str,
+    source: str,
+    fmt: Format,
+    field: str,
+    skipped: dict[str, list[str]],
+    labels: str | None = None,
 ) -> Iterator[Document]:
     """A Parquet or Arrow IPC file's documents: the column `field` row by row (nulls give none), one row group or
     record batch at a time, so a file larger than memory streams like a JSONL one. Text comes as the stored
-    bytes (never decoded, so invalid UTF-8 stays as it is). Rows only of nulls are an error naming the column."""
-    groups, unit, group = _open_table(fh, path, fmt, field)
+    bytes (never decoded, so invalid UTF-8 stays as it is). Rows only of nulls are an error naming the column.
+    With `labels` (corpus.source_column), a row's source is that column's text (null or empty: the file's
+    `source`)."""
+    groups, unit, group = _open_table(fh, path, fmt, field, labels)
     i = rows = g = 0
     while groups is None or g < groups:
         try:
@@ -333,11 +427,11 @@ def _table_docs(
             if batches is None:  # a stream's end
                 break
             for batch in batches:
-                col = batch.column(0)
-                col = col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
-                for value in _values(col.cast(pa.large_binary()), path, rows):
+                col = _decoded(batch.column(0))
+                names = _row_labels(batch.column(1)) if labels is not None else [None] * len(col)
+                for value, label in zip(_values(col.cast(pa.large_binary()), path, rows), names, strict=True):
                     if value is not None:
-                        yield Document(f"{name}:{i}", kind, value)
+                        yield Document(f"{name}:{i}", label or source, value)
                         i += 1
                 rows += len(col)
         except (pa.ArrowException, OSError) as exc:
@@ -352,6 +446,15 @@ def _table_docs(
         raise corpus_error(
             path, f"column {field!r} is null in all its {rows} rows", "set corpus.text_field to the text column"
         )
+
+
+def _decoded(col: pa.Array) -> pa.Array:
+    return col.dictionary_decode() if pa.types.is_dictionary(col.type) else col
+
+
+def _row_labels(col: pa.Array) -> list[str | None]:
+    """A batch's labels, row by row (clean_label; None for a null or empty one)."""
+    return [clean_label(v) if v else None for v in _decoded(col).to_pylist()]
 
 
 BATCH_BYTES = 16 << 20  # about how many bytes of a table's text column become Python bytes at once
@@ -422,10 +525,12 @@ def _user_file_docs(
 ) -> Iterator[Document]:
     """The documents of one corpus file, read in its format (format_of); `name` (its path relative to the corpus
     root) keys them, so the test split and the shards do not depend on where the corpus lives. An empty file, or
-    one that is not text, is skipped and listed in `skipped` by reason."""
+    one that is not text, is skipped and listed in `skipped` by reason. Their source: the row's own label
+    (corpus.source_column without a manifest), else the file's (CorpusFile.label), else default_source."""
     path, name = f.path, f.name
     base = name.rsplit("/", 1)[-1]
-    kind = shown(base.split(".", 1)[1] if "." in base else "text")  # bytes are reported per file kind
+    source = f.label or default_source(name)
+    labels = cfg.source_column if cfg.source_manifest is None else None  # a column of the rows themselves
     fmt = format_of(base, cfg.format)
     if f.size == 0:  # in every format (a 0-byte .bz2 is not even a valid empty stream)
         skipped.setdefault(SKIP_EMPTY, []).append(name)
@@ -433,19 +538,19 @@ def _user_file_docs(
     if fmt.layout is Layout.TABLE and _is_local(fs):
         # mapped: an Arrow record batch (as large as its writer made it) is the file's pages, not a copy on the heap
         with pa.memory_map(os.fsencode(path)) as fh:
-            yield from _table_docs(fh, path, name, kind, fmt, cfg.text_field, skipped)
+            yield from _table_docs(fh, path, name, source, fmt, cfg.text_field, skipped, labels)
         return
     with fs.open(path, "rb", compression=fmt.compression) as fh:
         if fmt.layout is Layout.TABLE:
-            yield from _table_docs(fh, path, name, kind, fmt, cfg.text_field, skipped)
+            yield from _table_docs(fh, path, name, source, fmt, cfg.text_field, skipped, labels)
             return
         why, blocks = _sniffed(_utf8_blocks(fh))
         if why:
             skipped.setdefault(why, []).append(name)
         elif fmt.layout is Layout.LINES:
-            yield from _jsonl_docs(blocks, path, name, kind, cfg.text_field, skipped)
+            yield from _jsonl_docs(blocks, path, name, source, cfg.text_field, skipped, labels)
         else:
-            yield from _text_docs(blocks, name, kind, cfg.document_bytes)
+            yield from _text_docs(blocks, name, source, cfg.document_bytes)
 
 
 def _unreadable(path: str, fmt: Format, exc: BaseException, forced: str | None) -> SomaError:
@@ -653,12 +758,12 @@ def _is_local(fs: fsspec.AbstractFileSystem) -> bool:
     return "file" in (fs.protocol if isinstance(fs.protocol, tuple) else (fs.protocol,))
 
 
-def corpus_fs(cfg: CorpusConfig) -> tuple[fsspec.AbstractFileSystem, str]:
-    """The filesystem and root path of a user corpus (options from the environment and the config)."""
-    options = with_s3_defaults(
-        cfg.source, {**storage_options_from_env(cfg.source), **cfg.storage_options}, botocore_attempts=3
-    )
-    return fsspec.core.url_to_fs(cfg.source, **options)
+def corpus_fs(cfg: CorpusConfig, url: str | None = None) -> tuple[fsspec.AbstractFileSystem, str]:
+    """The filesystem and root path of a user corpus, or of another `url` read with the corpus's options (its
+    source manifest): options from the environment and the config."""
+    url = cfg.source if url is None else url
+    options = with_s3_defaults(url, {**storage_options_from_env(url), **cfg.storage_options}, botocore_attempts=3)
+    return fsspec.core.url_to_fs(url, **options)
 
 
 # -- parts: the unit of reading, packing and sampling ---------------------------------------------------------
@@ -669,6 +774,7 @@ class CorpusFile:
     budget: int  # document bytes it may give: corpus.max_bytes less the on-disk sizes of the files before it
     size: int = 0  # on disk, as listed
     skip: str = ""  # why it is left out unread (a hidden name, a link loop, ...): reported with the skipped files
+    label: str = ""  # its source as a setting gives it (soma_cluster.sources.label_parts); "": default_source
 
 
 @dataclass(frozen=True)
@@ -714,10 +820,15 @@ def plan_parts(cfg: CorpusConfig, part_bytes: int) -> list[Part]:
 
 
 def part_documents(
-    cfg: CorpusConfig, part: Part, counts: dict[str, int] | None = None, skipped: dict[str, list[str]] | None = None
+    cfg: CorpusConfig,
+    part: Part,
+    counts: dict[str, int] | None = None,
+    skipped: dict[str, list[str]] | None = None,
+    formats: dict[str, int] | None = None,
 ) -> Iterator[Document]:
-    """The documents of one part; `counts` receives bytes per source or file kind, `skipped` the files left
-    out, by reason."""
+    """The documents of one part; `counts` receives bytes per source, `formats` bytes per format a file was read
+    in (soma_cluster.formats: text, jsonl, parquet, ...; user corpora only), `skipped` the files left out, by
+    reason."""
     if part.named:
         yield from named_documents(cfg.source, cfg.max_bytes, counts)
         return
@@ -728,6 +839,7 @@ def part_documents(
             skipped.setdefault(f.skip, []).append(f.name)
             continue
         total = 0
+        fmt = format_of(f.name.rsplit("/", 1)[-1], cfg.format).name
         try:
             for doc in _forced(_user_file_docs(fs, f, cfg, skipped), cfg):
                 if not doc.data:
@@ -735,6 +847,8 @@ def part_documents(
                 total += len(doc.data)
                 if counts is not None:
                     counts[doc.source] = counts.get(doc.source, 0) + len(doc.data)
+                if formats is not None:
+                    formats[fmt] = formats.get(fmt, 0) + len(doc.data)
                 yield doc
                 if total >= f.budget:
                     break
@@ -768,9 +882,10 @@ HELD_OUT_DOCS = 4  # held-out documents to expect for a suggested fix: none with
 
 
 def more_test_documents(
-    cfg: CorpusConfig, n_docs: int, sources: dict[str, int], window_bytes: int, read_bytes: int = 0
+    cfg: CorpusConfig, n_docs: int, formats: dict[str, int], window_bytes: int, read_bytes: int = 0
 ) -> str:
-    """The fix for a corpus whose held-out documents fill no evaluation window: a fix that can work for it."""
+    """The fix for a corpus whose held-out documents fill no evaluation window: a fix that can work for it (formats:
+    bytes per format read, part_documents')."""
     f = cfg.test_fraction
     if f == 0:
         return "set corpus.test_fraction above 0 (e.g. 0.02)"
@@ -779,7 +894,8 @@ def more_test_documents(
             f"raise corpus.max_bytes (now {cfg.max_bytes:_}: reading stopped there, after {n_docs} documents), or "
             f"eval.window_bytes (now {window_bytes}) if the documents are short"
         )
-    plain = sum(v for k, v in sources.items() if format_of(f"_.{k}").layout is Layout.TEXT)
+    layouts = {f.name: f.layout for f in FORMATS}
+    plain = sum(v for k, v in formats.items() if layouts.get(k) is Layout.TEXT)
     if cfg.source not in NAMED_SOURCES and plain * f >= 2 * window_bytes:  # bytes enough to hold out: too few documents
         size = int(plain * f / HELD_OUT_DOCS) // 1000 * 1000
         if MIN_DOCUMENT_BYTES <= size < cfg.document_bytes:
@@ -820,7 +936,7 @@ def describe_skipped(skipped: dict[str, list[str]], names: int = 0) -> str:
 def documents(
     cfg: CorpusConfig, counts: dict[str, int] | None = None, skipped: dict[str, list[str]] | None = None
 ) -> Iterator[Document]:
-    """The corpus's documents; `counts` receives bytes per source or file kind, `skipped` the user files
+    """The corpus's documents; `counts` receives bytes per source, `skipped` the user files
     left out, by reason."""
     if cfg.source in NAMED_SOURCES:
         yield from named_documents(cfg.source, cfg.max_bytes, counts)
@@ -864,5 +980,19 @@ class Packer:
             self.owners = [(0, started[-1])] + [(s, d) for s, d in shifted if s > 0]
 
 
-def describe_counts(counts: dict[str, int]) -> str:
-    return ", ".join(f"{k} {v / 1e6:.1f} MB" for k, v in sorted(counts.items(), key=lambda kv: -kv[1]))
+SHOWN_COUNTS = 8  # the corpus line names this many sources, the largest; the rest are counted
+
+
+def describe_counts(counts: dict[str, int], names: int = SHOWN_COUNTS) -> str:
+    """'perl 3.1 MB, man 1.2 MB, ... and 290 more sources of 0.4 MB': the largest `names` by name, the rest counted."""
+    ranked = sorted(counts.items(), key=lambda kv: (-kv[1], kv[0]))
+    text = ", ".join(f"{k} {_megabytes(v)}" for k, v in ranked[:names])
+    rest = ranked[names:]
+    if rest:
+        text += f", and {len(rest):,} more sources of {_megabytes(sum(v for _, v in rest))}"
+    return text
+
+
+def _megabytes(n: int) -> str:
+    """'3.1 MB', or '48 kB' below a tenth of a MB (10,000 small sources are not each '0.0 MB')."""
+    return f"{n / 1e6:.1f} MB" if n >= 100_000 else f"{n / 1e3:.0f} kB" if n >= 1000 else f"{n} bytes"

@@ -273,6 +273,7 @@ class EnsembleResult:
     route_seconds: float
     model_seconds: float
     seed_windows: int = 0  # windows the seed model scored in place of missing experts (each once)
+    top: np.ndarray | None = None  # (n, k) each window's experts (the report's routing by source)
 
 
 def route_windows(router: Router, prefixes: list[bytes]) -> tuple[np.ndarray, np.ndarray]:
@@ -404,7 +405,7 @@ def evaluate_ensemble(
     t2 = time.perf_counter()
     counts = {e: n for e in range(router.n_experts) if (n := int((top == e).sum())) or e in experts}
     seed_windows = len(routes[SEED_UNIT][0]) if SEED_UNIT in routes else 0
-    return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1, seed_windows)
+    return EnsembleResult(-np.log(np.maximum(prob, 1e-300)), counts, t1 - t0, t2 - t1, seed_windows, top)
 
 
 @dataclass

@@ -321,13 +321,18 @@ def _loss(m: dict | None) -> str:
     return f"{m['nats_per_byte']:.4f} [{lo:.4f}, {hi:.4f}] nats/byte ({m['nats_per_byte'] / math.log(2):.4f} bits/byte)"
 
 
+CARD_SOURCES = 20  # the model card's table of sources lists the largest this many (10,000 labels are not a table)
+
+
 def model_card(cfg: CampaignConfig, manifest: dict, corpus: dict, metrics: dict | None, ledger: dict) -> str:
     """README.md of an export: what the model is, its data, how it was trained, how good it is, what it cost."""
     sources = corpus.get("sources") or {}
     total = sum(sources.values()) or 1
-    src_rows = (
-        "\n".join(f"| {k} | {v:,} | {100 * v / total:.1f}% |" for k, v in sorted(sources.items())) or "| - | - | - |"
-    )
+    ranked = sorted(sources.items(), key=lambda kv: (-kv[1], kv[0]))  # the largest CARD_SOURCES, the rest in a row
+    cells = [(k.replace("|", "\\|"), v) for k, v in ranked[:CARD_SOURCES]]
+    if len(ranked) > CARD_SOURCES:
+        cells.append((f"{len(ranked) - CARD_SOURCES:,} more sources", sum(v for _, v in ranked[CARD_SOURCES:])))
+    src_rows = "\n".join(f"| {k} | {v:,} | {100 * v / total:.1f}% |" for k, v in cells) or "| - | - | - |"
     subs = manifest["substituted"]
     sub_text = (
         f"\n**Partial campaign: {len(subs)} of {cfg.n_experts} experts have no checkpoint; the seed model stands in "

@@ -6,8 +6,9 @@ part's output depends only on the config and the part.
   staged as Arrow IPC files, and report its counts and its lowest keys.
 - sample_part / embed_part: the router's fit sample, then every sequence's embedding and the offsets' refit
   sample.
-- count_part / write_part: each sequence's expert under the fitted rule, the sizes it gives, and the part's
-  files of every expert's shard.
+- count_part / write_part: each sequence's expert under the fitted rule, the sizes it gives per source (each train
+  sequence's source is staged beside it: the source x expert table of shards/manifest.json), and the part's files
+  of every expert's shard.
 
 Keys. Every train sequence has a 64-bit key hashed from (seed, part, index in the part). The router is fitted
 on the router.sample_chunks sequences of smallest key, the balanced rule's offsets are refitted on the
@@ -36,6 +37,7 @@ from soma_cluster.storage import Store, file_sha256
 
 SEQS = "seqs/part-{:05d}.arrow"  # staged train sequences of a part (their keys are row_keys of their places)
 EMBEDDINGS = "emb/part-{:05d}.npy"  # their router embeddings, float32
+SEQ_SOURCES = "src/part-{:05d}.npy"  # each staged train sequence's source: int32 index into PartStats.seq_sources
 DOCUMENTS = "test/documents.json"  # each held-out document that owns a window: its id, name and source
 WINDOWS = "test/part-{:05d}.arrow"  # a part's evaluation windows (window, doc): staged, then published as is
 WRITE_ROWS = 4096  # rows per record batch of a staged file
@@ -88,11 +90,15 @@ class PartStats:
     seqs: int = 0
     windows: int = 0
     windows_sha256: str = ""
-    sources: dict[str, int] = field(default_factory=dict)
+    sources: dict[str, int] = field(default_factory=dict)  # document bytes per source
+    formats: dict[str, int] = field(default_factory=dict)  # document bytes per format read (text, jsonl, parquet, ...)
     skipped: dict[str, list[str]] = field(default_factory=dict)
     lowest_keys: np.ndarray = field(default_factory=lambda: np.zeros(0, np.uint64))
     # [owner id, name, source] of each held-out document that owns a window (test/documents.json: loss per source)
     test_docs: list[list] = field(default_factory=list)
+    # the sources of the part's train sequences, in the order first seen (SEQ_SOURCES indexes it): a sequence's
+    # source is that of the document owning its first byte
+    seq_sources: list[str] = field(default_factory=list)
 
 
 class _Staged:
@@ -162,6 +168,7 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
         test = Packer(cfg.eval.window_bytes, owner_at=cfg.eval.context_bytes + 1)
         names: dict[int, tuple[str, str]] = {}  # held-out documents that own no window yet: (name, source)
         batch: list[bytes] = []
+        sources = _SourceIndex(stats.seq_sources)  # train documents' sources, by their index in `train`
 
         def flush_seqs() -> None:
             for s in batch:
@@ -171,7 +178,7 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
             stats.seqs += len(batch)
             batch.clear()
 
-        for doc in part_documents(cfg.corpus, part, stats.sources, stats.skipped):
+        for doc in part_documents(cfg.corpus, part, stats.sources, stats.skipped, stats.formats):
             stats.documents += 1
             stats.bytes += len(doc.data)
             if is_test_doc(doc.doc_id, cfg.corpus.test_fraction, cfg.seed):
@@ -185,14 +192,47 @@ def read_part(cfg: CampaignConfig, part: Part, stage: Store, keep_keys: int) -> 
                         for passed in [k for k in names if k < owner]:  # owners only grow: these own none
                             del names[passed]
             else:
-                batch.extend(s for s, _ in train.add(doc.data))
+                sources.add(train.n_docs, doc.source)
+                for s, owner in train.add(doc.data):
+                    batch.append(s)
+                    sources.sequence(owner)
                 if len(batch) >= WRITE_ROWS:
                     flush_seqs()
         flush_seqs()
         seqs.publish()
+        stage.write_bytes(SEQ_SOURCES.format(part.index), sources.npy())
         if stats.windows:
             stats.windows_sha256 = windows.publish()
     return stats
+
+
+class _SourceIndex:
+    """The source of each train sequence of a part as it is packed: documents' sources by their index in the packer
+    (only those that may still own a sequence are kept: owners only grow), and each sequence's as an index into
+    `labels` (PartStats.seq_sources), which holds the sources of some sequence only, so S = max index + 1."""
+
+    def __init__(self, labels: list[str]):
+        self.labels = labels
+        self.index: dict[str, int] = {}
+        self.docs: dict[int, str] = {}  # packer document index -> its source
+        self.seqs: list[int] = []
+
+    def add(self, doc: int, label: str) -> None:
+        self.docs[doc] = label
+
+    def sequence(self, owner: int) -> None:
+        label = self.docs[owner]
+        if label not in self.index:
+            self.index[label] = len(self.labels)
+            self.labels.append(label)
+        self.seqs.append(self.index[label])
+        for passed in [d for d in self.docs if d < owner]:
+            del self.docs[passed]
+
+    def npy(self) -> bytes:
+        buf = io.BytesIO()
+        np.save(buf, np.array(self.seqs, dtype=np.int32))
+        return buf.getvalue()
 
 
 def read_seqs(stage: Store, part: int, cache_dir: str) -> pa.FixedSizeBinaryArray:
@@ -238,8 +278,14 @@ def label_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.nd
 
 
 def count_part(router: Router, stage: Store, part: int, cache_dir: str) -> np.ndarray:
-    """(N,) how many of a part's sequences each expert gets."""
-    return np.bincount(label_part(router, stage, part, cache_dir), minlength=router.n_experts)
+    """(S, N) how many of a part's sequences of each source (PartStats.seq_sources, S of them) each expert gets;
+    its column sums are the experts' sizes."""
+    experts = label_part(router, stage, part, cache_dir)
+    sources = np.load(stage.local_copy(SEQ_SOURCES.format(part), cache_dir)).astype(np.int64)
+    if len(sources) != len(experts):  # staged by the same read_part: a mismatch is a bug, not bad input
+        raise ValueError(f"part {part}: {len(sources)} staged sources for {len(experts)} sequences")
+    n, n_sources = router.n_experts, int(sources.max()) + 1 if len(sources) else 0
+    return np.bincount(sources * n + experts, minlength=n_sources * n).reshape(n_sources, n)
 
 
 def write_part(

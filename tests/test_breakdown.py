@@ -143,10 +143,15 @@ def test_eval_explains_itself(evaluated):
     assert sens[3]["router"]["nats_per_byte"] == pytest.approx(b["uniform_mixture"]["nats_per_byte"])
     load = m["routing_load"]
     assert sum(load["per_expert"].values()) == 2 * m["windows"] and load["fair_share"] == pytest.approx(2 / 3)
+    # routing by source: the fixture's corpus is flat text files, one source; judged against the training table
+    mix = m["routing_by_source"]
+    assert mix["trained"] and [s["source"] for s in mix["sources"]] == ["txt"] and len(mix["experts"]) == 3
+    assert sum(sum(s["routed"].values()) for s in mix["sources"]) == 2 * m["windows"]
+    assert sum(x["windows"] for x in mix["experts"]) == 2 * m["windows"] and "routing_note" in m
     wt = m["wall_time"]
     assert wt["elapsed_seconds"]["expert_training"] <= wt["actor_seconds"]["expert_training"] + 1e-6
     report = (camp / "eval" / "report.md").read_text()
-    for heading in ("Loss per source", "Baselines on the same windows", "Sensitivity to top-k", "Routing load"):
+    for heading in ("Loss per source", "Baselines", "Sensitivity to top-k", "Routing load", "Routing by source"):
         assert heading in report, heading
     assert "Elapsed wall time per category" in report and "Actor-seconds per category" in report
     assert "Wall seconds per category" not in report and not math.isnan(b["seconds"])

@@ -35,16 +35,17 @@ SKIP = ("campaign.yaml",)  # the engine is in the config (the ledger, holding wa
 
 def write_mixed_corpus(root: Path, max_bytes: int = 2_400_000) -> Path:
     """Real text in every format a user corpus has: JSONL, Parquet with small row groups, plain and gzipped
-    text files."""
+    text files; each JSONL and Parquet row has its document's built-in source as `lang` (a row label)."""
     root.mkdir(parents=True, exist_ok=True)
     docs = list(builtin_documents(max_bytes))
     for g in range(0, len(docs), 30):
         chunk, kind = docs[g : g + 30], (g // 30) % 4
-        texts = [d.data.decode("utf-8", "ignore") for d in chunk]
+        texts, langs = [d.data.decode("utf-8", "ignore") for d in chunk], [d.source for d in chunk]
         if kind == 0:
-            (root / f"a{g:05d}.jsonl").write_text("".join(json.dumps({"text": t}) + "\n" for t in texts))
+            rows = [{"text": t, "lang": lang} for t, lang in zip(texts, langs, strict=True)]
+            (root / f"a{g:05d}.jsonl").write_text("".join(json.dumps(r) + "\n" for r in rows))
         elif kind == 1:
-            pq.write_table(pa.table({"text": texts}), root / f"b{g:05d}.parquet", row_group_size=6)
+            pq.write_table(pa.table({"text": texts, "lang": langs}), root / f"b{g:05d}.parquet", row_group_size=6)
         elif kind == 2:
             for j, d in enumerate(chunk):
                 (root / f"c{g:05d}-{j:02d}.txt").write_bytes(d.data)
@@ -70,9 +71,11 @@ def campaign_digests(store: Store) -> dict[str, str]:
     return out
 
 
-def engine_config(source: str, engine: str, part_bytes: int = 300_000):
+def engine_config(source: str, engine: str, part_bytes: int = 300_000, **corpus):
     return micro_config(
-        n_experts=6, corpus={"source": source, "max_bytes": 10**9}, prepare={"engine": engine, "part_bytes": part_bytes}
+        n_experts=6,
+        corpus={"source": source, "max_bytes": 10**9, **corpus},
+        prepare={"engine": engine, "part_bytes": part_bytes},
     )
 
 
@@ -109,16 +112,21 @@ def test_ray_engine_on_three_nodes_and_s3_equals_the_local_engine(cluster, s3, t
     # The built-in text differs from machine to machine (man pages, licenses): parts sized from what was written
     on_disk = sum(f.stat().st_size for f in local_corpus.iterdir())
     summaries = {}
+    labels = {"source_column": "lang", "source_patterns": {"c*.txt": "plain"}}  # rows labelled, files by pattern/type
     for engine, store in stores.items():
-        cfg = engine_config(source, engine, part_bytes=on_disk // 8)
+        cfg = engine_config(source, engine, part_bytes=on_disk // 8, **labels)
         summaries[engine] = prepare(store, cfg, cluster.address if engine == "ray" else None)
     read = [ln for ln in capfd.readouterr().err.splitlines() if ln.startswith("read ") and " parts on " in ln]
     assert read and int(read[0].split(" on ")[1].split()[0]) >= 2, read  # the parts were read on several nodes
     a, b = (campaign_digests(s) for s in stores.values())
     assert a == b and len(a) > 20  # router, every shard file, test parts
     info = summaries["ray"]["corpus"]
-    assert info["parts"] >= 5 and set(info["sources"]) == {"jsonl", "parquet", "txt", "txt.gz"}
+    assert info["parts"] >= 5 and {"plain", "txt", "man-pages", "licenses"} <= set(info["sources"]), info["sources"]
+    assert "jsonl" not in info["sources"] and "parquet" not in info["sources"]  # every row had its label
     assert summaries["ray"]["train_rows"] == summaries["local"]["train_rows"]
+    # the source x expert table (shards/manifest.json, in the digests above too): the same from both engines
+    assert summaries["ray"]["source_experts"] == summaries["local"]["source_experts"]
+    assert sum(r["sequences"] for r in summaries["ray"]["source_experts"]) == info["train_sequences"]
     assert not stores["ray"].exists(".soma-staging")  # staging removed, directory and all
     print(
         f"identical: {len(a)} files ({sum(r.startswith('shards/') for r in a)} shard files and manifests, "
