@@ -12,10 +12,11 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     max_num_models_per_replica=M) reads that group's weights from a safetensors file of its own and builds a
     RoutedLM of those experts only, each load logged with its seconds (the table's loads are those of the timed
     run; the warm-up's are printed apart). The ingress MuxRouter checks the request with
-    soma_cluster.serveinput.parse_score, cuts documents into soma eval's windows (serve_app.cut_documents), routes each
-    window (lm.Routing) exactly as SomaRouter does, then sends each window to every group holding one of its top-k
-    experts (one call per group per request, handle.options(multiplexed_model_id=group)). The group replica scores
-    in @serve.batch batches (Serve splits a batch by model id) coalesced into one pass at a time, as SomaExperts's
+    soma_cluster.inference.serveinput.parse_score, cuts documents into soma eval's windows (serve_app.cut_documents),
+    routes each window (lm.Routing) exactly as SomaRouter does, then sends each window to every group holding one of
+    its top-k experts (one call per group per request, handle.options(multiplexed_model_id=group)). The group
+    replica scores in @serve.batch batches (Serve splits a batch by model id) coalesced into one pass at a time, as
+    SomaExperts's
     (pipelines.serve_app.Passes; each group's pairs through its model): each (window, expert) pair is a row of
     RoutedLM.window_nats routed to that expert alone with weight 1, whose nats are -log(exp(log p)) = -log p, and
     it sends back each pair's per-byte log-probability as float32 (the kernel's own precision: the value comes
@@ -74,8 +75,8 @@ from bench_serve import PREFIX, load, post, request_bodies, write_export  # noqa
 
 from pipelines.serve_app import Passes, _error, _read_body, cut_documents  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
-from soma_cluster.lm import RoutedLM, Routing, finish, tally_start, tally_total  # noqa: E402
-from soma_cluster.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
+from soma_cluster.inference.lm import RoutedLM, Routing, finish, tally_start, tally_total  # noqa: E402
+from soma_cluster.inference.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
 
 
 @dataclass

@@ -631,7 +631,7 @@ def serve(
     def go() -> None:
         from pipelines.serve import as_json as served_json
         from pipelines.serve import serve_campaign
-        from soma_cluster.serveinput import with_overrides
+        from soma_cluster.inference.serveinput import with_overrides
 
         base = {"source": campaign, "replicas": replicas, "gpus_per_replica": gpus, "step": step}
         settings = with_overrides(base, list(overrides or []))

@@ -1,4 +1,4 @@
-"""`soma score`, `soma sample` and `soma export`: the commands over soma_cluster.lm (docs/inference.md)."""
+"""`soma score`, `soma sample` and `soma export`: the commands over soma_cluster.inference.lm (docs/inference.md)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,9 @@ from pipelines.evaluate import in_progress
 from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.ensemble import load_models
 from soma_cluster.errors import SomaError
-from soma_cluster.export import DTYPES, EXPORT_FILE, check_target, export
+from soma_cluster.inference.export import DTYPES, EXPORT_FILE, check_target, export
+from soma_cluster.inference.lm import READ_BYTES, RoutedLM
 from soma_cluster.jobs import expert_name
-from soma_cluster.lm import READ_BYTES, RoutedLM
 from soma_cluster.revisions import config_in_force
 from soma_cluster.storage import Store, storage_options_from_env
 
@@ -275,7 +275,7 @@ def sample(
 
 # -- soma export --------------------------------------------------------------------------------------------------
 def export_campaign(url: str, directory: str, dtype: str) -> dict:
-    """The campaign's latest checkpoints as an export directory (soma_cluster.export)."""
+    """The campaign's latest checkpoints as an export directory (soma_cluster.inference.export)."""
     if dtype not in DTYPES:
         raise SomaError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     src = open_store(url)

@@ -1,7 +1,7 @@
 """The Serve application of `soma serve` (docs/serving.md): a router deployment in front of expert replicas.
 
     SomaRouter (HTTP ingress, FastAPI)          SomaExperts (replicas: every expert, on a GPU where there is one)
-      validate (soma_cluster.serveinput)          score: @serve.batch, windows of many requests in one pass
+      validate (soma_cluster.inference.serveinput)          score: @serve.batch, windows of many requests in one pass
                                                          (Passes: one pass at a time, every queued batch in it)
       cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
       route each window (router only, no weights)
@@ -37,7 +37,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import (
+from soma_cluster.inference.lm import (
     Route,
     RoutedLM,
     Routing,
@@ -48,7 +48,7 @@ from soma_cluster.lm import (
     tally_total,
     windows_of,
 )
-from soma_cluster.serveinput import (
+from soma_cluster.inference.serveinput import (
     RequestError,
     ServeSettings,
     Status,
@@ -93,7 +93,7 @@ class GenerateJob:
 
 def version_of(cfg: ServeSettings) -> str:
     """What router and experts must agree on: the source and the step, and for an export its manifest's digest."""
-    from soma_cluster.export import EXPORT_FILE
+    from soma_cluster.inference.export import EXPORT_FILE
     from soma_cluster.storage import Store, storage_options_from_env
 
     store = Store(cfg.source, storage_options_from_env(cfg.source))
@@ -397,7 +397,8 @@ class SomaRouter:
 
 
 def build(args: dict) -> serve.Application:
-    """The application from its settings (soma_cluster.serveinput.ServeSettings): a Serve application builder."""
+    """The application from its settings (soma_cluster.inference.serveinput.ServeSettings): a Serve application
+    builder."""
     cfg = settings(dict(args))
     back = BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s)
     scaling = (

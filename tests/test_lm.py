@@ -1,5 +1,5 @@
-"""The public inference API (soma_cluster.lm) on a real trained micro campaign: scoring that is exactly soma eval's
-loss on a test window, any length and streamed, generation that carries the LSTM state, routing, a partial
+"""The public inference API (soma_cluster.inference.lm) on a real trained micro campaign: scoring that is exactly
+soma eval's loss on a test window, any length and streamed, generation that carries the LSTM state, routing, a partial
 campaign's seed fallback, and the docs' examples."""
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import torch
 from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.ensemble import evaluate_ensemble, load_models, load_windows
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import RoutedLM, windows_of
+from soma_cluster.inference.lm import RoutedLM, windows_of
 from soma_cluster.router import load_router
 from soma_cluster.storage import Store
 

@@ -98,7 +98,7 @@ def served(head, trained_campaign):
 
 @pytest.fixture(scope="module")
 def lm(trained_campaign):
-    from soma_cluster.lm import RoutedLM
+    from soma_cluster.inference.lm import RoutedLM
 
     return RoutedLM.load(trained_campaign, device="cpu")
 

@@ -1,11 +1,12 @@
 """A soma ensemble as a model of EleutherAI's lm-evaluation-harness (the `lmeval` extra, docs/inference.md).
 
     pip install 'soma-cluster[lmeval]'
-    python -m soma_cluster.lmeval --model soma --model_args pretrained=runs/demo --tasks TASKS [--include_path DIR]
+    python -m soma_cluster.inference.lmeval --model soma --model_args pretrained=runs/demo --tasks TASKS \
+        [--include_path DIR]
 
 or from Python, once this module is imported (importing it registers the model name "soma"):
 
-    import lm_eval, soma_cluster.lmeval
+    import lm_eval, soma_cluster.inference.lmeval
     lm_eval.simple_evaluate(model="soma", model_args="pretrained=runs/demo", tasks=[...])
 
 model_args: `pretrained` (a campaign, local or s3://, or a `soma export` directory), `device` (cpu, cuda, cuda:N;
@@ -14,7 +15,8 @@ generate_until request: it overrides the tasks' max_gen_toks, which count a subw
 bytes each; without it, max_gen_toks is read as bytes), `step` (a campaign's checkpoints of that step), `seed`
 (generation's sampling seed, default 1234).
 
-The model reads UTF-8 bytes; lm-eval's "tokens" are bytes here. The scores are RoutedLM's (soma_cluster/lm.py):
+The model reads UTF-8 bytes; lm-eval's "tokens" are bytes here. The scores are RoutedLM's
+(soma_cluster/inference/lm.py):
 
 - **loglikelihood** (context, continuation): -RoutedLM.score(continuation, prefix=context).nats, the windows and
   routes of soma eval (a window is routed by its own first router.prefix_bytes bytes, so with a context shorter
@@ -47,7 +49,8 @@ try:
     from lm_eval.utils import simple_parse_args_string
 except ImportError as exc:  # only users of the extra import this module
     raise ImportError(
-        f"soma_cluster.lmeval needs EleutherAI's lm-evaluation-harness ({exc}): pip install 'soma-cluster[lmeval]'"
+        f"soma_cluster.inference.lmeval needs EleutherAI's lm-evaluation-harness ({exc}): "
+        "pip install 'soma-cluster[lmeval]'"
     ) from exc
 
 import numpy as np
@@ -56,7 +59,7 @@ from tqdm import tqdm
 
 from soma_cluster.ensemble import route_windows
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import RoutedLM, as_bytes, windows_of
+from soma_cluster.inference.lm import RoutedLM, as_bytes, windows_of
 from soma_cluster.model import BodyState, embed
 
 log = logging.getLogger(__name__)
@@ -264,7 +267,7 @@ def cut(sample: bytes, until: Sequence[bytes]) -> bytes:
 
 
 def main() -> None:
-    """lm-eval's command line with the "soma" model registered: python -m soma_cluster.lmeval --model soma ..."""
+    """lm-eval's command line with the "soma" model registered: python -m soma_cluster.inference.lmeval --model soma"""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

@@ -259,7 +259,7 @@ def read_blob(store: Store, manifest: dict, rel: str) -> bytes:
 
 @dataclass
 class Exported:
-    """What an export holds, checked: the arguments of a RoutedLM (soma_cluster/lm.py builds it)."""
+    """What an export holds, checked: the arguments of a RoutedLM (soma_cluster/inference/lm.py builds it)."""
 
     config: CampaignConfig
     router: Router
@@ -359,7 +359,7 @@ Exported by soma-cluster {manifest["written_by"].get("soma-cluster", "?")} from 
 ## Use
 
 ```python
-from soma_cluster.lm import RoutedLM
+from soma_cluster.inference.lm import RoutedLM
 lm = RoutedLM.load("THIS_DIRECTORY")
 lm.score("some text").bits_per_byte
 lm.generate("Once upon a time", max_bytes=200, temperature=0.8, top_k=40, seed=0)

@@ -143,7 +143,7 @@ class ScoreRequest(BaseModel):
 
 
 class GenerateRequest(BaseModel):
-    """POST /v1/generate: bytes sampled after `prompt` (soma_cluster.lm: the route is fixed on the prompt).
+    """POST /v1/generate: bytes sampled after `prompt` (soma_cluster.inference.lm: the route is fixed on the prompt).
     `stream` (default) sends the bytes as they are drawn (application/octet-stream); else one JSON object."""
 
     model_config = ConfigDict(extra="forbid")

@@ -1,6 +1,6 @@
 """The routed ensemble a campaign trained, as a language model over bytes: load, route, score, generate.
 
-    from soma_cluster.lm import RoutedLM
+    from soma_cluster.inference.lm import RoutedLM
 
     lm = RoutedLM.load("runs/demo")               # a campaign (local or s3://) or a `soma export` directory
     lm.route("def main():")                        # Route(experts=(2, 0, 3, 1), weights=(0.25, 0.25, 0.25, 0.25))
@@ -46,7 +46,7 @@ from soma_cluster.checkpoint import checkpoint_steps, has_checkpoint
 from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import SEED_UNIT, Substitute, Windows, evaluate_ensemble, load_models, route_windows
 from soma_cluster.errors import SomaError
-from soma_cluster.export import EXPORT_FILE, read_export, read_manifest
+from soma_cluster.inference.export import EXPORT_FILE, read_export, read_manifest
 from soma_cluster.jobs import Job
 from soma_cluster.model import BodyState, embed
 from soma_cluster.revisions import config_in_force
