@@ -1,4 +1,4 @@
-"""The public inference API (soma_cluster.inference.lm.RoutedLM) on this CPU: generation speed and scoring throughput,
+"""The public inference API (soma_cluster.inference.RoutedLM) on this CPU: generation speed and scoring throughput,
 N = 256 narrow experts (d = 32, one shared head) against N = 8 wide ones (d = 181, own heads), top-4, in one run.
 
 Both ensembles are built as bench_inference.py builds them (its corpus_chunks and ensemble, imported): a real

@@ -17,7 +17,7 @@ from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.inference.lm import Routing
+from soma_cluster.inference.routing import Routing
 from soma_cluster.inference.serveinput import APP_NAME, ROUTE_PREFIX, ServeSettings
 
 REMOVE_TIMEOUT_S = 30.0

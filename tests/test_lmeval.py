@@ -21,7 +21,8 @@ pytest.importorskip("lm_eval", reason="the lmeval extra is not installed: pip in
 import numpy as np  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from soma_cluster.inference.lm import RoutedLM, as_bytes  # noqa: E402
+from soma_cluster.inference.lm import RoutedLM  # noqa: E402
+from soma_cluster.inference.scoring import as_bytes  # noqa: E402
 
 LN256 = math.log(256)
 GEN_BYTES = 24
