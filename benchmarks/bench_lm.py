@@ -1,4 +1,4 @@
-"""The public inference API (soma_cluster.lm.RoutedLM) on this CPU: generation speed and scoring throughput,
+"""The public inference API (soma_cluster.inference.RoutedLM) on this CPU: generation speed and scoring throughput,
 N = 256 narrow experts (d = 32, one shared head) against N = 8 wide ones (d = 181, own heads), top-4, in one run.
 
 Both ensembles are built as bench_inference.py builds them (its corpus_chunks and ensemble, imported): a real
@@ -49,7 +49,7 @@ from bench_inference import corpus_chunks, ensemble  # noqa: E402
 
 from soma_cluster.config import CampaignConfig, EvalConfig, ModelConfig, RouterConfig  # noqa: E402
 from soma_cluster.ensemble import Windows, evaluate_ensemble  # noqa: E402
-from soma_cluster.lm import RoutedLM  # noqa: E402
+from soma_cluster.inference.lm import RoutedLM  # noqa: E402
 from soma_cluster.model import init_body, init_head  # noqa: E402
 from soma_cluster.router import fit_router  # noqa: E402
 

@@ -2,7 +2,7 @@
 
 The two ensembles are bench_lm.py's (a real router fit on the built-in text, random weights: N = 256 narrow experts
 d = 32 with one shared head, N = 8 wide ones d = 181 with their own heads, top-4), written as `soma export`
-directories (soma_cluster.export.export, float32) and served from them exactly as `soma serve EXPORT` serves
+directories (soma_cluster.inference.export.export, float32) and served from them exactly as `soma serve EXPORT` serves
 (pipelines.serve_app.build: a router replica and one expert replica) on a local Ray started here, on loopback.
 
 Load: --windows test windows of 1,025 bytes, each a document scored as soma eval scores it (the first 257 bytes as
@@ -48,8 +48,8 @@ from bench_lm import ENSEMBLES, build  # noqa: E402
 
 from soma_cluster.checkpoint import Checkpoint  # noqa: E402
 from soma_cluster.ensemble import CampaignModels  # noqa: E402
-from soma_cluster.export import EXPORT_FILE, export  # noqa: E402
-from soma_cluster.lm import RoutedLM  # noqa: E402
+from soma_cluster.inference.export import EXPORT_FILE, export  # noqa: E402
+from soma_cluster.inference.lm import RoutedLM  # noqa: E402
 from soma_cluster.router import save_router  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 
@@ -57,8 +57,8 @@ PREFIX = 257  # bytes of a window read as its prefix: the 768 after it are score
 
 
 def write_export(lm: RoutedLM, root: str) -> str:
-    """The in-memory ensemble as a `soma export` directory (soma_cluster.export.export from a directory holding only
-    its router: no ledger, no metrics)."""
+    """The in-memory ensemble as a `soma export` directory (soma_cluster.inference.export.export from a directory
+    holding only its router: no ledger, no metrics)."""
     src = Store(os.path.join(root, "src"))
     save_router(src, lm.router)
     step = {"state": {"step": 1}}

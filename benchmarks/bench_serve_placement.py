@@ -12,7 +12,7 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     max_num_models_per_replica=M) reads that group's weights from a safetensors file of its own and builds a
     RoutedLM of those experts only, each load logged with its seconds (the table's loads are those of the timed
     run; the warm-up's are printed apart). The ingress MuxRouter checks the request with
-    soma_cluster.serveinput.parse_score, cuts documents into soma eval's windows (serve_app.cut_documents), routes each
+    soma_cluster.inference.serveinput.parse_score, cuts documents into soma eval's windows (Routing.cut), routes each
     window (lm.Routing) exactly as SomaRouter does, then sends each window to every group holding one of its top-k
     experts (one call per group per request, handle.options(multiplexed_model_id=group)). The group replica scores
     in @serve.batch batches (Serve splits a batch by model id) coalesced into one pass at a time, as SomaExperts's
@@ -20,7 +20,7 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     RoutedLM.window_nats routed to that expert alone with weight 1, whose nats are -log(exp(log p)) = -log p, and
     it sends back each pair's per-byte log-probability as float32 (the kernel's own precision: the value comes
     back bit for bit). The router mixes them as ensemble.evaluate_ensemble does: p = sum_k w_k exp(log p_k) in
-    float64, nats = -log(max(p, 1e-300)), then totals each document with lm.tally_total / lm.finish. A pass of the
+    float64, nats = -log(max(p, 1e-300)), then totals each document with scoring.Tally. A pass of the
     group replica holds up to k x --batch-windows pairs, the expert-rows of an all-experts pass of --batch-windows
     windows.
 
@@ -72,10 +72,12 @@ from bench_inference import corpus_chunks  # noqa: E402
 from bench_lm import ENSEMBLES, build  # noqa: E402
 from bench_serve import PREFIX, load, post, request_bodies, write_export  # noqa: E402
 
-from pipelines.serve_app import Passes, _error, _read_body, cut_documents  # noqa: E402
+from pipelines.serve_app import Passes, _error, _read_body  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
-from soma_cluster.lm import RoutedLM, Routing, finish, tally_start, tally_total  # noqa: E402
-from soma_cluster.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
+from soma_cluster.inference.lm import RoutedLM  # noqa: E402
+from soma_cluster.inference.routing import Routes, Routing  # noqa: E402
+from soma_cluster.inference.scoring import Tally  # noqa: E402
+from soma_cluster.inference.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
 
 
 @dataclass
@@ -169,7 +171,7 @@ class SomaGroups:
         windows = [j.windows[r] for j in jobs for r in j.rows]
         firsts = [j.firsts[r] for j in jobs for r in j.rows]
         top = np.concatenate([j.experts for j in jobs])[:, None]
-        nats = lm.window_nats(windows, firsts, (top, np.ones(top.shape)))
+        nats = lm.window_nats(windows, firsts, Routes(top, np.ones(top.shape)))
         out, at = [], 0
         for j in jobs:
             out.append([(-n).astype(np.float32) for n in nats[at : at + len(j.rows)]])
@@ -204,8 +206,10 @@ class MuxRouter:
         return JSONResponse({"source": shown(self.routing.source), "scores": scores})
 
     async def _score(self, docs: list[bytes], pre: list[bytes]) -> list[dict]:
-        windows, firsts, owner = cut_documents(self.routing, docs, pre)
-        top, weights = await asyncio.to_thread(self.routing.routes_of, windows)
+        cut = self.routing.cut(docs, pre)
+        windows, firsts, owner = cut.windows, cut.firsts, cut.owner
+        routes = await asyncio.to_thread(self.routing.routes, windows)
+        top, weights = routes.experts, routes.weights
         where = self.group_of[top]  # (n, k): the group of each routed expert
         calls, pairs = [], []
         for g in np.unique(where).tolist():
@@ -224,11 +228,11 @@ class MuxRouter:
         for (rows, slots), lps in zip(pairs, answers, strict=True):
             for r, s, lp in zip(rows, slots, lps, strict=True):
                 prob[r] += weights[r, s] * np.exp(lp.astype(np.float64))
-        acc = [tally_start(len(p) + len(t)) for p, t in zip(pre, docs, strict=True)]
+        acc = [Tally(len(p) + len(t)) for p, t in zip(pre, docs, strict=True)]
         for r, p in enumerate(prob):
             nats = -np.log(np.maximum(p, 1e-300))
-            tally_total(acc[owner[r]], float(nats.sum()), len(nats), top[r])
-        return [finish(a, (), False).as_dict() for a in acc]  # every expert has weights here: no seed fallback
+            acc[owner[r]].add_total(float(nats.sum()), len(nats), top[r])
+        return [a.score((), False).as_dict() for a in acc]  # every expert has weights here: no seed fallback
 
 
 def mux_app(path: str, groups_dir: str, group_of: np.ndarray, m: int, log: str, a: argparse.Namespace, cpus: float):

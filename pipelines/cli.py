@@ -16,6 +16,7 @@ from pipelines.cli_harness import (
     CorpusOpt,
     DeviceOpt,
     ExpertsOpt,
+    GenerationOpt,
     JsonOpt,
     LogEveryOpt,
     OneLineErrors,
@@ -30,9 +31,9 @@ from pipelines.cli_harness import (
     check_positive,
     check_scale,
     check_states,
-    check_temperature,
     checked_address,
     config_from_options,
+    generation_config,
     given_on_command_line,
     print_version,
     run_command,
@@ -582,10 +583,10 @@ def sample(
     campaign: str,
     prompt: Optional[list[str]] = typer.Option(None, "--prompt", help="the text to continue (repeatable: a batch)"),
     prompt_file: Optional[str] = typer.Option(None, "--prompt-file", help="a file (or -) whose bytes are the prompt"),
-    max_bytes: int = typer.Option(256, "--max-bytes", min=0, max=10_000_000, help="bytes to generate"),
-    temperature: float = typer.Option(1.0, "--temperature", callback=check_temperature, help="> 0; 1: as trained"),
-    top_k: Optional[int] = typer.Option(None, "--top-k", min=1, max=256, help="sample among the k likeliest bytes"),
-    seed: Optional[int] = typer.Option(None, "--seed", min=0, max=2**63 - 1, help="random seed (default: fresh)"),
+    max_bytes: int = GenerationOpt("max_bytes"),
+    temperature: float = GenerationOpt("temperature"),
+    top_k: Optional[int] = GenerationOpt("top_k"),
+    seed: Optional[int] = GenerationOpt("seed"),
     as_json: bool = typer.Option(False, "--json", help="one JSON line per prompt (text, base64, route)"),
     step: Optional[int] = StepOpt,
     device: Optional[str] = DeviceOpt,
@@ -597,9 +598,10 @@ def sample(
         open_store(campaign)  # a wrong target is named before a prompt is read
         from pipelines.inference import load, prompts, sample
 
+        config = generation_config(max_bytes=max_bytes, temperature=temperature, top_k=top_k, seed=seed)
         texts = prompts(list(prompt or []), prompt_file)
         lm = load(campaign, device, step)
-        sample(lm, texts, max_bytes, temperature, top_k, seed, as_json, sys.stdout.write_bytes)
+        sample(lm, texts, config, as_json, sys.stdout.write_bytes)
 
     run_command(go, "the bytes drawn before it are on stdout; nothing was written anywhere else")
 
@@ -655,7 +657,7 @@ def serve(
     def go() -> None:
         from pipelines.serve import as_json as served_json
         from pipelines.serve import serve_campaign
-        from soma_cluster.serveinput import with_overrides
+        from soma_cluster.inference.serveinput import with_overrides
 
         base = {"source": campaign, "replicas": replicas, "gpus_per_replica": gpus, "step": step}
         settings = with_overrides(base, list(overrides or []))

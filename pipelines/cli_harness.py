@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import errno
 import os
+import re
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Optional
@@ -25,6 +26,7 @@ from soma_cluster.config import CampaignConfig, parse_overrides, preset_names, r
 from soma_cluster.diskerrors import storage_error
 from soma_cluster.envvars import check_environment
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment
+from soma_cluster.inference import generation
 from soma_cluster.jobs import STATES
 from soma_cluster.lease import LeaseLost
 from soma_cluster.statusview import ALIASES, parse_jobs, parse_states
@@ -422,7 +424,45 @@ LIST_CHECKS = {
 }
 
 
-def check_temperature(value: float) -> float:
-    if not 0 < value <= 1000:  # NaN fails every comparison
-        bad_option(f"--temperature {value!r}: pass a number > 0 and at most 1000 (--top-k 1 samples greedily)")
+def check_generation(param: typer.CallbackParam, value):
+    """A decoding option, checked by GenerationConfig's own bounds (one set for every door: generation.py)."""
+    try:
+        generation.resolve(None, {param.name: value})
+    except SomaError:
+        bad_option(f"{max(param.opts, key=len)}: {generation.refusal(param.name, value)}")
     return value
+
+
+def GenerationOpt(name: str):  # noqa: N802 - an option, named like typer.Option
+    """The option of one GenerationConfig field (--max-bytes for max_bytes): its default, help and bounds are the
+    field's, its text read as the field's kind of number (a whole number is digits: '2.0' is not one, as 2.0 is not
+    one for generate()), so the command line accepts what generate() and the HTTP API accept."""
+    field = generation.GenerationConfig.model_fields[name]
+    lo, lo_open, hi = generation.bounds(name)
+    whole = generation.kind(name) is int
+
+    def parse(text: str):
+        if not isinstance(text, str):  # the default, passed through
+            return text
+        try:
+            if whole and not re.fullmatch(r"\s*[+-]?\d+\s*", text):
+                raise ValueError(text)
+            return int(text) if whole else float(text)
+        except ValueError:
+            raise typer.BadParameter(generation.refusal(name, text)) from None
+
+    span = f" [{lo:g}{'<' if lo_open else '<='}x<={hi:g}]"  # as click shows a range; an open one it cannot check
+    return typer.Option(
+        field.default,
+        "--" + name.replace("_", "-"),
+        min=lo if whole and not lo_open else None,  # for --help and the tables of bad values; check_generation checks
+        max=hi if whole else None,
+        parser=parse,
+        callback=check_generation,
+        help=field.description + ("" if whole else span),
+    )
+
+
+def generation_config(**values) -> generation.GenerationConfig:
+    """The decoding options as the command's GenerationConfig (each already checked by its option)."""
+    return generation.resolve(None, values)

@@ -1,4 +1,4 @@
-"""`soma score`, `soma sample` and `soma export`: the commands over soma_cluster.lm (docs/inference.md)."""
+"""`soma score`, `soma sample` and `soma export`: the commands over soma_cluster.inference (docs/inference.md)."""
 
 from __future__ import annotations
 
@@ -16,9 +16,10 @@ from pipelines.evaluate import in_progress
 from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.ensemble import load_models
 from soma_cluster.errors import SomaError
-from soma_cluster.export import DTYPES, EXPORT_FILE, check_target, export
+from soma_cluster.inference.export import DTYPES, EXPORT_FILE, check_target, export
+from soma_cluster.inference.generation import GenerationConfig
+from soma_cluster.inference.lm import READ_BYTES, RoutedLM
 from soma_cluster.jobs import expert_name
-from soma_cluster.lm import READ_BYTES, RoutedLM
 from soma_cluster.revisions import config_in_force
 from soma_cluster.storage import Store, storage_options_from_env
 
@@ -234,16 +235,7 @@ def prompts(given: list[str], prompt_file: str | None) -> list[bytes]:
         raise SomaError(f"--prompt-file {prompt_file} cannot be read ({exc.strerror}); check it") from None
 
 
-def sample(
-    lm: RoutedLM,
-    texts: list[bytes],
-    max_bytes: int,
-    temperature: float,
-    top_k: int | None,
-    seed: int | None,
-    as_json: bool,
-    write_bytes,
-) -> None:
+def sample(lm: RoutedLM, texts: list[bytes], config: GenerationConfig, as_json: bool, write_bytes) -> None:
     """One prompt without --json: its bytes streamed to stdout as they are drawn. Several, or --json: one JSON line
     per prompt once the batch is done."""
     for t in texts:
@@ -256,10 +248,10 @@ def sample(
                 soft_wrap=True,
             )
     if len(texts) == 1 and not as_json:
-        for piece in lm.stream(texts[0], max_bytes, temperature, top_k, seed):
+        for piece in lm.stream(texts[0], config):
             write_bytes(piece)
         return
-    outs = lm.generate(texts, max_bytes, temperature, top_k, seed)
+    outs = lm.generate(texts, config)
     for t, o in zip(texts, outs, strict=True):
         rec = {
             "prompt": t.decode("utf-8", "replace"),
@@ -275,7 +267,7 @@ def sample(
 
 # -- soma export --------------------------------------------------------------------------------------------------
 def export_campaign(url: str, directory: str, dtype: str) -> dict:
-    """The campaign's latest checkpoints as an export directory (soma_cluster.export)."""
+    """The campaign's latest checkpoints as an export directory (soma_cluster.inference.export)."""
     if dtype not in DTYPES:
         raise SomaError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
     src = open_store(url)

@@ -17,8 +17,8 @@ from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import Routing
-from soma_cluster.serveinput import APP_NAME, ROUTE_PREFIX, ServeSettings
+from soma_cluster.inference.routing import Routing
+from soma_cluster.inference.serveinput import APP_NAME, ROUTE_PREFIX, ServeSettings
 
 REMOVE_TIMEOUT_S = 30.0
 

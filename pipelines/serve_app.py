@@ -1,11 +1,12 @@
 """The Serve application of `soma serve` (docs/serving.md): a router deployment in front of expert replicas.
 
     SomaRouter (HTTP ingress, FastAPI)          SomaExperts (replicas: every expert, on a GPU where there is one)
-      validate (soma_cluster.serveinput)          score: @serve.batch, windows of many requests in one pass
+      validate (inference.serveinput)             score: @serve.batch, windows of many requests in one pass
                                                          (Passes: one pass at a time, every queued batch in it)
       cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
-      route each window (router only, no weights)
+      route each window (Routing: no weights)     (both RoutedLM's public calls: window_nats, stream)
       -> handle calls, retried on a lost replica
+      total each document's windows (Cut.scores)
 
 Build it with `build(args)` (a Serve application builder: `import_path: pipelines.serve_app:build` in a Serve
 config file, as deploy/kuberay/rayservice.yaml does) or through `soma serve`.
@@ -25,7 +26,6 @@ import logging
 from collections.abc import AsyncIterator, Callable, Iterator
 from dataclasses import dataclass
 
-import numpy as np
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from ray import serve
@@ -37,18 +37,10 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import (
-    Route,
-    RoutedLM,
-    Routing,
-    finish,
-    kept_prompt,
-    tally,
-    tally_start,
-    tally_total,
-    windows_of,
-)
-from soma_cluster.serveinput import (
+from soma_cluster.inference.generation import GenerationConfig
+from soma_cluster.inference.lm import RoutedLM
+from soma_cluster.inference.routing import Route, Routes, Routing
+from soma_cluster.inference.serveinput import (
     RequestError,
     ServeSettings,
     Status,
@@ -70,13 +62,12 @@ class VersionMismatch(Exception):
 
 @dataclass
 class WindowJob:
-    """Windows of one request (or part of one) for a pass: their bytes, first scored prediction and route."""
+    """Windows of one request (or part of one) for a pass: their bytes, first scored prediction and routes."""
 
     version: str
     windows: list[bytes]
     firsts: list[int]
-    top: np.ndarray
-    weights: np.ndarray
+    routes: Routes
     per_byte: bool = False  # False: each window's (summed nats, scored bytes) come back, not its per-byte nats
 
 
@@ -84,33 +75,18 @@ class WindowJob:
 class GenerateJob:
     version: str
     prompt: bytes
-    max_bytes: int
-    temperature: float
-    top_k: int | None
-    seed: int | None
+    config: GenerationConfig
     route: Route
 
 
 def version_of(cfg: ServeSettings) -> str:
     """What router and experts must agree on: the source and the step, and for an export its manifest's digest."""
-    from soma_cluster.export import EXPORT_FILE
+    from soma_cluster.inference.export import EXPORT_FILE
     from soma_cluster.storage import Store, storage_options_from_env
 
     store = Store(cfg.source, storage_options_from_env(cfg.source))
     digest = hashlib.sha256(store.read_bytes(EXPORT_FILE)).hexdigest()[:16] if store.exists(EXPORT_FILE) else ""
     return json.dumps([store.url, cfg.step, digest])
-
-
-def cut_documents(routing: Routing, docs: list[bytes], pre: list[bytes]) -> tuple[list[bytes], list[int], list[int]]:
-    """Each document, read after its prefix, cut into soma eval's windows: each window's bytes, its first scored
-    prediction, and the index of the document it came from."""
-    windows, firsts, owner = [], [], []
-    for d, (p, t) in enumerate(zip(pre, docs, strict=True)):
-        for data, first, _ in windows_of([p + t], routing.window_bytes, routing.stride, len(p)):
-            windows.append(data)
-            firsts.append(first)
-            owner.append(d)
-    return windows, firsts, owner
 
 
 def _windows_in(jobs: list[WindowJob]) -> int:
@@ -211,9 +187,7 @@ class SomaExperts:
         """One pass over the windows of every job; per job, per window: its nats (per_byte) or (sum, count)."""
         windows = [w for j in jobs for w in j.windows]
         firsts = [f for j in jobs for f in j.firsts]
-        top = np.concatenate([j.top for j in jobs])
-        weights = np.concatenate([j.weights for j in jobs])
-        nats = self.lm.window_nats(windows, firsts, (top, weights))
+        nats = self.lm.window_nats(windows, firsts, Routes.concat([j.routes for j in jobs]))
         self.pass_windows.observe(len(windows))
         self.windows.inc(len(windows))
         self.scored.inc(sum(len(n) for n in nats))
@@ -227,7 +201,7 @@ class SomaExperts:
     def generate(self, job: GenerateJob) -> Iterator[bytes]:
         if job.version != self.version:
             raise VersionMismatch(f"router {job.version}, experts {self.version}")
-        for piece in self.lm.stream(job.prompt, job.max_bytes, job.temperature, job.top_k, job.seed, job.route):
+        for piece in self.lm.stream(job.prompt, job.config, route=job.route):
             self.generated.inc(1)
             yield piece
 
@@ -293,10 +267,8 @@ class SomaRouter:
     async def generate(self, request: Request) -> Response:
         try:
             req, prompt = parse_generate(await _read_body(request, self.cfg.max_request_bytes), self.cfg)
-            kept = kept_prompt(prompt, self.routing.window_bytes)
-            top, w = self.routing.routes_of([kept])
-            route = Route(tuple(int(e) for e in top[0]), tuple(float(x) for x in w[0]))
-            job = GenerateJob(self.version, prompt, req.max_bytes, float(req.temperature), req.top_k, req.seed, route)
+            route = self.routing.prompt_route(prompt)
+            job = GenerateJob(self.version, prompt, req.generation(), route)
             pieces = await self._stream(job)
         except RequestError as exc:
             return _error(exc, self.cfg.retry_after_s)
@@ -316,8 +288,8 @@ class SomaRouter:
 
     # -- work ----------------------------------------------------------------------------------------------------
     async def _score(self, docs: list[bytes], pre: list[bytes], per_byte: bool) -> list[dict]:
-        windows, firsts, owner = cut_documents(self.routing, docs, pre)
-        top, weights = await asyncio.to_thread(self.routing.routes_of, windows)
+        cut = self.routing.cut(docs, pre)
+        routes = await asyncio.to_thread(self.routing.routes, cut.windows)
         step = self.cfg.max_batch_windows
         parts = await asyncio.gather(
             *(
@@ -325,27 +297,19 @@ class SomaRouter:
                     "score",
                     WindowJob(
                         self.version,
-                        windows[i : i + step],
-                        firsts[i : i + step],
-                        top[i : i + step],
-                        weights[i : i + step],
+                        cut.windows[i : i + step],
+                        cut.firsts[i : i + step],
+                        routes.take(slice(i, i + step)),
                         per_byte,
                     ),
                 )
-                for i in range(0, len(windows), step)
+                for i in range(0, len(cut.windows), step)
             )
         )
-        nats = [n for part, _ in parts for n in part]
+        results = [n for part, _ in parts for n in part]
         substituted = parts[0][1] if parts else ()
-        acc = [tally_start(len(p) + len(t)) for p, t in zip(pre, docs, strict=True)]
-        for r, n in enumerate(nats):
-            if per_byte:
-                tally(acc[owner[r]], n, top[r], per_byte)
-            else:
-                tally_total(acc[owner[r]], n[0], n[1], top[r])
         out = []
-        for a in acc:
-            s = finish(a, substituted, per_byte)
+        for s in cut.scores(routes.experts, results, substituted, per_byte):
             d = s.as_dict()
             if per_byte:
                 d["per_byte"] = [float(x) for x in s.per_byte]
@@ -358,7 +322,7 @@ class SomaRouter:
         for attempt in range(1, CALL_TRIES + 1):
             gen = self.experts.options(stream=True).generate.remote(job)
             try:
-                first = await gen.__anext__() if job.max_bytes else b""
+                first = await gen.__anext__() if job.config.max_bytes else b""
             except StopAsyncIteration:
                 first = b""
             except Exception as exc:  # noqa: BLE001 - sorted by _retryable
@@ -397,7 +361,8 @@ class SomaRouter:
 
 
 def build(args: dict) -> serve.Application:
-    """The application from its settings (soma_cluster.serveinput.ServeSettings): a Serve application builder."""
+    """The application from its settings (soma_cluster.inference.serveinput.ServeSettings): a Serve application
+    builder."""
     cfg = settings(dict(args))
     back = BackpressureConfig(status_code=503, retry_after_s=cfg.retry_after_s)
     scaling = (

@@ -305,6 +305,15 @@ def unit_routes(top: np.ndarray, weights: np.ndarray, present: set[int]) -> dict
     return routes
 
 
+def mixture(h: torch.Tensor, heads: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """unit_routes' rule over whole next-byte distributions, as the routed experts' states give them: p = sum_k w_k
+    softmax(h_k E_k^T). h (P*k, T, e): row r is window r // k's slot r % k; heads (P*k, 256, e); weights (P, k) ->
+    (P, T, 256) float32. evaluate_ensemble mixes the same way, target bytes only, in float64."""
+    probs = torch.softmax(torch.bmm(h, heads.transpose(1, 2)), dim=-1)  # (P*k, T, 256)
+    p, k = weights.shape
+    return (probs.view(p, k, *probs.shape[1:]) * weights.view(p, k, 1, 1)).sum(dim=1)
+
+
 def plan_passes(counts: dict[int, int], batch: int) -> list[list[tuple[int, int, int]]]:
     """Cut every expert's routed windows into units (expert, first, size) of at most `batch` windows and
     pack them into passes of at most `batch` sequences. A pass pads every unit to its largest one, so units

@@ -349,7 +349,7 @@ def test_rayservice_serve_config_is_ours_and_valid_for_ray_serve():
     from ray.serve.schema import ServeDeploySchema
 
     from pipelines.serve_app import build
-    from soma_cluster.serveinput import APP_NAME, settings
+    from soma_cluster.inference.serveinput import APP_NAME, settings
 
     doc = _rayservice()
     config = ServeDeploySchema.model_validate(yaml.safe_load(doc["spec"]["serveConfigV2"]))

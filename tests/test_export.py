@@ -21,8 +21,8 @@ from conftest import assert_one_line_error, fill_up, soma, soma_here
 from test_lm import partial
 
 from soma_cluster.errors import SomaError
-from soma_cluster.export import EXPORT_FILE, WEIGHTS
-from soma_cluster.lm import RoutedLM
+from soma_cluster.inference.export import EXPORT_FILE, WEIGHTS
+from soma_cluster.inference.lm import RoutedLM
 from soma_cluster.storage import Store
 
 DOCS = [b"", b"x", "naïve café\n".encode(), b"\xff\xfe\x00 not UTF-8", b"def f(x):\n    return x\n" * 80]

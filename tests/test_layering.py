@@ -13,6 +13,9 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 LAYERS = ("soma_cluster", "workers", "pipelines")  # lowest first: a package imports only those before it
+# a floor above the rest of its package: it imports the package's flat modules, none of them imports it back, and
+# no code outside it reaches a private (_underscored) name of it
+SUBPACKAGES = ("soma_cluster.inference",)
 
 
 def module_files() -> dict[str, Path]:
@@ -176,6 +179,83 @@ def test_soma_cluster_never_imports_ray():
     _, roots = graph()
     ray = sorted(module for module, names in roots.items() if module.split(".")[0] == "soma_cluster" and "ray" in names)
     assert not ray, f"soma_cluster is the library without Ray; these import it: {ray}"
+
+
+def inside(module: str, package: str) -> bool:
+    return module == package or module.startswith(package + ".")
+
+
+def test_a_subpackage_is_a_floor_of_its_own():
+    """The rest of its package imports it nowhere; it imports nothing of a layer above (the test above)."""
+    arrows, _ = graph()
+    for sub in SUBPACKAGES:
+        top = sub.split(".")[0]
+        into = sorted(
+            f"{m} -> {t}"
+            for m, targets in arrows.items()
+            if m.split(".")[0] == top and not inside(m, sub)
+            for t in targets
+            if inside(t, sub)
+        )
+        assert not into, f"{sub} is a floor above the rest of {top}; these import it:\n  " + "\n  ".join(into)
+        assert any(inside(m, sub) for m in arrows), f"{sub} has no modules"
+
+
+def private_names(package: str) -> set[str]:
+    """The _underscored names a subpackage defines: its modules' functions, classes and globals, their methods and
+    attributes (self._x = ...). Dunder names are Python's, not its."""
+    names = set()
+    for module, path in module_files().items():
+        if not inside(module, package):
+            continue
+        for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names.add(node.name)
+            elif isinstance(node, ast.Name) and isinstance(node.ctx, ast.Store):
+                names.add(node.id)
+            elif isinstance(node, ast.Attribute) and isinstance(node.ctx, ast.Store):
+                names.add(node.attr)
+    return {n for n in names if n.startswith("_") and not n.startswith("__")}
+
+
+def reaches(path: Path, package: str, privates: set[str]) -> list[str]:
+    """Where a file outside `package` reaches a private name of it: imports it (`from package.m import _x`), or
+    reads it off an object (`lm._weights(...)`; `self._x` and `cls._x` are the file's own)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.ImportFrom) and node.module and inside(node.module, package):
+            found += [f"{path.name}:{node.lineno} imports {a.name}" for a in node.names if a.name.startswith("_")]
+        elif isinstance(node, ast.Attribute) and node.attr in privates:
+            own = isinstance(node.value, ast.Name) and node.value.id in ("self", "cls")
+            if not own:
+                found.append(f"{path.name}:{node.lineno} reads .{node.attr}")
+    return found
+
+
+def outside_files(package: str) -> list[Path]:
+    """Every module of the three packages outside `package`, and the benchmarks (users of the API, as any)."""
+    mine = [p for m, p in module_files().items() if not inside(m, package)]
+    return mine + sorted((ROOT / "benchmarks").glob("*.py"))
+
+
+def test_nothing_outside_a_subpackage_reaches_its_private_names():
+    for sub in SUBPACKAGES:
+        privates = private_names(sub)
+        found = [hit for path in outside_files(sub) for hit in reaches(path, sub, privates)]
+        assert not found, f"private names of {sub} used outside it (make them public, or keep them inside):\n  " + (
+            "\n  ".join(found)
+        )
+
+
+def test_a_reach_into_private_names_is_seen(tmp_path):
+    path = tmp_path / "user.py"
+    path.write_text(
+        "from soma_cluster.inference.lm import _Pending\ndef f(lm, u):\n    return lm._weights(u), self._weights(u)\n"
+    )
+    privates = private_names("soma_cluster.inference")
+    assert {"_weights", "_Pending", "_slots"} <= privates
+    found = reaches(path, "soma_cluster.inference", privates)
+    assert found == ["user.py:1 imports _Pending", "user.py:3 reads ._weights"]
 
 
 def test_the_graph_sees_every_kind_of_import():

@@ -1,5 +1,5 @@
-"""The public inference API (soma_cluster.lm) on a real trained micro campaign: scoring that is exactly soma eval's
-loss on a test window, any length and streamed, generation that carries the LSTM state, routing, a partial
+"""The public inference API (soma_cluster.inference) on a real trained micro campaign: scoring that is exactly soma
+eval's loss on a test window, any length and streamed, generation that carries the LSTM state, routing, a partial
 campaign's seed fallback, and the docs' examples."""
 
 from __future__ import annotations
@@ -16,7 +16,9 @@ import torch
 from soma_cluster.campaignfile import load_campaign_config
 from soma_cluster.ensemble import evaluate_ensemble, load_models, load_windows
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import RoutedLM, windows_of
+from soma_cluster.inference.lm import RoutedLM
+from soma_cluster.inference.routing import Routes
+from soma_cluster.inference.scoring import windows_of
 from soma_cluster.router import load_router
 from soma_cluster.storage import Store
 
@@ -102,6 +104,27 @@ def test_generation_samples_the_distribution_scoring_measures(lm):
     assert lm.generate(prompt, max_bytes=0) == b""
     low = lm.generate(prompt, max_bytes=200, temperature=0.05, top_k=3, seed=1)
     assert len(low) == 200
+
+
+def test_the_forward_is_what_scoring_lmeval_and_generation_read(lm):
+    doc = b"The LSTM reads one byte at a time; " * 8  # 280 bytes: one window, routed on its first 256
+    (logp,) = lm.forward([doc])
+    assert np.array_equal(-logp, lm.score(doc, per_byte=True).per_byte)  # scoring sums the forward, bit for bit
+    (dist,) = lm.forward([doc], every_byte=True)  # lm-eval's is_greedy reads these
+    assert dist.shape == (len(doc) - 1, 256) and np.allclose(np.exp(dist).sum(axis=1), 1, atol=1e-5)
+    assert np.allclose(dist[np.arange(len(doc) - 1), list(doc[1:])], logp, atol=1e-4)  # two paths, one model
+    (longer,) = lm.forward([doc + b"x"], every_byte=True)  # generation's recurrent form reads the same mixture
+    assert np.allclose(np.exp(longer[-1]), lm.next_byte_probs(doc), rtol=1e-4, atol=1e-7)
+    routes = lm.routes([doc])
+    swapped = Routes(routes.experts[:, ::-1].copy(), routes.weights[:, ::-1].copy())  # the same mixture, reordered
+    assert np.allclose(lm.forward([doc], swapped)[0], logp, atol=1e-6)
+    alone = Routes(routes.experts[:, :1], np.ones((1, 1)))  # any route: its first expert alone
+    assert not np.allclose(lm.forward([doc], alone)[0], logp)
+    assert lm.forward([]) == [] and [x.shape for x in lm.forward([b"", b"a", b"ab"])] == [(0,), (0,), (1,)]
+    with pytest.raises(ValueError, match="routes name experts"):
+        lm.forward([doc], Routes(np.array([[lm.n_experts, 0]]), np.array([[0.5, 0.5]])))
+    with pytest.raises(ValueError, match="1 windows but 2 routes"):
+        lm.forward([doc], Routes.concat([routes, routes]))
 
 
 def test_a_prompt_longer_than_the_context_keeps_its_last_window(lm):

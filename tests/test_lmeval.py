@@ -21,7 +21,8 @@ pytest.importorskip("lm_eval", reason="the lmeval extra is not installed: pip in
 import numpy as np  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
-from soma_cluster.lm import RoutedLM, as_bytes  # noqa: E402
+from soma_cluster.inference.lm import RoutedLM  # noqa: E402
+from soma_cluster.inference.scoring import as_bytes  # noqa: E402
 
 LN256 = math.log(256)
 GEN_BYTES = 24
@@ -111,7 +112,7 @@ def evaluated(trained_campaign, tasks) -> dict:
     import lm_eval
     from lm_eval.tasks import TaskManager
 
-    import soma_cluster.lmeval  # noqa: F401  (registers "soma")
+    import soma_cluster.inference.lmeval  # noqa: F401  (registers "soma")
 
     out = lm_eval.simple_evaluate(
         model="soma",
@@ -182,7 +183,7 @@ def test_is_greedy_is_exact(trained_campaign, routed, text_corpus):
     router.prefix_bytes, so next_byte_probs reads each scored byte's route (see greedy_reference)."""
     from lm_eval.api.registry import get_model
 
-    import soma_cluster.lmeval  # noqa: F401
+    import soma_cluster.inference.lmeval  # noqa: F401
 
     model = get_model("soma").create_from_arg_string(f"pretrained={trained_campaign}", {"device": "cpu"})
     ctx = corpus_text(text_corpus, 30_000, 300)
@@ -224,7 +225,7 @@ def test_command_line(trained_campaign, tasks, routed, tmp_path):
         [
             sys.executable,
             "-m",
-            "soma_cluster.lmeval",
+            "soma_cluster.inference.lmeval",
             "--model",
             "soma",
             "--model_args",
@@ -250,7 +251,7 @@ def test_command_line(trained_campaign, tasks, routed, tmp_path):
 
 def test_without_the_extra_the_import_error_says_how_to_install():
     proc = subprocess.run(
-        [sys.executable, "-c", "import sys; sys.modules['lm_eval'] = None; import soma_cluster.lmeval"],
+        [sys.executable, "-c", "import sys; sys.modules['lm_eval'] = None; import soma_cluster.inference.lmeval"],
         capture_output=True,
         text=True,
         timeout=120,

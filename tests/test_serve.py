@@ -98,7 +98,7 @@ def served(head, trained_campaign):
 
 @pytest.fixture(scope="module")
 def lm(trained_campaign):
-    from soma_cluster.lm import RoutedLM
+    from soma_cluster.inference.lm import RoutedLM
 
     return RoutedLM.load(trained_campaign, device="cpu")
 
@@ -429,9 +429,10 @@ def test_passes_coalesce_the_batches_queued_while_one_runs():
     import numpy as np
 
     from pipelines.serve_app import Passes, WindowJob
+    from soma_cluster.inference.routing import Routes
 
     def job(tag: str, n: int) -> WindowJob:
-        return WindowJob("v", [tag.encode()] * n, [0] * n, np.zeros((n, 1), int), np.ones((n, 1)))
+        return WindowJob("v", [tag.encode()] * n, [0] * n, Routes(np.zeros((n, 1), int), np.ones((n, 1))))
 
     passes: list[list[str]] = []
     release = threading.Event()

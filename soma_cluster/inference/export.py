@@ -1,5 +1,5 @@
 """`soma export`: the routed ensemble as a self-contained directory that RoutedLM.load reads without the campaign
-and without Ray.
+and without Ray (routing.open_source tells it from a campaign).
 
     <dir>/soma-export.json     format and version, the campaign's config, each expert's step, the experts the seed
                                stands in for, the dtype, and the sha256 of every other file (checksummed itself)
@@ -259,7 +259,7 @@ def read_blob(store: Store, manifest: dict, rel: str) -> bytes:
 
 @dataclass
 class Exported:
-    """What an export holds, checked: the arguments of a RoutedLM (soma_cluster/lm.py builds it)."""
+    """What an export holds, checked: the arguments of a RoutedLM (lm.py builds it)."""
 
     config: CampaignConfig
     router: Router
@@ -269,19 +269,25 @@ class Exported:
     steps: dict[int, int]
 
 
-def read_export(store: Store) -> Exported:
-    """An export's models, every file checked against its sha256 first (the model card too)."""
-    manifest = read_manifest(store)
-    for rel in manifest["files"]:
-        if rel != WEIGHTS:  # read (and checked) below; the router's files are read again by load_router
-            read_blob(store, manifest, rel)
+def export_config(store: Store, manifest: dict) -> CampaignConfig:
+    """The campaign config an export was made with, checked by this soma-cluster's schema."""
     try:
-        cfg = CampaignConfig.model_validate(manifest["config"])
-    except ValueError as exc:
+        return CampaignConfig.model_validate(manifest["config"])
+    except (KeyError, TypeError, ValueError) as exc:
         first = str(exc).splitlines()[1:2] or [str(exc)]
         raise SomaError(
             f"{store.url}/{EXPORT_FILE}: its config does not validate here ({first[0].strip()}); export again"
         ) from None
+
+
+def read_export(store: Store, manifest: dict | None = None) -> Exported:
+    """An export's models, every file checked against its sha256 first (the model card too); `manifest`: its
+    read_manifest, when the caller has it."""
+    manifest = read_manifest(store) if manifest is None else manifest
+    for rel in manifest["files"]:
+        if rel != WEIGHTS:  # read (and checked) below; the router's files are read again by load_router
+            read_blob(store, manifest, rel)
+    cfg = export_config(store, manifest)
     try:
         t = st_load(read_blob(store, manifest, WEIGHTS))
         index = [int(e) for e in t["experts.index"].tolist()]
@@ -364,7 +370,7 @@ Exported by soma-cluster {manifest["written_by"].get("soma-cluster", "?")} from 
 ## Use
 
 ```python
-from soma_cluster.lm import RoutedLM
+from soma_cluster.inference import RoutedLM
 lm = RoutedLM.load("THIS_DIRECTORY")
 lm.score("some text").bits_per_byte
 lm.generate("Once upon a time", max_bytes=200, temperature=0.8, top_k=40, seed=0)

@@ -1,28 +1,31 @@
 """A soma ensemble as a model of EleutherAI's lm-evaluation-harness (the `lmeval` extra, docs/inference.md).
 
     pip install 'soma-cluster[lmeval]'
-    python -m soma_cluster.lmeval --model soma --model_args pretrained=runs/demo --tasks TASKS [--include_path DIR]
+    python -m soma_cluster.inference.lmeval --model soma --model_args pretrained=runs/demo --tasks TASKS \
+        [--include_path DIR]
 
 or from Python, once this module is imported (importing it registers the model name "soma"):
 
-    import lm_eval, soma_cluster.lmeval
+    import lm_eval, soma_cluster.inference.lmeval
     lm_eval.simple_evaluate(model="soma", model_args="pretrained=runs/demo", tasks=[...])
 
 model_args: `pretrained` (a campaign, local or s3://, or a `soma export` directory), `device` (cpu, cuda, cuda:N;
 default CUDA when there is one), `batch_size` (requests per pass, default 64), `max_bytes` (bytes generated per
 generate_until request: it overrides the tasks' max_gen_toks, which count a subword model's tokens of about 4
 bytes each; without it, max_gen_toks is read as bytes), `step` (a campaign's checkpoints of that step), `seed`
-(generation's sampling seed, default 1234).
+(generation's sampling seed, default 1234). max_bytes and seed are GenerationConfig's options, with its bounds.
 
-The model reads UTF-8 bytes; lm-eval's "tokens" are bytes here. The scores are RoutedLM's (soma_cluster/lm.py):
+The model reads UTF-8 bytes; lm-eval's "tokens" are bytes here. Every request is built on RoutedLM (lm.py):
 
 - **loglikelihood** (context, continuation): -RoutedLM.score(continuation, prefix=context).nats, the windows and
   routes of soma eval (a window is routed by its own first router.prefix_bytes bytes, so with a context shorter
   than that the router also reads the continuation's first bytes). is_greedy is exact: every continuation byte is
-  the argmax of the very distribution that scored it (same window, same route).
+  the argmax of the very distribution that scored it (the forward's, same window, same route).
 - **loglikelihood_rolling** (text,): the whole text's log-likelihood, every byte of it counted.
-- **generate_until** (context, gen_kwargs): RoutedLM.generate, greedy (top_k=1) unless do_sample is true with a
-  temperature > 0; cut at the first `until` string; decoded with errors="replace".
+- **generate_until** (context, gen_kwargs): RoutedLM.generate under the GenerationConfig the gen_kwargs map onto
+  (generation_of): greedy (top_k=1) unless do_sample is true with a temperature other than 0, else its temperature
+  and top_k as given, checked by GenerationConfig's bounds; cut at the first `until` string; decoded with
+  errors="replace".
 
 **The first byte.** A soma model has no start token: the first byte of a text has no prediction. Where lm-eval
 asks for one (the first continuation byte after an empty context, the first byte of a rolling text) it is given
@@ -35,7 +38,9 @@ from __future__ import annotations
 
 import logging
 import math
+import numbers
 from collections.abc import Sequence
+from typing import Any
 
 try:
     # lm_eval.models first: lm-eval fills its model registry from it only while the registry is empty, so
@@ -47,24 +52,27 @@ try:
     from lm_eval.utils import simple_parse_args_string
 except ImportError as exc:  # only users of the extra import this module
     raise ImportError(
-        f"soma_cluster.lmeval needs EleutherAI's lm-evaluation-harness ({exc}): pip install 'soma-cluster[lmeval]'"
+        f"soma_cluster.inference.lmeval needs EleutherAI's lm-evaluation-harness ({exc}): "
+        "pip install 'soma-cluster[lmeval]'"
     ) from exc
 
 import numpy as np
 import torch
 from tqdm import tqdm
 
-from soma_cluster.ensemble import route_windows
 from soma_cluster.errors import SomaError
-from soma_cluster.lm import RoutedLM, as_bytes, windows_of
-from soma_cluster.model import BodyState, embed
+from soma_cluster.inference.generation import GenerationConfig, resolve
+from soma_cluster.inference.lm import RoutedLM
+from soma_cluster.inference.scoring import as_bytes, windows_of
 
 log = logging.getLogger(__name__)
 
 FIRST_BYTE_LOGPROB = -math.log(256)  # the unpredicted first byte of a text: uniform (module docstring)
 DEFAULT_BATCH = 64
-DEFAULT_MAX_BYTES = 256
-TIME_BLOCK = 256  # positions per block when is_greedy reads a window: (rows, block, 256) probabilities at a time
+DEFAULT_MAX_BYTES = GenerationConfig.model_fields["max_bytes"].default
+DEFAULT_SEED = 1234
+# lm-eval's gen_kwargs speak Hugging Face's words: 0 turns these off (greedy decoding; no top-k cut)
+OFF_WHEN_ZERO = ("temperature", "top_k")
 
 
 def _positive_int(name: str, value, default: int | None) -> int | None:
@@ -91,7 +99,7 @@ class SomaLM(LM):
         max_batch_size: int | None = None,  # lm-eval passes it along with batch_size; nothing to size here
         max_bytes: int | None = None,
         step: int | None = None,
-        seed: int = 1234,
+        seed: int | None = DEFAULT_SEED,
     ):
         super().__init__()
         if not pretrained:
@@ -100,11 +108,11 @@ class SomaLM(LM):
             # lm-eval's command line passes device cuda:0 unless told otherwise; like its hf model, fall back
             log.warning("device %s: CUDA is not available here; soma runs on the CPU", device)
             device = "cpu"
+        self.batch_size = _positive_int("batch_size", batch_size, DEFAULT_BATCH)
+        generation_of({}, max_bytes, seed)  # model_args that GenerationConfig refuses: refused before anything loads
+        self.max_bytes, self.seed = max_bytes, seed
         self.lm = RoutedLM.load(str(pretrained), device=device, step=None if step is None else int(step))
         self._device = self.lm.device
-        self.batch_size = _positive_int("batch_size", batch_size, DEFAULT_BATCH)
-        self.max_bytes = _positive_int("max_bytes", max_bytes, None)
-        self.seed = int(seed)
 
     @classmethod
     def create_from_arg_obj(cls, arg_dict: dict, additional_config: dict | None = None) -> SomaLM:
@@ -147,24 +155,19 @@ class SomaLM(LM):
         return out
 
     def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
-        """Requests grouped by their sampling options and generated a batch at a time; a batch that samples is
+        """Requests grouped by their GenerationConfig and generated a batch at a time; a batch that samples is
         seeded with `seed` plus its first request's index, so a run repeats."""
-        plans = [self._plan(r.args[1] if len(r.args) > 1 else {}) for r in requests]
-        groups: dict[tuple, list[int]] = {}
-        for i, (_, key) in enumerate(plans):
-            groups.setdefault(key, []).append(i)
+        plans = [generation_of(r.args[1] if len(r.args) > 1 else {}, self.max_bytes, self.seed) for r in requests]
+        groups: dict[GenerationConfig, list[int]] = {}
+        for i, (_, config) in enumerate(plans):
+            groups.setdefault(config, []).append(i)
         out: list[str | None] = [None] * len(requests)
         bar = tqdm(total=len(requests), desc="soma generate_until", disable=self._quiet(disable_tqdm))
-        for (max_bytes, temperature, top_k), rows in groups.items():
+        for config, rows in groups.items():
             for a in range(0, len(rows), self.batch_size):
                 batch = rows[a : a + self.batch_size]
-                samples = self.lm.generate(
-                    [as_bytes(requests[i].args[0]) for i in batch],
-                    max_bytes=max_bytes,
-                    temperature=temperature,
-                    top_k=top_k,
-                    seed=(self.seed + batch[0]) % 2**63,
-                )
+                seed = None if config.seed is None else (config.seed + batch[0]) % 2**63
+                samples = self.lm.generate([as_bytes(requests[i].args[0]) for i in batch], config, seed=seed)
                 for i, sample in zip(batch, samples, strict=True):
                     text = cut(sample, plans[i][0]).decode("utf-8", errors="replace")
                     self.cache_hook.add_partial("generate_until", requests[i].args, text)
@@ -188,7 +191,7 @@ class SomaLM(LM):
     def _greedy(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[bool]:
         """Whether each continuation is what greedy decoding gives: every scored byte the argmax of the distribution
         that scored it. RoutedLM.score reads a text in windows, each routed by its own first bytes; the same windows
-        (windows_of) and routes here, their full next-byte distributions read instead of the target's."""
+        (windows_of) and routes here, the forward's every-byte distributions read instead of the target's."""
         window, stride = self.lm.window_bytes, self.lm.stride
         jobs: list[tuple[int, bytes, int]] = []  # (pair, window's bytes, index of its first scored prediction)
         for i, (ctx, cont) in enumerate(pairs):
@@ -197,50 +200,12 @@ class SomaLM(LM):
         greedy = [True] * len(pairs)
         for a in range(0, len(jobs), self.batch_size):
             part = jobs[a : a + self.batch_size]
-            best = self._argmax([data for _, data, _ in part])
-            for (i, data, first), top in zip(part, best, strict=True):
+            dists = self.lm.forward([data for _, data, _ in part], every_byte=True)  # each (len - 1, 256) log p
+            for (i, data, first), logp in zip(part, dists, strict=True):
                 target = np.frombuffer(data, dtype=np.uint8)[first + 1 :]
-                if not np.array_equal(top[first : len(data) - 1], target):
+                if not np.array_equal(logp[first:].argmax(axis=-1), target):
                     greedy[i] = False
         return greedy
-
-    @torch.no_grad()
-    def _argmax(self, windows: list[bytes]) -> list[np.ndarray]:
-        """The most likely next byte after each position of each window (len - 1 of them), under the window's route:
-        p = sum_k w_k softmax(h_k E_k^T), as RoutedLM mixes. Windows are padded at the end to the longest (the LSTM
-        is causal: padding changes no earlier position); each routes on its own bytes."""
-        lm = self.lm
-        top, weights = route_windows(lm.router, [w[: lm.router.cfg.prefix_bytes] for w in windows])
-        n, k = top.shape
-        units = [int(u) for u in top.reshape(-1)]
-        bodies = torch.stack([lm._model(u)[0] for u in units])  # (n*k, M): row r is window r // k's slot r % k
-        heads = torch.stack([lm._model(u)[1] for u in units])  # (n*k, 256, e)
-        t = max(len(w) for w in windows) - 1
-        x = np.zeros((n, t), dtype=np.uint8)
-        for i, w in enumerate(windows):
-            x[i, : len(w) - 1] = np.frombuffer(w[:-1], dtype=np.uint8)
-        xs = torch.from_numpy(x).to(lm.device).repeat_interleave(k, dim=0)[:, None]  # (n*k, 1, t)
-        w = torch.as_tensor(weights, dtype=torch.float32, device=lm.device).view(n, k, 1, 1)
-        state = BodyState(lm.config.model, bodies, 1)
-        best = []
-        for t0 in range(0, t, TIME_BLOCK):
-            h = state.advance(embed(heads, xs[..., t0 : t0 + TIME_BLOCK], n * k))[:, :, 0]  # (n*k, Tb, e)
-            probs = torch.softmax(torch.bmm(h, heads.transpose(1, 2)), dim=-1)  # (n*k, Tb, 256)
-            best.append((probs.view(n, k, *probs.shape[1:]) * w).sum(dim=1).argmax(dim=-1))  # (n, Tb)
-        cols = torch.cat(best, dim=1).cpu().numpy()
-        return [cols[i, : len(wb) - 1] for i, wb in enumerate(windows)]
-
-    # -- generation options ----------------------------------------------------------------------------------------
-    def _plan(self, gen_kwargs: dict) -> tuple[list[bytes], tuple[int, float, int | None]]:
-        """A request's gen_kwargs -> (stop strings as bytes, (max_bytes, temperature, top_k))."""
-        kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), self.max_bytes or DEFAULT_MAX_BYTES)
-        until = [as_bytes(s) for s in handle_stop_sequences(kwargs.pop("until", None), eos=None) if s]
-        max_bytes = self.max_bytes or int(kwargs.pop("max_gen_toks"))
-        temperature = float(kwargs.pop("temperature", 0.0) or 0.0)
-        top_k = kwargs.pop("top_k", None)
-        if kwargs.pop("do_sample", False) and temperature > 0:
-            return until, (max_bytes, temperature, None if top_k in (None, 0, 256) else int(top_k))
-        return until, (max_bytes, 1.0, 1)  # greedy: the most likely byte at every step
 
     # -- what lm-eval asks of a model ------------------------------------------------------------------------------
     def _quiet(self, disable_tqdm: bool) -> bool:
@@ -263,8 +228,35 @@ def cut(sample: bytes, until: Sequence[bytes]) -> bytes:
     return sample[: min(ends)] if ends else sample
 
 
+def _off(value: Any) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool) and value == 0
+
+
+def generation_of(
+    gen_kwargs: dict | None, max_bytes: int | None = None, seed: int | None = DEFAULT_SEED
+) -> tuple[list[bytes], GenerationConfig]:
+    """A request's gen_kwargs (lm-eval's normalize_gen_kwargs: until, max_gen_toks or its aliases, do_sample,
+    temperature, top_k) and the model_args max_bytes and seed -> its stop strings as bytes and its GenerationConfig.
+    Greedy (top_k=1) unless do_sample with a temperature other than 0; a temperature or top_k of 0 is Hugging
+    Face's "off" (OFF_WHEN_ZERO). Every other value goes to GenerationConfig as given: one SomaError naming it."""
+    try:
+        kwargs = normalize_gen_kwargs(dict(gen_kwargs or {}), DEFAULT_MAX_BYTES)
+    except (TypeError, ValueError) as exc:  # lm-eval's own int() and float() of max_gen_toks and temperature
+        raise SomaError(f"gen_kwargs {gen_kwargs!r}: {exc}") from None
+    until = [as_bytes(s) for s in handle_stop_sequences(kwargs.pop("until", None), eos=None) if s]
+    options: dict[str, Any] = {"max_bytes": kwargs.pop("max_gen_toks") if max_bytes is None else max_bytes}
+    options["seed"] = seed
+    given = {"temperature": kwargs.pop("temperature", 0.0), "top_k": kwargs.pop("top_k", None)}
+    off = {name for name in OFF_WHEN_ZERO if _off(given[name])}
+    if not kwargs.pop("do_sample", False) or "temperature" in off:
+        options["top_k"] = 1  # greedy: the most likely byte at every step
+    else:
+        options.update(temperature=given["temperature"], top_k=None if "top_k" in off else given["top_k"])
+    return until, resolve(None, options)
+
+
 def main() -> None:
-    """lm-eval's command line with the "soma" model registered: python -m soma_cluster.lmeval --model soma ..."""
+    """lm-eval's command line with the "soma" model registered: python -m soma_cluster.inference.lmeval --model soma"""
     from lm_eval.__main__ import cli_evaluate
 
     cli_evaluate()

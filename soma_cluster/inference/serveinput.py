@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import base64
 import binascii
-import math
 from enum import IntEnum, StrEnum
 from typing import Annotated, Literal
 
@@ -23,7 +22,6 @@ from pydantic import (
     Field,
     PlainValidator,
     StrictBool,
-    StrictFloat,
     StrictInt,
     StrictStr,
     ValidationError,
@@ -31,6 +29,7 @@ from pydantic import (
 )
 
 from soma_cluster.errors import SomaError
+from soma_cluster.inference.generation import MAX_BYTES, GenerationConfig
 
 APP_NAME = "soma"  # the Serve application's name (serve status, serve delete, a Serve config file)
 ROUTE_PREFIX = "/"
@@ -82,7 +81,7 @@ class ServeSettings(BaseModel):
     retry_after_s: Annotated[StrictInt, Field(ge=1, le=3600)] = 1  # the Retry-After of a 503
     max_request_bytes: Annotated[StrictInt, Field(ge=1024, le=1 << 30)] = 4 << 20  # a body, and its documents
     max_documents: Annotated[StrictInt, Field(ge=1, le=1 << 20)] = 1024  # texts in one score request
-    max_generate_bytes: Annotated[StrictInt, Field(ge=1, le=1 << 24)] = 4096  # max_bytes of a generate request
+    max_generate_bytes: Annotated[StrictInt, Field(ge=1, le=MAX_BYTES)] = 4096  # max_bytes of a generate request
 
     @model_validator(mode="after")
     def _replicas_in_order(self) -> "ServeSettings":
@@ -142,19 +141,19 @@ class ScoreRequest(BaseModel):
     encoding: Encoding = Encoding.UTF8
 
 
-class GenerateRequest(BaseModel):
-    """POST /v1/generate: bytes sampled after `prompt` (soma_cluster.lm: the route is fixed on the prompt).
-    `stream` (default) sends the bytes as they are drawn (application/octet-stream); else one JSON object."""
-
-    model_config = ConfigDict(extra="forbid")
+class GenerateRequest(GenerationConfig):
+    """POST /v1/generate: bytes sampled after `prompt` (soma_cluster.inference.lm: the route is fixed on the prompt),
+    under the options of a GenerationConfig (its fields, defaults and bounds, inherited: max_bytes, temperature,
+    top_k, seed). `stream` (default) sends the bytes as they are drawn (application/octet-stream); else one JSON
+    object."""
 
     prompt: Text = ""
-    max_bytes: Annotated[StrictInt, Field(ge=0)] = 256
-    temperature: Annotated[StrictFloat | StrictInt, Field(gt=0)] = 1.0
-    top_k: Annotated[StrictInt, Field(ge=1, le=256)] | None = None
-    seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stream: StrictBool = True
     encoding: Encoding = Encoding.UTF8
+
+    def generation(self) -> GenerationConfig:
+        """The request's decoding options alone."""
+        return GenerationConfig(**{name: getattr(self, name) for name in GenerationConfig.model_fields})
 
 
 class RequestError(Exception):
@@ -232,13 +231,13 @@ def parse_score(body: bytes, limits: ServeSettings) -> tuple[list[bytes], list[b
 
 
 def parse_generate(body: bytes, limits: ServeSettings) -> tuple[GenerateRequest, bytes]:
+    """A generate request and its prompt as bytes; RequestError on anything else (max_bytes over the server's
+    max_generate_bytes too, a limit below GenerationConfig's own)."""
     req = _parse(GenerateRequest, body)
     if req.max_bytes > limits.max_generate_bytes:
         raise RequestError(
             Status.INVALID, f"max_bytes: {req.max_bytes}, over the limit of {limits.max_generate_bytes}", "max_bytes"
         )
-    if not math.isfinite(float(req.temperature)):
-        raise RequestError(Status.INVALID, "temperature: must be finite", "temperature")
     prompt = decode(req.prompt, req.encoding, "prompt")
     if len(prompt) > limits.max_request_bytes:
         raise RequestError(Status.TOO_LARGE, f"prompt: over the limit of {limits.max_request_bytes} bytes", "prompt")
