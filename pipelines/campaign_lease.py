@@ -39,6 +39,8 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
     lease, count = _held.get(store.url, (None, 0))
     empty, created, made_from = False, False, None
     if lease is None:
+        if store.local and os.path.isdir(store.root):
+            _refuse_foreign(store)  # by reading: before the probe write of check_writable changes the directory
         store.check_writable(need_bytes)  # a full, read-only or missing place is named before anything is made there
         _refuse_foreign(store)
         created = store.local and not os.path.isdir(store.root)

@@ -49,10 +49,10 @@ def fork_config(parent: CampaignConfig, child: CampaignConfig) -> None:
         )
 
 
-@holding("soma fork", "child")
-def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -> dict:
-    """Make `child` a campaign that starts where `parent`'s experts start (`warm`: where they stopped, from their
-    latest checkpoints). Idempotent for the same config."""
+def check_fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool) -> CampaignConfig:
+    """What a fork of `parent` into `child` with `cfg` refuses, by reading only (before the child's lease is taken): a
+    parent with no seed, a change to what the shared data was made with, a warm fork that changes the method, a
+    child that holds another campaign (or a started one). Returns the parent's config."""
     pcfg = load_config(parent)
     require_seed(parent)
     fork_config(pcfg, cfg)
@@ -62,11 +62,22 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -
             f"keep it, or fork without --warm to start {cfg.train.method} from the seed"
         )
     if claim_campaign(child, cfg, write=False) and child.exists(MARKER):
+        return pcfg
+    forked = any(ev["event"] == Event.FORKED for ev in child.read_log(EVENTS))
+    if not forked and (child.exists(EVENTS) or child.exists(LEDGER)):
+        raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
+    return pcfg
+
+
+@holding("soma fork", "child")
+def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -> dict:
+    """Make `child` a campaign that starts where `parent`'s experts start (`warm`: where they stopped, from their
+    latest checkpoints). Idempotent for the same config."""
+    pcfg = check_fork(parent, child, cfg, warm)
+    if child.exists(MARKER):
         console.print(f"{child.url} is already a fork of {parent.url}; skipping")
         return child.read_json(MARKER)
     logged = [ev for ev in child.read_log(EVENTS) if ev["event"] == Event.FORKED]
-    if not logged and (child.exists(EVENTS) or child.exists(LEDGER)):
-        raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
     claim_campaign(child, cfg)
     files = [p for d in SHARED for p in parent.walk(d)]
     warm_files = _latest_checkpoints(parent, pcfg) if warm else {}
@@ -103,9 +114,11 @@ def fork_command(parent_url: str, child_url: str, sets: list[str], warm: bool) -
                 f"soma fork {parent_url} {child_url}: the new campaign must lie outside its parent (and hold no "
                 "part of it); pass a new directory beside it"
             )
-    child.check_writable()
     tree = merge_trees(load_config(parent).model_dump(mode="json"), parse_overrides(sets))
-    return fork(parent, child, validated(tree, "fork overrides"), warm)
+    cfg = validated(tree, "fork overrides")
+    check_fork(parent, child, cfg, warm)
+    child.check_writable()
+    return fork(parent, child, cfg, warm)
 
 
 def _latest_checkpoints(parent: Store, pcfg: CampaignConfig) -> dict[str, bytes]:
