@@ -124,3 +124,59 @@ def test_sigterm_stays_caught_while_a_local_ray_starts_and_stops():
     default_s, states = proc.stdout.strip().splitlines()[-1].split(" ", 1)
     print(f"\nSIGTERM at its default action for {float(default_s) * 1000:.1f} ms of the session; states seen {states}")
     assert float(default_s) < 0.05 and "ignored" not in states
+
+
+def test_a_sigkilled_command_leaves_nothing_of_its_local_ray(tmp_path, micro_yaml):
+    """`soma seed` SIGKILLed while its local Ray trains: Ray's own fate-sharing ends the GCS and raylet at once, but its
+    agents ran on for a minute (62 s here, waiting on the dead GCS); the watchdog (pipelines/raywatch.py) ends every
+    process of that Ray and removes its directory within seconds. Bounded: 180 s for the seed to run, 30 s after the
+    kill."""
+    import psutil
+    from conftest import soma_here
+
+    camp = tmp_path / "camp"
+    assert soma_here("prepare", camp, "--config", micro_yaml).returncode == 0
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "seed", str(camp), "--no-progress"],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kids: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            names = {k.name() for k in kids if k.is_running()}
+            if {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names and any(
+                n.startswith("ray::") and n not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE")
+                for n in names
+            ):
+                break  # the node is up and the seed's actor trains
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"soma seed never trained on a local Ray (exit {proc.poll()})")
+        ray_dir = next(k.environ()["SOMA_RAY_DIR"] for k in kids if k.name() == "raylet")
+        t0 = time.monotonic()
+        proc.kill()
+        proc.wait(30)
+        while time.monotonic() - t0 < 30 and (any(_running(k) for k in kids) or os.path.exists(ray_dir)):
+            time.sleep(0.2)
+        left = [k.name() for k in kids if _running(k)]
+        print(f"\nafter SIGKILL: {len(kids)} processes of its Ray gone in {time.monotonic() - t0:.1f} s")
+        assert not left and not os.path.exists(ray_dir), (left, ray_dir)
+    finally:
+        proc.kill()
+        for k in kids:
+            if _running(k):
+                k.kill()
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
