@@ -482,6 +482,7 @@ class Driver:
             running={j.name for j in self.jobs},
             driver=self._driver_info(final),
             usd=self.sched.books.totals.usd if self.sched.books.totals.usd_priced else None,
+            unpriced_s=self.sched.books.totals.unpriced_gpu_seconds,
         )
 
     def _driver_info(self, final: bool) -> dict:

@@ -19,7 +19,7 @@ import os
 
 from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, load_config, open_store
-from soma_cluster.accounting import FORKED_SEQ
+from soma_cluster.accounting import FORKED_SEQ, FORKED_UNPRICED_SEQ
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig, merge_trees, parse_overrides, validated
 from soma_cluster.errors import SomaError
@@ -168,15 +168,21 @@ def _say_warm(
 
 def _copy_expert_spend(parent: Store, child: Store) -> dict[tuple[int, str], Usage]:
     """What the parent spent on each expert, by category, as one record per expert and category (attempt -1,
-    FORKED_SEQ): the child's GPU-hours include the training its experts continue from, and its own attempts' records
-    never collide with the parent's ids."""
+    FORKED_SEQ) of what was priced, at the price that makes its dollars the parent's (the records' own prices,
+    averaged by their GPU-seconds), and one (FORKED_UNPRICED_SEQ) of what was written without a price: the child's
+    GPU-hours and dollars include the training its experts continue from, what had no price stays unpriced, and
+    its own attempts' records never collide with the parent's ids."""
     spend: dict[tuple[int, str], Usage] = {}
+    parts: dict[tuple[int, str, bool], tuple[Usage, float]] = {}  # (expert, category, priced) -> (usage, dollars)
     for rec in Ledger(parent).records():
         if rec["expert"] is not None and rec["category"] in EXPERT_SPEND:
+            u, price = Usage.from_record(rec), rec.get("usd_per_hour")
             key = (rec["expert"], rec["category"])
-            spend[key] = spend.get(key, Usage()) + Usage.from_record(rec)
+            spend[key] = spend.get(key, Usage()) + u
+            had, usd = parts.get((*key, price is not None), (Usage(), 0.0))
+            parts[(*key, price is not None)] = (had + u, usd + (u.gpu_seconds / 3600.0 * price if price else 0.0))
     ledger = Ledger(child)
-    for (expert, category), u in sorted(spend.items()):
+    for (expert, category, priced), (u, usd) in sorted(parts.items()):
         ledger.record(
             category=category,
             gpu_seconds=u.gpu_seconds,
@@ -185,8 +191,9 @@ def _copy_expert_spend(parent: Store, child: Store) -> dict[tuple[int, str], Usa
             tokens=u.tokens,
             expert=expert,
             attempt=-1,
-            seq=FORKED_SEQ,
+            seq=FORKED_SEQ if priced else FORKED_UNPRICED_SEQ,
             note=f"spent in {parent.url} on the checkpoint this warm fork continues from",
+            usd_per_hour=(usd / u.gpu_seconds * 3600.0 if u.gpu_seconds else 0.0) if priced else None,
         )
     return spend
 

@@ -30,9 +30,7 @@ from soma_cluster.trackpoints import (
     Backend,
     Metric,
     Point,
-    RunState,
     Stage,
-    Status,
     Target,
     resolve_target,
     settled,
@@ -86,7 +84,7 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
     for s, v in stage_states(store, cfg).items():  # in stage order: the last one's status is the campaign run's
         points += tracker.feed.stage(s, v)
     # no driver runs (the command holds the lease): a job started and not ended was stopped with its driver
-    points += [RunState(job, Status.KILLED) for job in sorted(tracker.feed.running)]
+    points += tracker.feed.interrupted()
     if store.exists("eval/metrics.json"):
         points += eval_points(store, tracker.feed, store.read_json("eval/metrics.json"))
     points = settled(points)
