@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Callable
 
+from soma_cluster.diskerrors import describe
 from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, VersionConflict
@@ -323,7 +324,9 @@ class Lease:
                 return  # check() raises it in the writer's thread
             except Exception as exc:  # the store is down: check() renews before the next write
                 print(
-                    f"warning: could not renew the driver lease on {self.store.url}: {exc}", file=sys.stderr, flush=True
+                    f"warning: could not renew the driver lease on {self.store.url}: {describe(exc)}",
+                    file=sys.stderr,
+                    flush=True,
                 )
 
     def release(self) -> None:
