@@ -565,6 +565,7 @@ class Driver:
         self.sched.revise(new, [j for j in self.sched.outcome if j.name in names])
         self.cfg = new
         log_applied(self.store, revs, self.sched.observe)
+        self.store.flush(wait=False)  # `soma set --wait` reads it: durable now, not at the next group commit
         for r in revs:
             console.print(f"config revision {r.rev} applied ({r.by}): {r.line()}", markup=False)
         if names:

@@ -515,8 +515,9 @@ def set_(
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a campaign's budgets, retries, concurrency or train.updates, running or not: a new revision of its
-    config, applied by the running driver within a second (else by the next soma resume). Ended experts the change
-    lets train on continue from their latest checkpoint (docs/cli.md, "Changing a campaign")."""
+    config, applied by the running driver at its next look (within 1.5 s of its loop's time; longer on a loaded host,
+    --wait waits for it), else by the next soma resume. Ended experts the change lets train on continue from their
+    latest checkpoint (docs/cli.md, "Changing a campaign")."""
 
     def go() -> None:
         from pipelines.revision_pickup import say_applied, set_config

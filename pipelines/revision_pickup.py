@@ -168,7 +168,11 @@ def say_applied(store: Store, r: dict, wait_s: float | None) -> None:
             f"driver (or the next soma resume {store.url}) applies it"
         )
     else:
-        out.print(f"{r['driver']} applies it within a second (or, if it ends first, soma resume){trains}", markup=False)
+        out.print(
+            f"{r['driver']} applies it at its next look, within {APPLY_BOUND_S:g} s of its loop's time (longer on a "
+            f"loaded host; --wait S waits for it), or, if it ends first, soma resume does{trains}",
+            markup=False,
+        )
 
 
 def changed(rev: dict) -> str:
