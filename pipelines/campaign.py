@@ -31,7 +31,7 @@ from ray.exceptions import (
 )
 from rich.table import Table
 
-from pipelines.campaign_lease import held, hold, holding
+from pipelines.campaign_lease import held, hold, holding, refuse_held
 from pipelines.common import console, frozen_heap, load_config, open_store, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.rayaddress import ray_address
@@ -716,13 +716,13 @@ def launch_command(
 ) -> None:
     """`soma launch` and `soma resume`: every refusal of check_launch (the seed, the experts named, --from-step, the
     revision, the budget) and the Ray address come before the lease is taken; the place and its room (hold) before
-    Ray starts or any
-    expert is queued. Then the revision is recorded, as soma set would write it, and the campaign runs. Once the
-    store has answered (campaign.yaml read), an outage of it is waited out (`preparing`); a store that never
-    answers is reported as before, after SOMA_S3_TIMEOUT_S (exit 2: a wrong endpoint looks the same)."""
+    Ray starts or any expert is queued. Then the revision is recorded, as soma set would write it, and the campaign
+    runs. Once the store has answered (campaign.yaml read), an outage of it is waited out (`preparing`); a store
+    that never answers is reported as before, after SOMA_S3_TIMEOUT_S (exit 2: a wrong endpoint looks the same)."""
     store = open_store(campaign)
     cfg = load_config(store)
     with preparing(store, cfg.retry.infra_wait_s):
+        refuse_held(store, command, take_over)  # another driver's work first: it may be why the seed is missing
         check_launch(store, cfg, retry_failed, list(retrain or []), from_step, list(sets or []))
         addr = ray_address(address)
         with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):

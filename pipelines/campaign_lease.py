@@ -80,6 +80,15 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
                 _held[store.url] = (lease, count - 1)
 
 
+def refuse_held(store: Store, command: str, take_over: bool = False) -> None:
+    """A campaign another live driver holds is refused first, by reading its lease (nothing written), before the
+    command's own checks: that driver is what the user needs to hear of (a prepare still running is why there is no
+    seed yet). With take_over, or where this process holds it already, hold() decides."""
+    if take_over or held(store.url) is not None:
+        return
+    Lease(store, command).refuse_if_held()
+
+
 def _release(store: Store, lease: Lease) -> None:
     """Release the lease on the way out; a store still unreachable then (the command stops for it) leaves it to
     lapse: the command's own error says what happened, and the next driver on this host takes it at once (its

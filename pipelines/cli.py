@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from pipelines.campaign_lease import hold
+from pipelines.campaign_lease import hold, refuse_held
 from pipelines.cli_harness import (
     AddressOpt,
     ConfigOpt,
@@ -75,6 +75,7 @@ def prepare(
         store, cfg = open_store(campaign), config_from_options(preset, config, set, corpus, experts)
         addr = checked_address(address)  # a wrong address is refused before anything is written
         claim_campaign(store, cfg, write=False)  # another campaign's directory is refused before its lease is touched
+        refuse_held(store, "soma prepare", take_over)
         from pipelines.prepare import check_prepare
         from pipelines.prepare import prepare as run  # torch and scikit-learn: a second, after what refuses at once
 
@@ -106,6 +107,7 @@ def seed(
 
         store = open_store(campaign)
         cfg = load_config(store)
+        refuse_held(store, "soma seed", take_over)  # a prepare still running is why there are no shards yet
         require_prepared(store)  # an interrupted prepare: refused before the lease and Ray
         addr = checked_address(address)
         with (
@@ -445,6 +447,7 @@ def track(
                 raise SomaError(f"--backend {b!r}: choose one of {', '.join(Backend)}")
         store = open_store(campaign)
         cfg = load_config(store)
+        refuse_held(store, "soma track", take_over)
         backfill_target(store, cfg, list(backend or []))  # a tracker that cannot be reached from here: before the lease
         with hold(store, "soma track", take_over):
             done = backfill(store, cfg, list(backend or []))

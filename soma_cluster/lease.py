@@ -214,6 +214,13 @@ class Lease:
                 raise LeaseHeld(self._held_message(rec, waited_s=waited_s))
             self.sleep(min(1.0, left))
 
+    def refuse_if_held(self) -> None:
+        """LeaseHeld if, on one reading, a live driver holds the campaign (what acquire() refuses at once without
+        take_over); writes nothing. A lease that only looks lapsed is left to acquire(), which watches it."""
+        rec, _ = self._read()
+        if judge(rec, self.wall(), Holder.here(self.command), process_alive) is Verdict.HELD:
+            raise LeaseHeld(self._held_message(rec))
+
     def _take(self, rec: LeaseRecord | None, version: str | None, verdict: Verdict, here: Holder) -> bool:
         """Write generation + 1 over `rec` (at `version`); False if another candidate changed it first."""
         start = self.clock()
