@@ -4,9 +4,9 @@ the test's root as it was: the same names, bytes and modification times (so a le
 directory made and removed again, or a revision written and then refused all fail).
 
 The bad values are generated: the numeric options' (test_command_targets.OPTION_CASES), the option pairs given
-wrongly, a single-value option given twice, and BAD below, a table of the values each option and argument refuses
-for what they mean (an expert that does not exist, a step with no checkpoint, a corpus that is not there). A
-command, option or argument added to pipelines/cli.py without a row in BAD (or a reason in FREE) fails
+wrongly, a single-value option given twice, and bad_values() below, a table of the values each option and argument
+refuses for what they mean (an expert that does not exist, a step with no checkpoint, a corpus that is not there). A
+command, option or argument added to pipelines/cli.py without a row there (or a reason in FREE) fails
 `test_every_option_and_argument_has_bad_values`. Every case runs in this process (typer's runner): no process
 start, no Ray, a few milliseconds each."""
 
@@ -63,7 +63,8 @@ class Bad:
 
     @property
     def id(self) -> str:
-        return f"{self.command}:{self.param}={' '.join(self.args)[:40]}"
+        unset = "".join(f" without {k}" for k, v in self.env.items() if v is None)
+        return f"{self.command}:{self.param}={' '.join(self.args)[:40]}{unset}"
 
 
 BAD_ADDRESSES = ("ray://127.0.0.1:10001", "127.0.0.1:99999", "http://127.0.0.1:8265", "a b:6379")
@@ -122,7 +123,7 @@ def bad_values() -> list[Bad]:
             ("--readme", "{root}/empty"),
             ("--readme", "{root}/latin1.md"),
         ],
-        ("track", "--backend"): [("--backend", "nope"), ("--backend", "mlflow")],  # mlflow: no tracking URI
+        ("track", "--backend"): [("--backend", "nope")],  # and mlflow without a tracking URI, below
         ("set", "changes"): [
             ("nope=1",),
             ("n_experts=4",),
@@ -184,8 +185,8 @@ def _name(p) -> str:
 
 
 def test_every_option_and_argument_has_bad_values():
-    """A new option (or argument) needs its row in BAD, or a reason in FREE: a command's every input is refused before
-    anything is written, and this table is where that is checked."""
+    """A new option (or argument) needs its row in bad_values(), or a reason in FREE: a command's every input is
+    refused before anything is written, and this table is where that is checked."""
     covered = {(b.command, b.param) for b in CASES}
     targets = {"campaign", "parent", "directory", "directories", "campaigns"}  # test_command_targets.py's table
     missing = [
