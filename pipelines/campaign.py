@@ -31,13 +31,13 @@ from ray.exceptions import (
 )
 from rich.table import Table
 
-from pipelines.campaign_lease import held, hold, holding
+from pipelines.campaign_lease import held, hold, holding, refuse_held
 from pipelines.common import console, fit_info, frozen_heap, info_room, load_config, open_store, progress
 from pipelines.metrics import CampaignMetrics
 from pipelines.rayaddress import ray_address
 from pipelines.raysession import ray_session
-from pipelines.reopen import reopen_failed, reopen_retrain, reopen_unverified
-from pipelines.revision_pickup import LiveRevisions, log_applied, reopened_names, take_up
+from pipelines.reopen import check_retrain, reopen_failed, reopen_retrain, reopen_unverified
+from pipelines.revision_pickup import LiveRevisions, log_applied, pending, reopened_names, take_up
 from pipelines.stopping import STOP, Stopped
 from pipelines.tracking import Tracker
 from soma_cluster.budget import BudgetBook
@@ -51,7 +51,6 @@ from soma_cluster.failures import (
     WORDS,
     actor_death_cause,
     exception_cause,
-    expert_names,
     node_of,
     select_failed,
     stop_line,
@@ -498,6 +497,7 @@ class Driver:
             running={j.name for j in self.jobs},
             driver=self._driver_info(final),
             usd=self.sched.books.totals.usd if self.sched.books.totals.usd_priced else None,
+            unpriced_s=self.sched.books.totals.unpriced_gpu_seconds,
         )
 
     def _driver_info(self, final: bool) -> dict:
@@ -581,6 +581,7 @@ class Driver:
         self.sched.revise(new, [j for j in self.sched.outcome if j.name in names])
         self.cfg = new
         log_applied(self.store, revs, self.sched.observe)
+        self.store.flush(wait=False)  # `soma set --wait` reads it: durable now, not at the next group commit
         for r in revs:
             console.print(f"config revision {r.rev} applied ({r.by}): {r.line()}", markup=False)
         if names:
@@ -677,16 +678,7 @@ def launch(
     # an expert is finished only while its last checkpoint verifies
     reopen_unverified(store, expert_jobs(cfg.n_experts))
     take_up(store, cfg, lambda line: console.print(line, markup=False))  # revisions written while no driver ran
-    # the scheduler's own arithmetic (GPU-seconds), asked before Ray starts: a spent campaign is refused, not launched
-    spent_s = sum(Ledger(store).totals().gpu_seconds.values())
-    left_s = BudgetBook(cfg.budget).left(None, 0.0, spent_s)
-    hist = history(store)
-    unended = [j for j in expert_jobs(cfg.n_experts) if not (j.name in hist and hist[j.name].terminal)]
-    if left_s is not None and left_s <= 0 and unended:
-        raise SomaError(
-            f"campaign budget budget.campaign_gpu_hours={cfg.budget.campaign_gpu_hours} is already spent "
-            f"({spent_s / 3600.0:.4f} GPU-hours in the ledger); start a new campaign with a larger budget"
-        )
+    refuse_spent(store, cfg)  # checked before the lease too (check_launch): here against what the reopens wrote
     r = cfg.resources
     console.print(
         f"launching {cfg.n_experts} experts: {r.num_gpus} GPU + {r.num_cpus} CPU each, {cfg.train.updates} updates, "
@@ -698,6 +690,40 @@ def launch(
     console.print(ended_table(outcome, {j.name: v for j, v in driver.sched.seen.items()}))
     raise_failures(driver, "experts")
     return outcome
+
+
+def refuse_spent(store: Store, cfg: CampaignConfig, reopening: frozenset[str] = frozenset()) -> None:
+    """The scheduler's own arithmetic (GPU-seconds), asked before Ray starts: a campaign whose budget is spent while
+    experts would train (not ended, or `reopening`) is refused, not launched."""
+    spent_s = sum(Ledger(store).totals().gpu_seconds.values())
+    left_s = BudgetBook(cfg.budget).left(None, 0.0, spent_s)
+    hist = history(store)
+    unended = [j for j in expert_jobs(cfg.n_experts) if not (j.name in hist and hist[j.name].terminal)]
+    if left_s is not None and left_s <= 0 and (unended or reopening):
+        raise SomaError(
+            f"campaign budget budget.campaign_gpu_hours={cfg.budget.campaign_gpu_hours} is already spent "
+            f"({spent_s / 3600.0:.4f} GPU-hours in the ledger); start a new campaign with a larger budget"
+        )
+
+
+def check_launch(
+    store: Store,
+    cfg: CampaignConfig,
+    retry_failed: list[str] | None,
+    retrain: list[str],
+    from_step: int | None,
+    sets: list[str],
+) -> None:
+    """Everything `soma launch` and `soma resume` refuse, checked by reading only, before the lease is taken: a seed
+    not trained, experts named that are not there (or did not fail, for --retry-failed), a --from-step without its
+    checkpoints, a revision refused, and a budget that the revision leaves spent while experts would train."""
+    require_seed(store)
+    names = [j.name for j in expert_jobs(cfg.n_experts)]
+    reopening = set(check_retrain(store, expert_jobs(cfg.n_experts), retrain, from_step) if retrain else [])
+    after = check_revision(cfg, sets, driver_running=False, origin="--set")[1] if sets else cfg
+    if retry_failed is not None:  # one named that did not fail is bad input
+        reopening |= set(select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed))
+    refuse_spent(store, after, frozenset(reopening | set(pending(store, after)[1])))
 
 
 def launch_command(
@@ -712,21 +738,16 @@ def launch_command(
     from_step: int | None = None,
     sets: list[str] | None = None,
 ) -> None:
-    """`soma launch` and `soma resume`: the experts named (`retry_failed`, `retrain`), the revision (`sets`) and the
-    Ray address are checked before the lease is taken; the place and its room (hold) before Ray starts or any
-    expert is queued. Then the revision is recorded, as soma set would write it, and the campaign runs. Once the
-    store has answered (campaign.yaml read), an outage of it is waited out (`preparing`); a store that never
-    answers is reported as before, after SOMA_S3_TIMEOUT_S (exit 2: a wrong endpoint looks the same)."""
+    """`soma launch` and `soma resume`: every refusal of check_launch (the seed, the experts named, --from-step, the
+    revision, the budget) and the Ray address come before the lease is taken; the place and its room (hold) before
+    Ray starts or any expert is queued. Then the revision is recorded, as soma set would write it, and the campaign
+    runs. Once the store has answered (campaign.yaml read), an outage of it is waited out (`preparing`); a store
+    that never answers is reported as before, after SOMA_S3_TIMEOUT_S (exit 2: a wrong endpoint looks the same)."""
     store = open_store(campaign)
     cfg = load_config(store)
-    names = [j.name for j in expert_jobs(cfg.n_experts)]
-    if retrain:
-        expert_names(retrain, names)
-    if sets:
-        check_revision(cfg, list(sets), driver_running=False, origin="--set")
     with preparing(store, cfg.retry.infra_wait_s):
-        if retry_failed:  # one named that did not fail is bad input
-            select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed)
+        refuse_held(store, command, take_over)  # another driver's work first: it may be why the seed is missing
+        check_launch(store, cfg, retry_failed, list(retrain or []), from_step, list(sets or []))
         addr = ray_address(address)
         with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
             if sets:

@@ -39,6 +39,8 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
     lease, count = _held.get(store.url, (None, 0))
     empty, created, made_from = False, False, None
     if lease is None:
+        if store.local and os.path.isdir(store.root):
+            _refuse_foreign(store)  # by reading: before the probe write of check_writable changes the directory
         store.check_writable(need_bytes)  # a full, read-only or missing place is named before anything is made there
         _refuse_foreign(store)
         created = store.local and not os.path.isdir(store.root)
@@ -76,6 +78,15 @@ def hold(store: Store, command: str, take_over: bool = False, need_bytes: int = 
                         _remove_empty_parents(store.root, made_from)
             else:
                 _held[store.url] = (lease, count - 1)
+
+
+def refuse_held(store: Store, command: str, take_over: bool = False) -> None:
+    """A campaign another live driver holds is refused first, by reading its lease (nothing written), before the
+    command's own checks: that driver is what the user needs to hear of (a prepare still running is why there is no
+    seed yet). With take_over, or where this process holds it already, hold() decides."""
+    if take_over or held(store.url) is not None:
+        return
+    Lease(store, command).refuse_if_held()
 
 
 def _release(store: Store, lease: Lease) -> None:

@@ -9,7 +9,7 @@ from typing import Optional
 
 import typer
 
-from pipelines.campaign_lease import hold
+from pipelines.campaign_lease import hold, refuse_held
 from pipelines.cli_harness import (
     AddressOpt,
     ConfigOpt,
@@ -78,7 +78,11 @@ def prepare(
         store, cfg = open_store(campaign), config_from_options(preset, config, set, corpus, experts)
         addr = checked_address(address)  # a wrong address is refused before anything is written
         claim_campaign(store, cfg, write=False)  # another campaign's directory is refused before its lease is touched
+        refuse_held(store, "soma prepare", take_over)
+        from pipelines.prepare import check_prepare
         from pipelines.prepare import prepare as run  # torch and scikit-learn: a second, after what refuses at once
+
+        check_prepare(store, cfg)  # a corpus that is not there, a tracker that cannot work: before the lease
 
         with hold(store, "soma prepare", take_over):
             run(store, cfg, addr.text or None)
@@ -101,11 +105,13 @@ def seed(
 
     def go() -> None:
         from pipelines.raysession import ray_session
-        from pipelines.seed import train_seed
+        from pipelines.seed import require_prepared, train_seed
         from soma_cluster.checkpoint import training_bytes
 
         store = open_store(campaign)
         cfg = load_config(store)
+        refuse_held(store, "soma seed", take_over)  # a prepare still running is why there are no shards yet
+        require_prepared(store)  # an interrupted prepare: refused before the lease and Ray
         addr = checked_address(address)
         with (
             hold(store, "soma seed", take_over, training_bytes(cfg, 1)),
@@ -205,8 +211,7 @@ def evaluate(
     def go() -> None:
         store = open_store(campaign)
         cfg = load_config(store)
-        store.check_writable()  # the report is written at the end: fail before evaluating (and importing torch)
-        from pipelines.evaluate import evaluate_for, show_evaluation
+        from pipelines.evaluate import evaluate_for, show_evaluation  # checks every input, then the place, then works
 
         doc = evaluate_for(store, cfg, text, stride, require_all, compare)
         if as_json:
@@ -332,14 +337,12 @@ def plan(
 
     def go() -> None:
         from pipelines.plan import plan_for, render
-        from soma_cluster.checkpoint import training_bytes
         from soma_cluster.ledger import hours_unit
 
         if gpus is not None and gpus <= 0:
             raise SomaError(f"--gpus {gpus:g}: plan for a positive number of GPUs, e.g. --gpus 8")
         store = open_store(campaign)
         cfg = load_config(store)
-        store.check_writable(training_bytes(cfg, 1))  # plan/ is written; the calibration writes a checkpoint
         p = plan_for(store, cfg, gpus, recalibrate, address, wait, given_on_command_line("wait"))
         if as_json:
             return emit_json(p)
@@ -410,8 +413,9 @@ def experiment(
         from pipelines.experiment import run_experiment
 
         addr = checked_address(address)
-        open_store(directory).check_writable()  # before any arm is prepared or Ray starts
-        res = run_experiment(name, directory, scale, set or [], addr.text or None, not no_progress)
+        res = run_experiment(  # the directory is checked (kind, then room) before any arm is prepared or Ray starts
+            name, directory, scale, set or [], addr.text or None, not no_progress
+        )
         out.print(
             f"experiment {res['experiment']} ({res['scale']}) finished in {res['wall_seconds']:.0f} s; "
             f"report: {directory.rstrip('/')}/report.md"
@@ -460,7 +464,7 @@ def track(
     eval; only what a tracker lacks is sent (running it twice sends nothing more). Targets: docs/tracking.md."""
 
     def go() -> None:
-        from pipelines.track import backfill
+        from pipelines.track import backfill, backfill_target
         from soma_cluster.trackpoints import Backend
 
         for b in backend or []:
@@ -468,6 +472,8 @@ def track(
                 raise SomaError(f"--backend {b!r}: choose one of {', '.join(Backend)}")
         store = open_store(campaign)
         cfg = load_config(store)
+        refuse_held(store, "soma track", take_over)
+        backfill_target(store, cfg, list(backend or []))  # a tracker that cannot be reached from here: before the lease
         with hold(store, "soma track", take_over):
             done = backfill(store, cfg, list(backend or []))
         if as_json:
@@ -537,8 +543,9 @@ def set_(
     as_json: bool = JsonOpt,
 ) -> None:
     """Change a campaign's budgets, retries, concurrency or train.updates, running or not: a new revision of its
-    config, applied by the running driver within a second (else by the next soma resume). Ended experts the change
-    lets train on continue from their latest checkpoint (docs/cli.md, "Changing a campaign")."""
+    config, applied by the running driver at its next look (within 1.5 s of its loop's time; longer on a loaded host,
+    --wait waits for it), else by the next soma resume. Ended experts the change lets train on continue from their
+    latest checkpoint (docs/cli.md, "Changing a campaign")."""
 
     def go() -> None:
         from pipelines.revision_pickup import say_applied, set_config

@@ -18,7 +18,7 @@ from pipelines.tracking import check_tracking, track_stage
 from soma_cluster import breakdown as bd
 from soma_cluster.checkpoint import Checkpoint
 from soma_cluster.config import CampaignConfig, CorpusConfig
-from soma_cluster.corpus import documents
+from soma_cluster.corpus import check_listing, documents
 from soma_cluster.ensemble import (
     UNIFORM_NATS,
     Substitute,
@@ -404,6 +404,7 @@ def evaluate(
         ens.require_all(store.url)
         if other_ens is not None:
             other_ens.require_all(compare[0].url)
+    store.check_writable()  # the report is written at the end: after every refusal above, before the work
     win = load_windows(store, cfg.eval_windows())
     ctx = cfg.eval.context_bytes
     res = ens.run(win, ctx, device)
@@ -489,17 +490,19 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
     windows (stride 768 as the paper's WikiText-103 evaluation), every byte after a document's first scored
     once; ensemble and seed, paired. Written to eval/text-<sha of the source>.json and .md."""
     t0 = time.monotonic()
+    if not 0 < stride <= cfg.eval.window_bytes - 1:
+        raise SomaError(
+            f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)"
+        )
+    corpus = CorpusConfig(source=source, max_bytes=cfg.corpus.max_bytes, text_field=cfg.corpus.text_field)
+    check_listing(corpus)  # a text that is not there: before the checkpoints are read
     device = pick_device()
     ens = Ensemble.load(store, cfg)
     running = in_progress(store, cfg.n_experts, ens.checkpoints)
     if require_all:
         refuse_in_progress(store.url, running)
         ens.require_all(store.url)
-    corpus = CorpusConfig(source=source, max_bytes=cfg.corpus.max_bytes, text_field=cfg.corpus.text_field)
-    if not 0 < stride <= cfg.eval.window_bytes - 1:
-        raise SomaError(
-            f"--stride {stride} must be between 1 and {cfg.eval.window_bytes - 1} (the window's predictions)"
-        )
+    store.check_writable()  # the report is written at the end: after every refusal above, before the work
     st = strided_windows((d.data for d in documents(corpus)), cfg.eval.window_bytes, stride, cfg.eval_windows())
     res = ens.run(st.windows, 0, device)
     seed_nats = ens.seed_nats(st.windows, 0, device)

@@ -51,9 +51,11 @@ def _claim(root: Store, spec: ExperimentSpec, scale: str, sets: list[str]) -> No
                 f"(soma experiment {spec.name} NEW_DIR), or continue that one "
                 f"(soma experiment {have.get('experiment')} {root.url})"
             )
+        root.check_writable()
         return
     if names := contents(root):
         raise occupied(root.url, names, MARKER)
+    root.check_writable()  # after the reading checks above (its probe write changes the directory), before Ray
     root.write_json(MARKER, want)
 
 

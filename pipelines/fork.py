@@ -19,7 +19,7 @@ import os
 
 from pipelines.campaign_lease import holding
 from pipelines.common import claim_campaign, console, load_config, open_store
-from soma_cluster.accounting import FORKED_SEQ
+from soma_cluster.accounting import FORKED_SEQ, FORKED_UNPRICED_SEQ
 from soma_cluster.checkpoint import latest_meta
 from soma_cluster.config import CampaignConfig, merge_trees, parse_overrides, validated
 from soma_cluster.errors import SomaError
@@ -49,10 +49,10 @@ def fork_config(parent: CampaignConfig, child: CampaignConfig) -> None:
         )
 
 
-@holding("soma fork", "child")
-def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -> dict:
-    """Make `child` a campaign that starts where `parent`'s experts start (`warm`: where they stopped, from their
-    latest checkpoints). Idempotent for the same config."""
+def check_fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool) -> CampaignConfig:
+    """What a fork of `parent` into `child` with `cfg` refuses, by reading only (before the child's lease is taken): a
+    parent with no seed, a change to what the shared data was made with, a warm fork that changes the method, a
+    child that holds another campaign (or a started one). Returns the parent's config."""
     pcfg = load_config(parent)
     require_seed(parent)
     fork_config(pcfg, cfg)
@@ -62,11 +62,22 @@ def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -
             f"keep it, or fork without --warm to start {cfg.train.method} from the seed"
         )
     if claim_campaign(child, cfg, write=False) and child.exists(MARKER):
+        return pcfg
+    forked = any(ev["event"] == Event.FORKED for ev in child.read_log(EVENTS))
+    if not forked and (child.exists(EVENTS) or child.exists(LEDGER)):
+        raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
+    return pcfg
+
+
+@holding("soma fork", "child")
+def fork(parent: Store, child: Store, cfg: CampaignConfig, warm: bool = False) -> dict:
+    """Make `child` a campaign that starts where `parent`'s experts start (`warm`: where they stopped, from their
+    latest checkpoints). Idempotent for the same config."""
+    pcfg = check_fork(parent, child, cfg, warm)
+    if child.exists(MARKER):
         console.print(f"{child.url} is already a fork of {parent.url}; skipping")
         return child.read_json(MARKER)
     logged = [ev for ev in child.read_log(EVENTS) if ev["event"] == Event.FORKED]
-    if not logged and (child.exists(EVENTS) or child.exists(LEDGER)):
-        raise SomaError(f"{child.url} holds a started campaign, not an interrupted fork; use a new campaign URL")
     claim_campaign(child, cfg)
     files = [p for d in SHARED for p in parent.walk(d)]
     warm_files = _latest_checkpoints(parent, pcfg) if warm else {}
@@ -103,9 +114,11 @@ def fork_command(parent_url: str, child_url: str, sets: list[str], warm: bool) -
                 f"soma fork {parent_url} {child_url}: the new campaign must lie outside its parent (and hold no "
                 "part of it); pass a new directory beside it"
             )
-    child.check_writable()
     tree = merge_trees(load_config(parent).model_dump(mode="json"), parse_overrides(sets))
-    return fork(parent, child, validated(tree, "fork overrides"), warm)
+    cfg = validated(tree, "fork overrides")
+    check_fork(parent, child, cfg, warm)
+    child.check_writable()
+    return fork(parent, child, cfg, warm)
 
 
 def _latest_checkpoints(parent: Store, pcfg: CampaignConfig) -> dict[str, bytes]:
@@ -155,15 +168,21 @@ def _say_warm(
 
 def _copy_expert_spend(parent: Store, child: Store) -> dict[tuple[int, str], Usage]:
     """What the parent spent on each expert, by category, as one record per expert and category (attempt -1,
-    FORKED_SEQ): the child's GPU-hours include the training its experts continue from, and its own attempts' records
-    never collide with the parent's ids."""
+    FORKED_SEQ) of what was priced, at the price that makes its dollars the parent's (the records' own prices,
+    averaged by their GPU-seconds), and one (FORKED_UNPRICED_SEQ) of what was written without a price: the child's
+    GPU-hours and dollars include the training its experts continue from, what had no price stays unpriced, and
+    its own attempts' records never collide with the parent's ids."""
     spend: dict[tuple[int, str], Usage] = {}
+    parts: dict[tuple[int, str, bool], tuple[Usage, float]] = {}  # (expert, category, priced) -> (usage, dollars)
     for rec in Ledger(parent).records():
         if rec["expert"] is not None and rec["category"] in EXPERT_SPEND:
+            u, price = Usage.from_record(rec), rec.get("usd_per_hour")
             key = (rec["expert"], rec["category"])
-            spend[key] = spend.get(key, Usage()) + Usage.from_record(rec)
+            spend[key] = spend.get(key, Usage()) + u
+            had, usd = parts.get((*key, price is not None), (Usage(), 0.0))
+            parts[(*key, price is not None)] = (had + u, usd + (u.gpu_seconds / 3600.0 * price if price else 0.0))
     ledger = Ledger(child)
-    for (expert, category), u in sorted(spend.items()):
+    for (expert, category, priced), (u, usd) in sorted(parts.items()):
         ledger.record(
             category=category,
             gpu_seconds=u.gpu_seconds,
@@ -172,8 +191,9 @@ def _copy_expert_spend(parent: Store, child: Store) -> dict[tuple[int, str], Usa
             tokens=u.tokens,
             expert=expert,
             attempt=-1,
-            seq=FORKED_SEQ,
+            seq=FORKED_SEQ if priced else FORKED_UNPRICED_SEQ,
             note=f"spent in {parent.url} on the checkpoint this warm fork continues from",
+            usd_per_hour=(usd / u.gpu_seconds * 3600.0 if u.gpu_seconds else 0.0) if priced else None,
         )
     return spend
 

@@ -23,7 +23,7 @@ import time
 
 import torch
 
-from soma_cluster.checkpoint import has_checkpoint, save_checkpoint
+from soma_cluster.checkpoint import has_checkpoint, save_checkpoint, training_bytes
 from soma_cluster.config import CampaignConfig
 from soma_cluster.costmodel import predict
 from soma_cluster.errors import DeviceError, SomaError
@@ -225,6 +225,7 @@ def plan_for(
                 f"--wait {wait_s:g} has no effect without a Ray cluster (it waits for a worker of one to time the "
                 "calibration); pass --address HOST:PORT (or set RAY_ADDRESS), or leave out --wait"
             )
+        store.check_writable(training_bytes(cfg, 1))  # plan/ is written; the calibration writes a checkpoint
         return plan(store, cfg, gpus, recalibrate)
     import ray
 
@@ -237,6 +238,7 @@ def plan_for(
                 f"the cluster at {addr.text} has {planned:g} GPUs now (an autoscaling one may start with none); "
                 f"pass --gpus K, the GPUs the campaign will run on"
             )
+        store.check_writable(training_bytes(cfg, 1))
         return plan(store, cfg, planned, recalibrate, cluster_wait_s=wait_s)
 
 

@@ -26,6 +26,7 @@ from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.config import CampaignConfig, default_top_k, setting_origin
 from soma_cluster.corpus import (
     Part,
+    check_listing,
     describe_counts,
     describe_skipped,
     more_test_documents,
@@ -301,6 +302,15 @@ def resolve_engine(cfg: CampaignConfig, address: str | None) -> str:
     if cfg.prepare.engine != "auto":
         return cfg.prepare.engine
     return "ray" if address or os.environ.get("RAY_ADDRESS") else "local"
+
+
+def check_prepare(store: Store, cfg: CampaignConfig) -> None:
+    """What `soma prepare` refuses before it writes anything, its lease included: a tracker configured that cannot
+    work here, and (unless the campaign is prepared already) a corpus its listing shows is not there or holds no
+    file to read."""
+    check_tracking(store, cfg)
+    if not store.exists("shards/manifest.json"):
+        check_listing(cfg.corpus)
 
 
 @holding("soma prepare")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import glob
 import json
 import os
-import re
 import shutil
+import subprocess
 import sys
 import tempfile
 import time
@@ -15,7 +15,9 @@ from typing import Iterator
 
 import psutil
 
+from pipelines import raywatch
 from pipelines.rayaddress import FORMS_HINT, Address, Form, ray_address, token_hint
+from pipelines.raywatch import OWNER_ENV, users_of
 from pipelines.stopping import STOP
 from soma_cluster.config import CampaignConfig
 from soma_cluster.diskerrors import storage_error
@@ -33,7 +35,6 @@ LOCAL_ENV = {
 RAY_TMP = "/tmp"  # not $TMPDIR: Ray's socket paths must stay under the 107-byte limit of a Unix socket name
 PREFIX = "soma-ray-"
 OWNER = "soma-owner.json"  # {pid, started} of the command whose local Ray lives here (clean_leftovers reads it)
-RAY_PROGRAMS = ("gcs_server", "raylet")  # besides Python processes (its agents, workers): what reap may kill
 REAP_GRACE_S = 5.0  # Ray's processes get this long to exit after ray.shutdown(), then SIGKILL
 KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays after the command, for debugging
 
@@ -73,7 +74,7 @@ def ray_session(cfg: CampaignConfig, address: str | Address | None = None) -> It
     if ray.is_initialized():
         yield
         return
-    tmp = None
+    tmp, watchdog, keep = None, None, bool(env_value(KEEP_ENV))
     try:
         if remote:
             with _ray_init_guard():
@@ -81,6 +82,8 @@ def ray_session(cfg: CampaignConfig, address: str | Address | None = None) -> It
         else:
             clean_leftovers()
             tmp = _own_temp_dir()
+            watchdog = _start_watchdog(tmp, keep)
+            os.environ[OWNER_ENV] = tmp  # every Ray process this starts inherits it: the watchdog finds its workers
             with _ray_init_guard():
                 ray.init(
                     num_gpus=cfg.resources.local_gpus,
@@ -95,7 +98,48 @@ def ray_session(cfg: CampaignConfig, address: str | Address | None = None) -> It
         with STOP.deferred(), _handlers_kept_through_shutdown():  # a signal now waits: the local Ray goes whole
             ray.shutdown()
             if tmp is not None:
-                reap(tmp, keep=bool(env_value(KEEP_ENV)))
+                reap(tmp, keep=keep, spare={watchdog.pid} if watchdog else set())
+                os.environ.pop(OWNER_ENV, None)
+            if watchdog is not None:
+                _stop_watchdog(watchdog)
+
+
+def _start_watchdog(directory: str, keep: bool) -> subprocess.Popen | None:
+    """The local Ray's watchdog (pipelines/raywatch.py): a process of its own session (a terminal's Ctrl-C is for
+    this command, not for it) whose standard input is a pipe only this process writes, so it sees this command end
+    however it ends. None where it cannot start (the command runs on; an earlier command's leftovers are still
+    removed by the next one, clean_leftovers)."""
+    env = {k: v for k, v in os.environ.items() if k != OWNER_ENV}
+    try:
+        return subprocess.Popen(
+            [sys.executable, raywatch.__file__, directory, str(os.getpid()), "1" if keep else "0"],
+            stdin=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            env=env,
+        )
+    except OSError as exc:
+        print(
+            f"warning: the local Ray's watchdog did not start ({exc}); a SIGKILL of this command would leave its "
+            f"Ray's agents running for about a minute",
+            file=sys.stderr,
+        )
+        return None
+
+
+def _stop_watchdog(watchdog: subprocess.Popen) -> None:
+    """Tell the watchdog this command stopped its Ray itself (DONE), and wait for it to leave."""
+    try:
+        watchdog.stdin.write(raywatch.DONE)
+        watchdog.stdin.close()
+    except OSError:  # it is gone already
+        pass
+    try:
+        watchdog.wait(timeout=REAP_GRACE_S)
+    except subprocess.TimeoutExpired:
+        watchdog.kill()
+        watchdog.wait()
 
 
 def _own_temp_dir() -> str:
@@ -171,27 +215,12 @@ def _utf8(text: str) -> str:
     return text.encode("utf-8", "surrogateescape").decode("utf-8", "backslashreplace")
 
 
-def _users_of(directory: str) -> list[psutil.Process]:
-    """Ray's processes whose command line names `directory` (a local Ray's GCS, raylet, agents and workers all do);
-    a person's `tail -f` of its logs is not one of them."""
-    found, named = [], re.compile(re.escape(directory) + r"(?![\w.-])")  # not a longer name it is the start of
-    for p in psutil.process_iter(["cmdline", "name"]):
-        try:
-            ray_process = (
-                p.info["name"] in RAY_PROGRAMS or "python" in p.info["name"] or p.info["name"].startswith("ray::")
-            )
-            if p.pid != os.getpid() and ray_process and any(named.search(a) for a in p.info["cmdline"] or ()):
-                found.append(p)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            continue
-    return found
-
-
-def reap(directory: str, grace_s: float = REAP_GRACE_S, keep: bool = False) -> None:
+def reap(directory: str, grace_s: float = REAP_GRACE_S, keep: bool = False, spare: set[int] = frozenset()) -> None:
     """After ray.shutdown(): the local Ray's processes gone (SIGKILL after `grace_s`) and its temporary directory
     removed, so nothing of this command outlives it; with `keep` (SOMA_KEEP_RAY_LOGS=1, to read Ray's own logs
-    after a failure) the directory stays, marked kept so that no later command removes it."""
-    procs = _users_of(directory)
+    after a failure) the directory stays, marked kept so that no later command removes it. `spare`: pids left alone
+    (the watchdog, whose command line names the directory too)."""
+    procs = [p for p in users_of(directory) if p.pid not in spare]
     _, alive = psutil.wait_procs(procs, timeout=grace_s)
     for p in alive:
         try:
@@ -220,7 +249,7 @@ def clean_leftovers(root: str = RAY_TMP) -> list[str]:
                 owner = json.load(fh)
             gone = not owner.get("kept") and not process_alive(int(owner["pid"]), float(owner["started"]))
         except FileNotFoundError:
-            gone = time.time() - os.path.getmtime(d) > 3600 and not _users_of(d)
+            gone = time.time() - os.path.getmtime(d) > 3600 and not users_of(d)
         except (OSError, ValueError, KeyError, TypeError):
             continue
         if gone:

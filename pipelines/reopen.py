@@ -117,22 +117,31 @@ def retire_after(store: Store, directory: str, keep_to: int | None, tag: str) ->
     return moved
 
 
+def check_retrain(store: Store, jobs: list[Job], requested: list[str], from_step: int | None) -> list[str]:
+    """The experts `--retrain` names, each with a checkpoint of `from_step` if given (SomaError naming the first
+    without one); reads only, so `soma resume` refuses before it takes the lease."""
+    names = expert_names(requested, [j.name for j in jobs])
+    by_name = {j.name: j for j in jobs}
+    if from_step is not None:
+        for name in names:
+            steps = checkpoint_steps(store, by_name[name].model_dir)
+            if from_step not in steps:
+                kept = ", ".join(map(str, steps)) or "none"
+                raise SomaError(
+                    f"--from-step {from_step}: {name} has no checkpoint of that step (it has {kept}); pass one of "
+                    "those, or leave out --from-step to retrain it from the seed"
+                )
+    return names
+
+
 def reopen_retrain(store: Store, jobs: list[Job], requested: list[str], from_step: int | None) -> list[str]:
     """`soma resume --retrain EXPERT ...`: train the named experts again, from the seed (`from_step` None) or from
     their checkpoint of `from_step`, which each must have (SomaError before anything is written). Their later
     checkpoints move to `retired-N/` in their directory and their events and ledger records stay as they were (what
     was spent stays spent); a `reopened` event (reason retrain) makes each pending."""
-    names = expert_names(requested, [j.name for j in jobs])
+    names = check_retrain(store, jobs, requested, from_step)
     by_name = {j.name: j for j in jobs}
     past = history(store)
-    if from_step is not None:
-        for name in names:
-            if from_step not in checkpoint_steps(store, by_name[name].model_dir):
-                kept = ", ".join(map(str, checkpoint_steps(store, by_name[name].model_dir))) or "none"
-                raise SomaError(
-                    f"--from-step {from_step}: {name} has no checkpoint of that step (it has {kept}); pass one of "
-                    "those, or leave out --from-step to retrain it from the seed"
-                )
     for name in names:
         d = by_name[name].model_dir
         h = past.get(name)

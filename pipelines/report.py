@@ -314,14 +314,22 @@ def read_results(stores: list[Store], readme: str | None) -> list[dict]:
                 f"--readme {readme} is not a file; pass the README whose results section to rewrite "
                 "(it must exist and hold one)"
             )
-        require_writable_dir(os.path.dirname(os.path.abspath(readme)), what="the README's directory")
+        try:
+            Path(readme).read_text(encoding="utf-8")  # rewritten after the reports: read here, before them
+        except UnicodeDecodeError as exc:
+            raise SomaError(
+                f"--readme {readme} is not UTF-8 text (byte {exc.start}); pass the project's README (markdown)"
+            ) from None
     results = []
-    for store in stores:
-        store.check_writable()
+    for store in stores:  # every input read before any place is probed for writing (a probe changes its mtime)
         if not store.exists(RESULTS_FILE):
             marker = store.read_json(EXPERIMENT_FILE) if store.exists(EXPERIMENT_FILE) else {}
             raise not_an_experiment(store.url, store.listdir(""), marker.get("experiment"))
         results.append(store.read_json(RESULTS_FILE))
+    if readme:
+        require_writable_dir(os.path.dirname(os.path.abspath(readme)), what="the README's directory")
+    for store in stores:
+        store.check_writable()
     return results
 
 
@@ -351,7 +359,7 @@ def readme_section(results: list[tuple[str, dict]]) -> str:
 
 def update_readme(path: str, section: str) -> None:
     """Replace the marked results block of README.md (or insert it before '## Layout'); nothing else changes."""
-    text = Path(path).read_text()
+    text = Path(path).read_text(encoding="utf-8")
     if BEGIN in text and END in text:
         text = re.sub(re.escape(BEGIN) + ".*?" + re.escape(END), lambda _: section, text, flags=re.S)
     elif "\n## Layout" in text:
@@ -362,7 +370,7 @@ def update_readme(path: str, section: str) -> None:
     directory = os.path.dirname(os.path.abspath(path))
     fd, tmp = tempfile.mkstemp(dir=directory, prefix=temp_prefix())
     try:
-        with os.fdopen(fd, "w") as fh:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
             fh.write(text)
         shutil.copymode(path, tmp)
         os.replace(tmp, path)

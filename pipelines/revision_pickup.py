@@ -22,11 +22,17 @@ from soma_cluster.diskerrors import storage_error
 from soma_cluster.errors import SomaError, StorageUnreachable
 from soma_cluster.events import EXTENDED, LOG, emit, history
 from soma_cluster.jobs import Event
-from soma_cluster.revisions import DIR, Revision, applied, apply, revisions, to_reopen
+from soma_cluster.revisions import DIR, Revision, applied, apply, in_force, revisions, to_reopen
+from soma_cluster.revisions import check as check_change
 from soma_cluster.revisions import record as record_revision
+from soma_cluster.schedule import POLL_S
 from soma_cluster.storage import Store
 
 REVISION_POLL_S = 1.0  # how often a running driver lists the campaign's revisions (one LIST on S3)
+# A revision is applied at the driver's first look for revisions after it is written: looks are REVISION_POLL_S
+# apart and fall between two turns of its loop, each of which waits at most POLL_S for a result; the `config_revised`
+# event is then made durable at once. So APPLY_BOUND_S of the loop's time; a loaded host stretches the loop's turns.
+APPLY_BOUND_S = REVISION_POLL_S + POLL_S
 
 
 def log_applied(store: Store, revs: list[Revision], observe: Callable[[dict], None] | None = None) -> None:
@@ -39,21 +45,27 @@ def log_applied(store: Store, revs: list[Revision], observe: Callable[[dict], No
 def take_up(store: Store, cfg: CampaignConfig, say: Callable[[str], None]) -> list[Revision]:
     """At a driver's start: the revisions written since a driver last applied one (`cfg` is the config in force with
     all of them): reopen the ended experts they let train on, then log them applied."""
-    done = applied(store.read_log(LOG))
-    revs = revisions(store)
-    if len(revs) <= done:
+    revs, names = pending(store, cfg)
+    if not revs:
         return []
-    was = apply(load_campaign_config(store), revs[:done])
     past = history(store)
-    names = to_reopen(ended_jobs(past), was, cfg)
     for name in names:
         emit(store, Event.REOPENED, name, step=past[name].step, was=past[name].state, reason=EXTENDED)
-    log_applied(store, revs[done:])
-    for r in revs[done:]:
+    log_applied(store, revs)
+    for r in revs:
         say(f"config revision {r.rev} ({r.by}): {r.line()}")
     if names:
         say(f"{len(names)} ended expert(s) train on from their latest checkpoint: {_names(names)}")
-    return revs[done:]
+    return revs
+
+
+def pending(store: Store, cfg: CampaignConfig) -> tuple[list[Revision], list[str]]:
+    """The revisions no driver applied yet, and the ended experts that `cfg` (the config in force with them, or with a
+    revision still to be recorded) lets train on, against the config the last driver applied. Reads only."""
+    done = applied(store.read_log(LOG))
+    revs = revisions(store)
+    was = apply(load_campaign_config(store), revs[:done])
+    return revs[done:], to_reopen(ended_jobs(history(store)), was, cfg)
 
 
 def ended_jobs(past: dict) -> dict:
@@ -107,6 +119,7 @@ def set_config(store: Store, items: list[str], wait_s: float | None = None) -> d
     lease = lease_view(store) or {}
     running = bool(lease.get("held"))
     t0 = time.monotonic()
+    check_change(in_force(store, base)[0], items, running)  # a change refused: before anything is written
     store.check_writable()  # a full or read-only store is refused before a lock or a directory is made
     try:
         rev = record_revision(store, base, items, running)
@@ -155,7 +168,11 @@ def say_applied(store: Store, r: dict, wait_s: float | None) -> None:
             f"driver (or the next soma resume {store.url}) applies it"
         )
     else:
-        out.print(f"{r['driver']} applies it within a second (or, if it ends first, soma resume){trains}", markup=False)
+        out.print(
+            f"{r['driver']} applies it at its next look, within {APPLY_BOUND_S:g} s of its loop's time (longer on a "
+            f"loaded host; --wait S waits for it), or, if it ends first, soma resume does{trains}",
+            markup=False,
+        )
 
 
 def changed(rev: dict) -> str:

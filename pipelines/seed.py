@@ -14,6 +14,12 @@ from soma_cluster.jobs import SEED_JOB, JobState
 from soma_cluster.storage import Store
 
 
+def require_prepared(store: Store) -> None:
+    """A campaign whose prepare did not finish (campaign.yaml without shards/manifest.json) has nothing to train on."""
+    if not store.exists("shards/manifest.json"):
+        raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
+
+
 @holding("soma seed")
 def train_seed(
     store: Store,
@@ -24,8 +30,7 @@ def train_seed(
 ) -> str:
     """Train the seed job; with `retry_failed` (`soma seed --retry-failed`) a seed that failed permanently is
     reopened."""
-    if not store.exists("shards/manifest.json"):
-        raise SomaError(f"{store.url} is not prepared; run soma prepare {store.url} first")
+    require_prepared(store)
     if retry_failed:
         reopen_failed(store, [SEED_JOB], [])
     reopen_unverified(store, [SEED_JOB])  # done only while its last checkpoint verifies

@@ -69,6 +69,7 @@ def load_status(store: Store, cfg: CampaignConfig) -> dict:
             by_category_s=totals.gpu_seconds,
             devices=totals.devices,
             usd=totals.usd if totals.usd_priced else None,
+            unpriced_s=totals.unpriced_gpu_seconds,
             started_at=None,
             rate=None,
             final=False,
@@ -251,9 +252,11 @@ def fact_lines(snap: dict) -> list[str]:
     notes = [caps] if caps else []
     notes += [f"config revision {snap['config_revision']}"] if snap.get("config_revision") else []
     lines.append(f"{snap['gpu_hours_total']:.4f} {snap['unit']}: {spent}" + (f" ({', '.join(notes)})" if notes else ""))
-    if snap.get("usd_total"):
-        by = ", ".join(f"{k} ${v:,.2f}" for k, v in snap["usd"].items() if v)
-        lines.append(f"${snap['usd_total']:,.2f} at the prices recorded: {by}")
+    if snap.get("usd_total") is not None:
+        by = ", ".join(f"{k} ${v:,.2f}" for k, v in snap["usd"].items() if v) or "nothing yet"
+        unpriced = snap.get("unpriced_gpu_hours") or 0.0
+        tail = f"; {unpriced:.4f} {snap['unit']} have no price (written without one)" if unpriced > 0 else ""
+        lines.append(f"${snap['usd_total']:,.2f} at the prices recorded: {by}{tail}")
     done = f"{view['updates']:,}/{view['target']:,} updates" + (
         f" ({view['updates'] / view['target']:.0%})" if view["target"] else ""
     )

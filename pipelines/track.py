@@ -26,7 +26,15 @@ from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.jobs import SEED_JOB, JobState, expert_jobs
 from soma_cluster.storage import Store
-from soma_cluster.trackpoints import Backend, Metric, Point, RunState, Stage, Status, resolve_target, settled
+from soma_cluster.trackpoints import (
+    Backend,
+    Metric,
+    Point,
+    Stage,
+    Target,
+    resolve_target,
+    settled,
+)
 
 BACKFILL_TIMEOUT_S = 60.0  # one call to a tracker during a backfill, at most
 
@@ -47,8 +55,11 @@ def stage_states(store: Store, cfg: CampaignConfig) -> dict[Stage, str]:
     return out
 
 
-def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = None) -> dict:
-    """Send each tracker what it lacks of the record; returns, per backend, what was sent."""
+def backfill_target(
+    store: Store, cfg: CampaignConfig, backends: list[str] | None = None
+) -> tuple[CampaignConfig, Target]:
+    """`soma track`'s trackers, checked before it takes the lease: named, resolvable, installed. The config the
+    backfill runs with (patient: no driver waits on it), and where it goes."""
     # no driver waits on a backfill: each call may take BACKFILL_TIMEOUT_S (a loaded server), each batch is retried
     patient = {"timeout_s": max(cfg.tracking.timeout_s, BACKFILL_TIMEOUT_S)}
     patient |= {"backends": backends} if backends else {}
@@ -60,6 +71,12 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
             f"soma track {store.url} --backend mlflow (with MLFLOW_TRACKING_URI set)"
         )
     require_packages(target.backends)
+    return cfg, target
+
+
+def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = None) -> dict:
+    """Send each tracker what it lacks of the record; returns, per backend, what was sent."""
+    cfg, target = backfill_target(store, cfg, backends)
     key = campaign_key(store, cfg)
     tracker = Tracker(store, cfg, key, [])
     events, ledger = record_of(store)
@@ -67,7 +84,7 @@ def backfill(store: Store, cfg: CampaignConfig, backends: list[str] | None = Non
     for s, v in stage_states(store, cfg).items():  # in stage order: the last one's status is the campaign run's
         points += tracker.feed.stage(s, v)
     # no driver runs (the command holds the lease): a job started and not ended was stopped with its driver
-    points += [RunState(job, Status.KILLED) for job in sorted(tracker.feed.running)]
+    points += tracker.feed.interrupted()
     if store.exists("eval/metrics.json"):
         points += eval_points(store, tracker.feed, store.read_json("eval/metrics.json"))
     points = settled(points)

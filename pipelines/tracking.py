@@ -53,7 +53,7 @@ from soma_cluster.trackpoints import (
 
 KEY_FILE = "tracking/key.json"  # the campaign's identity in its trackers: found again by it on resume
 GAPS = "tracking/gaps.jsonl"  # what a tracker missed, per driver: the record `soma track` reads as done by it
-POLL_S = 0.2  # a sink's thread looks for points this often (no wake-up per point: enqueueing stays cheap)
+SINK_POLL_S = 0.2  # a sink's thread looks for points this often (no wake-up per point: enqueueing stays cheap)
 BATCH_POINTS = 2000  # points per send
 BACKOFF_S = 0.5  # first retry's wait, doubled each retry
 COOLDOWN_S = 2.0  # after a batch failed every try: the queue fills meanwhile (bounded) instead of being drained;
@@ -238,7 +238,7 @@ class SinkThread:
             elif self._closing:
                 return
             else:
-                self._wake.wait(POLL_S)
+                self._wake.wait(SINK_POLL_S)
 
     def _give_up(self, abandon: bool = False) -> None:
         """What is queued is missed, now: closing, and the tracker failed a batch every try (not worth the drain's

@@ -155,7 +155,7 @@ class MlflowSink:
 
     def _other(self, p: Point) -> None:
         if isinstance(p, RunState):
-            if p.status == Status.RUNNING:  # reopened: a resumed campaign, a job started again
+            if p.status in (Status.RUNNING, Status.SCHEDULED):  # reopened: a resumed campaign, a job started again
                 self.client.update_run(self._run(p.run), status=p.status)
             else:
                 self.client.set_terminated(self._run(p.run), status=p.status, end_time=int(time.time() * 1000))

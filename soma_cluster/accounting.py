@@ -26,6 +26,7 @@ SETUP_SEQ = 0  # the ledger `seq` of an attempt's start-up; its heartbeats count
 SETTLED_SEQ = -1  # a settlement against the latest checkpoint
 RESETTLED_SEQ = -2  # a settlement made again against the checkpoint the next attempt really resumed from
 FORKED_SEQ = -3  # a warm fork's record of what its parent spent on an expert (attempt -1: pipelines/fork.py)
+FORKED_UNPRICED_SEQ = -4  # the same, of what the parent's records hold without a price
 NOTHING = Usage()
 
 

@@ -921,6 +921,21 @@ def user_documents(cfg: CorpusConfig, skipped: dict[str, list[str]] | None = Non
         raise no_text_error(cfg, skipped)
 
 
+def check_listing(cfg: CorpusConfig) -> None:
+    """What the corpus's listing alone can refuse, before a command writes anything (its lease included): a path that
+    is not there, a special file, a link loop, an archive, a directory with no file to read. A file that turns out to
+    hold no text is found only by reading it, later."""
+    if cfg.source in NAMED_SOURCES:
+        return
+    fs, root = corpus_fs(cfg)
+    listed = _corpus_files(fs, cfg.source, root)
+    if not any(not f.skip for f in listed):
+        skipped: dict[str, list[str]] = {}
+        for f in listed:
+            skipped.setdefault(f.skip, []).append(f.name)
+        raise no_text_error(cfg, skipped)
+
+
 def describe_skipped(skipped: dict[str, list[str]], names: int = 0) -> str:
     """'; skipped 3 files: not text (NUL bytes) 2 (a.bin, b.bin), empty 1 (c.txt)', or '' if none was."""
     n = sum(len(v) for v in skipped.values())

@@ -93,10 +93,31 @@ _WORDS = {
 
 def condition_of(exc: BaseException) -> DiskCondition | None:
     """The condition an OSError stands for (its errno), or None (not a disk condition: a bug, a network error...).
-    Only OSError counts: a worker's wrapped error (Ray's RayTaskError(OSError)) is an OSError subclass too."""
+    Only OSError counts: a worker's wrapped error (Ray's RayTaskError(OSError)) is an OSError subclass too. ENOSPC
+    on a file it names is FULL or NO_INODES as that file's filesystem says (full_condition); without a file name it
+    stays FULL."""
     if not isinstance(exc, OSError) or exc.errno is None:
         return None
-    return _BY_ERRNO.get(exc.errno)
+    cond = _BY_ERRNO.get(exc.errno)
+    if cond is DiskCondition.FULL and exc.errno == errno.ENOSPC and exc.filename:
+        return full_condition(str(exc.filename))
+    return cond
+
+
+def describe(exc: BaseException) -> str:
+    """An exception as a warning line shows it: an OSError of a disk condition with that condition's words after
+    its own (ENOSPC reads 'No space left on device' for a file count at its limit too), else `Type: message`."""
+    cond = condition_of(exc)
+    text = f"{type(exc).__name__}: {exc}"
+    if cond is None:
+        return text
+    free = ""
+    if cond is DiskCondition.NO_INODES and getattr(exc, "filename", None):
+        try:
+            free = f", {human_bytes(free_bytes(nearest_existing(str(exc.filename))))} free"
+        except OSError:
+            pass
+    return f"{text} ({_WORDS[cond][0]}{free})"
 
 
 class StorageError(SomaError):
@@ -114,8 +135,8 @@ class StorageError(SomaError):
 
 
 def what_happened(exc: BaseException) -> str | None:
-    """The disk condition of an OSError in the words every error line uses ('no space left on the device'...), or
-    None where it is not one."""
+    """The disk condition of an OSError in the words every error line uses ('no space left on its filesystem', or
+    'no inodes left' where that filesystem has bytes free but no file left), or None where it is not one."""
     cond = condition_of(exc)
     return None if cond is None else _WORDS[cond][0]
 

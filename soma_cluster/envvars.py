@@ -112,6 +112,11 @@ REGISTRY: tuple[EnvVar, ...] = (
     EnvVar("SOMA_TF32", EnvKind.SWITCH, "TF32 matmuls on a CUDA GPU.", "0"),
     EnvVar("SOMA_FUSED", EnvKind.SWITCH, "The fused C kernels (0: torch only).", "1"),
     EnvVar("SOMA_KEEP_RAY_LOGS", EnvKind.SWITCH, "Keep a local Ray's directory (its logs) after the command.", "0"),
+    EnvVar(
+        "SOMA_RAY_DIR",
+        EnvKind.TEXT,
+        "Set by soma in a local Ray's processes (its directory), so its watchdog finds them; not for users to set.",
+    ),
     EnvVar("SOMA_KERNEL_CACHE", EnvKind.PATH, "Where the fused kernels are built.", "~/.cache/soma_cluster"),
     EnvVar("SOMA_TASK_TIMES", EnvKind.PATH, "Where each Ray prepare task records its times (benchmarks)."),
     EnvVar(

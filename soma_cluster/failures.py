@@ -23,7 +23,7 @@ import re
 import time
 from typing import Callable, TypeVar
 
-from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of
+from soma_cluster.diskerrors import DiskCondition, StorageError, condition_of, describe
 from soma_cluster.errors import SomaError, StorageUnreachable
 from soma_cluster.jobs import SEED_JOB, Cause, JobState, expert_name
 
@@ -35,6 +35,7 @@ log = logging.getLogger(__name__)
 # the infrastructure's; the others (a missing file, a file in a directory's place) are bad input or a bug
 _DISK = {
     DiskCondition.FULL: Cause.DISK_FULL,
+    DiskCondition.NO_INODES: Cause.NO_INODES,
     DiskCondition.READ_ONLY: Cause.READ_ONLY,
     DiskCondition.DENIED: Cause.PERMISSION,
 }
@@ -47,6 +48,8 @@ _TEXT = (
 # what the operator does about each condition, for the line the campaign stops with ({url}: the campaign's)
 FIX = {
     Cause.DISK_FULL: "free space (or raise the quota) on the filesystem that holds {url}",
+    Cause.NO_INODES: "delete files (e.g. old campaigns) on the filesystem that holds {url}, or move it to one with "
+    "more inodes: its bytes are not the limit",
     Cause.READ_ONLY: "make the filesystem that holds {url} writable again (remount it read-write)",
     Cause.PERMISSION: "give the user the workers run as read and write access to {url}",
     Cause.STORAGE_UNREACHABLE: (
@@ -57,6 +60,7 @@ FIX = {
 }
 WORDS = {
     Cause.DISK_FULL: "disk full",
+    Cause.NO_INODES: "no inodes left (bytes are free, files are not)",
     Cause.READ_ONLY: "read-only filesystem",
     Cause.PERMISSION: "permission denied",
     Cause.STORAGE_UNREACHABLE: "storage unreachable",
@@ -140,7 +144,7 @@ def waiting(fn: Callable[[], T], wait_s: float, what: str, causes: frozenset[Cau
             waited = cause.infra and (causes is None or cause in causes)
             if not waited or time.monotonic() + delay > deadline:
                 raise
-            log.warning("%s failed (%s: %s); trying again in %.1f s", what, type(exc).__name__, exc, delay)
+            log.warning("%s failed (%s); trying again in %.1f s", what, describe(exc), delay)
             time.sleep(delay)
             delay = min(delay * 2, 5.0)
 

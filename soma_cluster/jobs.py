@@ -126,6 +126,7 @@ class Cause(StrEnum):
     BAD_INPUT = "bad_input"  # corrupt shard or checkpoint, no CUDA device: ends the job at once
     # the infrastructure's: waited out for at most retry.infra_wait_s, never counted
     DISK_FULL = "disk_full"
+    NO_INODES = "no_inodes"  # ENOSPC on a filesystem with bytes free: its file count is at its limit
     READ_ONLY = "read_only"
     PERMISSION = "permission"
     STORAGE_UNREACHABLE = "storage_unreachable"
@@ -150,6 +151,7 @@ class Cause(StrEnum):
 INFRA = frozenset(
     {
         Cause.DISK_FULL,
+        Cause.NO_INODES,
         Cause.READ_ONLY,
         Cause.PERMISSION,
         Cause.STORAGE_UNREACHABLE,
@@ -180,6 +182,7 @@ class LostAs(StrEnum):
     PREEMPTED = "preempted"  # its node was drained or reclaimed
     BUDGET_EXHAUSTED = "budget_exhausted"  # the driver's hard stop past the grace
     DISK_FULL = "disk_full"
+    NO_INODES = "no_inodes"
     READ_ONLY = "read_only"
     PERMISSION = "permission"
     STORAGE_UNREACHABLE = "storage_unreachable"

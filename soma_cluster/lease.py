@@ -32,6 +32,7 @@ from dataclasses import asdict, dataclass, replace
 from enum import StrEnum
 from typing import Callable
 
+from soma_cluster.diskerrors import describe
 from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
 from soma_cluster.storage import Store, VersionConflict
@@ -213,6 +214,13 @@ class Lease:
                 raise LeaseHeld(self._held_message(rec, waited_s=waited_s))
             self.sleep(min(1.0, left))
 
+    def refuse_if_held(self) -> None:
+        """LeaseHeld if, on one reading, a live driver holds the campaign (what acquire() refuses at once without
+        take_over); writes nothing. A lease that only looks lapsed is left to acquire(), which watches it."""
+        rec, _ = self._read()
+        if judge(rec, self.wall(), Holder.here(self.command), process_alive) is Verdict.HELD:
+            raise LeaseHeld(self._held_message(rec))
+
     def _take(self, rec: LeaseRecord | None, version: str | None, verdict: Verdict, here: Holder) -> bool:
         """Write generation + 1 over `rec` (at `version`); False if another candidate changed it first."""
         start = self.clock()
@@ -323,7 +331,9 @@ class Lease:
                 return  # check() raises it in the writer's thread
             except Exception as exc:  # the store is down: check() renews before the next write
                 print(
-                    f"warning: could not renew the driver lease on {self.store.url}: {exc}", file=sys.stderr, flush=True
+                    f"warning: could not renew the driver lease on {self.store.url}: {describe(exc)}",
+                    file=sys.stderr,
+                    flush=True,
                 )
 
     def release(self) -> None:

@@ -41,6 +41,7 @@ class Totals:
     usd: dict[str, float] = field(default_factory=lambda: dict.fromkeys(CATEGORIES, 0.0))  # at each record's price
     per_expert_usd: dict[int, float] = field(default_factory=lambda: defaultdict(float))
     unpriced_gpu_seconds: float = 0.0  # GPU-seconds of records written without a price
+    priced_gpu_seconds: float = 0.0  # and of records written with one (at $0 too)
 
     def add(
         self,
@@ -56,6 +57,7 @@ class Totals:
         if usd_per_hour is None:
             self.unpriced_gpu_seconds += u.gpu_seconds
         else:
+            self.priced_gpu_seconds += u.gpu_seconds
             usd = u.gpu_seconds / 3600.0 * usd_per_hour
             self.usd[category] += usd
             if expert is not None and category in EXPERT_SPEND:
@@ -74,8 +76,9 @@ class Totals:
 
     @property
     def usd_priced(self) -> bool:
-        """Whether any record carried a price (then the campaign's cost is shown in dollars too)."""
-        return any(v != 0.0 for v in self.usd.values())
+        """Whether any record carried a price (then the campaign's cost is shown in dollars too, and the GPU-hours
+        of records without one as unpriced)."""
+        return self.priced_gpu_seconds > 0 or any(v != 0.0 for v in self.usd.values())
 
     @property
     def gpu_hours(self) -> float:

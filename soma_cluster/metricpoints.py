@@ -38,6 +38,7 @@ class Metric(StrEnum):
     DRIVER_UP = "driver_up"
     ENDED = "campaign_ended"
     USD = "cost_usd"
+    UNPRICED = "unpriced_gpu_hours"
     BUDGET = "budget"
 
 
@@ -62,6 +63,7 @@ DEFINITIONS: dict[Metric, Definition] = {
     Metric.USD: Definition(
         "US dollars spent, by ledger category, at each record's price (priced campaigns)", ("category",)
     ),
+    Metric.UNPRICED: Definition("GPU-hours of ledger records written without a price (priced campaigns)"),
     Metric.BUDGET: Definition("the campaign's caps in force, by cap (GPU-hours or USD; -1: none)", ("cap",)),
 }
 
@@ -124,6 +126,8 @@ def reading(snap: dict) -> Reading:
     points.append(Point(Metric.ENDED, 1.0 if ended else 0.0))
     if snap.get("usd"):
         points += [Point(Metric.USD, snap["usd"].get(c, 0.0), (("category", c),)) for c in CATEGORIES]
+    if snap.get("unpriced_gpu_hours") is not None:  # a priced campaign's GPU-hours of records without a price
+        points.append(Point(Metric.UNPRICED, snap["unpriced_gpu_hours"]))
     for cap, value in (snap.get("budget") or {}).items():
         points.append(Point(Metric.BUDGET, -1.0 if value is None else float(value), (("cap", cap),)))
     return Reading(tuple(points), ended)

@@ -122,6 +122,7 @@ def build(
     running: set[str] | None = None,
     driver: dict | None = None,
     usd: dict[str, float] | None = None,
+    unpriced_s: float = 0.0,
 ) -> dict:
     """The whole snapshot; `rows` in campaign order (seed first). The ETA counts the updates left of the jobs in
     `running` (the driver's own; all by default) at `rate` updates per second. `driver` says who wrote it and whether
@@ -155,6 +156,7 @@ def build(
         "budget": budget_view(cfg),
         "usd": {c: (usd or {}).get(c, 0.0) for c in CATEGORIES} if usd is not None else None,
         "usd_total": sum(usd.values()) if usd is not None else None,
+        "unpriced_gpu_hours": unpriced_s / 3600.0 if usd is not None else None,
         "eta_s": None if final or stopped else _eta(mine),
         "losses": dict(zip(("train", "val"), newest_losses(mine), strict=True)),
         "driver": driver,
@@ -212,8 +214,12 @@ def summary_line(snap: dict) -> str:
 
 
 def usd_text(snap: dict) -> str:
-    """', $12.34' where the campaign is priced (prices.*), else nothing."""
-    return f", ${snap['usd_total']:,.2f}" if snap.get("usd_total") else ""
+    """', $12.34' where the campaign is priced (prices.*), with what has no price ('+ 0.0120 GPU-hours unpriced'),
+    else nothing."""
+    if snap.get("usd_total") is None:
+        return ""
+    unpriced = snap.get("unpriced_gpu_hours") or 0.0
+    return f", ${snap['usd_total']:,.2f}" + (f" + {unpriced:.4f} GPU-hours unpriced" if unpriced > 0 else "")
 
 
 def fmt_duration(s: float) -> str:

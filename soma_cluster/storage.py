@@ -64,6 +64,7 @@ _CAS_LOCK = threading.Lock()  # Store.write_if on a filesystem, between this pro
 # OSErrors (a local disk's, e.g. a download into a full temp dir) that a retry within seconds cannot fix
 _DISK_PERMANENT = (
     DiskCondition.FULL,
+    DiskCondition.NO_INODES,
     DiskCondition.READ_ONLY,
     DiskCondition.NOT_A_DIRECTORY,
     DiskCondition.IS_A_DIRECTORY,

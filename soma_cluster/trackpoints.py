@@ -24,7 +24,19 @@ from enum import StrEnum
 from soma_cluster.config import CampaignConfig
 from soma_cluster.envvars import value as env_value
 from soma_cluster.errors import SomaError
-from soma_cluster.jobs import ENDS, EXPERT_SPEND, SEED_JOB, Category, Event, JobState, expert_name
+from soma_cluster.jobs import (
+    CATEGORIES,
+    ENDS,
+    EXPERT_SPEND,
+    IN_FLIGHT,
+    SEED_JOB,
+    TERMINAL,
+    Category,
+    Event,
+    JobState,
+    advance,
+    expert_name,
+)
 
 PARENT = "campaign"  # the campaign's own run; each job's run is named after the job (seed, expert-0007)
 TAG = "soma."  # prefix of every tag soma sets (soma.campaign finds a campaign's runs again)
@@ -172,6 +184,7 @@ class Artifact:
 class Status(StrEnum):
     """A run's status, in MLflow's words (TensorBoard has none)."""
 
+    SCHEDULED = "SCHEDULED"  # pending: reopened (or not started), waiting for a driver to queue it
     RUNNING = "RUNNING"
     FINISHED = "FINISHED"
     FAILED = "FAILED"
@@ -179,8 +192,16 @@ class Status(StrEnum):
 
 
 def job_status(state: JobState) -> Status:
-    """A job's end as its run's status: failed_permanently FAILED, every other end FINISHED."""
-    return Status.FAILED if state == JobState.FAILED_PERMANENTLY else Status.FINISHED
+    """A job's state (soma status's word for it) as its run's status, so the two never disagree: pending SCHEDULED,
+    in flight RUNNING, interrupted (its driver stopped with it in flight) KILLED, failed_permanently FAILED, every
+    other end FINISHED."""
+    if state == JobState.FAILED_PERMANENTLY:
+        return Status.FAILED
+    if state in TERMINAL:
+        return Status.FINISHED
+    if state == JobState.INTERRUPTED:
+        return Status.KILLED
+    return Status.SCHEDULED if state == JobState.PENDING else Status.RUNNING
 
 
 @dataclass(frozen=True)
@@ -272,26 +293,63 @@ def job_of(rec: dict) -> str | None:
 
 
 @dataclass
+class Money:
+    """A ledger's GPU-seconds and dollars by category, as Ledger.totals counts them: a record's dollars at the price
+    it was written with; one written without a price counts in `unpriced_s`, never as $0 silently."""
+
+    gpu_s: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    usd: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    unpriced_s: float = 0.0
+    priced: bool = False  # a record carried a price: dollars are shown (and what had none, as unpriced)
+
+    def add(self, rec: dict) -> None:
+        self.gpu_s[rec["category"]] += rec["gpu_seconds"]
+        price = rec.get("usd_per_hour")
+        if price is None:
+            self.unpriced_s += rec["gpu_seconds"]
+        else:
+            self.priced = True
+            self.usd[rec["category"]] += rec["gpu_seconds"] / 3600.0 * price
+
+    def values(self, categories: Iterable[str], priced: bool) -> dict[str, float]:
+        """`gpu_hours/<category>`, and where the campaign is priced `usd/<category>` and `unpriced_gpu_hours`."""
+        out = {f"gpu_hours/{c}": self.gpu_s[c] / 3600.0 for c in categories}
+        if priced:
+            out |= {f"usd/{c}": self.usd[c] for c in categories} | {"unpriced_gpu_hours": self.unpriced_s / 3600.0}
+        return out
+
+
+@dataclass
 class Feed:
     """Campaign records in, tracker points out. Keeps what the points need from earlier records: each job's
-    GPU-seconds by category, its counted failures and preemptions, its highest step, how it last ended and whether
-    it runs now (its run's status), the campaign's totals. `params`: each job's run parameters, sent with its
-    first heartbeat."""
+    GPU-seconds and dollars by category, its counted failures and preemptions, its highest step, its state (folded
+    through the jobs' one state machine, as soma status folds it: its tag and its run's status change together), the
+    campaign's totals. `params`: each job's run parameters, sent with its first heartbeat."""
 
-    gpu_s: dict[str, dict[str, float]] = field(default_factory=lambda: defaultdict(lambda: defaultdict(float)))
-    totals: dict[str, float] = field(default_factory=lambda: defaultdict(float))
+    money: dict[str, Money] = field(default_factory=lambda: defaultdict(Money))  # job -> what it spent
+    totals: Money = field(default_factory=Money)
     retries: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     preemptions: dict[str, int] = field(default_factory=lambda: defaultdict(int))
     high: dict[str, int] = field(default_factory=dict)  # job -> the highest step of its heartbeats
     params: Mapping[str, dict[str, str]] = field(default_factory=dict)  # job -> its run's parameters (job_params)
     ends: dict[str, JobState] = field(default_factory=dict)  # job -> how it last ended
-    running: set[str] = field(default_factory=set)  # jobs started and not ended since: their runs are RUNNING
-    ended: int = 0  # job ends seen: the step of the parent's totals
+    states: dict[str, JobState] = field(default_factory=dict)  # job -> where it stands (jobs.advance)
+    ended: int = 0  # job ends seen: the step of jobs_ended
+    last_t: float = 0.0  # wall clock (s) of the newest record seen: the time of the points no record carries
     evals: int = 0  # evaluations in the ledger: the step of the eval metrics
     _ledger_ids: set[str] = field(default_factory=set)
     _params_sent: set[str] = field(default_factory=set)  # jobs whose parameters went out (Marks drops a repeat)
 
+    @property
+    def running(self) -> set[str]:
+        """Jobs in flight (queued, running, retrying, preempted): their runs are RUNNING until an end or a stop."""
+        return {j for j, s in self.states.items() if s in IN_FLIGHT}
+
+    def gpu_s(self, job: str) -> dict[str, float]:
+        return self.money[job].gpu_s
+
     def on_record(self, source: Source, rec: dict) -> list[Point]:
+        self.last_t = max(self.last_t, rec.get("t") or 0.0)
         return self._ledger(rec) if source == Source.LEDGER else self._event(rec)
 
     def _ledger(self, rec: dict) -> list[Point]:
@@ -301,39 +359,41 @@ class Feed:
         self._ledger_ids.add(rid)
         job = job_of(rec)
         if job is not None:
-            self.gpu_s[job][rec["category"]] += rec["gpu_seconds"]
-        self.totals[rec["category"]] += rec["gpu_seconds"]
+            self.money[job].add(rec)
+        self.totals.add(rec)
         if rec["category"] == Category.EVALUATION:
             self.evals += 1
         return []
 
+    def _state(self, job: str, state: JobState) -> list[Point]:
+        """The job's state tag and its run's status, together, when the state changed."""
+        if self.states.get(job) == state:
+            return []
+        self.states[job] = state
+        return [Tag(job, TAG + "state", state), RunState(job, job_status(state))]
+
     def _event(self, rec: dict) -> list[Point]:
         job, ev, t = rec["job"], rec["event"], rec.get("t", 0.0)
+        if job == PARENT:  # the campaign's own events (forked, config_revised): no job's state
+            return []
         if ev == Event.HEARTBEAT:
             return self._heartbeat(job, rec, t)
-        if ev == Event.STARTED:
-            self.running.add(job)
-            return [Tag(job, TAG + "state", JobState.RUNNING), RunState(job, Status.RUNNING)]
-        if ev == Event.FAILED:
-            self.retries[job] += 1 if rec.get("counted", True) else 0
-            return [Tag(job, TAG + "state", JobState.RETRYING), Tag(job, TAG + "retries", str(self.retries[job]))]
-        if ev == Event.PREEMPTED:
-            self.preemptions[job] += 1
-            return [
-                Tag(job, TAG + "state", JobState.PREEMPTED),
-                Tag(job, TAG + "preemptions", str(self.preemptions[job])),
-            ]
-        if ev == Event.REOPENED:
-            return [Tag(job, TAG + "state", JobState.PENDING)]
         if ev in ENDS:
             return self._end(job, JobState(ev), t)
-        return []
+        out = self._state(job, advance(self.states.get(job, JobState.PENDING), ev, rec.get("cause")))
+        if ev == Event.FAILED:
+            self.retries[job] += 1 if rec.get("counted", True) else 0
+            out.append(Tag(job, TAG + "retries", str(self.retries[job])))
+        if ev == Event.PREEMPTED:
+            self.preemptions[job] += 1
+            out.append(Tag(job, TAG + "preemptions", str(self.preemptions[job])))
+        return out
 
     def _heartbeat(self, job: str, rec: dict, t: float) -> list[Point]:
         step = int(rec["step"])
         self.high[job] = max(self.high.get(job, -1), step)
         values = {"train_loss": rec.get("loss"), "val_loss": rec.get("val"), "eps": rec.get("eps"), "lr": rec.get("lr")}
-        values["gpu_hours"] = sum(self.gpu_s[job].values()) / 3600.0
+        values["gpu_hours"] = sum(self.gpu_s(job).values()) / 3600.0
         out: list[Point] = [Metric(job, k, step, float(v), t) for k, v in values.items() if v is not None]
         if job in self.params and job not in self._params_sent:  # with its first points: one write for both
             self._params_sent.add(job)
@@ -341,26 +401,41 @@ class Feed:
         return out
 
     def _end(self, job: str, state: JobState, t: float) -> list[Point]:
-        """A job's end: its GPU-hours by category, retries and preemptions at its highest step; the campaign's
-        totals at the count of job ends so far (both steps only grow, so a tracker sees them in order)."""
+        """A job's end: its GPU-hours (and dollars, where priced) by category, retries and preemptions at its highest
+        step; the campaign's totals (campaign_totals)."""
         step = self.high.get(job, 0)
         cats = SEED_SPEND if job == SEED_JOB.name else EXPERT_SPEND
-        values = {f"gpu_hours/{c}": self.gpu_s[job][c] / 3600.0 for c in cats}
+        values = self.money[job].values(cats, self.totals.priced)
         values |= {"retries": self.retries[job], "preemptions": self.preemptions[job], "final_step": step}
         out: list[Point] = [Metric(job, k, step, float(v), t) for k, v in values.items()]
-        out += [Tag(job, TAG + "state", state), RunState(job, job_status(state))]
+        out += self._state(job, state)
         self.ends[job] = state
-        self.running.discard(job)
         self.ended += 1
-        parent = {f"gpu_hours/{c}": self.totals[c] / 3600.0 for c in Category} | {"jobs_ended": self.ended}
-        return out + [Metric(PARENT, k, self.ended, float(v), t) for k, v in parent.items()]
+        return out + [Metric(PARENT, "jobs_ended", self.ended, float(self.ended), t)] + self.campaign_totals(t)
+
+    def campaign_totals(self, t: float) -> list[Point]:
+        """The campaign run's GPU-hours and dollars by category, their totals and the unpriced GPU-hours, as the
+        ledger's totals hold them at this record (step: the ledger records seen, so a later record's totals are a
+        later step): at each job end and each command's end, so the last point of each is the ledger's total."""
+        values = self.totals.values(CATEGORIES, self.totals.priced)
+        values["gpu_hours_total"] = sum(self.totals.gpu_s.values()) / 3600.0
+        if self.totals.priced:
+            values["usd_total"] = sum(self.totals.usd.values())
+        return [Metric(PARENT, k, len(self._ledger_ids), float(v), t) for k, v in values.items()]
+
+    def interrupted(self) -> list[Point]:
+        """The jobs a stopped driver left in flight: `interrupted` (as soma status shows them), their runs KILLED (a
+        resume starts them again)."""
+        return [p for j in sorted(self.running) for p in self._state(j, JobState.INTERRUPTED)]
 
     def stage(self, stage: Stage, state: str) -> list[Point]:
         """A command's stage begins (`running`) or ends (`finished`, `stopped`): its tag and the campaign run's
-        status; a stop also closes the runs of the jobs it left in flight (KILLED; a resume reopens them)."""
+        status; at an end, the campaign's totals; a stop also closes the runs of the jobs it left in flight."""
         failed = any(s == JobState.FAILED_PERMANENTLY for s in self.ends.values())
         out: list[Point] = [stage_point(stage, state), RunState(PARENT, campaign_status(state, failed))]
-        return out + ([RunState(j, Status.KILLED) for j in sorted(self.running)] if state == "stopped" else [])
+        if state != "running" and self._ledger_ids:
+            out += self.campaign_totals(self.last_t)
+        return out + (self.interrupted() if state == "stopped" else [])
 
     def evaluation(self, m: Mapping, t: float) -> list[Point]:
         """`soma eval`'s ensemble, seed and uniform nats/byte with their 95% intervals, the baselines' nats/byte and

@@ -9,6 +9,7 @@ run: its arguments are found by name."""
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -59,6 +60,7 @@ def targets(root: Path, prepared: Path) -> dict[str, Path]:
         "foreign": root / "foreign",
         "experiment-dir": root / "experiment",
         "prepared-only": root / "prepared",
+        "interrupted-prepare": root / "interrupted",
         "non-utf8-missing": root / b"caf\xe9-missing".decode("utf-8", "surrogateescape"),
     }
     kinds["file"].write_text("not a campaign\n")
@@ -71,6 +73,10 @@ def targets(root: Path, prepared: Path) -> dict[str, Path]:
     (kinds["experiment-dir"] / "s0").mkdir()
     # a campaign soma prepare made, before its seed: too early for launch, eval, fork
     shutil.copytree(prepared, kinds["prepared-only"])
+    # a prepare killed before it finished: its config and lease, no shards
+    kinds["interrupted-prepare"].mkdir()
+    for name in ("campaign.yaml", "driver-lease.json"):
+        shutil.copy2(prepared / name, kinds["interrupted-prepare"] / name)
     return kinds
 
 
@@ -81,13 +87,32 @@ def cases() -> list[tuple[str, str, str]]:
         for param in GROUP.commands[name].params:
             if param.param_type_name != "argument" or param.name not in DIRECTORY_ARGS:
                 continue
-            for kind in ("missing", "file", "empty", "foreign", "experiment-dir", "prepared-only", "non-utf8-missing"):
+            for kind in KINDS:
                 if (name, param.name) in MAKES and kind in ("missing", "empty", "non-utf8-missing"):
                     continue  # a new directory is what it makes
                 if kind == "prepared-only" and not _needs_more_than_prepare(name, param.name):
                     continue
+                if kind == "interrupted-prepare" and not _needs_a_finished_prepare(name, param.name):
+                    continue
                 out.append((name, param.name, kind))
     return out
+
+
+KINDS = (
+    "missing",
+    "file",
+    "empty",
+    "foreign",
+    "experiment-dir",
+    "prepared-only",
+    "interrupted-prepare",
+    "non-utf8-missing",
+)
+
+
+def _needs_a_finished_prepare(command: str, argument: str) -> bool:
+    """Commands that need the shards (`soma seed`), or more: an interrupted prepare is refused, naming the command."""
+    return (command, argument) == ("seed", "campaign") or _needs_more_than_prepare(command, argument)
 
 
 def _needs_more_than_prepare(command: str, argument: str) -> bool:
@@ -123,8 +148,22 @@ def argv_for(command: str, argument: str, target: str, good: dict[str, str]) -> 
     return [command, *args]
 
 
-def snapshot(root: Path) -> list[str]:
-    return sorted(str(p.relative_to(root)) for p in root.rglob("*"))
+def snapshot(root: Path) -> dict[str, tuple]:
+    """Every file's and directory's kind, modification time (ns) and bytes under root, root included: a refusal
+    leaves all of it as it was (a lease taken and released, or a directory made and removed, changes it)."""
+    out = {".": ("dir", root.stat().st_mtime_ns, None)}
+    for dirpath, dirnames, filenames in os.walk(root):
+        for name in dirnames + filenames:
+            p = Path(dirpath) / name
+            st = p.lstat()
+            data = p.read_bytes() if p.is_file() and not p.is_symlink() else None
+            out[str(p.relative_to(root))] = ("dir" if p.is_dir() else "file", st.st_mtime_ns, data)
+    return out
+
+
+def changed(before: dict, after: dict) -> list[str]:
+    """The paths whose kind, time or bytes differ (or that came or went)."""
+    return sorted(k for k in before.keys() | after.keys() if before.get(k) != after.get(k))
 
 
 CASES = cases()
@@ -159,7 +198,7 @@ def test_wrong_target_names_the_command_that_makes_it_right(command, argument, k
     errors = [line for line in result.stderr.splitlines() if line.startswith("error:")]
     assert result.exit_code == 2 and len(errors) == 1, (argv, result.stderr[-1500:], result.exception)
     assert NAMES_A_COMMAND.search(errors[0]), errors[0]
-    assert snapshot(tmp_path) == before, argv
+    assert not changed(before, snapshot(tmp_path)), (argv, changed(before, snapshot(tmp_path)))
 
 
 def test_a_non_utf8_target_is_named_in_a_real_process(tmp_path):

@@ -10,8 +10,10 @@ from pathlib import Path
 import pytest
 import typer
 import yaml
+from typer._click import exceptions as click_exceptions  # typer 0.29's click
 
 from pipelines.cli import app
+from soma_cluster.errors import SomaError
 
 ROOT = Path(__file__).resolve().parents[1]
 DEPLOY = ROOT / "deploy"
@@ -210,6 +212,111 @@ def test_the_checker_catches_a_wrong_command_or_option():
     ):
         with pytest.raises(AssertionError):
             check_command(bad, group)
+
+
+# -- the docs' examples, through the real parser -------------------------------------------------------
+EXAMPLE = re.compile(r"^\s*(?:\$\s+)?(?:[A-Z_]+=\S+\s+)*(soma\s.*)$")  # `soma ...`, `$ soma ...`, `VAR=x soma ...`
+SYNOPSIS = re.compile(r"[\[\]|]|\.\.\.")  # `[--json]`, `small|paper`, `...`: a usage line, not an example
+SETS_CONFIG = {"prepare", "demo", "fork", "experiment"}  # their --set items are config overrides
+
+
+def example_blocks() -> list[tuple[str, list[str]]]:
+    """Each code block of the docs, and of deploy/ each command line, with its `soma ...` commands: continuation
+    lines joined, a trailing comment dropped, `a && b` two commands."""
+    out = []
+    for path in DOCS:
+        for block in re.findall(r"```[^\n]*\n(.*?)```", path.read_text(), flags=re.S):
+            lines = []
+            for line in re.sub(r"\\\n\s*", " ", block).splitlines():
+                if m := EXAMPLE.match(line):
+                    lines += [c.strip() for c in re.split(r"\s(?:&&|;)\s", m.group(1).split("  #")[0])]
+            if lines:
+                out.append((str(path.relative_to(ROOT)), [c for c in lines if c.startswith("soma ")]))
+    deploy = [(path, [line]) for path, line in soma_command_lines() if path.startswith("deploy/")]
+    return out + deploy
+
+
+def check_example(line: str, group, configs: dict[str, object]) -> None:
+    """`line` parsed by the command's own parser (types, bounds, option callbacks, a value given twice), its option
+    pairs checked, and its --set items (and soma set's changes) validated as the command validates them, on the
+    config an earlier line of the same block made for that campaign (else the tiny preset's)."""
+    from pipelines.cli_harness import check_pairs
+    from soma_cluster.config import parse_overrides, resolve
+    from soma_cluster.revisions import check as check_revision
+
+    if SYNOPSIS.search(line):
+        return check_command(line, group)  # names only: its values are placeholders
+    args = shlex.split(line)[1:]
+    if args[0].startswith("-"):
+        assert args[0] in ("--version", "--help"), line  # the group's own options
+        return None
+    cmd = group.commands[args[0]]
+    try:
+        ctx = cmd.make_context(args[0], args[1:])
+        check_pairs(ctx)
+    except (click_exceptions.ClickException, typer.Exit) as exc:
+        raise AssertionError(f"{line!r}: {getattr(exc, 'message', exc)!r}") from None
+    where = ctx.params.get("campaign")
+    base = configs.get(where) or resolve("tiny")
+    if args[0] in SETS_CONFIG and ctx.params.get("set") and not ctx.params.get("config"):
+        preset = ctx.params.get("preset") or "tiny"
+        configs[where] = resolve(preset, parse_overrides(list(ctx.params["set"])))
+    if args[0] == "set":
+        check_revision(base, list(ctx.params["changes"]), driver_running=False)
+    if args[0] == "resume" and ctx.params.get("set"):
+        check_revision(base, list(ctx.params["set"]), driver_running=False, origin="--set")
+
+
+def test_every_example_in_the_docs_parses_with_its_values():
+    group = typer.main.get_command(app)
+    blocks = example_blocks()
+    assert sum(len(b) for _, b in blocks) >= 40, blocks
+    for path, lines in blocks:
+        configs: dict[str, object] = {}
+        for line in lines:
+            try:
+                check_example(line, group, configs)
+            except (AssertionError, SomaError) as exc:
+                raise AssertionError(f"{path}: {line!r}: {exc}") from None
+
+
+def test_the_example_checker_catches_a_wrong_value():
+    group = typer.main.get_command(app)
+    check_example("soma prepare c --preset paper-small --set n_experts=8", group, {})
+    for bad in (
+        "soma plan c --gpus K",  # not a number
+        "soma prepare c --preset huge",  # not a preset
+        "soma status c --interval 5",  # needs --watch
+        "soma prepare c --set n_experts=0",  # out of the setting's bounds
+        "soma set c train.method=bptt",  # not revisable
+        "soma eval c --stride 0",  # below the option's bound
+    ):
+        with pytest.raises((AssertionError, SomaError)):
+            check_example(bad, group, {})
+
+
+RUNNABLE = ("status", "presets", "sample", "--version")  # read only, quick on a tiny campaign
+
+
+def test_the_docs_read_only_examples_run_on_a_tiny_campaign(trained):
+    """Each example of a command that only reads, run on the session's trained campaign in place of the one the
+    docs name: it works as shown (exit 0)."""
+    from conftest import soma_here
+
+    ran = []
+    for path, lines in example_blocks():
+        for line in lines:
+            args = shlex.split(line)[1:]
+            if args[0] not in RUNNABLE or SYNOPSIS.search(line):
+                continue
+            if args[0] != "--version" and args[0] != "presets":
+                args[1] = str(trained.camp)  # the campaign the docs name: runs/demo, s3://...
+            if args in ran:
+                continue  # the same example on another campaign: the same run here
+            result = soma_here(*args)
+            assert result.returncode == 0, (path, line, result.stderr[-1500:])
+            ran.append(args)
+    assert {"status", "sample", "--version"} <= {a[0] for a in ran}, ran
 
 
 # -- closed to strangers, elastic, sized --------------------------------------------------------------

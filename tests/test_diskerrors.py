@@ -16,11 +16,15 @@ from soma_cluster.diskerrors import (
     DiskCondition,
     StorageError,
     condition_of,
+    describe,
     require_temp_dir,
     require_writable_dir,
     storage_error,
+    what_happened,
     with_path,
 )
+from soma_cluster.failures import exception_cause, stop_line
+from soma_cluster.jobs import Cause
 from soma_cluster.storage import Store, put_file
 
 
@@ -203,6 +207,12 @@ def test_inode_exhaustion_is_named_as_inodes_not_space(tmp_path):
             Store(str(camp)).write_bytes("x.json", b"{}")
         named = storage_error(raw.value)
         assert named.condition is DiskCondition.NO_INODES and named.path == str(camp), named
-        print(f"\n{err.value}\n{named}")
+        # every other place an ENOSPC is worded: an export's line, a warning, a worker's failure, the stop line
+        assert what_happened(raw.value).startswith("no inodes left"), what_happened(raw.value)
+        assert "no inodes left" in describe(raw.value) and "MiB free" in describe(raw.value), describe(raw.value)
+        assert exception_cause(raw.value) is Cause.NO_INODES and Cause.NO_INODES.infra
+        line = stop_line(Cause.NO_INODES, describe(raw.value), "expert-0000's retries", 60.0, 600.0, str(camp))
+        assert "no inodes left" in line and "disk full" not in line and "delete files" in line, line
+        print(f"\n{err.value}\n{named}\n{line}")
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)

@@ -128,3 +128,43 @@ def test_readme_stays_short():
     lines = (ROOT / "README.md").read_text().splitlines()
     assert len(lines) <= 100, f"README.md has {len(lines)} lines; reference belongs in docs/"
     assert "make demo" in "\n".join(lines) and "make test" in "\n".join(lines)
+
+
+# -- a value the docs give for a name is the code's ----------------------------------------------------------
+NAMED_VALUE = re.compile(r"`([A-Za-z_][\w.]*)` \((\d[\d,]*(?:\.\d+)?) ?(ms|s|min|h)?\)")
+UNITS = {"": 1.0, "ms": 0.001, "s": 1.0, "min": 60.0, "h": 3600.0}
+SOURCES = [*sorted((ROOT / "soma_cluster").glob("*.py")), *sorted((ROOT / "pipelines").glob("*.py"))]
+
+
+def value_of(name: str) -> float:
+    """What the code holds for `name`: an environment variable's default (soma_cluster/envvars.py), a config field's
+    default, or a module constant (NAME = ... in soma_cluster/ or pipelines/)."""
+    import importlib
+
+    from soma_cluster import schema
+    from soma_cluster.envvars import BY_NAME
+
+    if name in BY_NAME:
+        return float(BY_NAME[name].default)
+    if "." in name:
+        field = schema.field_at(CampaignConfig, name)
+        assert field is not None, f"{name} is not a setting"
+        return float(field.default)
+    owners = [p for p in SOURCES if re.search(rf"^{name}\b[^=\n]*=", p.read_text(), flags=re.M)]
+    assert len(owners) == 1, f"{name}: defined in {[str(p.relative_to(ROOT)) for p in owners]}"
+    module = ".".join(owners[0].relative_to(ROOT).with_suffix("").parts)
+    return float(getattr(importlib.import_module(module), name))
+
+
+def test_every_value_the_docs_give_for_a_name_is_the_code_s():
+    """`POLL_S` (0.5 s), `retry.infra_wait_s` (600 s), `SOMA_LEASE_TTL_S` (30 s): a promise stated with the name of
+    what bounds it stays true when the code changes that value, or this fails naming both."""
+    found = []
+    for path in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        for name, number, unit in NAMED_VALUE.findall(path.read_text()):
+            if not (name.isupper() or "." in name) or name.endswith((".md", ".py", ".yaml", ".json")):
+                continue
+            said = float(number.replace(",", "")) * UNITS[unit]
+            found.append((path.name, name, said))
+            assert abs(value_of(name) - said) <= 1e-9 * max(1.0, said), f"{path.name}: {name} is {value_of(name)}"
+    assert {n for _, n, _ in found} >= {"APPLY_BOUND_S", "REVISION_POLL_S", "POLL_S", "PROBE_S", "KILL_WAIT_S"}, found

@@ -98,9 +98,30 @@ def test_status_and_metrics_show_dollars_and_the_caps_in_force():
         final=False,
         source="events",
         usd={"expert_training": 1.0},
+        unpriced_s=1800.0,
     )
-    assert snap["usd_total"] == 1.0 and snap["budget"]["campaign_usd"] == 20.0
+    assert snap["usd_total"] == 1.0 and snap["budget"]["campaign_usd"] == 20.0 and snap["unpriced_gpu_hours"] == 0.5
     points = {(p.metric, p.labels): p.value for p in reading(snap).points}
     assert points[(Metric.USD, (("category", "expert_training"),))] == 1.0
+    assert points[(Metric.UNPRICED, ())] == 0.5  # what had no price is shown as such, never as $0
+    from pipelines.status import header
+    from soma_cluster.snapshot import summary_line
+
+    shown = header({**snap, "stale": False}).plain
+    assert "$1.00 at the prices recorded: expert_training $1.00; 0.5000 logical GPU-hours on cpu have no price" in shown
+    assert "$1.00 + 0.5000 GPU-hours unpriced" in summary_line(snap)
     assert points[(Metric.BUDGET, (("cap", "campaign_usd"),))] == 20.0
     assert points[(Metric.BUDGET, (("cap", "expert_gpu_hours"),))] == -1.0
+
+
+def test_a_record_priced_at_zero_is_priced_and_one_without_a_price_is_counted_apart(tmp_path):
+    """A $0 price (a free CPU share) still makes the campaign priced; records with no price are unpriced GPU-hours,
+    shown in the status beside the dollars, never folded into them."""
+    from soma_cluster.storage import Store
+
+    ledger = Ledger(Store(str(tmp_path)))
+    ledger.record(category="expert_training", gpu_seconds=3600.0, wall_seconds=3600.0, expert=0, usd_per_hour=0.0)
+    ledger.record(category="expert_training", gpu_seconds=1800.0, wall_seconds=1800.0, expert=0, seq=1)
+    t = ledger.totals()
+    assert t.usd_priced and t.priced_gpu_seconds == 3600.0 and t.unpriced_gpu_seconds == 1800.0
+    assert t.as_dict()["unpriced_gpu_hours"] == 0.5 and t.as_dict()["usd_total"] == 0.0

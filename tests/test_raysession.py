@@ -1,5 +1,6 @@
-"""A local Ray's leftovers and signals, without starting Ray: the owner file names who may clean a directory, a
-full /tmp is one line, a signal inside the driver's loop only asks it to stop, elsewhere it stops at once."""
+"""A local Ray's leftovers and signals: the owner file names who may clean a directory, a full /tmp is one line, a
+signal inside the driver's loop only asks it to stop, elsewhere it stops at once; and with a real Ray, nothing of it
+outlives a SIGKILLed command."""
 
 from __future__ import annotations
 
@@ -124,3 +125,63 @@ def test_sigterm_stays_caught_while_a_local_ray_starts_and_stops():
     default_s, states = proc.stdout.strip().splitlines()[-1].split(" ", 1)
     print(f"\nSIGTERM at its default action for {float(default_s) * 1000:.1f} ms of the session; states seen {states}")
     assert float(default_s) < 0.05 and "ignored" not in states
+
+
+def test_a_sigkilled_command_leaves_nothing_of_its_local_ray(tmp_path, trained):
+    """`soma resume` SIGKILLed while its local Ray trains: Ray's own fate-sharing ends the GCS and raylet at once, but
+    its agents ran on for a minute (62 s here, waiting on the dead GCS); the watchdog (pipelines/raywatch.py) ends
+    every process of that Ray and removes its directory within seconds. Bounded: 180 s for the expert to start
+    training (it has 100,000 updates to make), 30 s after the kill."""
+    import shutil
+
+    import psutil
+
+    camp = tmp_path / "camp"
+    shutil.copytree(trained.camp, camp)
+    env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "RAY_ADDRESS": ""}
+    retrain = ["--retrain", "0", "--set", "train.updates=100000", "--no-progress"]
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "pipelines.cli", "resume", str(camp), *retrain],
+        env=env,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    kids: list[psutil.Process] = []
+    try:
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and proc.poll() is None:
+            kids = psutil.Process(proc.pid).children(recursive=True)
+            names = {k.name() for k in kids if k.is_running()}
+            if {"ray::DashboardAgent", "ray::RuntimeEnvAgent"} <= names and any(
+                n.startswith("ray::") and n not in ("ray::DashboardAgent", "ray::RuntimeEnvAgent", "ray::IDLE")
+                for n in names
+            ):
+                break  # the node is up and the expert's actor trains
+            time.sleep(0.5)
+        else:
+            pytest.fail(f"soma resume never trained on a local Ray (exit {proc.poll()})")
+        ray_dir = next(k.environ()["SOMA_RAY_DIR"] for k in kids if k.name() == "raylet")
+        t0 = time.monotonic()
+        proc.kill()
+        proc.wait(30)
+        while time.monotonic() - t0 < 30 and (any(_running(k) for k in kids) or os.path.exists(ray_dir)):
+            time.sleep(0.2)
+        left = [k.name() for k in kids if _running(k)]
+        print(
+            f"\nafter SIGKILL: {len(kids) - len(left)} of {len(kids)} processes gone in {time.monotonic() - t0:.1f} s"
+        )
+        assert not left and not os.path.exists(ray_dir), (left, ray_dir)
+    finally:
+        proc.kill()
+        for k in kids:
+            if _running(k):
+                k.kill()
+
+
+def _running(p) -> bool:
+    import psutil
+
+    try:
+        return p.is_running() and p.status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False

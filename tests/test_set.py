@@ -110,6 +110,7 @@ def test_a_running_driver_obeys_soma_set(seeded, tmp_path):
         assert r.returncode == 0, r.stderr[-2000:]
         doc = json.loads(r.stdout)
         assert doc["applied"] is True and doc["driver"].startswith("soma launch"), doc
+        print(f"\nsoma set --wait: applied after {doc['applied_after_s']:.2f} s (APPLY_BOUND_S 1.5 s of loop time)")
         _, err = proc.communicate(timeout=180)
     finally:
         if proc.poll() is None:

@@ -149,7 +149,9 @@ def test_a_retried_expert_logs_each_step_once_in_order_and_its_end():
     assert [round(v * 3600) for _, v in series(points, "expert-0000", "gpu_hours")] == [12, 24, 36, 57]
     assert series(points, "expert-0000", "retries") == [(12, 1.0)]
     assert series(points, "expert-0000", "gpu_hours/wasted") == [(12, 9.0 / 3600)]
-    assert series(points, PARENT, "gpu_hours/preprocessing") == [(1, 72.0 / 3600)]
+    assert series(points, PARENT, "gpu_hours/preprocessing") == [(6, 72.0 / 3600)]  # step: the 6 ledger records
+    assert series(points, PARENT, "jobs_ended") == [(1, 1.0)]
+    assert not [p for p in points if isinstance(p, Metric) and p.key.startswith("usd")]  # an unpriced campaign
     assert RunState("expert-0000", Status.FINISHED) in points
     assert Tag("expert-0000", "soma.state", "finished") in points
 

@@ -70,21 +70,32 @@ def test_a_resumed_sink_continues_the_same_runs_in_order(server):
 
 
 def test_a_stopped_command_kills_its_runs_and_a_resume_reopens_them(server):
-    """KILLED (a stop) and RUNNING again (a resume), as the server keeps them."""
+    """KILLED (a stop) and RUNNING again (a resume), as the server keeps them; a job's `soma.state` tag says what
+    soma status says of it at each of those moments (interrupted with KILLED, not running), and a reopened job is
+    `pending` and SCHEDULED."""
     from pipelines.tracking_mlflow import MlflowSink
-    from soma_cluster.trackpoints import PARENT, RunState, Status
+    from soma_cluster.trackpoints import PARENT, Feed, RunState, Source, Stage, Status
 
     server.wait_ready()
-    sink = MlflowSink(server.uri, "status-test", "key-s", "c1", 10)
-    sink.write(sink.open().admit([RunState("expert-0000", Status.RUNNING), RunState(PARENT, Status.RUNNING)]))
-    sink.write([RunState("expert-0000", Status.KILLED), RunState(PARENT, Status.KILLED)])
+    feed, sink = Feed(), MlflowSink(server.uri, "status-test", "key-s", "c1", 60)  # a loaded host's server is slow
+    marks = sink.open()
+    points = feed.stage(Stage.LAUNCH, "running")
+    points += feed.on_record(Source.EVENTS, {"event": "started", "job": "expert-0000", "t": 1.0, "attempt": 0})
+    sink.write(marks.admit(points))
+    sink.write(marks.admit(feed.stage(Stage.LAUNCH, "stopped")))
     runs = runs_of(server, "status-test")
     assert {n: r.info.status for n, r in runs.items()} == {"campaign": "KILLED", "expert-0000": "KILLED"}
-    again = MlflowSink(server.uri, "status-test", "key-s", "c1", 10)  # a resumed driver: found again, reopened
+    assert runs["expert-0000"].data.tags["soma.state"] == "interrupted"
+    again = MlflowSink(server.uri, "status-test", "key-s", "c1", 60)  # a resumed driver: found again, reopened
     sent = again.open().admit([RunState(PARENT, Status.RUNNING), RunState("expert-0000", Status.KILLED)])
     assert sent == [RunState(PARENT, Status.RUNNING)]  # what the server holds already is not sent again
     again.write(sent)
     assert runs_of(server, "status-test")["campaign"].info.status == "RUNNING"
+    ended = {"event": "finished", "job": "expert-0000", "t": 2.0, "attempt": 1, "step": 12}
+    reopened = {"event": "reopened", "job": "expert-0000", "t": 3.0, "step": 12, "reason": "extended"}
+    again.write(feed.on_record(Source.EVENTS, ended) + feed.on_record(Source.EVENTS, reopened))
+    run = runs_of(server, "status-test")["expert-0000"]
+    assert (run.data.tags["soma.state"], run.info.status) == ("pending", "SCHEDULED")
 
 
 def launch_killing_the_server(campaign: str, server: MlflowServer) -> subprocess.CompletedProcess:
@@ -203,3 +214,58 @@ def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_ya
         f"runs {sorted(runs)}; parent metrics {sorted(parent.data.metrics)}; artifacts {sorted(arts)}; "
         f"expert-0000 metrics {sorted(runs['expert-0000'].data.metrics)}"
     )
+
+
+def test_ledger_status_and_trackers_tell_the_same_story(server, trained, tmp_path, monkeypatch):
+    """A trained campaign whose expert-0000 is retrained at a price (its other records stay unpriced), then forked
+    warm (the fork carries what the parent spent, dollars included): in each, `soma status --json`, the MLflow
+    server's runs and TensorBoard's scalars (its Python loader) hold the ledger's GPU-hours and dollars by category,
+    their totals and the unpriced GPU-hours; every job's run holds the state soma status gives the job, and the run
+    status that state means."""
+    import shutil
+
+    from conftest import soma_here
+    from support.tbloaders import python_loader
+
+    from soma_cluster.jobs import CATEGORIES, JobState
+    from soma_cluster.ledger import Ledger
+    from soma_cluster.trackpoints import job_status
+
+    monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
+    parent, child = tmp_path / "parent", tmp_path / "child"
+    shutil.copytree(trained.camp, parent)
+    p = soma("resume", parent, "--retrain", "expert-0000", "--set", "prices.cpu_hour=0.5", "--no-progress")
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert soma_here("fork", parent, child, "--warm").returncode == 0
+    server.wait_ready()
+    spent = {}
+    for camp in (parent, child):
+        monkeypatch.setenv("MLFLOW_EXPERIMENT_NAME", camp.name)  # both are named micro: an experiment each
+        p = soma_here("track", camp, "--backend", "mlflow", "--backend", "tensorboard", "--json")
+        assert p.returncode == 0, p.stderr[-2000:]
+        led = Ledger(Store(str(camp))).totals()
+        want = {f"gpu_hours/{c}": led.gpu_seconds[c] / 3600.0 for c in CATEGORIES}
+        want |= {f"usd/{c}": led.usd[c] for c in CATEGORIES} | {"usd_total": sum(led.usd.values())}
+        want |= {"gpu_hours_total": led.gpu_hours, "unpriced_gpu_hours": led.unpriced_gpu_seconds / 3600.0}
+        spent[camp.name] = want
+        snap = json.loads(soma_here("status", camp, "--json").stdout)
+        shown = {f"gpu_hours/{c}": h for c, h in snap["gpu_hours"].items()} | {
+            f"usd/{c}": v for c, v in snap["usd"].items()
+        }
+        shown |= {k: snap[k] for k in ("usd_total", "gpu_hours_total", "unpriced_gpu_hours")}
+        assert shown == pytest.approx(want, rel=1e-9), camp.name
+        runs = runs_of(server, camp.name)
+        assert {k: runs["campaign"].data.metrics[k] for k in want} == pytest.approx(want, rel=1e-9), camp.name
+        (folder,) = {r.split("/")[0] for r in python_loader(str(camp / "tensorboard"))}
+        tb = python_loader(str(camp / "tensorboard"))[f"{folder}/campaign"]
+        assert {k: tb[k][-1][1] for k in want} == pytest.approx(want, rel=1e-5), camp.name  # float32 scalars
+        for job in snap["jobs"]:
+            if job["job"] in runs:  # a job with no event has no run yet
+                run = runs[job["job"]]
+                got = (run.data.tags["soma.state"], run.info.status)
+                assert got == (job["state"], job_status(JobState(job["state"]))), (camp.name, job["job"], got)
+    assert spent["parent"]["usd/expert_training"] > 0 and spent["parent"]["unpriced_gpu_hours"] > 0
+    # the fork carries the parent's expert dollars (none of them lost to an unpriced carried record)
+    assert spent["child"]["usd/expert_training"] == pytest.approx(spent["parent"]["usd/expert_training"], rel=1e-9)
+    assert spent["child"]["usd/wasted"] == pytest.approx(spent["parent"]["usd/wasted"], rel=1e-9)
+    print(f"\nparent {spent['parent']}\nchild {spent['child']}")

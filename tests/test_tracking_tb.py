@@ -43,7 +43,7 @@ def expert_heartbeats(campaign: str) -> int:
 
 def launch_with_an_outage(campaign: str, tb: Path) -> subprocess.CompletedProcess:
     """`soma launch` with its TensorBoard directory read-only until just after the first expert heartbeat: the
-    sink's first write (of that heartbeat's points, within POLL_S) fails and is dropped (retries=0), and while it
+    sink's first write (of that heartbeat's points, within SINK_POLL_S) fails and is dropped (retries=0), and while it
     cools down (COOLDOWN_S) the later heartbeats queue up, to be written once the directory is back."""
     env = {**os.environ, "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_AUTH_MODE": "disabled", "COLUMNS": "200"}
     cmd = [sys.executable, "-m", "pipelines.cli", "launch", campaign, "--no-progress"]
