@@ -1,19 +1,35 @@
 """The campaign's ETA, a stated estimator (docs/cli.md): no Ray, no clock of its own (times come with the records).
 
-Speed, per job: its seconds per update are an exponentially weighted mean over the chunks it completed. Each
-heartbeat after the first of an attempt gives one sample, (t - t_prev) / (step - step_prev), weighted by the time
-it spans, w = 1 - exp(-span / TAU_S), starting from the mean of the other jobs' (the first job's: its first
-sample). The first heartbeat of an attempt gives none: its span holds the actor's start-up, data loading and
-queueing, which are no measure of training speed; and a new job's next chunks, slowed by what is left of its
-warm-up (17.6 s for a 5 s chunk in the trace tests/test_eta.py replays), only move the mean it starts from.
+What it models. The driver's jobs run in lanes: floor(GPUs / resources.num_gpus) actors at once (at most
+resources.max_actors), each of resources.experts_per_actor experts. A job in a lane takes a start-up, from the moment
+its lane is free to its first heartbeat (Ray's hand-over of the slot, the process and its imports, loading the data
+and model, the first update, which is one: measured before a chunk is promised), then its other updates; the ETA is
+when the last lane is done.
 
-Time left: every job keeps its speed (a job with no sample yet: the mean of the others'), the running ones go on,
-and each job still waiting takes the first slot that frees (at most `slots` at once, the GPUs' actors); the ETA
-is when the last one ends. So the tail (fewer jobs left than slots, one far behind) and the hand-over between a
-job that ends and the next that starts are counted as they will run.
+What it measures, from the records (the events the driver writes, in its own time):
+- start-up: for each attempt, its first heartbeat's time less the time its lane was free: when it was queued, or,
+  if it waited, the oldest lane freed (a job's end, a failure, a preemption) not yet taken, whichever is later.
+  Frees and first heartbeats are paired in order, so which job took which lane may be wrong but the mean is not.
+- seconds per update: every heartbeat after an attempt's first gives the span since the previous one over the
+  updates it made. The campaign's figure is their ratio of sums, each term decayed by exp(-age / TAU_S), so it
+  follows the machine (its validations, checkpoints and warm-ups included, weighed by the time they took); each job
+  also keeps its own, an exponentially weighted mean over its chunks weighted by the time each spans
+  (w = 1 - exp(-span / TAU_S)) and starting from the campaign's: a job on a slow node is seen as slow.
+- the start-up's figure is the mean of the samples, decayed the same way.
+Before any sample, a prior stands in (the plan's: pipelines/plan.py writes it; none, no ETA); the first sample
+replaces it. A driver that resumes a campaign replays its history first (`restart`), so it starts from what the
+last driver learned.
 
-What it replaced, a trailing-window rate (every job's updates over the last 60 s, the driver's start-up and the
-queue's hand-overs included), swung: 20:44, 8:06, 5:28, 4:59, 5:04 in five minutes of a BPTT run.
+Time left: each running job past its first heartbeat ends after its updates left at its own speed, less the time
+since that heartbeat; a lane whose job is starting (one freed or never used, not yet followed by a first heartbeat)
+ends its start-up at its free time plus the start-up, then runs its job's updates; every other job waits for the
+first lane that frees and takes a start-up plus its updates (the campaign's figures). With more running jobs than
+lanes (max_actors lowered by soma set), the first to end free no lane.
+
+What it replaced: (1) a trailing-window rate (every job's updates over the last 60 s), which swung: 20:44, 8:06,
+5:28, 4:59, 5:04 in five minutes of a BPTT run; (2) per-job speeds without start-up, which at N = 256 (experts of
+60 updates, 4 lanes, 4.4 s of start-up each) said 8:05 for a launch of 16.5 minutes and 183 s left against 502 s
+into a resume: start-up and the hand-over were half of every lane's time, and a new driver knew nothing.
 """
 
 from __future__ import annotations
@@ -22,45 +38,225 @@ import heapq
 import math
 from collections.abc import Mapping
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
-TAU_S = 120.0  # the weighted mean's time constant: a change in speed shows in the ETA within a few minutes
+from soma_cluster.jobs import ENDS, Event
+
+TAU_S = 120.0  # the decay's time constant: a change in speed shows in the ETA within a few minutes
+FREES = frozenset((*ENDS, Event.FAILED, Event.PREEMPTED))  # the events after which a job's lane is free
+
+
+@dataclass(frozen=True)
+class Prior:
+    """What stands in before any sample (the plan's prediction for one actor of this stage)."""
+
+    startup_s: float  # wall seconds from a free lane to the job's first heartbeat
+    update_s: float  # wall seconds per update after it
+
+    @staticmethod
+    def of_plan(plan: Mapping, stage: str) -> Prior | None:
+        """The plan's (plan/plan.json, soma_cluster/costmodel.py) for `stage` (seed, experts); None from a plan
+        made before it said."""
+        got = (plan.get("actor") or {}).get(stage)
+        return Prior(float(got["startup_s"]), float(got["update_s"])) if got else None
+
+
+@dataclass
+class Decayed:
+    """A ratio of two sums, each term decayed by exp(-age / tau_s) in the records' time: a recent mean."""
+
+    tau_s: float
+    num: float = 0.0
+    den: float = 0.0
+    t: float = -math.inf
+
+    def add(self, t: float, num: float, den: float) -> None:
+        if t > self.t:
+            if self.den > 0:
+                f = math.exp(-(t - self.t) / self.tau_s)
+                self.num, self.den = self.num * f, self.den * f
+            self.t = t
+        self.num, self.den = self.num + num, self.den + den
+
+    @property
+    def value(self) -> float | None:
+        return self.num / self.den if self.den > 0 else None
 
 
 @dataclass
 class Eta:
     tau_s: float = TAU_S
-    spu: dict[str, float] = field(default_factory=dict)  # job -> seconds per update (weighted mean)
-    _last: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # job -> (attempt, t, step) last seen
+    prior: Prior | None = None
+    own: dict[str, Decayed] = field(default_factory=dict)  # job -> its own seconds per update
+    update: Decayed = field(init=False)  # the campaign's seconds per update
+    startup: Decayed = field(init=False)  # the campaign's start-up, s
+    _last: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # job -> (attempt, t, step) last beat
+    _queued: dict[str, tuple[int, float]] = field(default_factory=dict)  # job -> (attempt, t) of its open attempt
+    _frees: list[float] = field(default_factory=list)  # heap: times lanes were freed, not yet taken
+    _first: set[str] = field(default_factory=set)  # jobs whose open attempt has made its first heartbeat
+
+    def __post_init__(self) -> None:
+        self.update, self.startup = Decayed(self.tau_s), Decayed(self.tau_s)
+
+    # -- what happened ----------------------------------------------------------------------------
+    def record(self, rec: Mapping) -> None:
+        """An event record (events.jsonl, or the driver's as it writes it): queued, heartbeat and ends count."""
+        event, job, t = rec["event"], rec["job"], float(rec["t"])
+        if event == Event.QUEUED:
+            self.queued(job, int(rec.get("attempt") or 0), t)
+        elif event == Event.HEARTBEAT:
+            self.beat(job, int(rec.get("attempt") or 0), t, int(rec["step"]))
+        elif event in FREES:
+            self.ended(job, t)
+
+    def queued(self, job: str, attempt: int, t: float) -> None:
+        """An attempt of `job` was asked of Ray at `t`."""
+        self._queued[job] = (attempt, t)
+        self._first.discard(job)
+
+    def ended(self, job: str, t: float) -> None:
+        """The open attempt of `job` ended at `t` (finished, failed, preempted...): its lane is free."""
+        if self._queued.pop(job, None) is not None:  # once per attempt (a failure then failed_permanently: one)
+            heapq.heappush(self._frees, t)
+        self._first.discard(job)
 
     def beat(self, job: str, attempt: int, t: float, step: int) -> None:
         """A heartbeat of `job`'s attempt at wall time `t` (s) that reached `step`."""
         prev = self._last.get(job)
         self._last[job] = (attempt, t, step)
-        if prev is None or prev[0] != attempt or step <= prev[2] or t <= prev[1]:
-            return  # an attempt's first chunk (start-up inside), a restart from a checkpoint, or a clock step back
-        span = t - prev[1]
-        sample = span / (step - prev[2])
-        old = self.spu.get(job, self._mean())  # a job new to the estimate starts from the others' speed
-        self.spu[job] = sample if old is None else old + (1.0 - math.exp(-span / self.tau_s)) * (sample - old)
+        if prev is None or prev[0] != attempt:
+            self._started(job, attempt, t)
+            return
+        if step <= prev[2] or t <= prev[1]:
+            return  # a restart from a checkpoint, or a clock step back
+        span, n = t - prev[1], step - prev[2]
+        campaign = self.update.value
+        self.update.add(t, span, n)
+        own = self.own.get(job)
+        if own is None:  # a job new to the estimate starts as if it had run TAU_S at the campaign's speed
+            own = self.own[job] = Decayed(self.tau_s)
+            if campaign is not None:
+                own.add(prev[1], self.tau_s, self.tau_s / campaign)
+        own.add(t, span, n)
 
-    def _mean(self) -> float | None:
-        return sum(self.spu.values()) / len(self.spu) if self.spu else None
+    def _started(self, job: str, attempt: int, t: float) -> None:
+        """An attempt's first heartbeat: a start-up sample, from when its lane was free."""
+        self._first.add(job)
+        q = self._queued.get(job)
+        queued_t = q[1] if q is not None and q[0] == attempt else None
+        freed = heapq.heappop(self._frees) if self._frees and self._frees[0] <= t else None
+        known = [x for x in (queued_t, freed) if x is not None]
+        if known and max(known) <= t:
+            self.startup.add(t, t - max(known), 1.0)
 
-    def seconds_left(self, left: Mapping[str, int], running: set[str], slots: int) -> float | None:
-        """Seconds until the last of the jobs in `left` (job -> updates to go, in the order they will start) ends,
-        the `running` ones first, at most max(slots, running) at once; 0 with nothing left, None before any job
-        has a speed."""
+    def restart(self) -> None:
+        """A new driver: what the history taught (speeds, start-ups) stays; its lanes and attempts are gone."""
+        self._last.clear()
+        self._queued.clear()
+        self._frees.clear()
+        self._first.clear()
+
+    # -- what is left ---------------------------------------------------------------------------------
+    def figures(self) -> tuple[float | None, float]:
+        """(seconds per update, start-up s) of a job yet to start: the samples', else the prior's."""
+        upd = self.update.value
+        if upd is None and self.prior is not None:
+            upd = self.prior.update_s
+        start = self.startup.value
+        if start is None:
+            start = self.prior.startup_s if self.prior is not None else 0.0
+        return upd, start
+
+    def speed(self, job: str, campaign: float) -> float:
+        """The job's seconds per update: its own figure, else the campaign's."""
+        own = self.own.get(job)
+        return own.value if own is not None and own.value is not None else campaign
+
+    def seconds_left(self, left: Mapping[str, int], running: set[str], lanes: int, now: float) -> float | None:
+        """Seconds from `now` until the last of the jobs in `left` (job -> updates to go, in the order they will
+        start) ends, the `running` ones first, `lanes` at once; 0 with nothing left, None with no figure yet."""
         todo = {j: n for j, n in left.items() if n > 0}
         if not todo:
             return 0.0
-        if not self.spu:
+        upd, start = self.figures()
+        if upd is None:
             return None
-        mean = self._mean()
-        on = [j for j in todo if j in running]
-        free = [n * self.spu.get(j, mean) for j, n in todo.items() if j in running]  # when each slot frees, s
-        free += [0.0] * max(0, max(1, slots) - len(on))
-        heapq.heapify(free)
-        for j, n in todo.items():
-            if j not in running:
-                heapq.heappush(free, heapq.heappop(free) + n * self.spu.get(j, mean))
-        return max(free)
+        lanes = max(1, lanes)
+        going = [j for j in todo if j in running and j in self._first]
+        busy = sorted(max(0.0, todo[j] * self.speed(j, upd) - max(0.0, now - self._last[j][1])) for j in going)
+        while len(busy) > lanes:  # more running than lanes (max_actors lowered): the first to end free none
+            busy.pop(0)
+        # the others, those starting now first (their set-up reported, then those asked of Ray)
+        waiting = sorted((j for j in todo if j not in going), key=lambda j: (j not in running, j not in self._queued))
+        idle, frees = lanes - len(busy), sorted(self._frees)
+        for k, j in enumerate(waiting[:idle]):  # a lane in start-up since it was free, or since its job was queued
+            q = self._queued.get(j)
+            free_at = max(q[1] if q is not None else now, frees[k] if k < len(frees) else -math.inf)
+            busy.append(max(0.0, free_at + start - now) + (todo[j] - 1) * upd)
+        heapq.heapify(busy)
+        for j in waiting[idle:]:  # each takes the first lane that frees
+            heapq.heappush(busy, heapq.heappop(busy) + start + (todo[j] - 1) * upd)
+        return max(busy)
+
+
+# -- checked against what happened ---------------------------------------------------------------------------------
+TRACE_EVENTS = frozenset((Event.QUEUED, Event.STARTED, Event.HEARTBEAT, *FREES))  # what a trace keeps of events.jsonl
+RESTART = "driver"  # a trace's row for a driver (re)starting: `soma resume` after a lost driver
+
+
+def trace_rows(events: list[Mapping], restarts: list[float] = ()) -> list[dict]:
+    """A stage's events reduced to what the estimator reads, in time order: (t, event, job, attempt, step), with t
+    in seconds from the first; `restarts`: when drivers (re)started (wall time), as RESTART rows."""
+    rows = [
+        {
+            "t": float(e["t"]),
+            "event": str(e["event"]),
+            "job": e["job"],
+            "attempt": int(e.get("attempt") or 0),
+            "step": int(e.get("step") or 0),
+        }
+        for e in events
+        if e["event"] in TRACE_EVENTS
+    ]
+    rows += [{"t": float(t), "event": RESTART, "job": "", "attempt": 0, "step": 0} for t in restarts]
+    rows.sort(key=lambda r: r["t"])
+    t0 = rows[0]["t"] if rows else 0.0
+    return [{**r, "t": round(r["t"] - t0, 3)} for r in rows]
+
+
+class Tick(NamedTuple):
+    """The ETA at one moment of a replay."""
+
+    t: float  # s from the trace's start
+    eta_s: float | None  # what the driver would have shown
+    left_s: float  # the truth: until the last job's end
+    done: float  # progress, as the progress bar counts it: updates made over updates to make
+
+
+def replay(rows: list[Mapping], target: int, lanes: int, tick_s: float, prior: Prior | None = None) -> list[Tick]:
+    """The ETA the driver would have shown every `tick_s` over a trace (trace_rows), `lanes` at once, every job
+    training to `target` updates, until the last job's end."""
+    end = max(r["t"] for r in rows if r["event"] in ENDS)
+    jobs = list(dict.fromkeys(r["job"] for r in rows if r["job"]))  # in the order they start
+    eta, step, running, ended = Eta(prior=prior), {}, set(), set()
+    i, t, out = 0, 0.0, []
+    while t < end:
+        while i < len(rows) and rows[i]["t"] <= t:
+            r = rows[i]
+            if r["event"] == RESTART:
+                eta.restart()
+                running.clear()
+            elif r["event"] == Event.STARTED:
+                running.add(r["job"])
+            elif r["event"] in FREES:
+                running.discard(r["job"])
+                ended.update([r["job"]] if r["event"] in ENDS else [])
+            if r["event"] in (Event.STARTED, Event.HEARTBEAT):
+                step[r["job"]] = r["step"]
+            eta.record(r)
+            i += 1
+        left = {j: 0 if j in ended else target - step.get(j, 0) for j in jobs}
+        done = sum(target - n for n in left.values()) / (target * len(jobs))
+        out.append(Tick(t, eta.seconds_left(left, running, lanes, t), end - t, done))
+        t += tick_s
+    return out
