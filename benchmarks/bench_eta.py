@@ -30,12 +30,14 @@ import signal
 import subprocess
 import sys
 import time
+from pathlib import Path
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from soma_cluster.campaignfile import load_campaign_config  # noqa: E402
-from soma_cluster.costmodel import PLAN, actors_at_once, predict  # noqa: E402
+from soma_cluster.costmodel import PLAN, actors_at_once, predict, times_of_run  # noqa: E402
 from soma_cluster.eta import Prior, Tick, replay, trace_rows  # noqa: E402
+from soma_cluster.jobs import ENDS  # noqa: E402
 from soma_cluster.ledger import Ledger  # noqa: E402
 from soma_cluster.storage import Store  # noqa: E402
 
@@ -48,7 +50,7 @@ ENV = {
 }
 TICK_S = 5.0  # the driver's snapshot period: when an ETA is shown
 MARKS = (0.10, 0.25, 0.50, 0.75)
-LINE = re.compile(r"elapsed (\d+):(\d\d):(\d\d) \| ETA (\d+):(\d\d):(\d\d)")
+LINE = re.compile(r"^\[soma (\d\d):(\d\d):(\d\d)\].*\| ETA (?:(\d+):(\d\d):(\d\d))?")
 
 
 def soma(*args: str, log: str | None = None) -> None:
@@ -78,7 +80,11 @@ def run(args: argparse.Namespace) -> tuple[str, list[float]]:
     starts, total = [time.time()], args.experts * args.updates
     cmd = [sys.executable, "-m", "pipelines.cli"]
     proc = subprocess.Popen([*cmd, "launch", camp, "--no-progress", "--log-every", "5"], stderr=log, env=ENV)
-    todo = sorted([(args.kill_at, "kill")] * (args.kill_at is not None) + [(args.revise_at, "set")] * bool(args.revise))
+    todo = sorted(
+        [(args.kill_at, "kill")] * (args.kill_at is not None)
+        + [(args.revise_at, "set")] * bool(args.revise)
+        + [(args.fail_at, "fail")] * (args.fail_at is not None)
+    )
     while proc.poll() is None:
         time.sleep(0.5)
         done = sum(progress(camp).values()) / total
@@ -87,6 +93,10 @@ def run(args: argparse.Namespace) -> tuple[str, list[float]]:
             print(f"{what} at {done:.0%} of the updates", file=sys.stderr)
             if what == "set":
                 soma("set", camp, *args.revise)
+                continue
+            if what == "fail":  # the running actors' processes die: each attempt fails and is retried
+                for pid in running_pids(camp):
+                    os.kill(pid, signal.SIGKILL)
                 continue
             proc.send_signal(signal.SIGKILL)  # the driver only: its actors go with it
             proc.wait()
@@ -98,27 +108,39 @@ def run(args: argparse.Namespace) -> tuple[str, list[float]]:
     return camp, starts
 
 
-def progress(camp: str) -> dict[str, int]:
-    """Each expert's newest step, from the events log as it is written (a line cut short is skipped)."""
-    step: dict[str, int] = {}
+def running_pids(camp: str) -> list[int]:
+    """The processes of the attempts that started and have not ended (their `started` events say which)."""
+    pid: dict[str, int] = {}
+    for e in read_events(camp):
+        if e["event"] == "started" and e["job"].startswith("expert-"):
+            pid[e["job"]] = e["pid"]
+        elif e["event"] in ("finished", "failed", "preempted", "budget_exhausted", "converged"):
+            pid.pop(e["job"], None)
+    return sorted(set(pid.values()))
+
+
+def read_events(camp: str) -> list[dict]:
+    """The events log as it is written (a line cut short is skipped)."""
+    out = []
     try:
         with open(os.path.join(camp, "events.jsonl"), "rb") as f:
             for line in f.read().splitlines():
                 try:
-                    e = json.loads(line)
+                    out.append(json.loads(line))
                 except ValueError:
                     continue
-                if e["event"] == "heartbeat" and e["job"].startswith("expert-"):
-                    step[e["job"]] = e["step"]
     except FileNotFoundError:
         pass
-    return step
+    return out
+
+
+def progress(camp: str) -> dict[str, int]:
+    """Each expert's newest step, from the events log as it is written."""
+    return {e["job"]: e["step"] for e in read_events(camp) if e["event"] == "heartbeat" and e["job"] != "seed"}
 
 
 def stage_events(camp: str) -> list[dict]:
-    with open(os.path.join(camp, "events.jsonl"), "rb") as f:
-        rows = [json.loads(line) for line in f.read().splitlines() if line.strip()]
-    return [e for e in rows if e["job"].startswith("expert-")]
+    return [e for e in read_events(camp) if e["job"].startswith("expert-")]
 
 
 def at(ticks: list[Tick], key, mark: float) -> Tick | None:
@@ -126,92 +148,108 @@ def at(ticks: list[Tick], key, mark: float) -> Tick | None:
 
 
 def error_table(ticks: list[Tick]) -> list[str]:
-    """The ETA's error of the time left, and of the predicted end (against the whole stage), at each mark."""
+    """At each mark: the ETA's error of the time left and of the predicted end (against the whole stage), and the
+    model's own (the same lanes given the start-up and speed that came after: what is left is the machine's)."""
     total = ticks[-1].t + ticks[-1].left_s
-    out = [f"stage {total:.0f} s; ETA replayed every {TICK_S:.0f} s (error of the time left / of the end)"]
+    out = [f"stage {total:.0f} s; ETA replayed every {TICK_S:.0f} s: error of the time left / of the end [model's own]"]
     for name, key in (("updates", lambda k: k.done), ("time", lambda k: k.t / total)):
         cells = []
         for m in MARKS:
             k = at(ticks, key, m)
-            cells.append("-" if k is None else f"{k.eta_s / k.left_s - 1:+.0%} / {(k.t + k.eta_s) / total - 1:+.1%}")
+            model = "-" if k is None or k.hindsight_s is None else f"{k.hindsight_s / k.left_s - 1:+.1%}"
+            cells.append(
+                "-" if k is None else f"{k.eta_s / k.left_s - 1:+.0%} / {(k.t + k.eta_s) / total - 1:+.1%} [{model}]"
+            )
         out.append(f"  by {name:7s} " + "  ".join(f"{m:.0%}: {c}" for m, c in zip(MARKS, cells, strict=True)))
-    worst = max(
-        (abs(k.eta_s / k.left_s - 1) for k in ticks if k.eta_s is not None and k.done >= 0.10 and k.left_s > TICK_S),
-        default=None,
-    )
+    late = [k for k in ticks if k.eta_s is not None and 0.10 <= k.done <= 0.95]
+    worst = max((abs(k.eta_s / k.left_s - 1) for k in late), default=None)
+    model = max((abs(k.hindsight_s / k.left_s - 1) for k in late if k.hindsight_s is not None), default=None)
     out.append(
-        f"  worst error of the time left from 10% of the updates on (more than {TICK_S:.0f} s left): "
+        "  worst error of the time left from 10% to 95% of the updates: "
         + ("-" if worst is None else f"{worst:.0%}")
+        + (" [model's own: -]" if model is None else f" [model's own: {model:.1%}]")
     )
     return out
 
 
-def live_lines(camp: str, log: str, end: float) -> list[str]:
-    """The driver's own ETA (its summary lines) against the true time left."""
+def live_lines(log: str, end: float) -> list[str]:
+    """The drivers' own ETA (their summary lines, `[soma HH:MM:SS] ... | ETA H:MM:SS`) against the true time left."""
     if not os.path.exists(log):
         return []
-    started = Store(camp).read_json("status.json").get("driver_started_at")
-    out = ["driver's own ETA (summary lines): elapsed, ETA, true time left"]
+    day = time.localtime(end)
     got = []
     with open(log) as f:
         lines = f.read().splitlines()
     for line in lines:
         m = LINE.search(line)
-        if m and started:
-            h, mi, s, eh, em, es = map(int, m.groups())
-            now = started + h * 3600 + mi * 60 + s
-            got.append((now - started, eh * 3600 + em * 60 + es, end - now))
-    for e, eta, left in got[:: max(1, len(got) // 12)]:
-        out.append(f"  {e:6.0f} s  ETA {eta:6.0f} s  true {left:6.0f} s  ({eta / left - 1:+.0%})" if left > 0 else "")
+        if m and m.group(4) is not None:
+            hh, mm, ss, eh, em, es = map(int, m.groups())
+            now = time.mktime((day.tm_year, day.tm_mon, day.tm_mday, hh, mm, ss, 0, 0, -1))
+            got.append((now, eh * 3600 + em * 60 + es, end - now))
+    out = ["the drivers' own ETA (their summary lines): ETA, true time left"]
+    t0 = got[0][0] if got else 0.0
+    for now, eta, left in got[:: max(1, len(got) // 12)]:
+        if left > 0:
+            out.append(f"  at {now - t0:6.0f} s  ETA {eta:6.0f} s  true {left:6.0f} s  ({eta / left - 1:+.0%})")
     return out
 
 
-def plan_lines(camp: str, facts: dict) -> list[str]:
-    store = Store(camp)
-    plan = store.read_json(PLAN)
-    cfg = load_campaign_config(store)
-    again = predict(cfg, facts["calibration"], facts["gpus"], facts["cores"], {}, True)  # this code on its inputs
-    out = ["plan against what happened (GPU-hours: the ledger's expert_training; wall: first queued to last end)"]
-    for what, made, now, actual in (
-        (
-            "GPU-hours",
-            plan["gpu_hours"]["expert_training"],
-            again["gpu_hours"]["expert_training"],
-            facts["ledger"]["expert_training"],
-        ),
-        ("wall s", plan["wall_seconds"]["experts"], again["wall_seconds"]["experts"], facts["wall_s"]),
+def plan_lines(camp: str, facts: dict, rows: list[dict]) -> list[str]:
+    """`soma plan` against the ledger and the events: as it was made (before the launch, its calibration then), this
+    code on that calibration, this code on the times the run itself took (the model's own error, apart from how
+    well the calibration foresaw the machine), and that again billed as the model did before 2026-12 (every
+    actor's start-up counted)."""
+    cfg = load_campaign_config(Store(camp))
+    cal, gpus, cores = facts["calibration"], facts["gpus"], facts["cores"]
+    again = predict(cfg, cal, gpus, cores, {}, True)
+    ran = predict(cfg, {**cal, "concurrent": facts["measured"]}, gpus, cores, {}, True)
+    hours, wall = facts["ledger"]["expert_training"], facts["wall_s"]
+    out = [
+        "plan against what happened (GPU-hours: the ledger's expert_training; wall s: first queued to last end)",
+        f"  actual                          {hours:8.4f} GPU-hours  {wall:7.0f} s",
+    ]
+    for what, p in (
+        ("as made (its own calibration)", facts["plan_made"]),
+        ("this code, that calibration", again),
+        ("this code, the run's own times", ran),
     ):
-        out.append(
-            f"  {what:9s} plan {made:10.4f} ({made / actual - 1:+.1%})  this code {now:10.4f} "
-            f"({now / actual - 1:+.1%})  actual {actual:10.4f}"
-        )
+        h, w = p["gpu_hours"]["expert_training"], p["wall_seconds"]["experts"]
+        out.append(f"  {what:31s} {h:8.4f} ({h / hours - 1:+6.1%})   {w:7.0f} ({w / wall - 1:+6.1%})")
+    old = ran["gpu_hours"]["expert_training"] + ran["unbilled_gpu_hours"]
+    out.append(f"  the run's own times, every start-up billed (the old model) {old:.4f} ({old / hours - 1:+.1%})")
+    m = facts["measured"]
     out.append(
-        f"  unbilled (queued actors' start-up): {again['unbilled_gpu_hours']:.4f} GPU-hours; "
-        f"contention {again['cpu_contention']:.2f}x"
+        f"  the run's times: boot {m['boot_s']:.2f} s (a freed slot to the next actor's first instruction), load "
+        f"{m['load_s']:.2f} s, {m['update_s']:.4f} s per update; calibration's probe: "
+        + (
+            "none"
+            if not cal.get("concurrent")
+            else f"boot {cal['concurrent']['boot_s']:.2f} s, {cal['concurrent']['update_s']:.4f} s per update"
+        )
     )
     return out
 
 
-def facts_of(camp: str, rows: list[dict]) -> dict:
-    """What a test needs to check the plan without running: the config's overrides, calibration, GPUs, cores, the
-    ledger's totals by category (GPU-hours) and the stage's wall time (s)."""
+def facts_of(camp: str, rows: list[dict], plan: dict) -> dict:
+    """What a test needs to check the plan without running: the config's overrides, the plan as made and its
+    calibration, GPUs, cores, the times the run took (costmodel.times_of_run), the ledger's totals by category
+    (GPU-hours) and the stage's wall time (s)."""
     store = Store(camp)
-    plan = store.read_json(PLAN)
     cfg = load_campaign_config(store)
     totals = Ledger(store).totals()
-    cal = {k: v for k, v in plan["calibration"].items() if k != "checksum"}
+    lanes = actors_at_once(cfg, plan["gpus"])
     return {
         "overrides": {"n_experts": cfg.n_experts, "train": {"updates": cfg.train.updates}},
-        "lanes": actors_at_once(cfg, plan["gpus"]) * cfg.resources.experts_per_actor,
+        "lanes": lanes * cfg.resources.experts_per_actor,
         "target": cfg.train.updates,
         "gpus": plan["gpus"],
         "cores": plan["cores"],
-        "calibration": cal,
+        "calibration": {k: v for k, v in plan["calibration"].items() if k != "checksum"},
+        "plan_made": {k: plan[k] for k in ("gpu_hours", "wall_seconds", "unbilled_gpu_hours") if k in plan},
         "prior": plan.get("actor", {}).get("experts"),
+        "measured": times_of_run(rows, cfg.train.updates, lanes),
         "ledger": {str(k): v / 3600.0 for k, v in totals.gpu_seconds.items()},
-        "wall_s": max(
-            r["t"] for r in rows if r["event"] in ("finished", "converged", "budget_exhausted", "failed_permanently")
-        ),
+        "wall_s": max(r["t"] for r in rows if r["event"] in ENDS),
     }
 
 
@@ -226,26 +264,24 @@ def main() -> None:
     p.add_argument("--kill-at", type=float, help="SIGKILL the driver at this fraction of the updates, then resume")
     p.add_argument("--revise", action="append", default=[], help="KEY=VALUE for soma set during the launch")
     p.add_argument("--revise-at", type=float, default=0.3, help="when --revise is applied (fraction of the updates)")
+    p.add_argument("--fail-at", type=float, help="SIGKILL the running actors at this fraction: retries")
     p.add_argument("--campaign", help="an ended campaign to report on (nothing is run)")
+    p.add_argument("--log", help="the launch's stderr, for the drivers' own ETA (default: launch.log beside it)")
+    p.add_argument(
+        "--plan", help="the plan to judge (a plan.json kept from before the launch; default: the campaign's)"
+    )
     p.add_argument("--record", help="write the trace and its facts to RECORD.csv and RECORD.json")
     args = p.parse_args()
-    camp = args.campaign or run(args)
-    log = (
-        os.path.join(os.path.dirname(camp), "launch.log")
-        if not args.campaign
-        else os.path.join(camp, "..", "launch.log")
-    )
-    rows = trace_rows(stage_events(camp))
-    facts = facts_of(camp, rows)
+    camp, starts = (args.campaign, []) if args.campaign else run(args)
+    log = args.log or os.path.join(os.path.dirname(os.path.abspath(camp)), "launch.log")
+    rows = trace_rows(stage_events(camp), starts[1:])
+    plan = json.loads(Path(args.plan).read_text()) if args.plan else Store(camp).read_json(PLAN)
+    facts = facts_of(camp, rows, plan)
     prior = Prior(**facts["prior"]) if facts["prior"] else None
     ticks = replay(rows, facts["target"], facts["lanes"], TICK_S, prior)
-    end = max(
-        e["t"]
-        for e in stage_events(camp)
-        if e["event"] in ("finished", "converged", "budget_exhausted", "failed_permanently")
-    )
+    end = max(e["t"] for e in stage_events(camp) if e["event"] in ENDS)
     print(f"{camp}: N = {facts['overrides']['n_experts']}, {facts['target']} updates, {facts['lanes']} lanes")
-    for line in error_table(ticks) + live_lines(camp, log, end) + plan_lines(camp, facts):
+    for line in error_table(ticks) + live_lines(log, end) + plan_lines(camp, facts, rows):
         print(line)
     if args.record:
         with open(args.record + ".csv", "w", newline="") as f:

@@ -77,13 +77,15 @@ def startup_seconds() -> float:
 
 WORKER_NICENESS = 15  # Ray starts its worker processes, the actors, at this niceness (the raylet's worker_niceness)
 PROBE_WAIT_S = 600.0  # a probe that has not answered by then is stopped, and the plan does without it
+# a probe's program: at the workers' niceness from its first statement, as Ray starts them
+PROBE = f"import os; os.setpriority(os.PRIO_PROCESS, 0, {WORKER_NICENESS}); from pipelines.plan import probe; probe()"
 
 
 def probe() -> None:
-    """One of the concurrent probes (`python -c "from pipelines.plan import probe; probe()"`): what an actor does,
-    timed. Its task comes as a JSON line on stdin; it imports the worker (boot_s, since the parent spawned it),
-    loads its experts (load_s) and makes one update, says so on stdout, waits for a line on stdin (all probes then
-    run at once), times packed updates for min_s and answers (update_s)."""
+    """One of the concurrent probes (a process running PROBE): what an actor does, timed. Its task comes as a JSON
+    line on stdin; it imports the worker (boot_s, since the parent spawned it), loads its experts (load_s) and makes
+    one update, says so on stdout, waits for a line on stdin (all probes then run at once), times packed updates for
+    min_s and answers (update_s)."""
     task = json.loads(sys.stdin.readline())
     import workers.expert_worker  # noqa: F401  what an actor's process imports before its first instruction
 
@@ -113,13 +115,12 @@ def concurrent(store: Store, cfg: CampaignConfig, actors: int, min_s: float) -> 
         for i in range(actors):
             spawned = time.time()
             proc = subprocess.Popen(
-                [sys.executable, "-c", "from pipelines.plan import probe; probe()"],
+                [sys.executable, "-c", PROBE],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
                 stderr=subprocess.PIPE,
                 text=True,
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
-                preexec_fn=lambda: os.setpriority(os.PRIO_PROCESS, 0, WORKER_NICENESS),
             )
             experts = [(i * g + k) % cfg.n_experts for k in range(g)]
             proc.stdin.write(json.dumps({**task, "spawned": spawned, "experts": experts, "min_s": min_s}) + "\n")

@@ -251,3 +251,29 @@ def _seed_s(cfg: CampaignConfig, cal: dict) -> float:
         + _events(n, t.checkpoint_every) * cal["checkpoint_s"]
     )
     return wall * cfg.resources.num_gpus
+
+
+def times_of_run(rows: list[dict], updates: int, actors: int) -> dict:
+    """What a run's events (soma_cluster/eta.py trace_rows, `launched` kept) say an actor's times were, in the shape
+    of the calibration's concurrent probe, so that predict() can be checked against the ledger apart from how well
+    the calibration foresaw the machine: boot_s, from a slot freed (an attempt's end, paired in order) to the next
+    queued actor's first instruction (`launched`); load_s, from there to its set-up reported (`started`); update_s,
+    from `started` to its end over its updates."""
+    ends = sorted(r["t"] for r in rows if r["event"] in ("finished", "converged", "budget_exhausted", "failed"))
+    first: dict[str, dict[str, float]] = {}
+    for r in rows:
+        first.setdefault(r["job"], {}).setdefault(r["event"], r["t"])
+    jobs = sorted(  # one attempt each (a retried job's first events are of another attempt than its end)
+        (f for f in first.values() if {"launched", "started", "finished"} <= set(f) and "failed" not in f),
+        key=lambda f: f["launched"],
+    )
+    later = jobs[actors:]  # the first wave was granted at once: it waited for no slot
+    boots = [f["launched"] - free for f, free in zip(later, ends, strict=False) if f["launched"] >= free]
+    mean = lambda xs: sum(xs) / len(xs) if xs else 0.0  # noqa: E731
+    return {
+        "actors": actors,
+        "niceness": None,
+        "boot_s": mean(boots),
+        "load_s": mean([f["started"] - f["launched"] for f in later] or [f["started"] - f["launched"] for f in jobs]),
+        "update_s": mean([(f["finished"] - f["started"]) / updates for f in jobs]),
+    }

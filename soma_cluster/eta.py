@@ -10,26 +10,32 @@ What it measures, from the records (the events the driver writes, in its own tim
 - start-up: for each attempt, its first heartbeat's time less the time its lane was free: when it was queued, or,
   if it waited, the oldest lane freed (a job's end, a failure, a preemption) not yet taken, whichever is later.
   Frees and first heartbeats are paired in order, so which job took which lane may be wrong but the mean is not.
+  The figure is the samples' mean, each decayed by exp(-age / TAU_S).
 - seconds per update: every heartbeat after an attempt's first gives the span since the previous one over the
-  updates it made. The campaign's figure is their ratio of sums, each term decayed by exp(-age / TAU_S), so it
-  follows the machine (its validations, checkpoints and warm-ups included, weighed by the time they took); each job
-  also keeps its own, an exponentially weighted mean over its chunks weighted by the time each spans
-  (w = 1 - exp(-span / TAU_S)) and starting from the campaign's: a job on a slow node is seen as slow.
-- the start-up's figure is the mean of the samples, decayed the same way.
-Before any sample, a prior stands in (the plan's: pipelines/plan.py writes it; none, no ETA); the first sample
-replaces it. A driver that resumes a campaign replays its history first (`restart`), so it starts from what the
-last driver learned.
+  updates it made. The campaign's figure is their ratio of sums, each term decayed the same way, so it follows the
+  machine (validations, checkpoints and warm-ups included, weighed by the time they took); each job keeps its own
+  ratio too, begun as if it had made PRIOR_UPDATES at the campaign's speed: a job on a slow node is seen as slow.
+Before any sample, a prior stands in (the plan's: soma_cluster/costmodel.py writes it; none, no ETA); the first
+sample replaces it. A driver that resumes a campaign replays its history first (`restart`), so it starts from what
+the last driver learned.
 
-Time left: each running job past its first heartbeat ends after its updates left at its own speed, less the time
-since that heartbeat; a lane whose job is starting (one freed or never used, not yet followed by a first heartbeat)
-ends its start-up at its free time plus the start-up, then runs its job's updates; every other job waits for the
-first lane that frees and takes a start-up plus its updates (the campaign's figures). With more running jobs than
-lanes (max_actors lowered by soma set), the first to end free no lane.
+Time left: each running job past its first heartbeat ends after its updates left (those its budget affords) at its
+own speed, less the time since that heartbeat; a lane whose job is starting (one freed or never used, not yet
+followed by a first heartbeat) ends its start-up at its free time plus the start-up, then runs its job's updates;
+every other job waits for the first lane that frees and takes a start-up plus its updates (the campaign's
+figures). With more running jobs than lanes (max_actors lowered by soma set), the first to end free no lane.
+
+Checked against what happened (tests/test_eta.py, benchmarks/bench_eta.py): replayed over the events of real
+tiny-preset launches and given the start-up and speed the machine then gave, the model ends within 3% of the real
+end at N = 256 (experts of 60 updates, 4 lanes) from 10% to 95% of the updates. The ETA itself can only follow the
+speed it has measured: on the shared 2-core host those runs come from, Ray's workers (niceness 15) went 2.5 times
+slower and faster again as other work came and went, and the ETA with them (within +-20% for 69% of the N = 256
+launch, median error 11%).
 
 What it replaced: (1) a trailing-window rate (every job's updates over the last 60 s), which swung: 20:44, 8:06,
-5:28, 4:59, 5:04 in five minutes of a BPTT run; (2) per-job speeds without start-up, which at N = 256 (experts of
-60 updates, 4 lanes, 4.4 s of start-up each) said 8:05 for a launch of 16.5 minutes and 183 s left against 502 s
-into a resume: start-up and the hand-over were half of every lane's time, and a new driver knew nothing.
+5:28, 4:59, 5:04 in five minutes of a BPTT run; (2) per-job speeds without start-up, which at N = 256 said 8:05 for
+a launch of 16.5 minutes and 183 s left against 502 s into a resume (replayed on the recorded N = 256 launch: 55 to
+70% short throughout): start-up and Ray's hand-over were half of every lane's time, and a new driver knew nothing.
 """
 
 from __future__ import annotations
@@ -43,6 +49,7 @@ from typing import NamedTuple
 from soma_cluster.jobs import ENDS, Event
 
 TAU_S = 120.0  # the decay's time constant: a change in speed shows in the ETA within a few minutes
+PRIOR_UPDATES = 10.0  # the weight of the campaign's speed in a job's own figure, in updates: a chunk's worth
 FREES = frozenset((*ENDS, Event.FAILED, Event.PREEMPTED))  # the events after which a job's lane is free
 
 
@@ -94,6 +101,7 @@ class Eta:
     _queued: dict[str, tuple[int, float]] = field(default_factory=dict)  # job -> (attempt, t) of its open attempt
     _frees: list[float] = field(default_factory=list)  # heap: times lanes were freed, not yet taken
     _first: set[str] = field(default_factory=set)  # jobs whose open attempt has made its first heartbeat
+    samples: list[tuple[str, float, float, float]] | None = None  # if a list: every sample, (kind, t, num, den)
 
     def __post_init__(self) -> None:
         self.update, self.startup = Decayed(self.tau_s), Decayed(self.tau_s)
@@ -132,11 +140,13 @@ class Eta:
         span, n = t - prev[1], step - prev[2]
         campaign = self.update.value
         self.update.add(t, span, n)
+        if self.samples is not None:
+            self.samples.append(("update", t, span, n))
         own = self.own.get(job)
-        if own is None:  # a job new to the estimate starts as if it had run TAU_S at the campaign's speed
+        if own is None:  # a job new to the estimate starts as if it had made PRIOR_UPDATES at the campaign's speed
             own = self.own[job] = Decayed(self.tau_s)
             if campaign is not None:
-                own.add(prev[1], self.tau_s, self.tau_s / campaign)
+                own.add(prev[1], PRIOR_UPDATES * campaign, PRIOR_UPDATES)
         own.add(t, span, n)
 
     def _started(self, job: str, attempt: int, t: float) -> None:
@@ -148,6 +158,8 @@ class Eta:
         known = [x for x in (queued_t, freed) if x is not None]
         if known and max(known) <= t:
             self.startup.add(t, t - max(known), 1.0)
+            if self.samples is not None:
+                self.samples.append(("startup", t, t - max(known), 1.0))
 
     def restart(self) -> None:
         """A new driver: what the history taught (speeds, start-ups) stays; its lanes and attempts are gone."""
@@ -172,13 +184,28 @@ class Eta:
         own = self.own.get(job)
         return own.value if own is not None and own.value is not None else campaign
 
-    def seconds_left(self, left: Mapping[str, int], running: set[str], lanes: int, now: float) -> float | None:
+    def seconds_left(
+        self,
+        left: Mapping[str, int],
+        running: set[str],
+        lanes: int,
+        now: float,
+        caps_s: Mapping[str, float | None] | None = None,
+        share: float = 1.0,
+    ) -> float | None:
         """Seconds from `now` until the last of the jobs in `left` (job -> updates to go, in the order they will
-        start) ends, the `running` ones first, `lanes` at once; 0 with nothing left, None with no figure yet."""
+        start) ends, the `running` ones first, `lanes` at once; 0 with nothing left, None with no figure yet.
+        `caps_s`: GPU-seconds a job may still spend (None: no cap), at `share` GPU-seconds per wall second: it stops
+        at the update it cannot afford (the worker's rule), at its speed."""
+        upd, start = self.figures()
+        if upd is not None and caps_s:
+            left = {
+                j: n if caps_s.get(j) is None else min(n, int(max(0.0, caps_s[j]) / (self.speed(j, upd) * share)))
+                for j, n in left.items()
+            }
         todo = {j: n for j, n in left.items() if n > 0}
         if not todo:
             return 0.0
-        upd, start = self.figures()
         if upd is None:
             return None
         lanes = max(1, lanes)
@@ -200,7 +227,8 @@ class Eta:
 
 
 # -- checked against what happened ---------------------------------------------------------------------------------
-TRACE_EVENTS = frozenset((Event.QUEUED, Event.STARTED, Event.HEARTBEAT, *FREES))  # what a trace keeps of events.jsonl
+# what a trace keeps of events.jsonl (`launched`, at its actor's first instruction, for soma_cluster.costmodel)
+TRACE_EVENTS = frozenset((Event.QUEUED, Event.LAUNCHED, Event.STARTED, Event.HEARTBEAT, *FREES))
 RESTART = "driver"  # a trace's row for a driver (re)starting: `soma resume` after a lost driver
 
 
@@ -231,13 +259,18 @@ class Tick(NamedTuple):
     eta_s: float | None  # what the driver would have shown
     left_s: float  # the truth: until the last job's end
     done: float  # progress, as the progress bar counts it: updates made over updates to make
+    hindsight_s: float | None  # the same model given the start-up and speed of what came after (the machine's future)
 
 
 def replay(rows: list[Mapping], target: int, lanes: int, tick_s: float, prior: Prior | None = None) -> list[Tick]:
     """The ETA the driver would have shown every `tick_s` over a trace (trace_rows), `lanes` at once, every job
-    training to `target` updates, until the last job's end."""
+    training to `target` updates, until the last job's end; and beside it the model's own error, apart from the
+    machine's changes of speed: the same lanes with the mean start-up and seconds per update measured after."""
     end = max(r["t"] for r in rows if r["event"] in ENDS)
     jobs = list(dict.fromkeys(r["job"] for r in rows if r["job"]))  # in the order they start
+    future = Eta(samples=[])
+    for r in rows:
+        future.restart() if r["event"] == RESTART else future.record(r)
     eta, step, running, ended = Eta(prior=prior), {}, set(), set()
     i, t, out = 0, 0.0, []
     while t < end:
@@ -257,6 +290,22 @@ def replay(rows: list[Mapping], target: int, lanes: int, tick_s: float, prior: P
             i += 1
         left = {j: 0 if j in ended else target - step.get(j, 0) for j in jobs}
         done = sum(target - n for n in left.values()) / (target * len(jobs))
-        out.append(Tick(t, eta.seconds_left(left, running, lanes, t), end - t, done))
+        got = eta.seconds_left(left, running, lanes, t)
+        out.append(Tick(t, got, end - t, done, _hindsight(eta, future.samples, left, running, lanes, t)))
         t += tick_s
     return out
+
+
+def _hindsight(eta: Eta, samples: list, left: dict, running: set, lanes: int, t: float) -> float | None:
+    """What `eta` would say at `t` with the mean start-up and speed of the samples after `t` (its lanes as they are)."""
+    sums = {"update": [0.0, 0.0], "startup": [0.0, 0.0]}
+    for kind, at, num, den in samples:
+        if at > t:
+            sums[kind][0] += num
+            sums[kind][1] += den
+    if not sums["update"][1]:
+        return None
+    seer = Eta(tau_s=eta.tau_s, _last=eta._last, _queued=eta._queued, _frees=eta._frees, _first=eta._first)
+    seer.update.add(t, *sums["update"])
+    seer.startup.add(t, *(sums["startup"] if sums["startup"][1] else (eta.figures()[1], 1.0)))
+    return seer.seconds_left(left, running, lanes, t)
