@@ -3,10 +3,11 @@ of real runs (tests/assets/eta_trace_*.csv: the events of `soma launch`, reduced
 t in seconds from the launch's first event):
 - eta_trace_bptt.csv: a tiny BPTT campaign, 6 experts on 3 logical GPUs of a loaded 2-core machine, from before
   traces kept `queued` (so no start-up is measured on it); the estimator settles where a trailing-window rate swung;
-- eta_trace_n4.csv and eta_trace_n256.csv: the tiny preset at N = 4 (make demo's size) and at N = 256 (45 MB of the
-  machine's text, experts of 60 updates, 4 logical GPUs: start-up and Ray's hand-over are half of each lane's
-  time), recorded by benchmarks/bench_eta.py --record, with what `soma plan` measured before the launch and the
-  ledger's totals after it (the .json beside each)."""
+- eta_trace_n4, eta_trace_n256, eta_trace_n256b: the tiny preset at N = 4 (make demo's size, 48 s) and twice at
+  N = 256 (45 MB of the machine's text, experts of 60 updates, 4 logical GPUs: start-up and Ray's hand-over are a
+  third to half of each lane's time; 2,698 s while the shared host's load average went from 5 to 32, and 1,240 s
+  at 4 to 15), recorded by benchmarks/bench_eta.py --record, each with what `soma plan` measured before the launch
+  and the ledger's totals after it (the .json beside it)."""
 
 from __future__ import annotations
 
@@ -95,40 +96,50 @@ def load(name: str) -> tuple[list[dict], dict]:
     return rows, json.loads(facts.read_text()) if facts.exists() else {}
 
 
+RECORDED = ("eta_trace_n4", "eta_trace_n256", "eta_trace_n256b")
+
+
 def test_the_model_is_within_5_percent_of_the_real_end_given_the_machine_s_speed():
     """The lanes, start-ups and updates as modelled, given the start-up and seconds per update that the machine
     then gave (the means of the samples after each moment: `hindsight_s`), end where the run ended: within +-5% (or
-    one 5 s snapshot, near the end of a short run) from 10% to 95% of the updates, at N = 4 and at N = 256. The same lanes without start-up (the estimator before
-    this one: every job its updates only) end far too early at N = 256."""
-    for name in ("eta_trace_n4", "eta_trace_n256"):
+    two 5 s snapshots, near the end) from 10% to 95% of the updates, at N = 4 and at N = 256. The same
+    lanes without start-up (the estimator before this one: every job its updates only) end far too early."""
+    for name in RECORDED:
         rows, facts = load(name)
         ticks = [k for k in replay(rows, facts["target"], facts["lanes"], TICK_S) if 0.10 <= k.done <= 0.95]
         worst = max(ticks, key=lambda k: abs(k.hindsight_s / k.left_s - 1))
         print(f"\n{name}: worst {worst.hindsight_s / worst.left_s - 1:+.1%} at {worst.done:.0%} of the updates")
-        assert all(abs(k.hindsight_s - k.left_s) <= max(0.05 * k.left_s, TICK_S) for k in ticks), worst
-    k = ticks[0]  # N = 256 at 10%: its updates alone, in its lanes, at the speed the run had
-    per_lane = (1 - k.done) * facts["target"] * facts["overrides"]["n_experts"] / facts["lanes"]
-    assert per_lane * facts["measured"]["update_s"] < 0.7 * k.left_s
+        assert all(abs(k.hindsight_s - k.left_s) <= max(0.05 * k.left_s, 2 * TICK_S) for k in ticks), worst
+        if facts["overrides"]["n_experts"] == 256:  # at 10%: its updates alone, in its lanes, at the run's speed
+            k = ticks[0]
+            per_lane = (1 - k.done) * facts["target"] * facts["overrides"]["n_experts"] / facts["lanes"]
+            assert per_lane * facts["measured"]["update_s"] < 0.7 * k.left_s
 
 
-@pytest.mark.parametrize("name", ["eta_trace_n4", "eta_trace_n256"])
+@pytest.mark.parametrize("name", RECORDED)
 def test_the_eta_over_recorded_runs(name):
-    """The ETA as the driver shows it (replayed every 5 s, with the plan's prior), against the real end."""
+    """The ETA as the driver shows it (replayed every 5 s, with the plan's prior) against the real end, from 10% to
+    95% of the updates: its median error within 20%, every mark printed. It follows the speed it measures and
+    foresees no change of it: on the shared host these runs come from, Ray's workers (niceness 15) went up to 2.5
+    times slower and faster again as other work came and went, and the worst errors are those (the model's own,
+    in brackets, stays within a few %)."""
     rows, facts = load(name)
     ticks = replay(rows, facts["target"], facts["lanes"], TICK_S, Prior(**facts["prior"]))
     print(f"\n{name}: stage {ticks[-1].t + ticks[-1].left_s:.0f} s; error of the time left [the model's own]")
     for mark in (0.10, 0.25, 0.50, 0.75):
         k = next(k for k in ticks if k.done >= mark)
         print(f"  at {k.done:.0%} of the updates: {k.eta_s / k.left_s - 1:+.1%} [{k.hindsight_s / k.left_s - 1:+.1%}]")
-    late = [k for k in ticks if 0.10 <= k.done <= 0.95]
-    assert all(k.eta_s is not None for k in late)
+    errors = sorted(abs(k.eta_s / k.left_s - 1) for k in ticks if 0.10 <= k.done <= 0.95)
+    within = sum(e <= 0.20 for e in errors) / len(errors)
+    print(f"  median {errors[len(errors) // 2]:.1%}, worst {errors[-1]:.1%}, within 20%: {within:.0%} of the time")
+    assert errors[len(errors) // 2] <= 0.20
 
 
 def test_the_eta_settles_on_a_real_run_where_the_trailing_window_swung():
     """The BPTT trace's machine slowed and sped up as other work came and went (its experts' chunks took 4 to 18 s),
     so no estimate can be exact; what is asked is that the predicted end moves with the machine, not with the
-    estimator: measured, total variation 900 s against the trailing window's 2,304 s, largest move in 30 s 146 s
-    against 320 s, median error 60 s, on a launch of 558 s."""
+    estimator: measured, total variation 1,042 s against the trailing window's 2,304 s, largest move in 30 s 147 s
+    against 320 s, median error 78 s, on a launch of 558 s."""
     rows, _ = load("eta_trace_bptt")
     target = max(r["step"] for r in rows)
     ticks = replay(rows, target, 3, TICK_S)
@@ -167,13 +178,15 @@ def swings(got: list[tuple], since: float) -> tuple[float, float, float]:
     return round(tv), round(jump), round(errs[len(errs) // 2])
 
 
-@pytest.mark.parametrize("name", ["eta_trace_n4", "eta_trace_n256"])
+@pytest.mark.parametrize("name", RECORDED)
 def test_plan_bills_what_the_ledger_billed(name):
     """`soma plan`'s model (soma_cluster/costmodel.py) on the times the recorded run took (costmodel.times_of_run:
     each queued actor's boot from a freed slot, its load, its seconds per update; the shape of the calibration's
     concurrent probe) against the ledger's expert_training GPU-hours and the stage's wall time: within 10%. Billed
     as the model did before (every actor's start-up counted), N = 256 comes out far over, as in the issue (+82%):
-    252 of its 256 actors waited in Ray's queue and are billed from their first instruction, not their imports."""
+    252 of its 256 actors waited in Ray's queue and are billed from their first instruction, not their imports.
+    The plan as made before each launch (its calibration on this shared host, a sample of a speed that then changed
+    2.5 times) is printed, not asserted."""
     rows, facts = load(name)
     cfg = resolve("tiny", facts["overrides"])
     measured = times_of_run(rows, facts["target"], facts["lanes"])
