@@ -219,7 +219,7 @@ def plan_lines(camp: str, facts: dict, rows: list[dict]) -> list[str]:
     out.append(f"  the run's own times, every start-up billed (the old model) {old:.4f} ({old / hours - 1:+.1%})")
     m = facts["measured"]
     out.append(
-        f"  the run's times: boot {m['boot_s']:.2f} s (a freed slot to the next actor's first instruction), load "
+        f"  the run's times (costmodel.times_of_run): boot {m['boot_s']:.2f} s, load "
         f"{m['load_s']:.2f} s, {m['update_s']:.4f} s per update; calibration's probe: "
         + (
             "none"
@@ -247,7 +247,7 @@ def facts_of(camp: str, rows: list[dict], plan: dict) -> dict:
         "calibration": {k: v for k, v in plan["calibration"].items() if k != "checksum"},
         "plan_made": {k: plan[k] for k in ("gpu_hours", "wall_seconds", "unbilled_gpu_hours") if k in plan},
         "prior": plan.get("actor", {}).get("experts"),
-        "measured": times_of_run(rows, cfg.train.updates, lanes),
+        "measured": times_of_run(rows, lanes, cfg.resources.experts_per_actor),
         "ledger": {str(k): v / 3600.0 for k, v in totals.gpu_seconds.items()},
         "wall_s": max(r["t"] for r in rows if r["event"] in ENDS),
     }

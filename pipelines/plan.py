@@ -20,6 +20,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 
@@ -77,6 +78,7 @@ def startup_seconds() -> float:
 
 WORKER_NICENESS = 15  # Ray starts its worker processes, the actors, at this niceness (the raylet's worker_niceness)
 PROBE_WAIT_S = 600.0  # a probe that has not answered by then is stopped, and the plan does without it
+PROBE_MARK = "soma-probe: "  # a probe's answers on its stdout begin so
 # a probe's program: at the workers' niceness from its first statement, as Ray starts them
 PROBE = f"import os; os.setpriority(os.PRIO_PROCESS, 0, {WORKER_NICENESS}); from pipelines.plan import probe; probe()"
 
@@ -98,10 +100,19 @@ def probe() -> None:
         trainers = [_trainer(store, cfg, Job(e), device, os.path.join(scratch, "cache")) for e in task["experts"]]
         load = time.perf_counter() - t
         update_experts(trainers)  # warm-up
-        print(json.dumps({"boot_s": boot, "load_s": load}), flush=True)
+        print(PROBE_MARK + json.dumps({"boot_s": boot, "load_s": load}), flush=True)
         sys.stdin.readline()
         per, n = _timed(lambda: update_experts(trainers), 3, task["min_s"])
-    print(json.dumps({"update_s": per, "updates": n}), flush=True)
+    print(PROBE_MARK + json.dumps({"update_s": per, "updates": n}), flush=True)
+
+
+def _answer(proc: subprocess.Popen) -> dict:
+    """A probe's next answer (its line marked PROBE_MARK: anything else a library prints is skipped); ValueError if
+    it ended without one."""
+    for line in proc.stdout:
+        if line.startswith(PROBE_MARK):
+            return json.loads(line[len(PROBE_MARK) :])
+    raise ValueError(f"probe pid {proc.pid} ended without answering (exit {proc.wait()})")
 
 
 def concurrent(store: Store, cfg: CampaignConfig, actors: int, min_s: float) -> dict | None:
@@ -110,40 +121,49 @@ def concurrent(store: Store, cfg: CampaignConfig, actors: int, min_s: float) -> 
     None, with a warning, if a probe fails."""
     g = min(cfg.resources.experts_per_actor, cfg.n_experts)
     task = {"url": store.url, "storage_options": store.storage_options, "config": cfg.model_dump(mode="json")}
-    procs = []
+    procs, logs = [], []
+    timer = threading.Timer(PROBE_WAIT_S, lambda: [p.kill() for p in procs])
+    timer.daemon = True
     try:
         for i in range(actors):
+            logs.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115  its stderr (a pipe left unread could stop it)
             spawned = time.time()
             proc = subprocess.Popen(
                 [sys.executable, "-c", PROBE],
                 stdin=subprocess.PIPE,
                 stdout=subprocess.PIPE,
-                stderr=subprocess.PIPE,
+                stderr=logs[-1],
                 text=True,
                 cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
             )
+            procs.append(proc)
             experts = [(i * g + k) % cfg.n_experts for k in range(g)]
             proc.stdin.write(json.dumps({**task, "spawned": spawned, "experts": experts, "min_s": min_s}) + "\n")
             proc.stdin.flush()
-            procs.append(proc)
-        timer = threading.Timer(PROBE_WAIT_S, lambda: [p.kill() for p in procs])
         timer.start()
-        ready = [json.loads(p.stdout.readline()) for p in procs]
+        ready = [_answer(p) for p in procs]
         for p in procs:
             p.stdin.write("go\n")
             p.stdin.flush()
-        done = [json.loads(p.stdout.readline()) for p in procs]
-        timer.cancel()
+        done = [_answer(p) for p in procs]
     except (OSError, ValueError) as exc:
-        err = next((p.stderr.read()[-500:] for p in procs if p.poll() not in (None, 0)), "")
+        last = ""
+        for log in logs:
+            log.seek(0)
+            lines = log.read().strip().splitlines()
+            last = lines[-1][:300] if lines else last  # the error a probe raised, its traceback's last line
         print(
-            f"warning: the concurrent probe failed ({exc}) {err}; the plan scales by threads and cores", file=sys.stderr
+            f"warning: the concurrent probe failed ({exc}; {last}); the plan scales by threads and cores",
+            file=sys.stderr,
         )
         return None
     finally:
+        timer.cancel()
         for p in procs:
             p.kill()
             p.wait()
+        for log in logs:
+            log.close()
     mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
     return {
         "actors": actors,

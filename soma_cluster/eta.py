@@ -27,10 +27,10 @@ figures). With more running jobs than lanes (max_actors lowered by soma set), th
 
 Checked against what happened (tests/test_eta.py, benchmarks/bench_eta.py): replayed over the events of real
 tiny-preset launches and given the start-up and speed the machine then gave, the model ends within 3% of the real
-end at N = 256 (experts of 60 updates, 4 lanes) from 10% to 95% of the updates. The ETA itself can only follow the
-speed it has measured: on the shared 2-core host those runs come from, Ray's workers (niceness 15) went 2.5 times
-slower and faster again as other work came and went, and the ETA with them (within +-20% for 69% of the N = 256
-launch, median error 11%).
+end at N = 256 (experts of 60 updates, 4 lanes; twice) and within 6% at N = 4, from 10% to 95% of the updates. The
+ETA itself can only follow the speed it has measured: on the shared 2-core host those runs come from, Ray's workers
+(niceness 15) went up to 2.5 times slower and faster again as other work came and went, and the ETA with them
+(median error 11% at N = 256, 16% at N = 4; within +-20% for 69% and 90% of the two N = 256 launches).
 
 What it replaced: (1) a trailing-window rate (every job's updates over the last 60 s), which swung: 20:44, 8:06,
 5:28, 4:59, 5:04 in five minutes of a BPTT run; (2) per-job speeds without start-up, which at N = 256 said 8:05 for
@@ -93,6 +93,8 @@ class Decayed:
 
 @dataclass
 class Eta:
+    """The estimator: fed the records as they are written (`record`), asked the time left (`seconds_left`)."""
+
     tau_s: float = TAU_S
     prior: Prior | None = None
     own: dict[str, Decayed] = field(default_factory=dict)  # job -> its own seconds per update

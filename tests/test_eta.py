@@ -189,7 +189,7 @@ def test_plan_bills_what_the_ledger_billed(name):
     2.5 times) is printed, not asserted."""
     rows, facts = load(name)
     cfg = resolve("tiny", facts["overrides"])
-    measured = times_of_run(rows, facts["target"], facts["lanes"])
+    measured = times_of_run(rows, facts["lanes"])
     assert measured == pytest.approx(facts["measured"])
     p = predict(cfg, {**facts["calibration"], "concurrent": measured}, facts["gpus"], facts["cores"], {}, True)
     hours, wall = p["gpu_hours"]["expert_training"], p["wall_seconds"]["experts"]

@@ -182,3 +182,30 @@ def test_soma_plan_calibrates_on_a_worker_of_the_cluster(tmp_path, text_corpus, 
         assert stuck.returncode == 2 and stuck.stderr.startswith(
             "error: no Ray worker could hold an expert actor's resources"
         ), stuck.stderr[-2000:]
+
+
+def test_the_times_a_run_took_from_its_events():
+    """costmodel.times_of_run: a queued actor's boot from the slot it waited for; where none waited (reused
+    actors, or N within the lanes), the first wave's start-up less the load; seconds per update over the updates
+    each job made (a budget-stopped one: fewer)."""
+    from soma_cluster.costmodel import times_of_run
+
+    def job(name, queued, launched, started, end, steps, how="finished"):
+        return [
+            {"t": queued, "event": "queued", "job": name, "attempt": 0, "step": 0},
+            {"t": launched, "event": "launched", "job": name, "attempt": 0, "step": 0},
+            {"t": started, "event": "started", "job": name, "attempt": 0, "step": 0},
+            {"t": end, "event": how, "job": name, "attempt": 0, "step": steps},
+        ]
+
+    # two lanes; c and d waited in Ray's queue: 3 s from a's and b's ends to their first instruction, 1 s to load
+    rows = job("a", 0, 0, 5, 15, 10) + job("b", 0, 0, 5, 16, 10) + job("c", 0, 18, 19, 29, 10)
+    rows += job("d", 0, 19, 20, 30, 10, "budget_exhausted")
+    got = times_of_run(sorted(rows, key=lambda r: r["t"]), 2)
+    assert got["boot_s"] == pytest.approx(3.0) and got["load_s"] == pytest.approx(1.0)
+    assert got["update_s"] == pytest.approx((10 + 11 + 10 + 10) / 40)
+    # reused: c and d begin on a's and b's actors at once (`launched` = when they were queued), nothing waited
+    reused = job("a", 0, 0, 5, 15, 10) + job("b", 0, 0, 5, 16, 10) + job("c", 15, 15, 15.5, 25, 10)
+    reused += job("d", 16, 16, 16.5, 26, 10)
+    got = times_of_run(sorted(reused, key=lambda r: r["t"]), 2)
+    assert got["load_s"] == pytest.approx(0.5) and got["boot_s"] == pytest.approx(5.0 - 0.5)
