@@ -242,6 +242,7 @@ def facts_of(camp: str, rows: list[dict], plan: dict) -> dict:
         "overrides": {"n_experts": cfg.n_experts, "train": {"updates": cfg.train.updates}},
         "lanes": lanes * cfg.resources.experts_per_actor,
         "target": cfg.train.updates,
+        "reuse": cfg.resources.reuse_actors,
         "gpus": plan["gpus"],
         "cores": plan["cores"],
         "calibration": {k: v for k, v in plan["calibration"].items() if k != "checksum"},
@@ -278,7 +279,7 @@ def main() -> None:
     plan = json.loads(Path(args.plan).read_text()) if args.plan else Store(camp).read_json(PLAN)
     facts = facts_of(camp, rows, plan)
     prior = Prior(**facts["prior"]) if facts["prior"] else None
-    ticks = replay(rows, facts["target"], facts["lanes"], TICK_S, prior)
+    ticks = replay(rows, facts["target"], facts["lanes"], TICK_S, prior, facts["reuse"])
     end = max(e["t"] for e in stage_events(camp) if e["event"] in ENDS)
     print(f"{camp}: N = {facts['overrides']['n_experts']}, {facts['target']} updates, {facts['lanes']} lanes")
     for line in error_table(ticks) + live_lines(log, end) + plan_lines(camp, facts, rows):

@@ -525,16 +525,17 @@ class Driver:
 
     def _eta_of(self, rows: list[dict]) -> float | None:
         """Seconds until this driver's unended jobs (`rows`, in the order they start) end, each after a start-up and
-        its updates (those its budget left affords), in as many lanes as the GPUs and resources.max_actors allow
-        (soma_cluster/eta.py)."""
+        its updates (those its budget left affords), in as many lanes as the GPUs hold (resources.max_actors for
+        those not yet asked of Ray) (soma_cluster/eta.py)."""
         left = {r["job"]: r["target"] - r["step"] for r in rows if r["state"] not in TERMINAL}
         running = {r["job"] for r in rows if r["state"] == JobState.RUNNING}
         r = self.cfg.resources
-        actors = min(max(1, self._slots()), r.max_actors or math.inf)
         per = 1 if self.jobs == [SEED_JOB] else r.experts_per_actor
         caps = {row["job"]: row["budget_left_gpu_hours"] for row in rows}  # GPU-hours, None: no cap
         caps_s = {j: None if h is None else h * 3600.0 for j, h in caps.items()}
-        return self.eta.seconds_left(left, running, int(actors) * per, time.time(), caps_s, r.num_gpus / per)
+        lanes, most = max(1, self._slots()) * per, None if r.max_actors is None else r.max_actors * per
+        reuse = r.reuse_actors and self.jobs != [SEED_JOB]
+        return self.eta.seconds_left(left, running, lanes, time.time(), caps_s, r.num_gpus / per, most, reuse)
 
     def _report(self, final: bool = False) -> None:
         """Every STATUS_S (and at the end): status.json, the metrics and, without a bar, a summary line."""

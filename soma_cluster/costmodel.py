@@ -188,7 +188,7 @@ def predict(cfg: CampaignConfig, cal: dict, gpus: float, cores: int, spent: dict
         "usd_per_gpu_hour": price,
         "usd": None if price is None else {k: v * price for k, v in hours.items()},
         "wall_seconds": {**wall, "total": wall["seed"] + wall["experts"]},
-        "actor": _actor_prior(cfg, cal, times, starts, g),
+        "actor": _actor_prior(cfg, cal, times, g),
         "budget": {
             "expert_gpu_hours": cfg.budget.expert_gpu_hours,
             "campaign_gpu_hours": cfg.budget.campaign_gpu_hours,
@@ -222,16 +222,16 @@ def _cap_s(cfg: CampaignConfig, cal: dict, spent: dict[str, float], seed_s: floa
     return cap
 
 
-def _actor_prior(cfg: CampaignConfig, cal: dict, times: ActorTimes, starts: list[str], g: int) -> dict:
+def _actor_prior(cfg: CampaignConfig, cal: dict, times: ActorTimes, g: int) -> dict:
     """What the ETA (soma_cluster/eta.py) assumes until it has measured, per stage: wall seconds from a free slot
-    to a job's first heartbeat (as most of its actors start, the first update included) and per update after it
-    (validations and checkpoints spread over the updates)."""
+    to a job's first heartbeat (on a new actor, on a reused one; the first update included) and per update after
+    it (validations and checkpoints spread over the updates)."""
     t, n = cfg.train, max(1, cfg.seed_stage.updates)
-    most = max((GRANTED, QUEUED, REUSED), key=starts.count)
     seed_events = _events(n, t.val_every) * cal["val_s"] + _events(n, t.checkpoint_every) * cal["checkpoint_s"]
     return {
         "experts": {
-            "startup_s": (0.0 if most == REUSED else times.boot_s) + times.load_s + times.update_s,
+            "startup_s": times.boot_s + times.load_s + times.update_s,
+            "reused_s": times.load_s + times.update_s,
             "update_s": times.run_s(t.updates, g, t) / max(1, t.updates),
         },
         "seed": {

@@ -58,15 +58,19 @@ FREES = frozenset((*ENDS, Event.FAILED, Event.PREEMPTED))  # the events after wh
 class Prior:
     """What stands in before any sample (the plan's prediction for one actor of this stage)."""
 
-    startup_s: float  # wall seconds from a free lane to the job's first heartbeat
+    startup_s: float  # wall seconds from a free lane to the job's first heartbeat, on a new actor
     update_s: float  # wall seconds per update after it
+    reused_s: float | None = None  # the same on an idle actor (resources.reuse_actors); None: as a new one
 
     @staticmethod
     def of_plan(plan: Mapping, stage: str) -> Prior | None:
         """The plan's (plan/plan.json, soma_cluster/costmodel.py) for `stage` (seed, experts); None from a plan
         made before it said."""
         got = (plan.get("actor") or {}).get(stage)
-        return Prior(float(got["startup_s"]), float(got["update_s"])) if got else None
+        if not got:
+            return None
+        reused = got.get("reused_s")
+        return Prior(float(got["startup_s"]), float(got["update_s"]), None if reused is None else float(reused))
 
 
 @dataclass
@@ -99,30 +103,32 @@ class Eta:
     prior: Prior | None = None
     own: dict[str, Decayed] = field(default_factory=dict)  # job -> its own seconds per update
     update: Decayed = field(init=False)  # the campaign's seconds per update
-    startup: Decayed = field(init=False)  # the campaign's start-up, s
+    startup: Decayed = field(init=False)  # the campaign's start-up on a new actor, s
+    reused: Decayed = field(init=False)  # ... on an idle actor (resources.reuse_actors), s
     _last: dict[str, tuple[int, float, int]] = field(default_factory=dict)  # job -> (attempt, t, step) last beat
-    _queued: dict[str, tuple[int, float]] = field(default_factory=dict)  # job -> (attempt, t) of its open attempt
+    # job -> (attempt, t, on an idle actor) of its open attempt, asked of Ray (or given an idle actor) at t
+    _queued: dict[str, tuple[int, float, bool]] = field(default_factory=dict)
     _frees: list[float] = field(default_factory=list)  # heap: times lanes were freed, not yet taken
     _first: set[str] = field(default_factory=set)  # jobs whose open attempt has made its first heartbeat
     samples: list[tuple[str, float, float, float]] | None = None  # if a list: every sample, (kind, t, num, den)
 
     def __post_init__(self) -> None:
-        self.update, self.startup = Decayed(self.tau_s), Decayed(self.tau_s)
+        self.update, self.startup, self.reused = Decayed(self.tau_s), Decayed(self.tau_s), Decayed(self.tau_s)
 
     # -- what happened ----------------------------------------------------------------------------
     def record(self, rec: Mapping) -> None:
         """An event record (events.jsonl, or the driver's as it writes it): queued, heartbeat and ends count."""
         event, job, t = rec["event"], rec["job"], float(rec["t"])
         if event == Event.QUEUED:
-            self.queued(job, int(rec.get("attempt") or 0), t)
+            self.queued(job, int(rec.get("attempt") or 0), t, bool(rec.get("reused")))
         elif event == Event.HEARTBEAT:
             self.beat(job, int(rec.get("attempt") or 0), t, int(rec["step"]))
         elif event in FREES:
             self.ended(job, t)
 
-    def queued(self, job: str, attempt: int, t: float) -> None:
-        """An attempt of `job` was asked of Ray at `t`."""
-        self._queued[job] = (attempt, t)
+    def queued(self, job: str, attempt: int, t: float, reused: bool = False) -> None:
+        """An attempt of `job` was asked of Ray at `t` (`reused`: given an idle actor instead)."""
+        self._queued[job] = (attempt, t, reused)
         self._first.discard(job)
 
     def ended(self, job: str, t: float) -> None:
@@ -160,9 +166,10 @@ class Eta:
         freed = heapq.heappop(self._frees) if self._frees and self._frees[0] <= t else None
         known = [x for x in (queued_t, freed) if x is not None]
         if known and max(known) <= t:
-            self.startup.add(t, t - max(known), 1.0)
+            kind = "reused" if q is not None and q[2] else "startup"
+            getattr(self, kind).add(t, t - max(known), 1.0)
             if self.samples is not None:
-                self.samples.append(("startup", t, t - max(known), 1.0))
+                self.samples.append((kind, t, t - max(known), 1.0))
 
     def restart(self) -> None:
         """A new driver: what the history taught (speeds, start-ups) stays; its lanes and attempts are gone."""
@@ -172,15 +179,19 @@ class Eta:
         self._first.clear()
 
     # -- what is left ---------------------------------------------------------------------------------
-    def figures(self) -> tuple[float | None, float]:
-        """(seconds per update, start-up s) of a job yet to start: the samples', else the prior's."""
+    def figures(self) -> tuple[float | None, float, float]:
+        """(seconds per update, start-up s on a new actor, on an idle one) of a job yet to start: the samples',
+        else the prior's; a reused start-up never seen nor planned is taken as a new one."""
         upd = self.update.value
         if upd is None and self.prior is not None:
             upd = self.prior.update_s
         start = self.startup.value
         if start is None:
             start = self.prior.startup_s if self.prior is not None else 0.0
-        return upd, start
+        reused = self.reused.value
+        if reused is None:
+            reused = self.prior.reused_s if self.prior is not None and self.prior.reused_s is not None else start
+        return upd, start, reused
 
     def speed(self, job: str, campaign: float) -> float:
         """The job's seconds per update: its own figure, else the campaign's."""
@@ -195,12 +206,16 @@ class Eta:
         now: float,
         caps_s: Mapping[str, float | None] | None = None,
         share: float = 1.0,
+        most: int | None = None,
+        reuse: bool = False,
     ) -> float | None:
         """Seconds from `now` until the last of the jobs in `left` (job -> updates to go, in the order they will
         start) ends, the `running` ones first, `lanes` at once; 0 with nothing left, None with no figure yet.
         `caps_s`: GPU-seconds a job may still spend (None: no cap), at `share` GPU-seconds per wall second: it stops
-        at the update it cannot afford (the worker's rule), at its speed."""
-        upd, start = self.figures()
+        at the update it cannot afford (the worker's rule), at its speed. `most`: jobs at once for those not yet
+        asked of Ray (resources.max_actors: the driver asks for no more, and withdraws none already asked).
+        `reuse`: a job that waits for a lane gets its idle actor (resources.reuse_actors)."""
+        upd, start, reused = self.figures()
         if upd is not None and caps_s:
             left = {
                 j: n if caps_s.get(j) is None else min(n, int(max(0.0, caps_s[j]) / (self.speed(j, upd) * share)))
@@ -214,18 +229,22 @@ class Eta:
         lanes = max(1, lanes)
         going = [j for j in todo if j in running and j in self._first]
         busy = sorted(max(0.0, todo[j] * self.speed(j, upd) - max(0.0, now - self._last[j][1])) for j in going)
-        while len(busy) > lanes:  # more running than lanes (max_actors lowered): the first to end free none
+        while len(busy) > lanes:  # more running than lanes: the first to end free none
             busy.pop(0)
-        # the others, those starting now first (their set-up reported, then those asked of Ray)
-        waiting = sorted((j for j in todo if j not in going), key=lambda j: (j not in running, j not in self._queued))
+        # the others: those asked of Ray (their set-up reported first), then those not yet asked
+        asked = sorted((j for j in todo if j not in going and j in self._queued), key=lambda j: j not in running)
+        later = [j for j in todo if j not in going and j not in self._queued]
         idle, frees = lanes - len(busy), sorted(self._frees)
-        for k, j in enumerate(waiting[:idle]):  # a lane in start-up since it was free, or since its job was queued
-            q = self._queued.get(j)
-            free_at = max(q[1] if q is not None else now, frees[k] if k < len(frees) else -math.inf)
-            busy.append(max(0.0, free_at + start - now) + (todo[j] - 1) * upd)
+        for k, j in enumerate(asked[:idle]):  # a lane in start-up since it was free, or since its job was queued
+            q = self._queued[j]
+            free_at = max(q[1], frees[k] if k < len(frees) else -math.inf)
+            busy.append(max(0.0, free_at + (reused if q[2] else start) - now) + (todo[j] - 1) * upd)
+        busy += [0.0] * (lanes - len(busy))  # lanes idle now: a job not yet asked of Ray starts in one at once
         heapq.heapify(busy)
-        for j in waiting[idle:]:  # each takes the first lane that frees
-            heapq.heappush(busy, heapq.heappop(busy) + start + (todo[j] - 1) * upd)
+        for j in asked[idle:] + later:  # each takes the first lane that frees; one not yet asked, within `most`
+            while j in later and most is not None and len(busy) > max(1, most):
+                heapq.heappop(busy)
+            heapq.heappush(busy, heapq.heappop(busy) + (reused if reuse else start) + (todo[j] - 1) * upd)
         return max(busy)
 
 
@@ -265,10 +284,13 @@ class Tick(NamedTuple):
     hindsight_s: float | None  # the same model given the start-up and speed of what came after (the machine's future)
 
 
-def replay(rows: list[Mapping], target: int, lanes: int, tick_s: float, prior: Prior | None = None) -> list[Tick]:
+def replay(
+    rows: list[Mapping], target: int, lanes: int, tick_s: float, prior: Prior | None = None, reuse: bool = False
+) -> list[Tick]:
     """The ETA the driver would have shown every `tick_s` over a trace (trace_rows), `lanes` at once, every job
-    training to `target` updates, until the last job's end; and beside it the model's own error, apart from the
-    machine's changes of speed: the same lanes with the mean start-up and seconds per update measured after."""
+    training to `target` updates (`reuse`: resources.reuse_actors), until the last job's end; and beside it the
+    model's own error, apart from the machine's changes of speed: the same lanes with the mean start-up and seconds
+    per update measured after."""
     end = max(r["t"] for r in rows if r["event"] in ENDS)
     jobs = list(dict.fromkeys(r["job"] for r in rows if r["job"]))  # in the order they start
     future = Eta(samples=[])
@@ -293,15 +315,16 @@ def replay(rows: list[Mapping], target: int, lanes: int, tick_s: float, prior: P
             i += 1
         left = {j: 0 if j in ended else target - step.get(j, 0) for j in jobs}
         done = sum(target - n for n in left.values()) / (target * len(jobs))
-        got = eta.seconds_left(left, running, lanes, t)
+        got = eta.seconds_left(left, running, lanes, t, reuse=reuse)
         out.append(Tick(t, got, end - t, done, _hindsight(eta, future.samples, left, running, lanes, t)))
         t += tick_s
     return out
 
 
 def _hindsight(eta: Eta, samples: list, left: dict, running: set, lanes: int, t: float) -> float | None:
-    """What `eta` would say at `t` with the mean start-up and speed of the samples after `t` (its lanes as they are)."""
-    sums = {"update": [0.0, 0.0], "startup": [0.0, 0.0]}
+    """What `eta` would say at `t` with the mean start-ups and speed of the samples after `t` (its lanes as they
+    are; a figure with no sample after `t`: its own)."""
+    sums = {"update": [0.0, 0.0], "startup": [0.0, 0.0], "reused": [0.0, 0.0]}
     for kind, at, num, den in samples:
         if at > t:
             sums[kind][0] += num
@@ -309,6 +332,8 @@ def _hindsight(eta: Eta, samples: list, left: dict, running: set, lanes: int, t:
     if not sums["update"][1]:
         return None
     seer = Eta(tau_s=eta.tau_s, _last=eta._last, _queued=eta._queued, _frees=eta._frees, _first=eta._first)
+    _, start, reused = eta.figures()
     seer.update.add(t, *sums["update"])
-    seer.startup.add(t, *(sums["startup"] if sums["startup"][1] else (eta.figures()[1], 1.0)))
-    return seer.seconds_left(left, running, lanes, t)
+    seer.startup.add(t, *(sums["startup"] if sums["startup"][1] else (start, 1.0)))
+    seer.reused.add(t, *(sums["reused"] if sums["reused"][1] else (reused, 1.0)))
+    return seer.seconds_left(left, running, lanes, t, reuse=bool(sums["reused"][1]))

@@ -263,3 +263,32 @@ def test_a_job_with_a_budget_stops_at_the_update_it_cannot_afford():
     assert eta.seconds_left({"a": 100}, set(), 1, 0.0, caps) == pytest.approx(2.0 + 29)
     assert eta.seconds_left({"a": 100}, set(), 1, 0.0, caps, share=0.5) == pytest.approx(2.0 + 59)  # half a GPU
     assert eta.seconds_left({"a": 100}, set(), 1, 0.0, {"a": 0.0}) == 0.0  # it stops at its next chunk
+
+
+def test_max_actors_holds_back_only_the_jobs_not_yet_asked_of_ray():
+    """resources.max_actors lowered while jobs run (soma set): the driver asks Ray for no more, and withdraws none
+    it already asked for, so a job already queued still takes the first free lane; one not yet asked waits until
+    fewer than max_actors run."""
+    eta = Eta(prior=Prior(startup_s=0.0, update_s=1.0))
+    for j in ("a", "b"):
+        eta.queued(j, 0, 0.0)
+        eta.beat(j, 0, 0.0, 1)
+    left, running = {"a": 10, "b": 20, "c": 10}, {"a", "b"}
+    assert eta.seconds_left(left, running, 2, 0.0, most=1) == pytest.approx(20 + 9)  # c, not asked: after b
+    eta.queued("c", 0, 0.0)
+    assert eta.seconds_left(left, running, 2, 0.0, most=1) == pytest.approx(20)  # c, asked: after a, beside b
+
+
+def test_a_reused_actor_s_start_up_is_its_own_figure():
+    """resources.reuse_actors: an idle actor takes the next job without a new process; its start-up is measured
+    apart (the `queued` event says reused) and stands for the jobs still waiting, the plan's until then."""
+    eta = Eta(prior=Prior(startup_s=10.0, update_s=1.0, reused_s=0.5))
+    eta.record({"event": "queued", "job": "a", "t": 0.0, "attempt": 0, "reused": False})
+    eta.beat("a", 0, 12.0, 1)  # a new actor: 12 s
+    assert eta.figures() == (1.0, pytest.approx(12.0), 0.5)
+    assert eta.seconds_left({"a": 9, "b": 10}, {"a"}, 1, 12.0, reuse=True) == pytest.approx(9 + 0.5 + 9)
+    assert eta.seconds_left({"a": 9, "b": 10}, {"a"}, 1, 12.0) == pytest.approx(9 + 12 + 9)
+    eta.ended("a", 21.0)
+    eta.record({"event": "queued", "job": "b", "t": 21.0, "attempt": 0, "reused": True})
+    eta.beat("b", 0, 22.0, 1)
+    assert eta.reused.value == pytest.approx(1.0) and eta.startup.value == pytest.approx(12.0, rel=0.01)

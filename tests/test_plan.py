@@ -53,7 +53,7 @@ def test_prediction_gpu_hours_wall_and_budget():
     assert abs(p["gpu_hours"]["seed"] - (4.0 + 2.0 + 6 * 0.2) / 3600) < 1e-12
     assert p["gpu_hours"]["preprocessing"] == 0.01 and p["slots"] == 2
     assert abs(p["wall_seconds"]["experts"] - 2 * per_expert_s) < 1e-9  # two waves of two actors
-    assert p["actor"]["experts"] == {"startup_s": 4.0 + 1.0 + 0.1, "update_s": 0.1}  # the ETA's prior
+    assert p["actor"]["experts"] == {"startup_s": 4.0 + 1.0 + 0.1, "reused_s": 1.0 + 0.1, "update_s": 0.1}  # ETA
     # only what fits asked of Ray (max_pending 0): each later actor is asked when a slot frees, granted, billed
     fits = micro_config(n_experts=4, train=cfg.train.model_dump(), resources={"max_pending": 0})
     p = predict(fits, CAL, gpus=2, cores=2, spent={}, seed_done=True)
