@@ -12,10 +12,15 @@ the trace (.csv) and what the tests need to check the plan without running (.jso
 calibration, the GPUs and cores, the ledger's totals, the stage's wall time).
 
   PYTHONPATH=. python benchmarks/bench_eta.py --experts 4                      # make demo's size, about 2 min
-  PYTHONPATH=. python benchmarks/bench_eta.py --experts 256 --updates 60 --machine --dir /tmp/eta256   # ~25 min
-  PYTHONPATH=. python benchmarks/bench_eta.py --campaign /tmp/eta256           # an ended campaign: the report only
+  PYTHONPATH=. python benchmarks/bench_eta.py --experts 256 --updates 60 --machine --dir /tmp/eta256   # 20-45 min
+  PYTHONPATH=. python benchmarks/bench_eta.py --campaign /tmp/eta256 [--plan P --log L]   # an ended campaign
 
-Not in `make test`. Numbers measured on a shared 2-core host are in the commit that added this script.
+Cases: --set KEY=VALUE (prepare's overrides: resources.num_gpus=0.5, resources.reuse_actors=true ...), --kill-at F
+(SIGKILL the driver at that fraction of the updates, then `soma resume`), --fail-at F (SIGKILL the running actors:
+retries), --revise KEY=VALUE [--revise-at F] (`soma set` while it runs). The report also gives the model's own error
+(the same lanes given the start-up and speed the run then had, `hindsight_s`) and the plan's model on the run's own
+times (soma_cluster/costmodel.py times_of_run), which separate the model from how the machine's speed changed.
+Not in `make test`. Numbers measured on a shared 2-core host are in the commits that added this script.
 """
 
 from __future__ import annotations

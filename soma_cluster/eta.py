@@ -1,7 +1,7 @@
 """The campaign's ETA, a stated estimator (docs/cli.md): no Ray, no clock of its own (times come with the records).
 
-What it models. The driver's jobs run in lanes: floor(GPUs / resources.num_gpus) actors at once (at most
-resources.max_actors), each of resources.experts_per_actor experts. A job in a lane takes a start-up, from the moment
+What it models. The driver's jobs run in lanes: floor(GPUs / resources.num_gpus) actors at once, each of
+resources.experts_per_actor experts. A job in a lane takes a start-up, from the moment
 its lane is free to its first heartbeat (Ray's hand-over of the slot, the process and its imports, loading the data
 and model, the first update, which is one: measured before a chunk is promised), then its other updates; the ETA is
 when the last lane is done.
@@ -10,7 +10,7 @@ What it measures, from the records (the events the driver writes, in its own tim
 - start-up: for each attempt, its first heartbeat's time less the time its lane was free: when it was queued, or,
   if it waited, the oldest lane freed (a job's end, a failure, a preemption) not yet taken, whichever is later.
   Frees and first heartbeats are paired in order, so which job took which lane may be wrong but the mean is not.
-  The figure is the samples' mean, each decayed by exp(-age / TAU_S).
+  The figure is the samples' mean, each decayed by exp(-age / TAU_S); an idle actor's (reuse_actors) apart.
 - seconds per update: every heartbeat after an attempt's first gives the span since the previous one over the
   updates it made. The campaign's figure is their ratio of sums, each term decayed the same way, so it follows the
   machine (validations, checkpoints and warm-ups included, weighed by the time they took); each job keeps its own
@@ -22,8 +22,9 @@ the last driver learned.
 Time left: each running job past its first heartbeat ends after its updates left (those its budget affords) at its
 own speed, less the time since that heartbeat; a lane whose job is starting (one freed or never used, not yet
 followed by a first heartbeat) ends its start-up at its free time plus the start-up, then runs its job's updates;
-every other job waits for the first lane that frees and takes a start-up plus its updates (the campaign's
-figures). With more running jobs than lanes (max_actors lowered by soma set), the first to end free no lane.
+every other job waits for the first lane that frees and takes a start-up (an idle actor's, with
+resources.reuse_actors) plus its updates (the campaign's figures). resources.max_actors holds back only the jobs not
+yet asked of Ray, as the driver does (soma set lowering it withdraws no actor already queued).
 
 Checked against what happened (tests/test_eta.py, benchmarks/bench_eta.py): replayed over the events of real
 tiny-preset launches and given the start-up and speed the machine then gave, the model ends within 3% of the real
