@@ -44,8 +44,9 @@ from soma_cluster.budget import BudgetBook
 from soma_cluster.campaignfile import CONFIG_FILE, load_campaign_config
 from soma_cluster.checkpoint import latest_meta, training_bytes
 from soma_cluster.config import CampaignConfig
+from soma_cluster.costmodel import PLAN
 from soma_cluster.errors import JobsFailed, SomaError, StoppedByEnvironment, StorageUnreachable
-from soma_cluster.eta import Eta
+from soma_cluster.eta import Eta, Prior
 from soma_cluster.events import history, require_seed
 from soma_cluster.failures import (
     WORDS,
@@ -61,7 +62,6 @@ from soma_cluster.jobs import (
     SEED_JOB,
     TERMINAL,
     Cause,
-    Event,
     Job,
     JobState,
     LostAs,
@@ -99,6 +99,15 @@ ANSI = re.compile(r"\x1b\[[0-9;]*m")  # Ray colours the task name in an error's 
 # what a ray.get of an actor's call raises when the actor is gone (RayTaskError: its code raised)
 LOST_ERRORS = (RayActorError, RayTaskError, GetTimeoutError, OutOfMemoryError, NodeDiedError)
 NODE_CHECK_S = 1.0  # an actor died on a node Ray still calls alive: how long to watch whether the node follows it
+
+
+def eta_prior(store: Store, stage: str) -> Prior | None:
+    """What the plan (plan/plan.json, if one was made) predicts of one actor of `stage`: the ETA's prior."""
+    try:
+        return Prior.of_plan(store.read_json(PLAN), stage) if store.exists(PLAN) else None
+    except (SomaError, OSError, ValueError, KeyError, TypeError) as exc:  # a view's input: never a reason to stop
+        print(f"warning: {store.url}/{PLAN} not used for the ETA: {exc}", file=sys.stderr, flush=True)
+        return None
 
 
 def also_ready(first: list, rest: list) -> list:
@@ -388,6 +397,7 @@ class Driver:
         self.sched.restore(hist)
         self.revising = LiveRevisions(self.store)
         mine = set(self.jobs)
+        self._learn_eta(hist, mine)
         self.others = history_rows(
             self.cfg,
             hist,
@@ -453,6 +463,15 @@ class Driver:
             self._say_overruns()
         return self.outcome
 
+    def _learn_eta(self, hist: dict, mine: set[Job]) -> None:
+        """The ETA starts from what earlier drivers of these jobs measured (a resume), else from the plan's
+        prediction (plan/plan.json, if one was made), else from nothing (no ETA until the first samples)."""
+        self.eta.prior = eta_prior(self.store, "seed" if self.jobs == [SEED_JOB] else "experts")
+        names = {j.name for j in mine}
+        for ev in sorted((e for h in hist.values() if h.job in names for e in h.events), key=lambda e: e["t"]):
+            self.eta.record(ev)
+        self.eta.restart()
+
     def _last_report(self) -> None:
         """The driver's last snapshot (final only if every job ended), written before the driver returns or raises;
         a failure here is logged, never raised over the loop's own error."""
@@ -514,18 +533,24 @@ class Driver:
         }
 
     def _observe(self, rec: dict) -> None:
-        """Each event the scheduler writes: a heartbeat feeds the ETA; every event goes to the trackers, if any."""
-        if rec["event"] == Event.HEARTBEAT:
-            self.eta.beat(rec["job"], rec.get("attempt", 0), rec["t"], int(rec["step"]))
+        """Each event the scheduler writes feeds the ETA, and goes to the trackers, if any."""
+        self.eta.record(rec)
         if self.tracker is not None:
             self.tracker.on_event(rec)
 
     def _eta_of(self, rows: list[dict]) -> float | None:
-        """Seconds until this driver's unended jobs (`rows`, in the order they start) end, at each one's speed, as
-        many at once as the GPUs hold (soma_cluster/eta.py)."""
+        """Seconds until this driver's unended jobs (`rows`, in the order they start) end, each after a start-up and
+        its updates (those its budget left affords), in as many lanes as the GPUs hold (resources.max_actors for
+        those not yet asked of Ray) (soma_cluster/eta.py)."""
         left = {r["job"]: r["target"] - r["step"] for r in rows if r["state"] not in TERMINAL}
         running = {r["job"] for r in rows if r["state"] == JobState.RUNNING}
-        return self.eta.seconds_left(left, running, self._slots() * self.cfg.resources.experts_per_actor)
+        r = self.cfg.resources
+        per = 1 if self.jobs == [SEED_JOB] else r.experts_per_actor
+        caps = {row["job"]: row["budget_left_gpu_hours"] for row in rows}  # GPU-hours, None: no cap
+        caps_s = {j: None if h is None else h * 3600.0 for j, h in caps.items()}
+        lanes, most = max(1, self._slots()) * per, None if r.max_actors is None else r.max_actors * per
+        reuse = r.reuse_actors and self.jobs != [SEED_JOB]
+        return self.eta.seconds_left(left, running, lanes, time.time(), caps_s, r.num_gpus / per, most, reuse)
 
     def _report(self, final: bool = False) -> None:
         """Every STATUS_S (and at the end): status.json, the metrics and, without a bar, a summary line."""

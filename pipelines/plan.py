@@ -16,16 +16,19 @@ for cluster plans, this machine's for local ones).
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
+import tempfile
+import threading
 import time
 
 import torch
 
 from soma_cluster.checkpoint import has_checkpoint, save_checkpoint, training_bytes
 from soma_cluster.config import CampaignConfig
-from soma_cluster.costmodel import predict
+from soma_cluster.costmodel import PLAN, actors_at_once, predict
 from soma_cluster.errors import DeviceError, SomaError
 from soma_cluster.events import seed_done
 from soma_cluster.jobs import SEED_JOB, Job, JobState
@@ -36,7 +39,6 @@ from soma_cluster.storage import Store
 from soma_cluster.trainer import Trainer, TrainState, pick_device, update_experts
 
 CALIBRATION = "plan/calibration.json"
-PLAN = "plan/plan.json"
 
 
 def _state(store: Store, cfg: CampaignConfig, job: Job, device: torch.device) -> TrainState:
@@ -74,7 +76,107 @@ def startup_seconds() -> float:
     return time.perf_counter() - t
 
 
-def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float = 3.0) -> dict:
+WORKER_NICENESS = 15  # Ray starts its worker processes, the actors, at this niceness (the raylet's worker_niceness)
+PROBE_WAIT_S = 600.0  # a probe that has not answered by then is stopped, and the plan does without it
+PROBE_MARK = "soma-probe: "  # a probe's answers on its stdout begin so
+# a probe's program: at the workers' niceness from its first statement, as Ray starts them
+PROBE = f"import os; os.setpriority(os.PRIO_PROCESS, 0, {WORKER_NICENESS}); from pipelines.plan import probe; probe()"
+
+
+def probe() -> None:
+    """One of the concurrent probes (a process running PROBE): what an actor does, timed. Its task comes as a JSON
+    line on stdin; it imports the worker (boot_s, since the parent spawned it), loads its experts (load_s) and makes
+    one update, says so on stdout, waits for a line on stdin (all probes then run at once), times packed updates for
+    min_s and answers (update_s)."""
+    task = json.loads(sys.stdin.readline())
+    import workers.expert_worker  # noqa: F401  what an actor's process imports before its first instruction
+
+    boot = time.time() - task["spawned"]
+    cfg = CampaignConfig.model_validate(task["config"])
+    store, device = Store(task["url"], task["storage_options"]), torch.device("cpu")
+    torch.set_num_threads(cfg.train.threads)
+    with store.scratch() as scratch:
+        t = time.perf_counter()
+        trainers = [_trainer(store, cfg, Job(e), device, os.path.join(scratch, "cache")) for e in task["experts"]]
+        load = time.perf_counter() - t
+        update_experts(trainers)  # warm-up
+        print(PROBE_MARK + json.dumps({"boot_s": boot, "load_s": load}), flush=True)
+        sys.stdin.readline()
+        per, n = _timed(lambda: update_experts(trainers), 3, task["min_s"])
+    print(PROBE_MARK + json.dumps({"update_s": per, "updates": n}), flush=True)
+
+
+def _answer(proc: subprocess.Popen) -> dict:
+    """A probe's next answer (its line marked PROBE_MARK: anything else a library prints is skipped); ValueError if
+    it ended without one."""
+    for line in proc.stdout:
+        if line.startswith(PROBE_MARK):
+            return json.loads(line[len(PROBE_MARK) :])
+    raise ValueError(f"probe pid {proc.pid} ended without answering (exit {proc.wait()})")
+
+
+def concurrent(store: Store, cfg: CampaignConfig, actors: int, min_s: float) -> dict | None:
+    """`actors` probes at once, at the workers' niceness: the boot, load and packed update an actor sees beside
+    the others on this CPU host (they share its cores, and under other work at niceness 0 get what it leaves);
+    None, with a warning, if a probe fails."""
+    g = min(cfg.resources.experts_per_actor, cfg.n_experts)
+    task = {"url": store.url, "storage_options": store.storage_options, "config": cfg.model_dump(mode="json")}
+    procs, logs = [], []
+    timer = threading.Timer(PROBE_WAIT_S, lambda: [p.kill() for p in procs])
+    timer.daemon = True
+    try:
+        for i in range(actors):
+            logs.append(tempfile.TemporaryFile("w+"))  # noqa: SIM115  its stderr (a pipe left unread could stop it)
+            spawned = time.time()
+            proc = subprocess.Popen(
+                [sys.executable, "-c", PROBE],
+                stdin=subprocess.PIPE,
+                stdout=subprocess.PIPE,
+                stderr=logs[-1],
+                text=True,
+                cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+            )
+            procs.append(proc)
+            experts = [(i * g + k) % cfg.n_experts for k in range(g)]
+            proc.stdin.write(json.dumps({**task, "spawned": spawned, "experts": experts, "min_s": min_s}) + "\n")
+            proc.stdin.flush()
+        timer.start()
+        ready = [_answer(p) for p in procs]
+        for p in procs:
+            p.stdin.write("go\n")
+            p.stdin.flush()
+        done = [_answer(p) for p in procs]
+    except (OSError, ValueError) as exc:
+        last = ""
+        for log in logs:
+            log.seek(0)
+            lines = log.read().strip().splitlines()
+            last = lines[-1][:300] if lines else last  # the error a probe raised, its traceback's last line
+        print(
+            f"warning: the concurrent probe failed ({exc}; {last}); the plan scales by threads and cores",
+            file=sys.stderr,
+        )
+        return None
+    finally:
+        timer.cancel()
+        for p in procs:
+            p.kill()
+            p.wait()
+        for log in logs:
+            log.close()
+    mean = lambda xs: sum(xs) / len(xs)  # noqa: E731
+    return {
+        "actors": actors,
+        "niceness": WORKER_NICENESS,
+        "boot_s": mean([r["boot_s"] for r in ready]),
+        "load_s": mean([r["load_s"] for r in ready]),
+        "update_s": mean([r["update_s"] for r in done]),
+    }
+
+
+def calibrate(
+    store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float = 3.0, actors: int | None = None
+) -> dict:
     device = pick_device()
     threads = torch.get_num_threads()
     if device.type == "cpu":
@@ -97,7 +199,10 @@ def calibrate(store: Store, cfg: CampaignConfig, updates: int = 3, min_s: float 
                 seed["seed_load_s"] = time.perf_counter() - t
                 st.update()
                 seed["seed_update_s"], _ = _timed(st.update, updates, min_s)
+        # on a CPU host, the actors that run at once, measured together (not on a cluster's GPU: each has its own)
+        together = concurrent(store, cfg, actors, min_s) if actors and device.type == "cpu" else None
         return {
+            "concurrent": together,
             "device": device.type,
             "threads": cfg.train.threads if device.type == "cpu" else None,
             "experts_per_actor": g,
@@ -178,6 +283,8 @@ def plan(
             f"{store.url} is not prepared; run soma prepare {store.url} first (the plan times the real shards)"
         )
     where = "local" if cluster_wait_s is None else "cluster"
+    if gpus is None:
+        gpus = float(cfg.resources.local_gpus)
     cal = None if recalibrate or not store.exists(CALIBRATION) else store.read_json(CALIBRATION)
     if (
         cal is None
@@ -185,12 +292,13 @@ def plan(
         or cal.get("where", "local") != where
         or (not seed_done(store) and "seed_update_s" not in cal)
     ):
-        cal = calibrate(store, cfg) if cluster_wait_s is None else calibrate_on_cluster(store, cfg, cluster_wait_s)
+        if cluster_wait_s is None:
+            cal = calibrate(store, cfg, actors=actors_at_once(cfg, gpus))
+        else:
+            cal = calibrate_on_cluster(store, cfg, cluster_wait_s)
         cal.setdefault("where", "local")
         store.write_json(CALIBRATION, cal)
     cal.pop("checksum", None)
-    if gpus is None:
-        gpus = float(cfg.resources.local_gpus)
     totals = Ledger(store).totals()
     p = predict(
         cfg, cal, gpus, cores or cal.get("cores") or os.cpu_count() or 1, dict(totals.gpu_seconds), seed_done(store)
@@ -259,6 +367,12 @@ def render(p: dict, unit: str) -> str:
         f"not predicted)",
         f"wall time: seed {w['seed']:.0f} s, experts {w['experts']:.0f} s, total {w['total']:.0f} s",
     ]
+    starts = p.get("actor_starts") or {}
+    if starts.get("queued"):
+        lines.append(
+            f"actors: {starts['granted']} start at once, {starts['queued']} wait in Ray's queue for a free slot (their "
+            f"process start and imports, {p['unbilled_gpu_hours']:.4f} {unit}, hold a GPU share on no one's bill)"
+        )
     if p.get("usd"):
         d = p["usd"]
         lines.append(

@@ -19,6 +19,7 @@ from rich.text import Text
 from pipelines.common import emit_json, load_config, out
 from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.config import CampaignConfig
+from soma_cluster.costmodel import PLAN
 from soma_cluster.errors import SomaError
 from soma_cluster.events import history
 from soma_cluster.jobs import EXPERT_SPEND, TERMINAL, Category, Event, JobState
@@ -49,7 +50,6 @@ from soma_cluster.statusview import (
 from soma_cluster.storage import Store
 
 STALE_S = 30.0  # a driver's snapshot older than this, and not its last, means the driver is gone (or stuck)
-PLAN = "plan/plan.json"
 
 
 def load_status(store: Store, cfg: CampaignConfig) -> dict:

@@ -4,9 +4,10 @@ from __future__ import annotations
 
 import json
 
+import pytest
 from conftest import micro_config, soma
 
-from soma_cluster.costmodel import _list_schedule, predict, stop_step
+from soma_cluster.costmodel import _list_schedule, actor_times, predict, stop_step
 
 CAL = {
     "device": "cuda",
@@ -44,10 +45,29 @@ def test_prediction_gpu_hours_wall_and_budget():
     )
     p = predict(cfg, CAL, gpus=2, cores=2, spent={"preprocessing": 36.0}, seed_done=False)
     per_expert_s = 4.0 + 1.0 + 100 * 0.1  # start-up + load + updates, one GPU each
-    assert abs(p["gpu_hours"]["expert_training"] - 4 * per_expert_s / 3600) < 1e-12
+    # the first two are granted at once (billed from their request); the other two wait in Ray's queue, billed
+    # from their first instruction: their process start and imports (4 s each) are on no one's bill
+    assert abs(p["gpu_hours"]["expert_training"] - (4 * per_expert_s - 2 * 4.0) / 3600) < 1e-12
+    assert abs(p["unbilled_gpu_hours"] - 2 * 4.0 / 3600) < 1e-12
+    assert p["actor_starts"] == {"granted": 2, "queued": 2, "reused": 0}
     assert abs(p["gpu_hours"]["seed"] - (4.0 + 2.0 + 6 * 0.2) / 3600) < 1e-12
     assert p["gpu_hours"]["preprocessing"] == 0.01 and p["slots"] == 2
     assert abs(p["wall_seconds"]["experts"] - 2 * per_expert_s) < 1e-9  # two waves of two actors
+    assert p["actor"]["experts"] == {"startup_s": 4.0 + 1.0 + 0.1, "reused_s": 1.0 + 0.1, "update_s": 0.1}  # ETA
+    # only what fits asked of Ray (max_pending 0): each later actor is asked when a slot frees, granted, billed
+    fits = micro_config(n_experts=4, train=cfg.train.model_dump(), resources={"max_pending": 0})
+    p = predict(fits, CAL, gpus=2, cores=2, spent={}, seed_done=True)
+    assert abs(p["gpu_hours"]["expert_training"] - 4 * per_expert_s / 3600) < 1e-12 and p["unbilled_gpu_hours"] == 0
+    # reused actors: one process per slot; the later units only load (billed and in the wall time)
+    reuse = micro_config(n_experts=4, train=cfg.train.model_dump(), resources={"reuse_actors": True})
+    p = predict(reuse, CAL, gpus=2, cores=2, spent={}, seed_done=True)
+    assert p["actor_starts"] == {"granted": 2, "queued": 0, "reused": 2}
+    assert abs(p["wall_seconds"]["experts"] - (2 * per_expert_s - 4.0)) < 1e-9
+    assert abs(p["gpu_hours"]["expert_training"] - (4 * per_expert_s - 2 * 4.0) / 3600) < 1e-12
+    # max_actors below the GPUs: fewer at once, every one granted
+    few = micro_config(n_experts=4, train=cfg.train.model_dump(), resources={"max_actors": 1})
+    p = predict(few, CAL, gpus=2, cores=2, spent={}, seed_done=True)
+    assert p["slots"] == 1 and abs(p["wall_seconds"]["experts"] - 4 * per_expert_s) < 1e-9
     assert p["budget"]["experts_stopped"] == 0 and p["budget"]["worst_overrun_gpu_seconds"] is None
     # a per-expert budget of 10 GPU-s: start-up 5 s, then 0.1 s per update -> stops before passing 10
     capped = micro_config(
@@ -69,6 +89,22 @@ def test_prediction_gpu_hours_wall_and_budget():
     assert abs(p["wall_seconds"]["experts"] - (5.0 + 100 * 0.1) * 2.0) < 1e-9  # start-up contends too
 
 
+def test_a_cpu_host_is_slowed_as_the_concurrent_probe_measured():
+    """On a CPU host the probe's times (that many actors at once, at Ray's workers' niceness) replace the
+    threads-over-cores guess; a plan for another number of actors rescales them by that guess's ratio."""
+    cal = {**CAL, "device": "cpu", "packed_update_s": 0.05, "val_s": 0.01, "checkpoint_s": 0.02}
+    guess, c = actor_times(cal, 4, 1, 2)
+    assert c == 2.0 and guess.update_s == 0.1 and guess.boot_s == 8.0 and guess.checkpoint_s == 0.02
+    probed = {**cal, "concurrent": {"actors": 4, "niceness": 15, "boot_s": 9.0, "load_s": 1.5, "update_s": 0.15}}
+    times, c = actor_times(probed, 4, 1, 2)
+    assert (times.boot_s, times.load_s, times.update_s) == (9.0, 1.5, 0.15)
+    assert c == pytest.approx(3.0) and times.val_s == pytest.approx(0.03)
+    times, c = actor_times(probed, 8, 1, 2)  # twice the actors on the same cores: twice as slow again
+    assert (times.boot_s, times.update_s, c) == pytest.approx((18.0, 0.3, 6.0))
+    gpu, c = actor_times({**CAL, "concurrent": probed["concurrent"]}, 4, 1, 2)  # each actor has its own GPU
+    assert c == 1.0 and gpu.update_s == 0.1 and gpu.boot_s == 4.0
+
+
 def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
     camp = str(tmp_path / "camp")
     assert soma("prepare", camp, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0
@@ -76,6 +112,8 @@ def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
     assert proc.returncode == 0, proc.stderr[-3000:]
     p = json.loads(proc.stdout)
     assert p["schema"] == 1 and p["gpus"] == 2 and p["calibration"]["packed_update_s"] > 0 and not p["seed_trained"]
+    probe = p["calibration"]["concurrent"]  # two actors at once on this CPU host, timed together
+    assert probe["actors"] == 2 and probe["niceness"] == 15 and probe["update_s"] > 0 and probe["boot_s"] > 0
     assert {"seed", "expert_training", "training_total"} <= set(p["gpu_hours"]) and p["wall_seconds"]["total"] > 0
     assert (tmp_path / "camp" / "plan" / "calibration.json").exists() and (
         tmp_path / "camp" / "plan" / "plan.json"
@@ -144,3 +182,30 @@ def test_soma_plan_calibrates_on_a_worker_of_the_cluster(tmp_path, text_corpus, 
         assert stuck.returncode == 2 and stuck.stderr.startswith(
             "error: no Ray worker could hold an expert actor's resources"
         ), stuck.stderr[-2000:]
+
+
+def test_the_times_a_run_took_from_its_events():
+    """costmodel.times_of_run: a queued actor's boot from the slot it waited for; where none waited (reused
+    actors, or N within the lanes), the first wave's start-up less the load; seconds per update over the updates
+    each job made (a budget-stopped one: fewer)."""
+    from soma_cluster.costmodel import times_of_run
+
+    def job(name, queued, launched, started, end, steps, how="finished"):
+        return [
+            {"t": queued, "event": "queued", "job": name, "attempt": 0, "step": 0},
+            {"t": launched, "event": "launched", "job": name, "attempt": 0, "step": 0},
+            {"t": started, "event": "started", "job": name, "attempt": 0, "step": 0},
+            {"t": end, "event": how, "job": name, "attempt": 0, "step": steps},
+        ]
+
+    # two lanes; c and d waited in Ray's queue: 3 s from a's and b's ends to their first instruction, 1 s to load
+    rows = job("a", 0, 0, 5, 15, 10) + job("b", 0, 0, 5, 16, 10) + job("c", 0, 18, 19, 29, 10)
+    rows += job("d", 0, 19, 20, 30, 10, "budget_exhausted")
+    got = times_of_run(sorted(rows, key=lambda r: r["t"]), 2)
+    assert got["boot_s"] == pytest.approx(3.0) and got["load_s"] == pytest.approx(1.0)
+    assert got["update_s"] == pytest.approx((10 + 11 + 10 + 10) / 40)
+    # reused: c and d begin on a's and b's actors at once (`launched` = when they were queued), nothing waited
+    reused = job("a", 0, 0, 5, 15, 10) + job("b", 0, 0, 5, 16, 10) + job("c", 15, 15, 15.5, 25, 10)
+    reused += job("d", 16, 16, 16.5, 26, 10)
+    got = times_of_run(sorted(reused, key=lambda r: r["t"]), 2)
+    assert got["load_s"] == pytest.approx(0.5) and got["boot_s"] == pytest.approx(5.0 - 0.5)
