@@ -43,7 +43,8 @@ def test_packed_experts_match_each_expert_alone(chunks, d, own):
 def test_ensemble_is_the_routed_average(chunks):
     cfg = ModelConfig(d=32)
     n = 6
-    router, _ = fit_router([router_text(c) for c in chunks], n, RouterConfig(max_features=2000, min_df=2, svd_dim=8), 0)
+    rcfg = RouterConfig(max_features=2000, min_df=2, svd_dim=8, top_k=4)  # a mixture of 4 (the default for 6: 1)
+    router, _ = fit_router([router_text(c) for c in chunks], n, rcfg, 0)
     ex = experts(cfg, n, False)
     data = np.frombuffer(b"".join(chunks[:40]), dtype=np.uint8).reshape(40, 1025)[:, :400]
     win = Windows(np.ascontiguousarray(data), np.arange(40) // 4)

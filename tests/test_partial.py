@@ -36,7 +36,8 @@ CPU = torch.device("cpu")
 def seeded(tmp_path_factory, text_corpus, ray_local):
     """A prepared micro campaign with a finished seed, copied by each test."""
     root = tmp_path_factory.mktemp("seeded") / "c"
-    cfg = micro_config(corpus={"source": str(text_corpus)})
+    # top-2 of N = 2 (asked for: the default routes each window to one expert): every window sees both experts
+    cfg = micro_config(corpus={"source": str(text_corpus)}, router={"top_k": 2})
     store = Store(str(root))
     prepare(store, cfg)
     assert Driver(store, cfg, [Job(None)], show_progress=False).run() == {"seed": "finished"}
@@ -46,7 +47,7 @@ def seeded(tmp_path_factory, text_corpus, ray_local):
 def clone(seeded, dest: Path, **sections):
     root, base = seeded
     shutil.copytree(root, dest)
-    cfg = micro_config(corpus={"source": base.corpus.source}, **sections) if sections else base
+    cfg = micro_config(corpus={"source": base.corpus.source}, router={"top_k": 2}, **sections) if sections else base
     if sections:  # a test's own budget/resources settings: rewrite the resolved config
         (dest / "campaign.yaml").write_text(to_yaml_text(cfg))
     return Store(str(dest)), cfg
