@@ -41,6 +41,9 @@ Experts without a checkpoint (a partial campaign) are the seed model under ensem
 
 from __future__ import annotations
 
+import functools
+import hashlib
+import json
 import math
 import numbers
 import os
@@ -57,7 +60,7 @@ from soma_cluster.errors import SomaError
 from soma_cluster.inference.export import read_export
 from soma_cluster.inference.generation import GenerationConfig, resolve
 from soma_cluster.inference.routing import Route, Routes, Routing, open_source
-from soma_cluster.inference.scoring import Score, Tally, Text, as_bytes, windows_of
+from soma_cluster.inference.scoring import Rule, Score, Segment, Tally, Text, as_bytes, segments_of
 from soma_cluster.model import BodyState, embed
 from soma_cluster.router import Router, load_router
 
@@ -91,19 +94,19 @@ def pick(device: Device = None) -> torch.device:
 
 @dataclass
 class _Pending:
-    """Windows waiting for a pass, with the document each belongs to."""
+    """Segments waiting for a pass, with the document each belongs to."""
 
     doc: list[int] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
-    first: list[int] = field(default_factory=list)
+    seg: list[Segment] = field(default_factory=list)
 
     def __len__(self) -> int:
         return len(self.data)
 
-    def add(self, doc: int, data: bytes, first: int) -> None:
+    def add(self, doc: int, data: bytes, seg: Segment) -> None:
         self.doc.append(doc)
         self.data.append(data)
-        self.first.append(first)
+        self.seg.append(seg)
 
 
 class RoutedLM:
@@ -282,13 +285,23 @@ class RoutedLM:
         return bodies, heads, torch.as_tensor(routes.weights, dtype=torch.float32, device=self.device)
 
     # -- scoring -----------------------------------------------------------------------------------------------
-    def score(self, text: Text, prefix: Text = b"", per_byte: bool = False) -> Score:
+    @property
+    def rule(self) -> Rule:
+        """How scoring reads and routes a document: windows, stride, the bytes a route may read (scoring.py)."""
+        return self.routing.rule
+
+    def score(self, text: Text, prefix: Text = b"", per_byte: bool = False, routes: bool = False) -> Score:
         """One document's log-loss (module docstring: windows, routing, the context each byte saw). `prefix`
-        is read before it and routed on, not scored: the log-likelihood of `text` given `prefix`."""
-        return self.score_many([text], prefix=[prefix], per_byte=per_byte)[0]
+        is read before it and routed on, not scored: the log-likelihood of `text` given `prefix`. `routes`: the
+        Score lists every segment and the route it was read under (`Score.routes`)."""
+        return self.score_many([text], prefix=[prefix], per_byte=per_byte, routes=routes)[0]
 
     def score_many(
-        self, texts: Sequence[Text], prefix: Sequence[Text] | None = None, per_byte: bool = False
+        self,
+        texts: Sequence[Text],
+        prefix: Sequence[Text] | None = None,
+        per_byte: bool = False,
+        routes: bool = False,
     ) -> list[Score]:
         """Several documents, their windows batched together: one Score each, in order."""
         if isinstance(texts, (str, bytes, bytearray, memoryview)) or isinstance(
@@ -299,32 +312,39 @@ class RoutedLM:
         if len(pre) != len(texts):
             raise ValueError(f"{len(texts)} texts but {len(pre)} prefixes")
         docs = [(p + as_bytes(t),) for p, t in zip(pre, texts, strict=True)]
-        return list(self.score_streams(docs, skips=[len(p) for p in pre], per_byte=per_byte))
+        return list(self.score_streams(docs, skips=[len(p) for p in pre], per_byte=per_byte, routes=routes))
 
-    def score_stream(self, chunks: Iterable[bytes], per_byte: bool = False) -> Score:
-        """One document read from an iterable of byte chunks (a file read in pieces): bounded memory."""
-        return next(iter(self.score_streams([chunks], per_byte=per_byte)))
+    def score_stream(self, chunks: Iterable[bytes], per_byte: bool = False, routes: bool = False) -> Score:
+        """One document read from an iterable of byte chunks (a file read in pieces): bounded memory (routes=True
+        keeps a record per segment: about one per 768 bytes)."""
+        return next(iter(self.score_streams([chunks], per_byte=per_byte, routes=routes)))
 
     def score_streams(
-        self, docs: Iterable[Iterable[bytes]], skips: Sequence[int] | None = None, per_byte: bool = False
+        self,
+        docs: Iterable[Iterable[bytes]],
+        skips: Sequence[int] | None = None,
+        per_byte: bool = False,
+        routes: bool = False,
     ) -> Iterator[Score]:
-        """Documents, each an iterable of byte chunks, scored in order; a Score is yielded once every window of its
-        document has been through a pass (at most BATCH_WINDOWS windows wait at a time)."""
+        """Documents, each an iterable of byte chunks (its first skips[d] bytes a prefix: read, not scored), scored
+        in order; a Score is yielded once every segment of its document has been through a pass (at most
+        BATCH_WINDOWS segments wait at a time)."""
         acc: dict[int, Tally] = {}
         pending, ready = _Pending(), 0  # documents below `ready` may be yielded
+        rule, digest = self.rule, self.digest
 
         def finished(upto: int) -> Iterator[Score]:
             nonlocal ready
             while ready <= upto:
-                yield acc.pop(ready).score(self.substituted, per_byte)
+                yield acc.pop(ready).score(self.substituted, per_byte, rule, digest)
                 ready += 1
 
         d = -1
         for d, chunks in enumerate(docs):
-            acc[d] = Tally()
             skip = skips[d] if skips is not None else 0
-            for data, first, _ in windows_of(self._counted(chunks, acc[d]), self.window_bytes, self.stride, skip):
-                pending.add(d, data, first)
+            acc[d] = Tally(context_bytes=skip, routes=[] if routes else None)
+            for data, seg in segments_of(self._counted(chunks, acc[d]), rule, skip):
+                pending.add(d, data, seg)
                 if len(pending) >= BATCH_WINDOWS:
                     self._pass(pending, acc, per_byte)
                     pending = _Pending()
@@ -340,19 +360,40 @@ class RoutedLM:
         for piece in chunks:
             if not isinstance(piece, (bytes, bytearray, memoryview)):
                 raise TypeError(f"a document's chunks must be bytes, not {type(piece).__name__}")
-            tally.bytes += len(piece)
-            yield bytes(piece)
+            yield tally.read(bytes(piece))
 
     def _pass(self, p: _Pending, acc: dict[int, Tally], per_byte: bool) -> None:
-        """Route every pending window on its own bytes, then score them in one forward."""
-        routes = self.routes(p.data)
-        for r, nats in enumerate(self.window_nats(p.data, p.first, routes)):
-            acc[p.doc[r]].add(nats, routes.experts[r], per_byte)
+        """Route every pending segment on the bytes its rule reads, then score them all in one forward."""
+        heads = [data[: seg.read] for data, seg in zip(p.data, p.seg, strict=True)]
+        routes = self.routing.routes_on(heads)
+        firsts = [seg.first for seg in p.seg]
+        for r, nats in enumerate(self.window_nats(p.data, firsts, routes)):
+            acc[p.doc[r]].add(nats, p.seg[r], routes.experts[r], routes.weights[r], heads[r], per_byte)
 
     def window_nats(self, windows: Sequence[bytes], firsts: Sequence[int], routes: Routes) -> list[np.ndarray]:
-        """The nats of each window's scored predictions, first .. len - 2 (scoring.windows_of's `first`), under
-        `routes`: the forward's log p, negated. What `soma serve`'s expert replicas compute for its router."""
+        """The nats of each window's scored predictions, first .. len - 2 (a Segment's `first`), under `routes`: the
+        forward's log p, negated. What `soma serve`'s expert replicas compute for its router."""
         return [-lp[first:] for lp, first in zip(self.forward(windows, routes), firsts, strict=True)]
+
+    @functools.cached_property
+    def digest(self) -> str:
+        """sha256 (hex) of what a score is computed from: the scoring rule, the model's and the router's settings,
+        the router's arrays, and every expert's weights as loaded (float32; the seed model's where it stands in). A
+        campaign and its float32 export have one digest; a 16-bit export has its own (its weights differ)."""
+        h = hashlib.sha256()
+        cfg = self.router.cfg.model_dump(mode="json")
+        h.update(
+            json.dumps([self.rule.as_dict(), self.config.model.model_dump(mode="json"), cfg], sort_keys=True).encode()
+        )
+        r = self.router
+        h.update(json.dumps(r.vocabulary).encode())
+        for a in (r.idf, r.components, r.mean, r.centroids, r.offsets):
+            h.update(np.ascontiguousarray(a, dtype=np.float32).tobytes())
+        for unit in range(self.n_experts):
+            h.update(b"seed" if unit in self.substituted else b"expert")
+            for t in self._weights(unit):
+                h.update(t.detach().to("cpu", torch.float32).contiguous().numpy().tobytes())
+        return h.hexdigest()
 
     # -- generation --------------------------------------------------------------------------------------------
     def generate(
