@@ -207,8 +207,10 @@ class MuxRouter:
 
     async def _score(self, docs: list[bytes], pre: list[bytes]) -> list[dict]:
         cut = self.routing.cut(docs, pre)
-        windows, firsts = cut.windows, cut.firsts
         routes = await asyncio.to_thread(self.routing.routes_on, cut.heads)
+        cut, rows = cut.merged(routes.experts, routes.weights)
+        routes = routes.take(rows)
+        windows, firsts = cut.windows, cut.firsts
         top, weights = routes.experts, routes.weights
         where = self.group_of[top]  # (n, k): the group of each routed expert
         calls, pairs = [], []

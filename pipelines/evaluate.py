@@ -39,7 +39,7 @@ from soma_cluster.ensemble import (
 from soma_cluster.errors import SomaError
 from soma_cluster.inference.lm import RoutedLM
 from soma_cluster.inference.routing import Routes
-from soma_cluster.inference.scoring import RoutedSegment, Segment, record_line, short_sha
+from soma_cluster.inference.scoring import RoutedSegment, Segment, joined, merge_runs, record_line, short_sha
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
@@ -578,20 +578,36 @@ def route_causally(lm: RoutedLM, st: Strided, main: Routes, nats: np.ndarray, id
     rule, data = lm.rule, st.windows.data
     firsts = st.scored.argmax(axis=1)
     plan = [(i, seg) for i in range(len(data)) for seg in rule.segments(data.shape[1], int(firsts[i]))]
-    early = [(i, seg) for i, seg in plan if seg.read < rule.prefix_bytes]
-    routes = lm.routing.routes_on([bytes(data[i, : seg.read]) for i, seg in early])
-    part = lm.window_nats([bytes(data[i, : seg.end]) for i, seg in early], [seg.first for _, seg in early], routes)
-    for (i, seg), n in zip(early, part, strict=True):
-        nats[i, seg.first : seg.end - 1] = n
-    lines, e = [], 0
-    for i, seg in plan:
-        if seg.read < rule.prefix_bytes:
-            route, e = routes.route(e), e + 1
-        else:
-            route = main.route(i)
+    early = [r for r, (_, seg) in enumerate(plan) if seg.read < rule.prefix_bytes]
+    routed = lm.routing.routes_on([bytes(data[plan[r][0], : plan[r][1].read]) for r in early])
+    experts, weights = main.experts[[i for i, _ in plan]], main.weights[[i for i, _ in plan]]
+    experts[early], weights[early] = routed.experts, routed.weights
+    runs = merge_runs([i for i, _ in plan], [seg for _, seg in plan], experts, weights)
+    owner = [plan[a][0] for a, _ in runs]
+    segs = [joined([seg for _, seg in plan], a, b) for a, b in runs]
+    # a run under the window's own route: the pass that computed `nats` read it so already
+    redo = [
+        r
+        for r, (a, _) in enumerate(runs)
+        if not (
+            np.array_equal(experts[a], main.experts[owner[r]]) and np.array_equal(weights[a], main.weights[owner[r]])
+        )
+    ]
+    rows = [runs[r][0] for r in redo]
+    part = lm.window_nats(
+        [bytes(data[owner[r], : segs[r].end]) for r in redo],
+        [segs[r].first for r in redo],
+        Routes(experts[rows], weights[rows]),
+    )
+    for r, n in zip(redo, part, strict=True):
+        nats[owner[r], segs[r].first : segs[r].end - 1] = n
+    lines = []
+    for (a, _), i, seg in zip(runs, owner, segs, strict=True):
         at = int(st.starts[i])
         moved = Segment(seg.start + at, seg.end + at, seg.first, seg.read, seg.kind)
-        rec = RoutedSegment(moved, route.experts, route.weights, short_sha(bytes(data[i, : seg.read])))
+        rec = RoutedSegment(
+            moved, tuple(experts[a].tolist()), tuple(weights[a].tolist()), short_sha(bytes(data[i, : seg.read]))
+        )
         lines.append(record_line({"doc": ids[int(st.windows.docs[i])], **rec.as_dict()}))
     return b"".join(lines)
 

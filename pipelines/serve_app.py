@@ -293,6 +293,8 @@ class SomaRouter:
     async def _score(self, req: ScoreInput) -> list[dict]:
         cut = self.routing.cut(req.docs, req.prefixes)
         routes = await asyncio.to_thread(self.routing.routes_on, cut.heads)
+        cut, rows = cut.merged(routes.experts, routes.weights)  # a window's segments under one route: read as one
+        routes = routes.take(rows)
         step = self.cfg.max_batch_windows
         firsts = cut.firsts
         parts = await asyncio.gather(

@@ -23,7 +23,16 @@ from soma_cluster.ensemble import evaluate_ensemble, load_models, load_windows
 from soma_cluster.errors import SomaError
 from soma_cluster.inference.lm import RoutedLM
 from soma_cluster.inference.routing import Routes
-from soma_cluster.inference.scoring import Kind, Rule, Segment, record_line, segments_of, windows_of
+from soma_cluster.inference.scoring import (
+    Kind,
+    Rule,
+    Segment,
+    joined,
+    merge_runs,
+    record_line,
+    segments_of,
+    windows_of,
+)
 from soma_cluster.router import load_router
 from soma_cluster.storage import Store
 from soma_cluster.textsources import builtin_documents
@@ -130,7 +139,9 @@ def test_the_forward_is_what_scoring_lmeval_and_generation_read(lm):
     nats, per_byte = rescored(lm, doc, s)
     assert nats == s.nats and np.array_equal(per_byte, s.per_byte)  # scoring sums the forward, bit for bit
     (logp,) = lm.forward([doc])  # the window routed on its first 256 bytes: what scores bytes 256 on
-    assert np.array_equal(-logp[255:], s.per_byte[255:]) and s.routes[-1].segment.scored == (256, 280)
+    assert np.array_equal(-logp[255:], s.per_byte[255:])
+    last = s.routes[-1]  # bytes 256 on: routed on the first 256 (a run of growing routes equal to it merged in)
+    assert last.segment.scored[0] <= 256 and last.segment.scored[1] == 280 and last.experts == lm.route(doc).experts
     (dist,) = lm.forward([doc], every_byte=True)  # lm-eval's is_greedy reads these
     assert dist.shape == (len(doc) - 1, 256) and np.allclose(np.exp(dist).sum(axis=1), 1, atol=1e-5)
     assert np.allclose(dist[np.arange(len(doc) - 1), list(doc[1:])], logp, atol=1e-4)  # two paths, one model
@@ -332,6 +343,7 @@ def test_a_score_is_reproduced_from_its_record(lm, case):
     s = lm.score(text, prefix=prefix, per_byte=True, routes=True)
     nats, per_byte = rescored(lm, prefix + text, s)
     assert nats == s.nats and np.array_equal(per_byte, s.per_byte)
+    assert all(r.line() == record_line(r.as_dict()) for r in s.routes)  # the canonical JSON line of each
     h = hashlib.sha256(b"".join(record_line(r.as_dict()) for r in s.routes)).hexdigest()
     assert s.routing.routes_sha256 == h == lm.score(text, prefix=prefix).routing.routes_sha256
     assert s.routing.context_sha256 == hashlib.sha256(prefix).hexdigest() and s.context_bytes == len(prefix)
@@ -339,6 +351,21 @@ def test_a_score_is_reproduced_from_its_record(lm, case):
         read = (prefix + text)[r.segment.start : r.segment.start + r.segment.read]
         assert r.read_sha256 == hashlib.sha256(read).hexdigest()[:16]
         assert r.experts == lm.routing.routes_on([read]).route(0).experts  # the router on those bytes alone
+
+
+def test_segments_under_one_route_are_read_as_one():
+    """merge_runs: consecutive segments of one window routed alike (experts and weights) become one segment, read
+    under the first one's route; other windows, documents and routes are never joined."""
+    rule = Rule(window_bytes=1025, stride=768, prefix_bytes=256)
+    segs = rule.segments(1025, 0) + rule.segments(1025, 256, start=768)
+    experts = np.array([[0, 1]] * 3 + [[1, 0]] + [[1, 2]] * 5 + [[1, 2]])  # the last: the next window's
+    weights = np.full(experts.shape, 0.5)
+    runs = merge_runs([0] * 10, segs, experts, weights)
+    assert runs == [(0, 2), (3, 3), (4, 8), (9, 9)]
+    assert joined(segs, 4, 8) == Segment(0, 1025, 15, 16, Kind.GROWING)
+    assert merge_runs([0] * 5 + [1] * 5, segs, experts, weights)[2:] == [(4, 4), (5, 8), (9, 9)]  # two documents
+    weights[5] = [0.25, 0.75]
+    assert merge_runs([0] * 10, segs, experts, weights)[2:] == [(4, 4), (5, 5), (6, 8), (9, 9)]
 
 
 def test_which_bytes_each_route_reads():
@@ -357,9 +384,10 @@ def test_which_bytes_each_route_reads():
     assert rule.segments(1025, 256, start=768) == [Segment(768, 1793, 256, 256, Kind.WINDOW)]
     for n, skip in [(2, 0), (257, 0), (1025, 0), (3000, 0), (40, 7), (3000, 100), (3000, 1500)]:
         targets = []
-        for data, seg in segments_of([bytes(n)], rule, skip):
-            assert len(data) == seg.end - seg.start and seg.start + seg.read <= seg.scored[0]
-            targets += range(*seg.scored)
+        for data, segs in segments_of([bytes(n)], rule, skip):
+            for seg in segs:
+                assert len(data) >= seg.end - seg.start and seg.start + seg.read <= seg.scored[0]
+                targets += range(*seg.scored)
         assert targets == list(range(max(1, skip), n))  # every byte after the prefix (and the first) exactly once
 
 
@@ -419,9 +447,17 @@ def test_documents_at_the_routing_edges(lm, n):
     s = lm.score(doc, per_byte=True, routes=True)
     assert s.scored_bytes == n - 1 and s.windows == (1 if n <= 1025 else 2)
     assert [b for r in s.routes for b in range(*r.segment.scored)] == list(range(1, n))
-    kinds = [r.segment.kind for r in s.routes]
-    assert kinds[0] == "growing" and (kinds[-1] == "window") == (n > 256)
-    assert rescored(lm, doc, s)[0] == s.nats
+    assert s.routes[0].segment.kind == "growing" and s.routes[0].segment.read == 1
+    if n > 256:  # from byte 256 on, the route of the first 256 bytes (the run it ends, if growing routes equal it)
+        last = [r for r in s.routes if r.segment.start == 0][-1]  # the first window's
+        assert last.segment.scored[0] <= 256 and last.experts == lm.route(doc).experts
+    ends = [r.segment.scored[1] for r in s.routes]
+    assert all(
+        r.experts != q.experts or r.weights != q.weights
+        for r, q in zip(s.routes, s.routes[1:], strict=False)
+        if r.segment.start == q.segment.start
+    )
+    assert rescored(lm, doc, s)[0] == s.nats and ends[-1] == n
 
 
 def test_the_ensemble_digest_names_the_weights(trained_campaign, lm, tmp_path):

@@ -60,14 +60,27 @@ from soma_cluster.errors import SomaError
 from soma_cluster.inference.export import read_export
 from soma_cluster.inference.generation import GenerationConfig, resolve
 from soma_cluster.inference.routing import Route, Routes, Routing, open_source
-from soma_cluster.inference.scoring import Rule, Score, Segment, Tally, Text, as_bytes, segments_of
+from soma_cluster.inference.scoring import (
+    Rule,
+    Score,
+    Segment,
+    Tally,
+    Text,
+    as_bytes,
+    joined,
+    merge_runs,
+    segments_of,
+)
 from soma_cluster.model import BodyState, embed
 from soma_cluster.router import Router, load_router
 
 Device = str | torch.device | None
 
-PAD_TO = 64  # short windows of a batch are padded to a multiple of this many bytes, so one pass holds many lengths
-BATCH_WINDOWS = 1024  # windows gathered before a pass (bounded memory on a stream of any length)
+# windows of a batch are padded to a multiple of this many bytes, so one pass holds many lengths; a shorter one (a
+# short document, a segment of a document's first bytes) to the next power of two: at most twice its length
+PAD_TO = 64
+BATCH_WINDOWS = 1024  # windows gathered before a pass (bounded memory on a stream of any length; a window's segments
+# read at most twice its bytes)
 READ_BYTES = 1 << 20  # a file or stream is read in chunks of this size
 TIME_BLOCK = 256  # positions per block when every byte's distribution is read: (rows, block, 256) at a time
 MIN_PROB = 1e-300  # log p is log(max(p, MIN_PROB)) in FP64: a byte the mixture underflows on stays finite
@@ -94,14 +107,15 @@ def pick(device: Device = None) -> torch.device:
 
 @dataclass
 class _Pending:
-    """Segments waiting for a pass, with the document each belongs to."""
+    """Segments waiting for a pass, with the document each belongs to, and the windows they are of."""
 
     doc: list[int] = field(default_factory=list)
     data: list[bytes] = field(default_factory=list)
     seg: list[Segment] = field(default_factory=list)
+    windows: int = 0
 
     def __len__(self) -> int:
-        return len(self.data)
+        return self.windows
 
     def add(self, doc: int, data: bytes, seg: Segment) -> None:
         self.doc.append(doc)
@@ -232,9 +246,12 @@ class RoutedLM:
 
     def _target_logprobs(self, windows: list[bytes], routes: Routes) -> list[np.ndarray]:
         """forward's log p of each next byte: evaluate_ensemble (soma eval's passes) over the windows grouped by
-        padded length, so one pass holds many lengths; padding is never routed on (routes are given)."""
+        padded length, so one pass holds many lengths; padding is never routed on (routes are given). A group of
+        short windows takes as many per pass as eval.batch full windows hold bytes: the same memory, fewer passes."""
         lengths = np.array([len(w) for w in windows], dtype=np.int64)
-        padded = np.maximum(np.minimum(-(-lengths // PAD_TO) * PAD_TO, self.window_bytes), lengths)
+        short = 2 ** np.ceil(np.log2(np.maximum(lengths, 2))).astype(np.int64)
+        padded = np.where(lengths < PAD_TO, short, -(-lengths // PAD_TO) * PAD_TO)
+        padded = np.maximum(np.minimum(padded, self.window_bytes), lengths)
         out: list[np.ndarray] = [np.zeros(0)] * len(windows)
         for length in np.unique(padded):
             rows = np.nonzero(padded == length)[0]
@@ -248,7 +265,7 @@ class RoutedLM:
                 self.experts,
                 Windows(data, np.zeros(len(rows), dtype=np.int64)),
                 0,
-                self.config.eval.batch,
+                self.config.eval.batch * max(1, self.window_bytes // int(length)),
                 self.device,
                 seed=self.seed,
                 routed=(mine.experts, mine.weights),
@@ -328,7 +345,7 @@ class RoutedLM:
     ) -> Iterator[Score]:
         """Documents, each an iterable of byte chunks (its first skips[d] bytes a prefix: read, not scored), scored
         in order; a Score is yielded once every segment of its document has been through a pass (at most
-        BATCH_WINDOWS segments wait at a time)."""
+        BATCH_WINDOWS windows wait at a time)."""
         acc: dict[int, Tally] = {}
         pending, ready = _Pending(), 0  # documents below `ready` may be yielded
         rule, digest = self.rule, self.digest
@@ -343,8 +360,10 @@ class RoutedLM:
         for d, chunks in enumerate(docs):
             skip = skips[d] if skips is not None else 0
             acc[d] = Tally(context_bytes=skip, routes=[] if routes else None)
-            for data, seg in segments_of(self._counted(chunks, acc[d]), rule, skip):
-                pending.add(d, data, seg)
+            for data, segs in segments_of(self._counted(chunks, acc[d]), rule, skip):
+                for seg in segs:  # a window's segments go through one pass together (merge_runs)
+                    pending.add(d, data[: seg.end - seg.start], seg)
+                pending.windows += 1
                 if len(pending) >= BATCH_WINDOWS:
                     self._pass(pending, acc, per_byte)
                     pending = _Pending()
@@ -363,12 +382,16 @@ class RoutedLM:
             yield tally.read(bytes(piece))
 
     def _pass(self, p: _Pending, acc: dict[int, Tally], per_byte: bool) -> None:
-        """Route every pending segment on the bytes its rule reads, then score them all in one forward."""
+        """Route every pending segment on the bytes its rule reads, read each run of a window's segments under one
+        route as one (scoring.merge_runs), then score them all in one forward."""
         heads = [data[: seg.read] for data, seg in zip(p.data, p.seg, strict=True)]
         routes = self.routing.routes_on(heads)
-        firsts = [seg.first for seg in p.seg]
-        for r, nats in enumerate(self.window_nats(p.data, firsts, routes)):
-            acc[p.doc[r]].add(nats, p.seg[r], routes.experts[r], routes.weights[r], heads[r], per_byte)
+        runs = merge_runs(p.doc, p.seg, routes.experts, routes.weights)
+        segs = [joined(p.seg, a, b) for a, b in runs]
+        rows = [a for a, _ in runs]
+        nats = self.window_nats([p.data[b] for _, b in runs], [seg.first for seg in segs], routes.take(rows))
+        for (a, _), seg, n in zip(runs, segs, nats, strict=True):
+            acc[p.doc[a]].add(n, seg, routes.experts[a], routes.weights[a], heads[a], per_byte)
 
     def window_nats(self, windows: Sequence[bytes], firsts: Sequence[int], routes: Routes) -> list[np.ndarray]:
         """The nats of each window's scored predictions, first .. len - 2 (a Segment's `first`), under `routes`: the

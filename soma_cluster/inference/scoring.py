@@ -146,6 +146,16 @@ class RoutedSegment:
             "weights": list(self.weights),
         }
 
+    def line(self) -> bytes:
+        """record_line(self.as_dict()), written out directly: a score hashes one per segment."""
+        s = self.segment
+        a, b = s.scored
+        experts, weights = ",".join(map(str, self.experts)), ",".join(map(repr, self.weights))
+        return (
+            f'{{"experts":[{experts}],"kind":"{s.kind}","router_read":[{s.start},{s.start + s.read}],'
+            f'"router_sha256":"{self.read_sha256}","scored":[{a},{b}],"weights":[{weights}],"window":{s.start}}}\n'
+        ).encode()
+
 
 @dataclass(frozen=True)
 class ScoreRouting:
@@ -249,13 +259,44 @@ def windows_of(chunks: Iterable[bytes], window: int, stride: int, skip: int = 0)
         base += drop
 
 
-def segments_of(chunks: Iterable[bytes], rule: Rule, skip: int = 0) -> Iterator[tuple[bytes, Segment]]:
-    """A document read from `chunks` (its first `skip` bytes a prefix: read, not scored) -> (bytes, Segment) per
-    segment, in order: windows_of's windows, each cut into the segments the rule reads it in (module docstring)."""
+def segments_of(chunks: Iterable[bytes], rule: Rule, skip: int = 0) -> Iterator[tuple[bytes, list[Segment]]]:
+    """A document read from `chunks` (its first `skip` bytes a prefix: read, not scored) -> (bytes, segments) per
+    window, in order: windows_of's windows and the segments the rule reads each in (module docstring); a segment's
+    bytes are the window's first end - start."""
     for data, first, start in windows_of(chunks, rule.window_bytes, rule.stride, skip):
         context = skip > 0 and start + first + 1 == skip  # the window that starts the text, after a prefix
-        for seg in rule.segments(len(data), first, start, context):
-            yield data[: seg.end - seg.start], seg
+        yield data, rule.segments(len(data), first, start, context)
+
+
+def merge_runs(
+    owner: Sequence[int], segments: Sequence[Segment], experts: np.ndarray, weights: np.ndarray
+) -> list[tuple[int, int]]:
+    """Consecutive segments of one window routed to the same experts with the same weights (experts, weights: (n, k),
+    a row per segment), as runs (first, last) of indices. A run is read as one segment, Segment(first's start,
+    last's end, first's first, first's read): the numbers are the same (each segment's experts read the window
+    from its first byte), the passes shorter (a growing route often comes out the same as it reads on)."""
+    runs: list[tuple[int, int]] = []
+    for i, seg in enumerate(segments):
+        if runs:
+            a, b = runs[-1]
+            last = segments[b]
+            if (
+                owner[b] == owner[i]
+                and last.start == seg.start
+                and last.end == seg.scored[0]
+                and np.array_equal(experts[a], experts[i])
+                and np.array_equal(weights[a], weights[i])
+            ):
+                runs[-1] = (a, i)
+                continue
+        runs.append((i, i))
+    return runs
+
+
+def joined(segments: Sequence[Segment], a: int, b: int) -> Segment:
+    """The run a..b of merge_runs as one segment."""
+    head, last = segments[a], segments[b]
+    return Segment(head.start, last.end, head.first, head.read, head.kind)
 
 
 WindowResult = np.ndarray | tuple[float, int]  # a segment's nats (per byte), or their (sum, count)
@@ -308,11 +349,9 @@ class Tally:
         self._window = seg.start
         for e in experts:
             self.experts.setdefault(int(e), None)
-        routed = RoutedSegment(
-            seg, tuple(int(e) for e in experts), tuple(float(w) for w in weights), short_sha(bytes(head))
-        )
+        routed = RoutedSegment(seg, tuple(map(int, experts)), tuple(map(float, weights)), short_sha(bytes(head)))
         self.segments += 1
-        self._routes.update(record_line(routed.as_dict()))
+        self._routes.update(routed.line())
         if self.routes is not None:
             self.routes.append(routed)
 
@@ -359,12 +398,27 @@ class Cut:
     def of(cls, docs: Sequence[bytes], prefixes: Sequence[bytes], rule: Rule) -> Cut:
         windows, segments, owner = [], [], []
         for d, (p, t) in enumerate(zip(prefixes, docs, strict=True)):
-            for data, seg in segments_of([p + t], rule, len(p)):
-                windows.append(data)
-                segments.append(seg)
-                owner.append(d)
+            for data, segs in segments_of([p + t], rule, len(p)):
+                for seg in segs:
+                    windows.append(data[: seg.end - seg.start])
+                    segments.append(seg)
+                    owner.append(d)
         sizes = [len(p) + len(t) for p, t in zip(prefixes, docs, strict=True)]
         return cls(rule, windows, segments, owner, sizes, list(prefixes))
+
+    def merged(self, experts: np.ndarray, weights: np.ndarray) -> tuple[Cut, list[int]]:
+        """The cut with each run of merge_runs read as one segment, and the rows of `experts` and `weights` (routed
+        on `heads`) that route the merged segments."""
+        runs = merge_runs(self.owner, self.segments, experts, weights)
+        cut = Cut(
+            self.rule,
+            [self.windows[b] for _, b in runs],
+            [joined(self.segments, a, b) for a, b in runs],
+            [self.owner[a] for a, _ in runs],
+            self.sizes,
+            self.contexts,
+        )
+        return cut, [a for a, _ in runs]
 
     @property
     def firsts(self) -> list[int]:
