@@ -4,9 +4,12 @@
       validate (inference.serveinput)             score: @serve.batch, windows of many requests in one pass
                                                          (Passes: one pass at a time, every queued batch in it)
       cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
-      route each window (Routing: no weights)     (both RoutedLM's public calls: window_nats, stream)
+      and their segments; route each segment on   (both RoutedLM's public calls: window_nats, stream)
+      the bytes before what it scores (Routing:
+      no weights; scoring.Rule)
       -> handle calls, retried on a lost replica
-      total each document's windows (Cut.scores)
+      total each document's segments into its
+      score and record (Cut.scores)
 
 Build it with `build(args)` (a Serve application builder: `import_path: pipelines.serve_app:build` in a Serve
 config file, as deploy/kuberay/rayservice.yaml does) or through `soma serve`.

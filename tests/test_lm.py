@@ -468,3 +468,28 @@ def test_the_ensemble_digest_names_the_weights(trained_campaign, lm, tmp_path):
     assert s.as_dict()["routing"]["rule"] == "causal/1" and s.as_dict()["ensemble_digest"] == lm.digest
     assert RoutedLM.load(str(trained_campaign)).digest == lm.digest  # loaded again: the same
     assert RoutedLM.load(str(partial(trained_campaign, tmp_path / "p"))).digest != lm.digest
+
+
+def test_with_one_expert_the_rule_changes_no_number(variants):
+    """N = 1: every route is the one expert, so the segments of a window merge into the window and every byte keeps,
+    bit for bit, the probability the rule before causal/1 gave it (each window routed on its first 256 bytes)."""
+    lm = variants["n1"]
+    text = real_text()
+    docs = [text[30_000 + 3000 * i : 30_000 + 3000 * i + n] for i, n in enumerate([2, 100, 255, 256, 257, 1025, 3000])]
+    for doc, s in zip(docs, lm.score_many(docs, per_byte=True, routes=True), strict=True):
+        before = [-lp[first:] for data, first, _ in windows_of([doc], 1025, 768) for lp in lm.forward([data])]
+        assert np.array_equal(s.per_byte, np.concatenate(before)) and s.routing.segments == s.windows
+
+
+def test_a_batch_and_one_document_alone_give_the_same_record(lm):
+    """Documents scored together (past one pass of BATCH_WINDOWS windows) or alone, or streamed a byte at a time:
+    the same nats and the same routes (a window's segments always go through one pass together)."""
+    text = real_text()
+    docs = [text[97 * i % 150_000 : 97 * i % 150_000 + 50 + i % 400] for i in range(1100)]
+    together = lm.score_many(docs)
+    for i in (0, 700, 1023, 1024, 1099):
+        alone = lm.score(docs[i])
+        assert (together[i].nats, together[i].routing.routes_sha256) == (alone.nats, alone.routing.routes_sha256)
+    doc = text[:2000]
+    streamed = lm.score_stream(doc[i : i + 1] for i in range(len(doc)))
+    assert (streamed.nats, streamed.routing.routes_sha256) == (lm.score(doc).nats, lm.score(doc).routing.routes_sha256)

@@ -17,11 +17,12 @@ bytes each; without it, max_gen_toks is read as bytes), `step` (a campaign's che
 
 The model reads UTF-8 bytes; lm-eval's "tokens" are bytes here. Every request is built on RoutedLM (lm.py):
 
-- **loglikelihood** (context, continuation): -RoutedLM.score(continuation, prefix=context).nats, the windows and
-  routes of soma eval (a window is routed by its own first router.prefix_bytes bytes, so with a context shorter
-  than that the router also reads the continuation's first bytes). is_greedy is exact: every continuation byte is
-  the argmax of the very distribution that scored it (the forward's, same window, same route).
-- **loglikelihood_rolling** (text,): the whole text's log-likelihood, every byte of it counted.
+- **loglikelihood** (context, continuation): -RoutedLM.score(continuation, prefix=context).nats: the continuation
+  routed on the context alone (scoring.Rule, causal/1), so every choice of a question is scored under one route and
+  the one-byte continuations of a context are one distribution. is_greedy is exact: every continuation byte is the
+  argmax of the very distribution that scored it (the forward's, same segment, same route: the score's record).
+- **loglikelihood_rolling** (text,): the whole text's log-likelihood, every byte of it counted (its first bytes
+  re-routed as they are read, as any document without a prefix).
 - **generate_until** (context, gen_kwargs): RoutedLM.generate under the GenerationConfig the gen_kwargs map onto
   (generation_of): greedy (top_k=1) unless do_sample is true with a temperature other than 0, else its temperature
   and top_k as given, checked by GenerationConfig's bounds; cut at the first `until` string; decoded with
@@ -32,6 +33,9 @@ asks for one (the first continuation byte after an empty context, the first byte
 the uniform probability 1/256, log(1/256) = -5.545 nats, so bits_per_byte and byte_perplexity are averages over
 every byte of the documents, as lm-eval divides them. That byte never counts against is_greedy (under the uniform
 distribution every byte ties for the most likely).
+
+The results' `config` names what produced them (get_model_info): the source, experts, top-k, steps, the seed's
+stand-ins, the ensemble's digest and the routing rule.
 """
 
 from __future__ import annotations
