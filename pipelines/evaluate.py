@@ -39,7 +39,7 @@ from soma_cluster.ensemble import (
 from soma_cluster.errors import SomaError
 from soma_cluster.inference.lm import RoutedLM
 from soma_cluster.inference.routing import Routes
-from soma_cluster.inference.scoring import RoutedSegment, Segment, joined, merge_runs, record_line, short_sha
+from soma_cluster.inference.scoring import RoutedSegment, Rule, Segment, joined, merge_runs, record_line, short_sha
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
@@ -553,7 +553,7 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s,
         "device": str(device),
         "routing": {
-            **lm.rule.as_dict(),
+            **Rule(cfg.eval.window_bytes, stride, lm.rule.prefix_bytes).as_dict(),  # the windows of --stride
             "segments": routes.count(b"\n"),
             "routes_file": f"{name}.routes.jsonl",
             "routes_sha256": sha256(routes),
