@@ -17,6 +17,8 @@ Cases, per campaign (a campaign directory, or an export beside --corpus-of):
   - first bytes (--alternatives): the ways bytes 1..255 of a document's first window could be scored causally,
     each on the same documents: the seed model, the uniform mixture of every expert, the route of byte 0 (a
     1-byte context), routes re-chosen at 1, 2, 4, ..., 128 bytes (causal/1's), re-chosen at every byte; and before.
+    And after a context of c = 8, 32, 64, 128 bytes (the documents' first c bytes), bytes 256..1,024 of the window
+    under the context's route held (causal/1) against re-routed at byte 256 on the window's first 256 bytes.
   - short documents: the test documents cut into lines (a worst case for causal/1: every line is read in up to 8
     short segments), before and after: nats/byte and seconds.
   - lm-eval (--lmeval, with the lmeval extra): two local tasks written from the test documents, run by the real
@@ -188,10 +190,24 @@ def alternatives(lm: RoutedLM, docs: list[bytes]) -> list[str]:
         "re-routed at every byte": rerouted(list(range(1, r))),
     }
     ref = cases["before (the window's first 256 bytes, scored ones included)"].mean()
-    return [
+    rows = [
         f"| first bytes ({len(heads)} documents): {k} | {ref:.4f} | {v.mean():.4f} | {v.mean() - ref:+.4f} |"
         for k, v in cases.items()
     ]
+    return rows + held_context(lm, [d[: lm.window_bytes] for d in docs if len(d) >= lm.window_bytes])
+
+
+def held_context(lm: RoutedLM, wins: list[bytes]) -> list[str]:
+    """Bytes 256..1,024 of a window after a context of c bytes: under the context's route, held for the window
+    (causal/1), against re-routed at byte 256 on the window's first 256 bytes (the alternative not taken)."""
+    r = lm.router.cfg.prefix_bytes
+    rerouted = np.concatenate([-lp[r - 1 :] for lp in lm.forward(wins, lm.routes(wins))])
+    rows = []
+    for c in (8, 32, 64, 128):
+        held = np.concatenate([-lp[r - 1 :] for lp in lm.forward(wins, lm.routing.routes_on([w[:c] for w in wins]))])
+        what = f"bytes 256..1,024 after a {c}-byte context ({len(wins)} windows): re-routed at 256 -> held (causal/1)"
+        rows.append(f"| {what} | {rerouted.mean():.4f} | {held.mean():.4f} | {held.mean() - rerouted.mean():+.4f} |")
+    return rows
 
 
 # -- lm-eval ---------------------------------------------------------------------------------------------------

@@ -23,7 +23,9 @@ bytes of a window before its first scored byte:
   first R bytes. Each route's experts read the window from its first byte, so no state is cut short.
 
 A window is thus read in one or more segments: the bytes [start, end) read from a fresh state under one route, the
-predictions from `first` on scored. No byte's probability depends on that byte or a later one.
+predictions from `first` on scored; consecutive segments the router sends to the same experts with the same weights
+are read as one (merge_runs). No byte's probability depends on that byte or a later one. Each Score carries the
+record of what produced it (ScoreRouting: the rule, the context read, the segments' routes and their sha256).
 """
 
 from __future__ import annotations
@@ -197,7 +199,7 @@ class Score:
     scored_bytes: int  # bytes predicted: all but the first (and but the prefix's, when one was given)
     nats: float
     windows: int  # windows it was read in (module docstring: the context each byte saw)
-    experts: tuple[int, ...]  # every expert a window of it was routed to, in order of first use
+    experts: tuple[int, ...]  # every expert a segment of it was routed to, in order of first use
     seed_fallback: tuple[int, ...] = ()  # of those, the ones the seed model stood in for
     per_byte: np.ndarray | None = field(default=None, compare=False, repr=False)  # (scored_bytes,) nats, if asked
     context_bytes: int = 0  # the prefix's bytes (read, not scored)
