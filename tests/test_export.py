@@ -64,6 +64,7 @@ def test_a_16_bit_export_is_smaller_and_close(trained_campaign, exported, tmp_pa
     assert (dest / WEIGHTS).stat().st_size < 0.6 * (exported / WEIGHTS).stat().st_size
     full, half = (RoutedLM.load(str(d)).score(DOCS[-1]) for d in (exported, dest))
     assert abs(full.nats_per_byte - half.nats_per_byte) < 0.02 * full.nats_per_byte
+    assert full.ensemble_digest != half.ensemble_digest  # other weights: a score's record tells them apart
 
 
 def test_damaged_exports_are_refused_naming_the_file(exported, tmp_path):
