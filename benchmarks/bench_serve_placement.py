@@ -20,7 +20,7 @@ measures better. Two arms, on the same ensembles, documents, load generator and 
     RoutedLM.window_nats routed to that expert alone with weight 1, whose nats are -log(exp(log p)) = -log p, and
     it sends back each pair's per-byte log-probability as float32 (the kernel's own precision: the value comes
     back bit for bit). The router mixes them as ensemble.evaluate_ensemble does: p = sum_k w_k exp(log p_k) in
-    float64, nats = -log(max(p, 1e-300)), then totals each document with scoring.Tally. A pass of the
+    float64, nats = -log(max(p, 1e-300)), then totals each document with scoring.Cut.scores. A pass of the
     group replica holds up to k x --batch-windows pairs, the expert-rows of an all-experts pass of --batch-windows
     windows.
 
@@ -76,7 +76,7 @@ from pipelines.serve_app import Passes, _error, _read_body  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
 from soma_cluster.inference.lm import RoutedLM  # noqa: E402
 from soma_cluster.inference.routing import Routes, Routing  # noqa: E402
-from soma_cluster.inference.scoring import Tally  # noqa: E402
+from soma_cluster.inference.scoring import Cut  # noqa: E402
 from soma_cluster.inference.serveinput import RequestError, Status, parse_score, settings  # noqa: E402
 
 
@@ -197,18 +197,20 @@ class MuxRouter:
     @mux_api.post("/v1/score")
     async def score(self, request: Request) -> Response:
         try:
-            docs, pre, per_byte = parse_score(await _read_body(request, self.cfg.max_request_bytes), self.cfg)
-            if per_byte:
-                raise RequestError(Status.INVALID, "per_byte: not in this benchmark", "per_byte")
-            scores = await self._score(docs, pre)
+            req = parse_score(await _read_body(request, self.cfg.max_request_bytes), self.cfg)
+            if req.per_byte or req.routes:
+                raise RequestError(Status.INVALID, "per_byte and routes: not in this benchmark", "per_byte")
+            scores = await self._score(req.docs, req.prefixes)
         except RequestError as exc:
             return _error(exc, self.cfg.retry_after_s)
         return JSONResponse({"source": shown(self.routing.source), "scores": scores})
 
     async def _score(self, docs: list[bytes], pre: list[bytes]) -> list[dict]:
         cut = self.routing.cut(docs, pre)
-        windows, firsts, owner = cut.windows, cut.firsts, cut.owner
-        routes = await asyncio.to_thread(self.routing.routes, windows)
+        routes = await asyncio.to_thread(self.routing.routes_on, cut.heads)
+        cut, rows = cut.merged(routes.experts, routes.weights)
+        routes = routes.take(rows)
+        windows, firsts = cut.windows, cut.firsts
         top, weights = routes.experts, routes.weights
         where = self.group_of[top]  # (n, k): the group of each routed expert
         calls, pairs = [], []
@@ -219,20 +221,18 @@ class MuxRouter:
             calls.append(self.groups[g].score.remote(job))
             pairs.append((rows, slots))
         answers = await asyncio.gather(*calls)
-        return await asyncio.to_thread(self._mix, docs, pre, windows, firsts, owner, top, weights, pairs, answers)
+        return await asyncio.to_thread(self._mix, cut, top, weights, pairs, answers)
 
     @staticmethod
-    def _mix(docs, pre, windows, firsts, owner, top, weights, pairs, answers) -> list[dict]:
+    def _mix(cut: Cut, top, weights, pairs, answers) -> list[dict]:
         """p = sum_k w_k exp(log p_k) per scored byte (float64, as evaluate_ensemble), nats = -log p, per document."""
-        prob = [np.zeros(len(w) - 1 - f) for w, f in zip(windows, firsts, strict=True)]
+        prob = [np.zeros(len(w) - 1 - f) for w, f in zip(cut.windows, cut.firsts, strict=True)]
         for (rows, slots), lps in zip(pairs, answers, strict=True):
             for r, s, lp in zip(rows, slots, lps, strict=True):
                 prob[r] += weights[r, s] * np.exp(lp.astype(np.float64))
-        acc = [Tally(len(p) + len(t)) for p, t in zip(pre, docs, strict=True)]
-        for r, p in enumerate(prob):
-            nats = -np.log(np.maximum(p, 1e-300))
-            acc[owner[r]].add_total(float(nats.sum()), len(nats), top[r])
-        return [a.score((), False).as_dict() for a in acc]  # every expert has weights here: no seed fallback
+        totals = [(float(n.sum()), len(n)) for n in (-np.log(np.maximum(p, 1e-300)) for p in prob)]
+        scores = cut.scores(top, weights, totals, (), False)  # every expert has weights here: no seed fallback
+        return [s.as_dict() for s in scores]
 
 
 def mux_app(path: str, groups_dir: str, group_of: np.ndarray, m: int, log: str, a: argparse.Namespace, cpus: float):

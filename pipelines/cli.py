@@ -567,16 +567,20 @@ def score(
         None, metavar="[FILE ...|-]", help="files, directories (their files) or - (standard input); none: stdin"
     ),
     lines: bool = typer.Option(False, "--lines", help="each line of an input is a document"),
+    per_byte: bool = typer.Option(False, "--per-byte", help="list each scored byte's nats in each record"),
+    routes: bool = typer.Option(False, "--routes", help="list every segment's route in each record (json.md)"),
     step: Optional[int] = StepOpt,
     device: Optional[str] = DeviceOpt,
 ) -> None:
     """Score documents with the routed ensemble (a campaign or a soma export): one JSON line per document on stdout
-    (bytes, scored_bytes, nats, nats/byte, bits/byte, windows, experts), any length (docs/inference.md)."""
+    (bytes, scored_bytes, nats, nats/byte, bits/byte, windows, experts, and the routing that produced them), any
+    length (docs/inference.md)."""
 
     def go() -> None:
+        from pipelines.inference import Listed
         from pipelines.inference import score as run
 
-        t = run(campaign, list(inputs or []), lines, device, step)
+        t = run(campaign, list(inputs or []), lines, device, step, Listed(per_byte, routes))
         per = f": {t['nats'] / t['scored_bytes']:.4f} nats/byte" if t["scored_bytes"] else ""
         print(
             f"scored {t['documents']} document(s), {t['scored_bytes']:,} of {t['bytes']:,} bytes{per}", file=sys.stderr

@@ -21,6 +21,7 @@ from soma_cluster.config import CampaignConfig, CorpusConfig
 from soma_cluster.corpus import check_listing, documents
 from soma_cluster.ensemble import (
     UNIFORM_NATS,
+    Strided,
     Substitute,
     Windows,
     bootstrap_weights,
@@ -36,6 +37,9 @@ from soma_cluster.ensemble import (
     windows_digest,
 )
 from soma_cluster.errors import SomaError
+from soma_cluster.inference.lm import RoutedLM
+from soma_cluster.inference.routing import Routes
+from soma_cluster.inference.scoring import RoutedSegment, Rule, Segment, joined, merge_runs, record_line, short_sha
 from soma_cluster.jobs import TERMINAL, Category, JobState, expert_name
 from soma_cluster.ledger import Ledger
 from soma_cluster.model import campaign_param_count
@@ -87,18 +91,30 @@ class Ensemble:
         models = load_models(store, cfg.n_experts, step)
         return cls(cfg, router or load_router(store), models.checkpoints, models.seed.tensors, models.substituted)
 
-    def run(self, win: Windows, context: int, device: torch.device):
-        experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}
+    def run(self, win: Windows, context: int, device: torch.device, routed: tuple | None = None):
+        """evaluate_ensemble on the windows: each routed on its first prefix_bytes, or by `routed` (top, weights)."""
         return evaluate_ensemble(
             self.router,
             self.cfg.model,
-            experts,
+            self.experts(),
             win,
             context,
             self.cfg.eval.batch,
             device,
-            seed=(self.seed["body"], self.seed["head"]),
+            seed=self.seed_unit(),
+            routed=routed,
         )
+
+    def experts(self) -> dict[int, tuple[torch.Tensor, torch.Tensor]]:
+        """(body, head) of each expert with a checkpoint."""
+        return {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in self.checkpoints.items()}
+
+    def seed_unit(self) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.seed["body"], self.seed["head"]
+
+    def lm(self, url: str, device: torch.device) -> RoutedLM:
+        """The same weights as a RoutedLM (its forward, routing rule and digest)."""
+        return RoutedLM(self.cfg, self.router, self.experts(), self.seed_unit(), self.substituted, url, device)
 
     def require_all(self, url: str) -> None:
         """`soma eval --require-all`: any substitution is an error, naming the experts and what trains them."""
@@ -503,11 +519,24 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         refuse_in_progress(store.url, running)
         ens.require_all(store.url)
     store.check_writable()  # the report is written at the end: after every refusal above, before the work
-    st = strided_windows((d.data for d in documents(corpus)), cfg.eval.window_bytes, stride, cfg.eval_windows())
-    res = ens.run(st.windows, 0, device)
+    ids: list[str] = []  # each document's id, in the order read
+    docs = (ids.append(d.doc_id) or d.data for d in documents(corpus))
+    st = strided_windows(docs, cfg.eval.window_bytes, stride, cfg.eval_windows())
+    lm = ens.lm(store.url, device)
+    t_route = time.perf_counter()
+    main = lm.routes([bytes(w) for w in st.windows.data])  # each window's first prefix_bytes, as soma eval's
+    route_s = time.perf_counter() - t_route
+    res = ens.run(st.windows, 0, device, routed=(main.experts, main.weights))
+    t_early = time.perf_counter()
+    routes = route_causally(lm, st, main, res.nats, ids)
+    res.route_seconds, res.model_seconds = (
+        res.route_seconds + route_s,
+        res.model_seconds + time.perf_counter() - t_early,
+    )
     seed_nats = ens.seed_nats(st.windows, 0, device)
     w = bootstrap_weights(st.windows.docs, cfg.eval.bootstrap, cfg.seed)
     total_s = res.route_seconds + res.model_seconds
+    name = f"eval/text-{sha256(source.encode())[:12]}"
     m = {
         "source": source,
         "stride": stride,
@@ -526,13 +555,64 @@ def evaluate_text(store: Store, cfg: CampaignConfig, source: str, stride: int, r
         "routing_time_share": res.route_seconds / total_s,
         "byte_tokens_per_second": st.windows.data.shape[0] * (st.windows.data.shape[1] - 1) / total_s,
         "device": str(device),
+        "routing": {
+            **Rule(cfg.eval.window_bytes, stride, lm.rule.prefix_bytes).as_dict(),  # the windows of --stride
+            "segments": routes.count(b"\n"),
+            "routes_file": f"{name}.routes.jsonl",
+            "routes_sha256": sha256(routes),
+        },
+        "ensemble_digest": lm.digest,
     }
+    store.write_bytes(f"{name}.routes.jsonl", routes)
     _charge(store, cfg, t0, device)
-    name = f"eval/text-{sha256(source.encode())[:12]}"
     store.write_json(f"{name}.json", m)
     store.write_bytes(f"{name}.md", text_report(cfg, m).encode())
     m["report"] = f"{store.url}/{name}.md"
     return m
+
+
+def route_causally(lm: RoutedLM, st: Strided, main: Routes, nats: np.ndarray, ids: list[str]) -> bytes:
+    """The strided windows' scores made causal, `nats` (n, window - 1) rescored in place where they change: a window
+    whose first scored byte comes before the router has read router.prefix_bytes of it (a document's first window:
+    bytes 1 .. 255) is read in scoring.Rule's segments, each routed only on bytes before those it scores; its
+    predictions from prefix_bytes - 1 on, and every other window, keep the window's own route, `main` (the routes
+    that computed `nats`). Returns every segment's record (document id, offsets in it, the bytes its router read,
+    experts and weights), one JSON line each, in window order."""
+    rule, data = lm.rule, st.windows.data
+    firsts = st.scored.argmax(axis=1)
+    plan = [(i, seg) for i in range(len(data)) for seg in rule.segments(data.shape[1], int(firsts[i]))]
+    early = [r for r, (_, seg) in enumerate(plan) if seg.read < rule.prefix_bytes]
+    routed = lm.routing.routes_on([bytes(data[plan[r][0], : plan[r][1].read]) for r in early])
+    experts, weights = main.experts[[i for i, _ in plan]], main.weights[[i for i, _ in plan]]
+    experts[early], weights[early] = routed.experts, routed.weights
+    runs = merge_runs([i for i, _ in plan], [seg for _, seg in plan], experts, weights)
+    owner = [plan[a][0] for a, _ in runs]
+    segs = [joined([seg for _, seg in plan], a, b) for a, b in runs]
+    # a run under the window's own route: the pass that computed `nats` read it so already
+    redo = [
+        r
+        for r, (a, _) in enumerate(runs)
+        if not (
+            np.array_equal(experts[a], main.experts[owner[r]]) and np.array_equal(weights[a], main.weights[owner[r]])
+        )
+    ]
+    rows = [runs[r][0] for r in redo]
+    part = lm.window_nats(
+        [bytes(data[owner[r], : segs[r].end]) for r in redo],
+        [segs[r].first for r in redo],
+        Routes(experts[rows], weights[rows]),
+    )
+    for r, n in zip(redo, part, strict=True):
+        nats[owner[r], segs[r].first : segs[r].end - 1] = n
+    lines = []
+    for (a, _), i, seg in zip(runs, owner, segs, strict=True):
+        at = int(st.starts[i])
+        moved = Segment(seg.start + at, seg.end + at, seg.first, seg.read, seg.kind)
+        rec = RoutedSegment(
+            moved, tuple(experts[a].tolist()), tuple(weights[a].tolist()), short_sha(bytes(data[i, : seg.read]))
+        )
+        lines.append(record_line({"doc": ids[int(st.windows.docs[i])], **rec.as_dict()}))
+    return b"".join(lines)
 
 
 def text_report(cfg: CampaignConfig, m: dict) -> str:

@@ -193,7 +193,15 @@ class Lines:
                 return
 
 
-def score(url: str, inputs: list[str], lines: bool, device: str | None, step: int | None) -> dict:
+@dataclass(frozen=True)
+class Listed:
+    """What soma score's records list besides the totals and the routing summary."""
+
+    per_byte: bool = False  # each scored byte's nats
+    routes: bool = False  # every segment's route
+
+
+def score(url: str, inputs: list[str], lines: bool, device: str | None, step: int | None, listed: Listed) -> dict:
     """JSON Lines on stdout, one record per document as soon as it is scored; the totals returned (for stderr)."""
     srcs = sources(inputs)
     lm = load(url, device, step)
@@ -210,9 +218,11 @@ def score(url: str, inputs: list[str], lines: bool, device: str | None, step: in
                 yield src.chunks()
 
     nats = scored = total = count = 0
-    for i, s in enumerate(lm.score_streams(documents())):
+    for i, s in enumerate(lm.score_streams(documents(), per_byte=listed.per_byte, routes=listed.routes)):
         name, line = docs[i]
         rec = {"source": name, **({"line": line} if line is not None else {}), **s.as_dict()}
+        if listed.per_byte:
+            rec["per_byte"] = s.per_byte.tolist()
         sys.stdout.write(json.dumps(rec) + "\n")
         sys.stdout.flush()
         nats, scored, total, count = nats + s.nats, scored + s.scored_bytes, total + s.bytes, count + 1

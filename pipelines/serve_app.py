@@ -4,9 +4,12 @@
       validate (inference.serveinput)             score: @serve.batch, windows of many requests in one pass
                                                          (Passes: one pass at a time, every queued batch in it)
       cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
-      route each window (Routing: no weights)     (both RoutedLM's public calls: window_nats, stream)
+      and their segments; route each segment on   (both RoutedLM's public calls: window_nats, stream)
+      the bytes before what it scores (Routing:
+      no weights; scoring.Rule)
       -> handle calls, retried on a lost replica
-      total each document's windows (Cut.scores)
+      total each document's segments into its
+      score and record (Cut.scores)
 
 Build it with `build(args)` (a Serve application builder: `import_path: pipelines.serve_app:build` in a Serve
 config file, as deploy/kuberay/rayservice.yaml does) or through `soma serve`.
@@ -42,6 +45,7 @@ from soma_cluster.inference.lm import RoutedLM
 from soma_cluster.inference.routing import Route, Routes, Routing
 from soma_cluster.inference.serveinput import (
     RequestError,
+    ScoreInput,
     ServeSettings,
     Status,
     parse_generate,
@@ -62,7 +66,7 @@ class VersionMismatch(Exception):
 
 @dataclass
 class WindowJob:
-    """Windows of one request (or part of one) for a pass: their bytes, first scored prediction and routes."""
+    """Segments of one request (or part of one) for a pass: their bytes, first scored prediction and routes."""
 
     version: str
     windows: list[bytes]
@@ -171,12 +175,14 @@ class SomaExperts:
             "seed_fallback": list(self.lm.seed_fallback),
             "device": str(self.lm.device),
             "top_k": self.lm.router.cfg.top_k,
+            "ensemble_digest": self.lm.digest,
         }
 
-    async def score(self, job: WindowJob) -> tuple[list, tuple[int, ...]]:
+    async def score(self, job: WindowJob) -> tuple[list, tuple[int, ...], str]:
+        """The job's nats, the experts the seed stands in for, and the ensemble's digest (for the scores' record)."""
         if job.version != self.version:
             raise VersionMismatch(f"router {job.version}, experts {self.version}")
-        return await self._batched(job), self.lm.seed_fallback
+        return await self._batched(job), self.lm.seed_fallback, self.lm.digest
 
     # batches run concurrently (max_concurrent_batches): each only queues its jobs for the next pass (Passes)
     @serve.batch(max_batch_size=256, batch_wait_timeout_s=0.005, batch_size_fn=_windows_in, max_concurrent_batches=4096)
@@ -256,11 +262,11 @@ class SomaRouter:
     @api.post("/v1/score")
     async def score(self, request: Request) -> Response:
         try:
-            docs, pre, per_byte = parse_score(await _read_body(request, self.cfg.max_request_bytes), self.cfg)
-            scores = await self._score(docs, pre, per_byte)
+            req = parse_score(await _read_body(request, self.cfg.max_request_bytes), self.cfg)
+            scores = await self._score(req)
         except RequestError as exc:
             return _error(exc, self.cfg.retry_after_s)
-        self.docs.inc(len(docs))
+        self.docs.inc(len(req.docs))
         return JSONResponse({"source": shown(self.routing.source), "scores": scores})
 
     @api.post("/v1/generate")
@@ -287,10 +293,13 @@ class SomaRouter:
         )
 
     # -- work ----------------------------------------------------------------------------------------------------
-    async def _score(self, docs: list[bytes], pre: list[bytes], per_byte: bool) -> list[dict]:
-        cut = self.routing.cut(docs, pre)
-        routes = await asyncio.to_thread(self.routing.routes, cut.windows)
+    async def _score(self, req: ScoreInput) -> list[dict]:
+        cut = self.routing.cut(req.docs, req.prefixes)
+        routes = await asyncio.to_thread(self.routing.routes_on, cut.heads)
+        cut, rows = cut.merged(routes.experts, routes.weights)  # a window's segments under one route: read as one
+        routes = routes.take(rows)
         step = self.cfg.max_batch_windows
+        firsts = cut.firsts
         parts = await asyncio.gather(
             *(
                 self._call(
@@ -298,20 +307,22 @@ class SomaRouter:
                     WindowJob(
                         self.version,
                         cut.windows[i : i + step],
-                        cut.firsts[i : i + step],
+                        firsts[i : i + step],
                         routes.take(slice(i, i + step)),
-                        per_byte,
+                        req.per_byte,
                     ),
                 )
                 for i in range(0, len(cut.windows), step)
             )
         )
-        results = [n for part, _ in parts for n in part]
-        substituted = parts[0][1] if parts else ()
+        results = [n for part, _, _ in parts for n in part]
+        substituted, digest = (
+            (parts[0][1], parts[0][2]) if parts else ((), (await self._call("info", None))["ensemble_digest"])
+        )
         out = []
-        for s in cut.scores(routes.experts, results, substituted, per_byte):
+        for s in cut.scores(routes.experts, routes.weights, results, substituted, req.per_byte, req.routes, digest):
             d = s.as_dict()
-            if per_byte:
+            if req.per_byte:
                 d["per_byte"] = [float(x) for x in s.per_byte]
             out.append(d)
         return out

@@ -233,6 +233,7 @@ class Strided:
     windows: Windows  # data (n, window) and the document of each window
     scored: np.ndarray  # (n, window - 1) bool: the predictions this window scores
     skipped: int  # documents shorter than one window
+    starts: np.ndarray | None = None  # (n,) each window's offset in its document
 
 
 def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided:
@@ -240,7 +241,7 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
     of each document (the last one aligned to its end); every byte after the first is scored exactly once,
     in the first window that predicts it, so a window after the first reads window - 1 - stride bytes of
     context before its first scored prediction. Documents shorter than a window are skipped."""
-    data, owner, first, skipped = [], [], [], 0
+    data, owner, first, starts, skipped = [], [], [], [], 0
     for d, doc in enumerate(docs):
         if len(doc) < window:
             skipped += 1
@@ -249,6 +250,7 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
         while len(data) < max_windows:
             data.append(np.frombuffer(doc[start : start + window], dtype=np.uint8))
             owner.append(d)
+            starts.append(start)
             first.append(last - start)  # prediction i is for byte start + i + 1
             last = start + window - 1
             nxt = min(start + stride, len(doc) - window)
@@ -263,7 +265,7 @@ def strided_windows(docs, window: int, stride: int, max_windows: int) -> Strided
         )
     first_a = np.array(first)
     scored = np.arange(window - 1)[None, :] >= first_a[:, None]
-    return Strided(Windows(np.stack(data), np.array(owner)), scored, skipped)
+    return Strided(Windows(np.stack(data), np.array(owner)), scored, skipped, np.array(starts))
 
 
 @dataclass

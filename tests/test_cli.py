@@ -1,5 +1,6 @@
 """The `soma` CLI end to end on a small real-text corpus, and its one-line errors (exit 2) on bad input."""
 
+import hashlib
 import json
 import shutil
 
@@ -54,6 +55,16 @@ def test_end_to_end(tmp_path, text_corpus, trained):
     assert proc.returncode == 0, proc.stderr[-3000:]
     text = json.loads(next((tmp_path / "camp" / "eval").glob("text-*.json")).read_text())
     assert text["scored_bytes"] > 0 and text["ensemble"]["nats_per_byte"] < 5.0 and text["stride"] == 768
+    # ... and its record: every segment's route read only bytes before those it scores (a document's first bytes
+    # re-routed as they are read), in a file whose sha256 the metrics give
+    routes = (tmp_path / "camp" / text["routing"]["routes_file"]).read_bytes()
+    assert (
+        hashlib.sha256(routes).hexdigest() == text["routing"]["routes_sha256"] and text["routing"]["rule"] == "causal/1"
+    )
+    segments = [json.loads(line) for line in routes.splitlines()]
+    assert len(segments) == text["routing"]["segments"] and {s["kind"] for s in segments} >= {"growing", "window"}
+    assert all(s["router_read"][1] <= s["scored"][0] for s in segments)
+    assert sum(s["scored"][1] - s["scored"][0] for s in segments) == text["scored_bytes"]
     assert_one_line_error(soma("eval", camp, "--text", str(text_corpus), "--stride", "5000"), "--stride")
     # a corrupt or missing router is an error naming the file, and the metrics already there stay as they were
     metrics_before = (tmp_path / "camp" / "eval" / "metrics.json").read_bytes()

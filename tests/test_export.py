@@ -5,6 +5,7 @@ nothing behind, and the commands' outputs against the Python API."""
 from __future__ import annotations
 
 import base64
+import functools
 import json
 import os
 import random
@@ -12,13 +13,15 @@ import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
 import numpy as np
 import pytest
 from conftest import assert_one_line_error, fill_up, soma, soma_here
-from test_lm import partial
+from hypothesis import HealthCheck, given, settings
+from test_lm import cases, partial, rescored
 
 from soma_cluster.errors import SomaError
 from soma_cluster.inference.export import EXPORT_FILE, WEIGHTS
@@ -61,6 +64,7 @@ def test_a_16_bit_export_is_smaller_and_close(trained_campaign, exported, tmp_pa
     assert (dest / WEIGHTS).stat().st_size < 0.6 * (exported / WEIGHTS).stat().st_size
     full, half = (RoutedLM.load(str(d)).score(DOCS[-1]) for d in (exported, dest))
     assert abs(full.nats_per_byte - half.nats_per_byte) < 0.02 * full.nats_per_byte
+    assert full.ensemble_digest != half.ensemble_digest  # other weights: a score's record tells them apart
 
 
 def test_damaged_exports_are_refused_naming_the_file(exported, tmp_path):
@@ -151,6 +155,33 @@ def test_soma_score_prints_one_record_per_document(exported, tmp_path):
     assert recs[1]["nats_per_byte"] is None
     assert_one_line_error(soma_here("score", str(exported), str(tmp_path / "nope")), "not found")
     assert_one_line_error(soma_here("score", str(exported), "-", "-", input_text=""), "more than once")
+
+
+@settings(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(case=cases())
+def test_soma_score_is_causal_and_its_records_reproduce(exported, case):
+    """tests/test_lm.py's property through the command (--per-byte): a document, the same with byte i changed, and
+    with every byte after i changed; the bytes before i (and up to i) keep their nats, bit for bit. Each record is
+    the API's, and its routes (--routes) give its nats again through the forward."""
+    _, text, i, x, tail = case  # soma score reads whole documents: no prefix
+    docs = [text, text[:i] + bytes([x]) + text[i + 1 :], text[: i + 1] + tail]
+    with tempfile.TemporaryDirectory(prefix="soma-causal-") as tmp:
+        for k, d in enumerate(docs):
+            Path(tmp, f"d{k}").write_bytes(d)
+        proc = soma_here("score", str(exported), tmp, "--per-byte", "--routes")
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    base, moved, later = (json.loads(line) for line in proc.stdout.splitlines())
+    assert base["per_byte"][: max(i - 1, 0)] == moved["per_byte"][: max(i - 1, 0)]
+    assert base["per_byte"][:i] == later["per_byte"][:i]
+    lm = exported_lm(str(exported))
+    want = lm.score(text, per_byte=True, routes=True)
+    assert {k: v for k, v in base.items() if k != "source"} == {**want.as_dict(), "per_byte": want.per_byte.tolist()}
+    assert rescored(lm, text, want)[0] == base["nats"] and len(base["routing"]["routes"]) == base["routing"]["segments"]
+
+
+@functools.lru_cache(maxsize=1)
+def exported_lm(path: str) -> RoutedLM:
+    return RoutedLM.load(path)
 
 
 def test_soma_sample_streams_the_api_s_bytes(exported, tmp_path):

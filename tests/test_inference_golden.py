@@ -1,8 +1,8 @@
-"""The inference API's outputs are bitwise those of the code before the inference room (issue 50): scores, routes,
-next-byte distributions, seeded generations, an export's weights, and the lm-eval model's answers on the session's
-trained micro campaign, against tests/assets/inference_golden.json (recorded by tests/support/inference_golden.py
-from f348811 on a campaign trained as the fixture trains it). Any change to a number is a change of behaviour: the
-refactor that made this file changed none."""
+"""The inference API's outputs are bitwise the recorded ones: scores and their records, routes, next-byte
+distributions, seeded generations, an export's weights, soma eval's numbers and the lm-eval model's answers on the
+session's trained micro campaign, against tests/assets/inference_golden.json (tests/support/inference_golden.py says
+how each part was recorded and checked against the code before it). Any change to a number is a change of
+behaviour."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import json
 from pathlib import Path
 
 import pytest
-from support.inference_golden import api_outputs, export_outputs, lmeval_outputs, weights_digest
+from support.inference_golden import api_outputs, eval_outputs, export_outputs, lmeval_outputs, weights_digest
 
 from soma_cluster.inference.lm import RoutedLM
 
@@ -45,6 +45,11 @@ def test_scores_routes_and_generations_are_bitwise_the_recorded_ones(golden, tra
 
 def test_an_export_writes_the_recorded_weights(golden, trained_campaign):
     assert not differences(golden["export"], export_outputs(str(trained_campaign)))
+
+
+def test_soma_eval_s_protocol_windows_score_as_recorded(golden, trained_campaign):
+    """Each test window routed on its unscored first 256 bytes, as before causal routing: the same numbers."""
+    assert not differences(golden["eval"], eval_outputs(trained_campaign))
 
 
 def test_the_lmeval_model_answers_as_recorded(golden, trained_campaign):

@@ -19,6 +19,8 @@ os.environ.update(OFFLINE)
 pytest.importorskip("lm_eval", reason="the lmeval extra is not installed: pip install 'soma-cluster[lmeval]'")
 
 import numpy as np  # noqa: E402
+from hypothesis import HealthCheck, given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
 from lm_eval.api.instance import Instance  # noqa: E402
 
 from soma_cluster.inference.lm import RoutedLM  # noqa: E402
@@ -124,6 +126,60 @@ def evaluated(trained_campaign, tasks) -> dict:
     )
     assert out is not None
     return out
+
+
+ALPHABET_TASK = """task: soma_alphabet
+dataset_path: json
+dataset_kwargs:
+  data_files: {test: DATA}
+  cache_dir: CACHE
+test_split: test
+output_type: multiple_choice
+doc_to_text: question
+doc_to_choice: !function alphabet.every_byte
+doc_to_target: label
+target_delimiter: ""
+metric_list:
+  - {metric: acc, aggregation: mean, higher_is_better: true}
+"""
+ALPHABET_CHOICES = """def every_byte(doc):
+    # the one-byte continuations lm-eval can hold: the 128 ASCII bytes (its results encode every choice as strict
+    # UTF-8, so a lone byte of 0x80 or more is refused there; the test asks the model for those directly)
+    return [chr(b) for b in range(128)]
+"""
+
+
+@pytest.fixture(scope="module")
+def alphabet(tmp_path_factory, text_corpus, trained_campaign) -> dict:
+    """A multiple-choice task whose choices are every byte (a task file, its choices from a function beside it, as
+    lm-eval's own tasks write them), evaluated by the real harness: contexts of 1 byte, shorter than
+    router.prefix_bytes, of exactly 256 bytes and longer."""
+    import lm_eval
+    from lm_eval.tasks import TaskManager
+
+    import soma_cluster.inference.lmeval  # noqa: F401
+
+    root = tmp_path_factory.mktemp("lmeval-alphabet")
+    questions = [
+        "x",
+        "The cat sat on the",
+        corpus_text(text_corpus, 50_000, 256),
+        corpus_text(text_corpus, 60_000, 600),
+    ]
+    data = root / "alphabet.jsonl"
+    data.write_text("".join(json.dumps({"question": q, "label": 0}) + "\n" for q in questions), encoding="utf-8")
+    task = ALPHABET_TASK.replace("DATA", json.dumps(str(data))).replace("CACHE", json.dumps(str(root / "hf-cache")))
+    (root / "soma_alphabet.yaml").write_text(task)
+    (root / "alphabet.py").write_text(ALPHABET_CHOICES)
+    out = lm_eval.simple_evaluate(
+        model="soma",
+        model_args=f"pretrained={trained_campaign},device=cpu,batch_size=256",
+        tasks=["soma_alphabet"],
+        task_manager=TaskManager(include_path=str(root), include_defaults=False),
+        bootstrap_iters=0,
+        log_samples=True,
+    )
+    return {"questions": questions, "out": out}
 
 
 def expected_bits_per_byte(routed: RoutedLM, texts: list[str]) -> float:
@@ -259,3 +315,65 @@ def test_without_the_extra_the_import_error_says_how_to_install():
     assert proc.returncode != 0
     last = proc.stderr.strip().splitlines()[-1]
     assert last.startswith("ImportError:") and "pip install 'soma-cluster[lmeval]'" in last, proc.stderr[-2000:]
+
+
+def test_the_choices_of_one_question_are_one_distribution(alphabet, routed, lmeval_model):
+    """Every choice of a question is scored under one route, chosen from the context alone: with every byte as a
+    choice, their probabilities are one next-byte distribution and sum to 1 (at most 1, to float32 rounding), for
+    a context of any length. (Routed on the context plus each choice, as before, they need not.) The harness holds
+    the 128 ASCII bytes as choices; the other 128 go to the same model directly, as the str that encodes to them."""
+    samples = alphabet["out"]["samples"]["soma_alphabet"]
+    assert len(samples) == len(alphabet["questions"])
+    for sample in samples:
+        ctx = sample["arguments"][0][0]
+        ascii_lls = [resp[0][0] for resp in sample["resps"]]
+        assert [as_bytes(c) for _, c in sample["arguments"]] == [bytes([b]) for b in range(128)]
+        high = [
+            Instance("loglikelihood", {}, (ctx, bytes([b]).decode("utf-8", "surrogateescape")), b)
+            for b in range(128, 256)
+        ]
+        lls = np.array(ascii_lls + [ll for ll, _ in lmeval_model.loglikelihood(high, disable_tqdm=True)])
+        total = float(np.exp(lls).sum())
+        assert float(np.exp(ascii_lls).sum()) < 1 and total <= 1 + 1e-6 and abs(total - 1) < 1e-5, (len(ctx), total)
+        assert np.allclose(np.exp(lls), routed.next_byte_probs(ctx), rtol=1e-5, atol=0)  # what generation samples
+    config = alphabet["out"]["config"]
+    assert config["soma_ensemble_digest"] == routed.digest and config["soma_routing"]["rule"] == "causal/1"
+
+
+def test_multi_byte_choices_share_the_context_s_route(evaluated, routed):
+    """The choices of each question of the mc task (several bytes each) are scored under the one route of their
+    context, whatever their bytes: the route generation would fix on that context."""
+    for sample in evaluated["samples"]["soma_mc"]:
+        ctxs = {ctx for ctx, _ in sample["arguments"] if ctx}
+        for ctx in ctxs:
+            routes = set()
+            for c, cont in sample["arguments"]:
+                if c == ctx:
+                    s = routed.score(cont, prefix=ctx, routes=True)
+                    routes |= {(r.experts, r.weights) for r in s.routes}
+            want = routed.routing.prompt_route(as_bytes(ctx))
+            assert routes == {(want.experts, want.weights)}, ctx[:40]
+
+
+@settings(max_examples=12, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(
+    ctx=st.binary(max_size=300) | st.sampled_from(["", "Paris is the capital of", "x"]),
+    cont=st.binary(min_size=1, max_size=40) | st.sampled_from([" France.", "é日本"]),
+)
+def test_loglikelihood_is_the_api_s_causal_score(lmeval_model, routed, ctx, cont):
+    """lm-eval's loglikelihood is RoutedLM.score's number, bit for bit, for generated contexts and continuations
+    (bytes that are not UTF-8 too, as the str that encodes to them): the property test of tests/test_lm.py holds
+    behind this door."""
+    as_str = [x.decode("utf-8", "surrogateescape") if isinstance(x, bytes) else x for x in (ctx, cont)]
+    ((ll, _),) = lmeval_model.loglikelihood([Instance("loglikelihood", {}, tuple(as_str), 0)], disable_tqdm=True)
+    s = routed.score(as_str[1], prefix=as_str[0])
+    assert ll == 0.0 - s.nats + (-LN256 if not as_bytes(as_str[0]) else 0.0)
+
+
+@pytest.fixture(scope="module")
+def lmeval_model(trained_campaign):
+    from lm_eval.api.registry import get_model
+
+    import soma_cluster.inference.lmeval  # noqa: F401
+
+    return get_model("soma").create_from_arg_obj({"pretrained": str(trained_campaign), "device": "cpu"})

@@ -49,6 +49,8 @@ FREE = {
     "--warm": "a flag; a warm fork that cannot be is refused by its --set (BAD)",
     "--prompt": "any text is a prompt",
     "--host": "any name is tried by Serve itself (docs/serving.md)",
+    "--per-byte": "a flag of soma score: what each record lists",
+    "--routes": "a flag of soma score: what each record lists",
 }
 
 

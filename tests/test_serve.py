@@ -7,6 +7,7 @@ what it refuses, back-pressure, an expert replica SIGKILLed under load, then a r
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import shutil
@@ -23,8 +24,10 @@ from pathlib import Path
 
 import pytest
 from conftest import assert_one_line_error, soma, soma_here
+from hypothesis import HealthCheck, given, settings
 from support.ports import free_port
 from support.rayhead import RayHead, marked_pids
+from test_lm import cases, rescored, scored_before
 
 pytest.importorskip("ray.serve.handle", reason="ray[serve] is not installed (pip install -e '.[serve]')")
 
@@ -126,6 +129,33 @@ def test_scores_over_http_equal_the_in_process_api(served, lm):
     assert data["scores"][0]["nats"] == lm.score(raw).nats
 
 
+@settings(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
+@given(case=cases())
+def test_scores_over_http_are_causal_and_say_what_produced_them(served, lm, case):
+    """tests/test_lm.py's property through HTTP, its three requests sent at once: change the byte at i, every byte
+    before it keeps its nats; change the bytes after i, every byte up to i keeps them, bit for bit. Each answer is
+    the API's to the last bit, its record included, and the record's routes give its number again."""
+    prefix, text, i, x, tail = case
+    texts = [text, text[:i] + bytes([x]) + text[i + 1 :], text[: i + 1] + tail]
+    bodies = [
+        {"text": b64(t), "prefix": b64(prefix), "encoding": "base64", "per_byte": True, "routes": True} for t in texts
+    ]
+    with ThreadPoolExecutor(len(bodies)) as pool:
+        base, moved, later = (d["scores"][0] for d, _ in pool.map(lambda b: score_until_done(served["url"], b), bodies))
+    want = lm.score(text, prefix=prefix, per_byte=True, routes=True)
+    assert base == {**want.as_dict(), "per_byte": want.per_byte.tolist()}
+    k = scored_before(prefix, i)
+    assert base["per_byte"][:k] == moved["per_byte"][:k]
+    k = scored_before(prefix, i + 1)
+    assert base["per_byte"][:k] == later["per_byte"][:k]
+    assert rescored(lm, prefix + text, want)[0] == base["nats"]
+    assert base["routing"]["context_sha256"] == hashlib.sha256(prefix).hexdigest()
+
+
+def b64(data: bytes) -> str:
+    return base64.b64encode(data).decode()
+
+
 def test_generation_streams_the_in_process_bytes(served, lm):
     url = served["url"]
     want = lm.generate("def ", max_bytes=120, temperature=0.9, top_k=40, seed=7)
@@ -161,6 +191,7 @@ BAD = [  # (body, status, field named); the settings of the module's application
     ({"texts": ["abc", "def"], "prefix": ["one"]}, 422, "prefix"),
     ({"text": "abc", "prefix": 3}, 422, "prefix"),
     ({"text": "abc", "per_byte": "yes"}, 422, "per_byte"),
+    ({"text": "abc", "routes": 1}, 422, "routes"),
     ({"text": "!!!", "encoding": "base64"}, 422, "text"),
     ({"text": "abc", "encoding": "latin-1"}, 422, "encoding"),
     ({"text": "x" * 250_000}, 413, None),
@@ -198,12 +229,13 @@ def test_bad_requests_get_a_4xx_naming_the_field(served):
     assert http(url + "v1/nothing", {"text": "ab"})[0] == 404
 
 
-def test_health_names_what_is_served(served, trained_campaign):
+def test_health_names_what_is_served(served, trained_campaign, lm):
     status, _, data = http(served["url"] + "healthz")
     info = json.loads(data)
     assert status == 200 and info["status"] == "ok" and info["n_experts"] == 3 and info["top_k"] == 2
     assert info["experts_loaded"] == 3 and info["seed_fallback"] == [] and info["device"] == "cpu"
     assert info["source"] == served["source"] == str(trained_campaign)
+    assert info["ensemble_digest"] == lm.digest  # what its scores carry
 
 
 def test_metrics_reach_prometheus_through_rays_exporter(served, head):

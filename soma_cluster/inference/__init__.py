@@ -7,7 +7,8 @@
 The modules, lowest first (each imports only those before it, and the flat core below):
 
     generation  GenerationConfig: every decoding option, its default and bounds (no torch)
-    scoring     soma eval's windows of a document, and a document's Score from its windows' nats (no torch)
+    scoring     soma eval's windows of a document, the bytes each route reads (causal/1), and a document's Score
+                and its record from its segments' nats (no torch)
     export      `soma export`'s directory: written, and read back checked
     routing     Route, Routes, Routing (the router without the experts), and open_source, the one loader
     lm          RoutedLM: the forward, scoring, generation

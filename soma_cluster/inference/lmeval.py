@@ -17,11 +17,12 @@ bytes each; without it, max_gen_toks is read as bytes), `step` (a campaign's che
 
 The model reads UTF-8 bytes; lm-eval's "tokens" are bytes here. Every request is built on RoutedLM (lm.py):
 
-- **loglikelihood** (context, continuation): -RoutedLM.score(continuation, prefix=context).nats, the windows and
-  routes of soma eval (a window is routed by its own first router.prefix_bytes bytes, so with a context shorter
-  than that the router also reads the continuation's first bytes). is_greedy is exact: every continuation byte is
-  the argmax of the very distribution that scored it (the forward's, same window, same route).
-- **loglikelihood_rolling** (text,): the whole text's log-likelihood, every byte of it counted.
+- **loglikelihood** (context, continuation): -RoutedLM.score(continuation, prefix=context).nats: the continuation
+  routed on the context alone (scoring.Rule, causal/1), so every choice of a question is scored under one route and
+  the one-byte continuations of a context are one distribution. is_greedy is exact: every continuation byte is the
+  argmax of the very distribution that scored it (the forward's, same segment, same route: the score's record).
+- **loglikelihood_rolling** (text,): the whole text's log-likelihood, every byte of it counted (its first bytes
+  re-routed as they are read, as any document without a prefix).
 - **generate_until** (context, gen_kwargs): RoutedLM.generate under the GenerationConfig the gen_kwargs map onto
   (generation_of): greedy (top_k=1) unless do_sample is true with a temperature other than 0, else its temperature
   and top_k as given, checked by GenerationConfig's bounds; cut at the first `until` string; decoded with
@@ -32,6 +33,9 @@ asks for one (the first continuation byte after an empty context, the first byte
 the uniform probability 1/256, log(1/256) = -5.545 nats, so bits_per_byte and byte_perplexity are averages over
 every byte of the documents, as lm-eval divides them. That byte never counts against is_greedy (under the uniform
 distribution every byte ties for the most likely).
+
+The results' `config` names what produced them (get_model_info): the source, experts, top-k, steps, the seed's
+stand-ins, the ensemble's digest and the routing rule.
 """
 
 from __future__ import annotations
@@ -63,7 +67,8 @@ from tqdm import tqdm
 from soma_cluster.errors import SomaError
 from soma_cluster.inference.generation import GenerationConfig, resolve
 from soma_cluster.inference.lm import RoutedLM
-from soma_cluster.inference.scoring import as_bytes, windows_of
+from soma_cluster.inference.routing import Route, Routes
+from soma_cluster.inference.scoring import RoutedSegment, Score, as_bytes
 
 log = logging.getLogger(__name__)
 
@@ -134,9 +139,9 @@ class SomaLM(LM):
             range(0, len(pairs), self.batch_size), desc="soma loglikelihood", disable=self._quiet(disable_tqdm)
         ):
             chunk = pairs[a : a + self.batch_size]
-            lls = self._logprobs(chunk)
-            greedy = self._greedy(chunk)
-            for req, ll, g in zip(requests[a : a + self.batch_size], lls, greedy, strict=True):
+            scores = self._scores(chunk, routes=True)
+            greedy = self._greedy(chunk, scores)
+            for req, (ll, _), g in zip(requests[a : a + self.batch_size], scores, greedy, strict=True):
                 self.cache_hook.add_partial("loglikelihood", req.args, (ll, g))
                 out.append((ll, g))
         return out
@@ -148,7 +153,7 @@ class SomaLM(LM):
             range(0, len(texts), self.batch_size), desc="soma loglikelihood_rolling", disable=self._quiet(disable_tqdm)
         ):
             chunk = texts[a : a + self.batch_size]
-            lls = self._logprobs([(b"", t) for t in chunk])
+            lls = [ll for ll, _ in self._scores([(b"", t) for t in chunk])]
             for req, ll in zip(requests[a : a + self.batch_size], lls, strict=True):
                 self.cache_hook.add_partial("loglikelihood_rolling", req.args, ll)
                 out.append(ll)
@@ -177,31 +182,32 @@ class SomaLM(LM):
         return out  # type: ignore[return-value]
 
     # -- scores --------------------------------------------------------------------------------------------------
-    def _logprobs(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[float]:
-        """log p(continuation | context) per pair: RoutedLM's scores, plus log(1/256) for a continuation's first byte
-        when the context is empty (it has no prediction)."""
-        scores = self.lm.score_many([c for _, c in pairs], prefix=[x for x, _ in pairs])
+    def _scores(self, pairs: Sequence[tuple[bytes, bytes]], routes: bool = False) -> list[tuple[float, Score]]:
+        """log p(continuation | context) per pair, and its Score: RoutedLM's, plus log(1/256) for a continuation's
+        first byte when the context is empty (it has no prediction)."""
+        scores = self.lm.score_many([c for _, c in pairs], prefix=[x for x, _ in pairs], routes=routes)
         out = []
         for (ctx, cont), s in zip(pairs, scores, strict=True):
             unpredicted = int(bool(cont) and not ctx)
             assert s.scored_bytes == len(cont) - unpredicted, (s.scored_bytes, len(ctx), len(cont))
-            out.append(0.0 - s.nats + unpredicted * FIRST_BYTE_LOGPROB)  # 0.0 - 0.0: no "-0.0" for nothing scored
+            out.append((0.0 - s.nats + unpredicted * FIRST_BYTE_LOGPROB, s))  # 0.0 - 0.0: no "-0.0" for nothing
         return out
 
-    def _greedy(self, pairs: Sequence[tuple[bytes, bytes]]) -> list[bool]:
+    def _greedy(self, pairs: Sequence[tuple[bytes, bytes]], scores: Sequence[tuple[float, Score]]) -> list[bool]:
         """Whether each continuation is what greedy decoding gives: every scored byte the argmax of the distribution
-        that scored it. RoutedLM.score reads a text in windows, each routed by its own first bytes; the same windows
-        (windows_of) and routes here, the forward's every-byte distributions read instead of the target's."""
-        window, stride = self.lm.window_bytes, self.lm.stride
-        jobs: list[tuple[int, bytes, int]] = []  # (pair, window's bytes, index of its first scored prediction)
-        for i, (ctx, cont) in enumerate(pairs):
-            if cont:
-                jobs += [(i, data, first) for data, first, _ in windows_of([ctx + cont], window, stride, len(ctx))]
+        that scored it. The same segments and routes as its Score (Score.routes), the forward's every-byte
+        distributions read instead of the target's."""
+        jobs: list[tuple[int, bytes, RoutedSegment]] = []  # (pair, the segment's bytes, the segment and its route)
+        for i, ((ctx, cont), (_, s)) in enumerate(zip(pairs, scores, strict=True)):
+            doc = ctx + cont
+            jobs += [(i, doc[r.segment.start : r.segment.end], r) for r in s.routes or ()]
         greedy = [True] * len(pairs)
         for a in range(0, len(jobs), self.batch_size):
             part = jobs[a : a + self.batch_size]
-            dists = self.lm.forward([data for _, data, _ in part], every_byte=True)  # each (len - 1, 256) log p
-            for (i, data, first), logp in zip(part, dists, strict=True):
+            routes = Routes.of([Route(r.experts, r.weights) for _, _, r in part])
+            dists = self.lm.forward([data for _, data, _ in part], routes, every_byte=True)  # each (len - 1, 256)
+            for (i, data, r), logp in zip(part, dists, strict=True):
+                first = r.segment.first
                 target = np.frombuffer(data, dtype=np.uint8)[first + 1 :]
                 if not np.array_equal(logp[first:].argmax(axis=-1), target):
                     greedy[i] = False
@@ -219,6 +225,14 @@ class SomaLM(LM):
             "soma_top_k": self.lm.router.cfg.top_k,
             "soma_steps": {str(e): s for e, s in sorted(self.lm.steps.items())},
             "soma_seed_fallback": list(self.lm.seed_fallback),
+            "soma_ensemble_digest": self.lm.digest,
+            "soma_routing": {
+                **self.lm.rule.as_dict(),
+                "loglikelihood": "the route is chosen from the context alone (its first prefix_bytes), once, and "
+                "scores every choice's bytes of that window; an empty context and loglikelihood_rolling texts: "
+                "re-routed as the text is read (growing)",
+                "first_byte_logprob": FIRST_BYTE_LOGPROB,
+            },
         }
 
 

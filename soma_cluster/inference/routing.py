@@ -19,7 +19,7 @@ from soma_cluster.config import CampaignConfig
 from soma_cluster.ensemble import route_windows
 from soma_cluster.errors import SomaError
 from soma_cluster.inference.export import EXPORT_FILE, export_config, read_manifest
-from soma_cluster.inference.scoring import Cut, Text, as_bytes
+from soma_cluster.inference.scoring import Cut, Rule, Text, as_bytes
 from soma_cluster.jobs import Job
 from soma_cluster.revisions import config_in_force
 from soma_cluster.router import Router, load_router
@@ -138,12 +138,21 @@ class Routing:
         """Bytes between window starts: each window after the first scores this many new bytes."""
         return max(1, self.config.eval.window_bytes - 1 - self.config.eval.context_bytes)
 
+    @property
+    def rule(self) -> Rule:
+        """How scoring reads and routes a document (scoring.py): windows, stride, and the bytes a route may read."""
+        return Rule(self.window_bytes, self.stride, self.router.cfg.prefix_bytes)
+
     def routes(self, windows: Sequence[bytes]) -> Routes:
         """Each window's route from its first router.prefix_bytes bytes."""
-        if not windows:  # the router's vectorizer refuses an empty batch
+        return self.routes_on([w[: self.router.cfg.prefix_bytes] for w in windows])
+
+    def routes_on(self, heads: Sequence[bytes]) -> Routes:
+        """The route of each text, the router reading all of it (a segment's head: scoring.Cut.heads)."""
+        if not heads:  # the router's vectorizer refuses an empty batch
             k = min(self.router.cfg.top_k, self.router.n_experts)
             return Routes(np.zeros((0, k), dtype=np.int64), np.zeros((0, k)))
-        return Routes(*route_windows(self.router, [w[: self.router.cfg.prefix_bytes] for w in windows]))
+        return Routes(*route_windows(self.router, list(heads)))
 
     def kept(self, prompt: Text) -> bytes:
         """The part of a prompt generation reads: its last window_bytes - 1 bytes (b'\\n' for an empty one)."""
@@ -154,5 +163,5 @@ class Routing:
         return self.routes([self.kept(prompt)]).route(0)
 
     def cut(self, docs: Sequence[bytes], prefixes: Sequence[bytes]) -> Cut:
-        """Documents, each read after its prefix, in the windows scoring reads (scoring.py)."""
-        return Cut.of(docs, prefixes, self.window_bytes, self.stride)
+        """Documents, each read after its prefix, in the windows and segments scoring reads (scoring.py)."""
+        return Cut.of(docs, prefixes, self.rule)

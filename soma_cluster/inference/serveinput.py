@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import base64
 import binascii
+from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Annotated, Literal
 
@@ -130,7 +131,7 @@ Text = StrictStr
 
 class ScoreRequest(BaseModel):
     """POST /v1/score: `text` (one document) or `texts` (several), each optionally after a `prefix` that is read
-    and routed on but not scored; `per_byte` adds each scored byte's nats."""
+    and routed on but not scored; `per_byte` adds each scored byte's nats, `routes` every segment's route."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -138,7 +139,18 @@ class ScoreRequest(BaseModel):
     texts: list[Text] | None = None
     prefix: Text | list[Text] = ""
     per_byte: StrictBool = False
+    routes: StrictBool = False
     encoding: Encoding = Encoding.UTF8
+
+
+@dataclass(frozen=True)
+class ScoreInput:
+    """A checked score request: its documents and prefixes as bytes, and what its answer lists."""
+
+    docs: list[bytes]
+    prefixes: list[bytes]
+    per_byte: bool = False
+    routes: bool = False
 
 
 class GenerateRequest(GenerationConfig):
@@ -192,8 +204,8 @@ def decode(text: str, encoding: Encoding, field: str) -> bytes:
     return text.encode("utf-8", "surrogatepass")
 
 
-def parse_score(body: bytes, limits: ServeSettings) -> tuple[list[bytes], list[bytes], bool]:
-    """A score request's documents and prefixes as bytes, and per_byte; RequestError on anything else."""
+def parse_score(body: bytes, limits: ServeSettings) -> ScoreInput:
+    """A score request's documents and prefixes as bytes, per_byte and routes; RequestError on anything else."""
     req = _parse(ScoreRequest, body)
     if (req.text is None) == (req.texts is None):
         raise RequestError(Status.INVALID, "give text (one document) or texts (a list), not both or neither", "text")
@@ -227,7 +239,7 @@ def parse_score(body: bytes, limits: ServeSettings) -> tuple[list[bytes], list[b
             f"{field}: {total} bytes, over the limit of {limits.max_request_bytes}; split the request",
             field,
         )
-    return docs, pre, req.per_byte
+    return ScoreInput(docs, pre, req.per_byte, req.routes)
 
 
 def parse_generate(body: bytes, limits: ServeSettings) -> tuple[GenerateRequest, bytes]:

@@ -1,15 +1,17 @@
 """Golden outputs of the inference API on the tests' trained micro campaign (tests/conftest.py `trained`): scores with
-and without a prefix, streamed, routes, next-byte distributions, seeded generations, an export's weight and router
-files, and the lm-eval model's loglikelihoods and generations, every float as its exact hex.
+and without a prefix (their records too), streamed, routes, next-byte distributions, seeded generations, an export's
+weight and router files, soma eval's numbers on the test windows, and the lm-eval model's loglikelihoods and
+generations, every float as its exact hex.
 
-tests/test_inference_golden.py compares them, bit for bit, with tests/assets/inference_golden.json, recorded by
-this module from the code before the inference room (f348811) on a campaign trained exactly as the fixture trains
-it. The campaign's weights are part of the record (`weights_digest`): where the fixture trains other weights (other
+tests/test_inference_golden.py compares them, bit for bit, with tests/assets/inference_golden.json. The record was
+first made from the code before the inference room (f348811) and made again when scoring became causal (routing
+rule causal/1, issue 47): then the scores and the lm-eval loglikelihoods changed where a route had read the bytes it
+scored, and nothing else did (routes, next-byte distributions, generations, the export, lm-eval's generations: the
+same bits as the f348811 record; soma eval's numbers: the same bits as b5a9fab, the code before the rule, gave). The
+campaign's weights are part of the record (`weights_digest`): where the fixture trains other weights (other
 training code, another machine's arithmetic), the comparison says so and is skipped.
 
     PYTHONPATH=. python tests/support/inference_golden.py CAMPAIGN tests/assets/inference_golden.json
-
-Only calls that the code before and after the move both take are made here, so the same file records either.
 """
 
 from __future__ import annotations
@@ -168,10 +170,40 @@ def lmeval_outputs(campaign: str) -> dict:
     }
 
 
+EVAL_TIMES = ("seconds", "ensemble_seconds", "seed_seconds", "routing_time_share", "byte_tokens_per_second")
+
+
+def _numbers(x):
+    """soma eval's metrics without what a clock or a path gives: floats as exact hex."""
+    if isinstance(x, dict):
+        return {k: _numbers(v) for k, v in x.items() if k not in EVAL_TIMES}
+    if isinstance(x, list):
+        return [_numbers(v) for v in x]
+    return _hex(x) if isinstance(x, float) else x
+
+
+def eval_outputs(campaign: str | Path) -> dict:
+    """soma eval's numbers on the test windows (the protocol: each window routed on its unscored first 256 bytes),
+    run on a copy of the campaign (it writes its report there)."""
+    from pipelines.evaluate import evaluate
+    from soma_cluster.revisions import config_in_force
+    from soma_cluster.storage import Store
+
+    keys = ("windows", "documents", "scored_bytes", "ensemble", "seed", "ensemble_minus_seed", "per_expert")
+    with tempfile.TemporaryDirectory(prefix="soma-golden-eval-") as tmp:
+        copy = Path(tmp) / "c"
+        shutil.copytree(campaign, copy, ignore=shutil.ignore_patterns("eval"))
+        store = Store(str(copy))
+        m = evaluate(store, config_in_force(store))
+    more = ("baselines", "top_k_sensitivity", "expert_test_nats", "by_document")
+    return _numbers({k: m[k] for k in (*keys, *more)})
+
+
 def outputs(campaign: str | Path, lmeval: bool = True) -> dict:
     campaign = str(campaign)
     out = {"weights_digest": weights_digest(campaign), **api_outputs(_routed_lm().load(campaign, device="cpu"))}
     out["export"] = export_outputs(campaign)
+    out["eval"] = eval_outputs(campaign)
     if lmeval:
         out["lmeval"] = lmeval_outputs(campaign)
     return out
