@@ -742,10 +742,10 @@ def check_launch(
     """Everything `soma launch` and `soma resume` refuse, checked by reading only, before the lease is taken: a seed
     not trained, experts named that are not there (or did not fail, for --retry-failed), a --from-step without its
     checkpoints, a revision refused, and a budget that the revision leaves spent while experts would train."""
+    after = check_revision(cfg, sets, driver_running=False, origin="--set")[1] if sets else cfg  # arguments first
     require_seed(store)
     names = [j.name for j in expert_jobs(cfg.n_experts)]
     reopening = set(check_retrain(store, expert_jobs(cfg.n_experts), retrain, from_step) if retrain else [])
-    after = check_revision(cfg, sets, driver_running=False, origin="--set")[1] if sets else cfg
     if retry_failed is not None:  # one named that did not fail is bad input
         reopening |= set(select_failed({n: h.state for n, h in history(store).items()}, names, retry_failed))
     refuse_spent(store, after, frozenset(reopening | set(pending(store, after)[1])))
@@ -772,8 +772,8 @@ def launch_command(
     cfg = load_config(store)
     with preparing(store, cfg.retry.infra_wait_s):
         refuse_held(store, command, take_over)  # another driver's work first: it may be why the seed is missing
+        addr = ray_address(address)  # the command's own arguments before the campaign's state
         check_launch(store, cfg, retry_failed, list(retrain or []), from_step, list(sets or []))
-        addr = ray_address(address)
         with hold(store, command, take_over, training_bytes(cfg, cfg.n_experts)):
             if sets:
                 rev = record_revision(store, load_campaign_config(store), list(sets), driver_running=False)

@@ -111,8 +111,8 @@ def seed(
         store = open_store(campaign)
         cfg = load_config(store)
         refuse_held(store, "soma seed", take_over)  # a prepare still running is why there are no shards yet
+        addr = checked_address(address)  # the command's own arguments before the campaign's state
         require_prepared(store)  # an interrupted prepare: refused before the lease and Ray
-        addr = checked_address(address)
         with (
             hold(store, "soma seed", take_over, training_bytes(cfg, 1)),
             ray_session(cfg, addr),
