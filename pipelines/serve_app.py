@@ -146,7 +146,10 @@ class SomaExperts:
     def __init__(self, args: dict):
         self.cfg = settings(args)
         self.lm = RoutedLM.load(
-            self.cfg.source, device=None if self.cfg.device == "auto" else self.cfg.device, step=self.cfg.step
+            self.cfg.source,
+            device=None if self.cfg.device == "auto" else self.cfg.device,
+            step=self.cfg.step,
+            threads=self.cfg.threads,
         )
         if not self.lm.experts:
             raise SomaError(f"{self.lm.source} has no trained expert (no checkpoint yet); soma launch trains them")
