@@ -27,6 +27,7 @@ import base64
 import hashlib
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
@@ -152,6 +153,7 @@ class Ticket:
     closed: bool = False  # the caller has gone (or has every byte)
 
 
+STEPS_S = 0.02  # a replica's decoding thread hands its bytes over at least this often
 DONE = None  # a stream's queue: bytes (ints) as they are drawn, then DONE, or an exception
 
 
@@ -167,26 +169,33 @@ class Decoder:
     admitted at each step, a running batch). Back-pressure is Serve's, as before: max_ongoing_requests streams per
     replica, then its queue, then 503."""
 
-    def __init__(self, lm: RoutedLM):
+    def __init__(self, lm: RoutedLM, interval_s: float = 0.0):
+        self.interval_s = interval_s  # a stream's pieces after its first go at most this often (bytes gather)
         self.batcher = Batcher(lm)
         self.arrivals: list[Ticket] = []
         self.running: dict[int, Ticket] = {}
         self.task: asyncio.Task | None = None
 
     async def stream(self, job: GenerateJob) -> AsyncIterator[bytes]:
-        """The job's bytes, each piece every byte drawn since the last one was taken (one byte a piece unless the
-        caller is slower than the steps)."""
+        """The job's bytes, each piece every byte drawn since the last one was sent: the first at once, the next ones
+        at most every interval_s (each piece is a message from this replica to the router, and on 2 cores a
+        message a byte for 20 streams costs more than decoding them)."""
         ticket = Ticket(job, asyncio.Queue())
+        sent = None
         self.arrivals.append(ticket)
         if self.task is None or self.task.done():
             self.task = asyncio.create_task(self._loop())
         try:
             while True:
                 items = [await ticket.queue.get()]
+                wait = 0.0 if sent is None else self.interval_s - (time.monotonic() - sent)
+                if wait > 0 and items[0] is not DONE:
+                    await asyncio.sleep(wait)
                 while not ticket.queue.empty():
                     items.append(ticket.queue.get_nowait())
                 piece = bytes(b for b in items if isinstance(b, int))
                 if piece:
+                    sent = time.monotonic()
                     yield piece
                 for item in items:
                     if isinstance(item, BaseException):
@@ -226,10 +235,16 @@ class Decoder:
                 del self.running[key]
 
     def _work(self, jobs: list[GenerateJob], gone: list[int]) -> tuple[list[int], list[tuple[int, int, bool]]]:
-        """Between two steps: the gone leave, the new join (prefilled together); then one step."""
+        """Between two steps: the gone leave, the new join (prefilled together); then steps, until a stream
+        arrives or goes, or for STEPS_S (one hop to this thread and back per STEPS_S, not per byte)."""
         self.batcher.leave(gone)
         keys = self.batcher.join([j.prompt for j in jobs], [j.config for j in jobs], [j.route for j in jobs])
-        return keys, self.batcher.step()
+        drawn, until = [], time.monotonic() + STEPS_S
+        while len(self.batcher):
+            drawn += self.batcher.step()
+            if self.arrivals or time.monotonic() > until or any(t.closed for t in self.running.values()):
+                break
+        return keys, drawn
 
 
 @serve.deployment(name="SomaExperts", health_check_period_s=5, health_check_timeout_s=30)
@@ -250,7 +265,7 @@ class SomaExperts:
         self._batched.set_max_batch_size(self.cfg.max_batch_windows)
         self._batched.set_batch_wait_timeout_s(self.cfg.batch_wait_s)
         self.passes = Passes(self._pass, self.cfg.max_batch_windows)
-        self.decoder = Decoder(self.lm)
+        self.decoder = Decoder(self.lm, self.cfg.stream_interval_s)
         Gauge("soma_serve_experts_loaded", description="Experts held by this replica (checkpoints, not the seed).").set(
             len(self.lm.experts)
         )

@@ -28,7 +28,7 @@ from dataclasses import dataclass
 import torch
 
 from soma_cluster.inference.generation import GenerationConfig
-from soma_cluster.inference.lm import Decoding, RoutedLM, generator, sample
+from soma_cluster.inference.lm import Decoding, RoutedLM, generator, sample_each
 from soma_cluster.inference.routing import Route, Routes
 
 
@@ -100,9 +100,9 @@ class Batcher:
         others read their byte, ready for the next step."""
         if not self.streams:
             return []
-        logp = self.decoding.logprobs()
         with self.lm.threading.using(len(self.streams)):  # rows of 256: one thread
-            drawn = [int(sample(logp[i : i + 1], s.config, s.gen)[0]) for i, s in enumerate(self.streams)]
+            logp = self.decoding.logprobs()
+            drawn = sample_each(logp, [s.config for s in self.streams], [s.gen for s in self.streams])
         out = []
         for s, b in zip(self.streams, drawn, strict=True):
             s.drawn += 1

@@ -693,3 +693,23 @@ def sample(logp: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> t
         cut = torch.topk(logp, cfg.top_k, dim=-1).values[:, -1:]
         logp = logp.masked_fill(logp < cut, -math.inf)
     return torch.multinomial(torch.softmax(logp, dim=-1), 1, generator=gen)[:, 0]
+
+
+def sample_each(logp: torch.Tensor, cfgs: Sequence[GenerationConfig], gens: Sequence[torch.Generator]) -> list[int]:
+    """One byte per row of logp (P, 256) float64, row i under cfgs[i] drawn with gens[i]: what sample(logp[i : i + 1],
+    cfgs[i], gens[i]) draws, in a few ops for all rows. torch.multinomial draws one sample as argmax(p / q), q
+    exponential draws of the row's shape from its generator (aten's multinomial, 'fast path' for one sample); here
+    each row's q is drawn from its own generator the same way, and the rest runs on all rows at once
+    (tests/test_inference_speed.py checks the bytes against stream()'s)."""
+    temperature = torch.tensor([c.temperature for c in cfgs], dtype=logp.dtype, device=logp.device)[:, None]
+    logp = (logp - logp.max(dim=-1, keepdim=True).values) / temperature
+    ks = [c.top_k if c.top_k is not None and c.top_k < logp.shape[-1] else 0 for c in cfgs]
+    if any(ks):
+        top = torch.topk(logp, max(ks), dim=-1).values  # (P, kmax), descending
+        at = torch.tensor([max(k, 1) - 1 for k in ks], device=logp.device)[:, None]
+        cut = torch.where(torch.tensor(ks, device=logp.device)[:, None] > 0, top.gather(1, at), -math.inf)
+        logp = logp.masked_fill(logp < cut, -math.inf)
+    probs = torch.softmax(logp, dim=-1)
+    n, dev = probs.shape[-1], probs.device
+    q = torch.stack([torch.empty(n, dtype=probs.dtype, device=dev).exponential_(generator=g) for g in gens])
+    return (probs / q).argmax(dim=-1).tolist()
