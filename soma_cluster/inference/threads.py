@@ -8,8 +8,8 @@ Why: a decoding step is a dozen small ops (a bmm of a few rows, a layer norm, a 
 OpenMP threads waits for the slowest of them at its end, and on a host where the other cores are busy (another
 process, another session's tests) a thread that was descheduled makes the op wait a scheduler slice (milliseconds)
 for microseconds of work. Measured on the 2-core host with a busy loop beside it (one decoding step, d = 181, 8
-experts): median 5.8 ms at 1 thread against 79 ms at 2 for 4 rows per expert, 18 ms against 117 ms for 64;
-docs/results/benchmarks/bench_speed.md has the runs. An op is split only where each thread gets at least
+experts): median 5.8 ms at 1 thread against 79 ms at 2 for 4 rows per expert, 18 ms against 117 ms for 64
+(docs/results/benchmarks/bench_speed.md). An op is split only where each thread gets at least
 MIN_MACS_PER_THREAD multiply-adds and there is a free core for it.
 
 The decision reads:
