@@ -662,11 +662,11 @@ def serve(
     /v1/generate, GET /healthz (docs/serving.md). Without --detach, serves until SIGINT/SIGTERM."""
 
     def go() -> None:
+        from pipelines.serve import absolute, serve_campaign
         from pipelines.serve import as_json as served_json
-        from pipelines.serve import serve_campaign
         from soma_cluster.inference.serveinput import with_overrides
 
-        base = {"source": campaign, "replicas": replicas, "gpus_per_replica": gpus, "step": step}
+        base = {"source": absolute(campaign), "replicas": replicas, "gpus_per_replica": gpus, "step": step}
         settings = with_overrides(base, list(overrides or []))
         if dry_run:
             from pipelines.serve import print_serve_config
