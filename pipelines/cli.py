@@ -618,6 +618,9 @@ def export(
     campaign: str,
     directory: str,
     dtype: str = typer.Option("float32", "--dtype", help="weights as float32, float16 or bfloat16"),
+    license: str = typer.Option(
+        "other", "--license", help="the model card's license (a Hugging Face identifier: apache-2.0, mit, ...)"
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Write the routed ensemble as a self-contained DIRECTORY (weights in safetensors, router, config, model card)
@@ -626,7 +629,7 @@ def export(
     def go() -> None:
         from pipelines.inference import export_campaign
 
-        r = export_campaign(campaign, directory, dtype)
+        r = export_campaign(campaign, directory, dtype, license)
         if as_json:
             return emit_json({"schema": 1, **r})
         subs = f"; the seed model stands in for {', '.join(r['substituted'])}" if r["substituted"] else ""

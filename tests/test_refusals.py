@@ -148,6 +148,7 @@ def bad_values() -> list[Bad]:
         ("sample", "--step"): [("--step", "999")],
         ("sample", "--device"): [("--device", "nope")],
         ("export", "--dtype"): [("--dtype", "float8")],
+        ("export", "--license"): [("--license", "MIT License"), ("--license", ""), ("--license", "mit\nx: 1")],
         ("serve", "--set"): [
             ("--set", "nope=1"),
             ("--set", "device=cuda"),  # without a GPU per replica
