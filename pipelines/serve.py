@@ -27,12 +27,13 @@ from pipelines.raysession import ray_session
 from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.inference.routing import Routing
+from soma_cluster.inference.routing import Routing, open_source
 from soma_cluster.inference.serveinput import APP_NAME, ROUTE_PREFIX, ServeSettings
 from soma_cluster.inference.servestate import AppState, Verdict, notes, verdict
 
 REMOVE_TIMEOUT_S = 30.0
 POLL_DEPLOY_S = 0.5  # Serve's status is read this often while the application deploys
+APPEAR_S = 30.0  # an application deployed is listed by Serve within this long, or it is reported gone
 
 
 @dataclass(frozen=True)
@@ -57,12 +58,19 @@ def checked_source(settings: ServeSettings) -> Routing:
     campaign with no trained expert are one line here."""
     from soma_cluster.inference.lm import RoutedLM
 
+    def experts() -> None:  # what SomaExperts.__init__ loads; then freed
+        RoutedLM.load(settings.source, device="cpu", step=settings.step)
+
+    export = open_source(settings.source).is_export
+    if export:  # every file against the manifest first: a damaged one is named with an export's fix (export again)
+        experts()
     routing = Routing.load(settings.source)
     if not routing.trained:
         raise SomaError(
             f"{routing.source} has no trained expert (no checkpoint yet), only the seed model; soma launch trains them"
         )
-    RoutedLM.load(settings.source, device="cpu", step=settings.step)  # what SomaExperts.__init__ loads; then freed
+    if not export:
+        experts()
     return routing
 
 
@@ -262,8 +270,13 @@ def wait_deployed(read) -> None:
     first soma error (servestate.py). No time limit, as Serve's own `serve.run` has none (a cluster may be adding
     the nodes the replicas need); what Serve notes meanwhile is printed once, and a signal stops the wait."""
     said: set[str] = set()
+    listed_by = time.monotonic() + APPEAR_S
     while True:
         app = read()
+        if app is None and time.monotonic() < listed_by:  # a config Serve has taken but not listed yet
+            time.sleep(POLL_DEPLOY_S)
+            continue
+        listed_by = 0.0  # listed once: gone later is a deletion
         state, why = verdict(app)
         if state is Verdict.RUNNING:
             return

@@ -403,6 +403,25 @@ def test_serve_refuses_bad_input_with_one_line(tmp_path, trained_campaign):
     ]
     for args, needles in cases:  # in this process: each is refused before Ray or Serve is imported
         assert_one_line_error(soma_here(*args), *needles)
+    # what the replicas would load, checked here first (issue 49: a damaged export started Ray and Serve, then
+    # failed in the replicas after 30 s with a line that never named the file)
+    export = tmp_path / "export"
+    assert soma_here("export", str(trained_campaign), str(export)).returncode == 0
+    damaged = Path(shutil.copytree(export, tmp_path / "damaged"))
+    blob = bytearray((damaged / "weights.safetensors").read_bytes())
+    blob[-100] ^= 1
+    (damaged / "weights.safetensors").write_bytes(bytes(blob))
+    gone = Path(shutil.copytree(export, tmp_path / "gone"))
+    (gone / "router" / "vocabulary.json").unlink()
+    for args, needles in [
+        (("serve", str(damaged)), (f"{damaged}/weights.safetensors fails its checksum", "export again")),
+        (("serve", str(gone), "--dry-run"), ("router/vocabulary.json is missing", "export again")),
+        (("serve", str(export), "--step", "6"), ("is an export", "leave out step")),
+        (("serve", str(trained_campaign), "--step", "999"), ("no checkpoint of step 999", "it has 6, 12")),
+        (("serve", str(trained_campaign), "--gpus-per-replica", "2", "--replicas", "3"), ("need 6 GPUs", "has 4")),
+        (("serve", str(trained_campaign), "--set", "device=cuda"), ("device cuda needs gpus_per_replica",)),
+    ]:
+        assert_one_line_error(soma_here(*args), *needles)
     camp = tmp_path / "untrained"  # as if never launched: no expert has a checkpoint, nothing to serve
     shutil.copytree(trained_campaign, camp)
     shutil.rmtree(camp / "experts")

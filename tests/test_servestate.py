@@ -4,6 +4,8 @@ export whose weights.safetensors was damaged after soma serve had checked it).""
 
 from __future__ import annotations
 
+import pytest
+
 from soma_cluster.inference.servestate import AppState, Verdict, notes, raised, verdict
 
 REPLICA_TRACEBACK = """The deployment failed to start 3 times in a row. This may be due to a problem with its \
@@ -77,3 +79,25 @@ def test_running_waiting_gone_and_failed_without_a_traceback():
     assert state is Verdict.FAILED and why == "Failed to update the deployments."
     long = app("DEPLOY_FAILED", ("DEPLOY_FAILED", "x " * 2000))
     assert len(verdict(long)[1]) <= 600
+
+
+def test_soma_serve_waits_for_running_and_stops_at_the_first_soma_error(monkeypatch, capsys):
+    """pipelines.serve.wait_deployed on a scripted status: a config Serve has not listed yet is waited for (a REST
+    deploy is listed a moment after the PUT), Serve's notes are printed once each, a soma error ends it at once."""
+    from pipelines import serve
+    from soma_cluster.errors import SomaError
+
+    monkeypatch.setattr(serve, "POLL_DEPLOY_S", 0.0)
+    pending = app("DEPLOYING", ("UPDATING", PENDING))
+    script = iter([None, None, pending, pending, app("RUNNING", ("HEALTHY", ""))])
+    serve.wait_deployed(lambda: next(script))
+    assert capsys.readouterr().err.count("taken more than 30s to be scheduled") == 1
+    script = iter([pending, app("DEPLOYING", ("UPDATING", REPLICA_TRACEBACK))])
+    with pytest.raises(SomaError, match=r"did not deploy: a SomaExperts replica could not start: /data/export/weights"):
+        serve.wait_deployed(lambda: next(script))
+    script = iter([pending, None])  # listed, then gone: deleted while it deployed
+    with pytest.raises(SomaError, match="gone from Serve"):
+        serve.wait_deployed(lambda: next(script))
+    monkeypatch.setattr(serve, "APPEAR_S", 0.0)
+    with pytest.raises(SomaError, match="gone from Serve"):  # never listed within APPEAR_S
+        serve.wait_deployed(lambda: None)
