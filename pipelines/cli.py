@@ -625,6 +625,9 @@ def export(
     campaign: str,
     directory: str,
     dtype: str = typer.Option("float32", "--dtype", help="weights as float32, float16 or bfloat16"),
+    license: str = typer.Option(
+        "other", "--license", help="the model card's license (a Hugging Face identifier: apache-2.0, mit, ...)"
+    ),
     as_json: bool = JsonOpt,
 ) -> None:
     """Write the routed ensemble as a self-contained DIRECTORY (weights in safetensors, router, config, model card)
@@ -633,7 +636,7 @@ def export(
     def go() -> None:
         from pipelines.inference import export_campaign
 
-        r = export_campaign(campaign, directory, dtype)
+        r = export_campaign(campaign, directory, dtype, license)
         if as_json:
             return emit_json({"schema": 1, **r})
         subs = f"; the seed model stands in for {', '.join(r['substituted'])}" if r["substituted"] else ""
@@ -669,11 +672,11 @@ def serve(
     /v1/generate, GET /healthz (docs/serving.md). Without --detach, serves until SIGINT/SIGTERM."""
 
     def go() -> None:
+        from pipelines.serve import absolute, serve_campaign
         from pipelines.serve import as_json as served_json
-        from pipelines.serve import serve_campaign
         from soma_cluster.inference.serveinput import with_overrides
 
-        base = {"source": campaign, "replicas": replicas, "gpus_per_replica": gpus, "step": step}
+        base = {"source": absolute(campaign), "replicas": replicas, "gpus_per_replica": gpus, "step": step}
         settings = with_overrides(base, list(overrides or []))
         if dry_run:
             from pipelines.serve import print_serve_config

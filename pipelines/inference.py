@@ -16,7 +16,7 @@ from pipelines.evaluate import in_progress
 from soma_cluster.campaignfile import CONFIG_FILE
 from soma_cluster.ensemble import load_models
 from soma_cluster.errors import SomaError
-from soma_cluster.inference.export import DTYPES, EXPORT_FILE, check_target, export
+from soma_cluster.inference.export import DTYPES, EXPORT_FILE, check_license, check_target, export
 from soma_cluster.inference.generation import GenerationConfig
 from soma_cluster.inference.lm import READ_BYTES, RoutedLM
 from soma_cluster.jobs import expert_name
@@ -278,10 +278,12 @@ def sample(lm: RoutedLM, texts: list[bytes], config: GenerationConfig, as_json: 
 
 
 # -- soma export --------------------------------------------------------------------------------------------------
-def export_campaign(url: str, directory: str, dtype: str) -> dict:
-    """The campaign's latest checkpoints as an export directory (soma_cluster.inference.export)."""
+def export_campaign(url: str, directory: str, dtype: str, license: str = "other") -> dict:
+    """The campaign's latest checkpoints as an export directory (soma_cluster.inference.export); `license`: its
+    model card's."""
     if dtype not in DTYPES:
         raise SomaError(f"--dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_license(license)
     src = open_store(url)
     if src.exists(EXPORT_FILE):
         raise SomaError(f"{url} is an export already; soma export reads a campaign (soma prepare makes one)")
@@ -296,7 +298,7 @@ def export_campaign(url: str, directory: str, dtype: str) -> dict:
     cfg = config_in_force(src)
     models = load_models(src, cfg.n_experts)
     say_notes(src, models.substituted, cfg.n_experts, models.checkpoints)
-    return export(src, cfg, models, dest, dtype)
+    return export(src, cfg, models, dest, dtype, license)
 
 
 def _inside(src: Store, dest: Store) -> bool:

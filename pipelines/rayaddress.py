@@ -1,6 +1,11 @@
 """The Ray address a command connects to: --address, else RAY_ADDRESS, else a Ray of the command's own. Every form
 either works or is one SomaError within a bounded time: Ray itself retries an address that is wrong for minutes
-(the dashboard's port given for the GCS's hangs), and raises a traceback for a Jobs address (http://)."""
+(the dashboard's port given for the GCS's hangs), and raises a traceback for a Jobs address (http://).
+
+`soma serve` takes two forms no other command does (`serve=True`): a driver that deploys a Serve application and
+leaves only needs to reach Serve's controller, so Ray Client (ray://HOST:10001) works for it, and the dashboard's
+HTTP address (http://HOST:8265, what RAY_ADDRESS holds for `ray job submit`) reaches Serve's REST API, which
+deploys the same application as a Serve config file (`serve deploy`)."""
 
 from __future__ import annotations
 
@@ -28,6 +33,7 @@ class Form(StrEnum):
     AUTO = "auto"  # a Ray already running on this machine (Ray finds it)
     GCS = "gcs"  # host:port of the head's GCS
     CLIENT = "client"  # ray://host:port, Ray Client
+    DASHBOARD = "dashboard"  # http(s)://host[:port]: the dashboard's HTTP API (Jobs, Serve's REST API); serve only
 
 
 @dataclass(frozen=True)
@@ -46,8 +52,9 @@ class Address:
         return f"--address {self.text}" if self.source == "--address" else f"RAY_ADDRESS={self.text}"
 
 
-def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
-    """The address's form from its text alone (no network). SomaError for a form soma cannot use."""
+def parse(address: str | None, env: Mapping[str, str] = os.environ, serve: bool = False) -> Address:
+    """The address's form from its text alone (no network). SomaError for a form soma cannot use; `serve`: the
+    forms `soma serve` takes (a dashboard's http(s):// address too)."""
     source, value = ("--address", address) if address is not None else ("RAY_ADDRESS", env.get("RAY_ADDRESS"))
     text = (value or "").strip()
     named = f"--address {text!r}" if source == "--address" else f"RAY_ADDRESS={text!r}"
@@ -58,6 +65,8 @@ def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
     form, rest = Form.GCS, text
     if m := _SCHEME.match(text):
         scheme, rest = m.group(1).lower(), m.group(2)
+        if scheme in ("http", "https") and serve:
+            return _dashboard(text, scheme, rest, source, named)
         if scheme in ("http", "https"):
             raise SomaError(
                 f"{named} is a Ray Jobs (dashboard) address, for `ray job submit`; soma connects to the cluster's "
@@ -66,12 +75,37 @@ def parse(address: str | None, env: Mapping[str, str] = os.environ) -> Address:
                 f"or unset RAY_ADDRESS for a local Ray"
             )
         if scheme != "ray":
-            raise SomaError(f"{named} is not a Ray address (scheme {scheme}://); {FORMS_HINT}")
+            raise SomaError(f"{named} is not a Ray address (scheme {scheme}://); {_hint(serve)}")
         form, text = Form.CLIENT, f"ray://{rest}"
     m = _HOSTPORT.match(rest)
     if m is None or not 0 < int(m.group("port")) < 65536:
-        raise SomaError(f"{named} is not a Ray address; {FORMS_HINT}")
+        raise SomaError(f"{named} is not a Ray address; {_hint(serve)}")
     return Address(form, text, source, m.group("v6") or m.group("host"), int(m.group("port")))
+
+
+def _hint(serve: bool) -> str:
+    serving = ", or for soma serve ray://HOST:10001 (Ray Client) or http://HOST:8265 (a dashboard)"
+    return FORMS_HINT + (serving if serve else "")
+
+
+_URL_HOST = re.compile(
+    r"^(?:\[(?P<v6>[0-9A-Fa-f:.]+)\]|(?P<host>[^\s/:\[\]@?#]+))(?::(?P<port>0*[0-9]{1,5}))?/*$", re.ASCII
+)
+
+
+def _dashboard(text: str, scheme: str, rest: str, source: str, named: str) -> Address:
+    """http(s)://HOST[:PORT] of a dashboard, for soma serve (a path after it, as an ingress may add, is refused:
+    Serve's REST API is at the root)."""
+    m = _URL_HOST.match(rest)
+    default = 443 if scheme == "https" else 80
+    if m is None or not 0 < int(m.group("port") or default) < 65536:
+        raise SomaError(
+            f"{named} is not a dashboard address: give http://HOST:8265 (the head's dashboard), ray://HOST:10001 "
+            "(Ray Client) or HOST:6379 (the GCS)"
+        )
+    host = m.group("v6") or m.group("host")
+    url = f"{scheme}://{f'[{host}]' if m.group('v6') else host}:{int(m.group('port') or default)}"
+    return Address(Form.DASHBOARD, url, source, host, int(m.group("port") or default))
 
 
 def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
@@ -80,6 +114,8 @@ def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
     Ray's own lookup first; a local Ray is the command's own."""
     if addr.form is Form.AUTO:
         addr = _resolve_auto(addr)
+    if addr.form is Form.DASHBOARD:
+        return _probe_dashboard(addr, timeout_s)
     if addr.form not in (Form.GCS, Form.CLIENT):
         return
     deadline = time.monotonic() + timeout_s
@@ -104,6 +140,38 @@ def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
     else:
         what = f"something accepts connections there but does not answer as Ray (gRPC) within {timeout_s:.0f} s"
     raise SomaError(f"{addr.named()} is not a Ray cluster: {what}; pass the head's GCS address (HOST:6379 by default)")
+
+
+def _probe_dashboard(addr: Address, timeout_s: float) -> None:
+    """One GET of Serve's REST API (the dashboard's /api/serve/applications/), bounded: anything else at the address
+    (nothing, the GCS, a web server that is not Ray's) is one line."""
+    import urllib.error
+    import urllib.request
+
+    url = f"{addr.text}/api/serve/applications/"
+    try:
+        with urllib.request.urlopen(urllib.request.Request(url, headers=dashboard_headers()), timeout=timeout_s) as r:
+            r.read(1 << 20)
+        return
+    except urllib.error.HTTPError as exc:
+        what = f"HTTP {exc.code} for {url}" + (
+            f": the dashboard refused this command's token; {token_hint()}" if exc.code in (401, 403) else ""
+        )
+    except (OSError, ValueError, UnicodeError) as exc:
+        what = f"{getattr(exc, 'reason', None) or exc}"
+    raise SomaError(
+        f"{addr.named()} is not a Ray dashboard with Serve's API ({what}); give the head's dashboard "
+        "(http://HOST:8265), ray://HOST:10001 (Ray Client) or HOST:6379 (the GCS)"
+    )
+
+
+def dashboard_headers() -> dict[str, str]:
+    """The token header Ray's own clients send to a token-auth dashboard (none without token auth)."""
+    try:
+        from ray._private.authentication.http_token_authentication import get_auth_headers_if_auth_enabled
+    except ImportError:  # another Ray: no header
+        return {}
+    return dict(get_auth_headers_if_auth_enabled({}))
 
 
 def _grpc_state(addr: Address, timeout_s: float) -> str:
@@ -215,17 +283,23 @@ def _resolve_auto(addr: Address) -> Address:
     return Address(Form.GCS, addr.text, addr.source, host.strip("[]"), int(port))
 
 
-def ray_address(address: str | None) -> Address:
-    """--address, else RAY_ADDRESS: parsed and, for a cluster, probed. Commands call it before they write anything.
-    Ray Client (ray://) is refused: a driver over it queues its actors and never starts them."""
-    addr = parse(address)
-    if addr.form is Form.LOCAL:
-        os.environ.pop("RAY_ADDRESS", None)  # the command decided: ray.init and Ray Data must not read it again
-    if addr.form is Form.CLIENT:
+def check_form(addr: Address, serve: bool = False) -> None:
+    """Refuse a form the command cannot use, from the text alone: Ray Client for every command but soma serve (a
+    driver over it queues its actors and never starts them; serve's actors are Serve's, started by its controller)."""
+    if addr.form is Form.CLIENT and not serve:
         raise SomaError(
             f"{addr.named()} is a Ray Client address; soma's driver cannot run over Ray Client (its actors are "
             f"queued and never start): submit the command as a Ray Job (ray job submit --address "
             f"http://HOST:8265 -- soma ...), run it on the head, or give the head's GCS address (HOST:6379)"
         )
+
+
+def ray_address(address: str | None, serve: bool = False) -> Address:
+    """--address, else RAY_ADDRESS: parsed and, for a cluster, probed. Commands call it before they write anything.
+    Ray Client (ray://) is refused but for `serve` (soma serve), which also takes a dashboard's http(s):// URL."""
+    addr = parse(address, serve=serve)
+    if addr.form is Form.LOCAL:
+        os.environ.pop("RAY_ADDRESS", None)  # the command decided: ray.init and Ray Data must not read it again
+    check_form(addr, serve)
     probe(addr)
     return addr

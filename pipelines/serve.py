@@ -4,23 +4,36 @@ On a cluster (`--address`), the application outlives the command with `--detach`
 cluster is a rolling update (Serve replaces the replicas a few at a time; requests in flight finish). Without an
 address, a local Ray starts on 127.0.0.1 and the command serves until SIGINT or SIGTERM, then removes the
 application (and the local Ray) and exits 130 or 143, as every command stopped by a signal.
+
+Before Ray starts, the command loads what every replica will load (checked_source): the router a router replica
+reads and the weights an expert replica reads, every file against its checksum, the step asked for; so a damaged
+export or a missing checkpoint is one line naming the file, not a deployment that fails. The cluster is reached
+as its address says (pipelines/rayaddress.py): the GCS (HOST:6379) or Ray Client (ray://HOST:10001) through Serve's
+Python API, or a dashboard (http://HOST:8265) through Serve's REST API with the same Serve config that --dry-run
+prints (pipelines/dashboard.py).
 """
 
 from __future__ import annotations
 
+import os
 import sys
 import time
 from dataclasses import asdict, dataclass
 
 from pipelines.common import emit_json
-from pipelines.rayaddress import ray_address
+from pipelines.dashboard import Dashboard, others, remove
+from pipelines.rayaddress import Address, Form, ray_address
 from pipelines.raysession import ray_session
+from soma_cluster.config import CampaignConfig
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
-from soma_cluster.inference.routing import Routing
+from soma_cluster.inference.routing import Routing, open_source
 from soma_cluster.inference.serveinput import APP_NAME, ROUTE_PREFIX, ServeSettings
+from soma_cluster.inference.servestate import AppState, Verdict, notes, verdict
 
 REMOVE_TIMEOUT_S = 30.0
+POLL_DEPLOY_S = 0.5  # Serve's status is read this often while the application deploys
+APPEAR_S = 30.0  # an application deployed is listed by Serve within this long, or it is reported gone
 
 
 @dataclass(frozen=True)
@@ -39,14 +52,62 @@ IMPORT_PATH = "pipelines.serve_app:build"
 
 
 def checked_source(settings: ServeSettings) -> Routing:
-    """The source's config and router, read before anything starts: a wrong source, an unreachable store, a
-    campaign with no trained expert are named here."""
+    """What the replicas will load, loaded here before anything starts, as they load it: a router replica's Routing
+    and an expert replica's RoutedLM (on the CPU; every file against its checksum, each expert's checkpoint, the
+    step asked for). A wrong source, an unreachable store, a damaged file, a step without checkpoints and a
+    campaign with no trained expert are one line here."""
+    from soma_cluster.inference.lm import RoutedLM
+
+    def experts() -> None:  # what SomaExperts.__init__ loads; then freed
+        RoutedLM.load(settings.source, device="cpu", step=settings.step)
+
+    export = open_source(settings.source).is_export
+    if export:  # every file against the manifest first: a damaged one is named with an export's fix (export again)
+        experts()
     routing = Routing.load(settings.source)
     if not routing.trained:
         raise SomaError(
             f"{routing.source} has no trained expert (no checkpoint yet), only the seed model; soma launch trains them"
         )
+    if not export:
+        experts()
     return routing
+
+
+def absolute(source: str) -> str:
+    """A local source as an absolute path: the replicas (and a Serve config file) resolve it elsewhere than in this
+    command's directory. URLs (s3://) as given."""
+    return source if "://" in source or not source.strip() else os.path.abspath(source)
+
+
+def check_fits(settings: ServeSettings, cfg: CampaignConfig, addr: Address) -> None:
+    """A local Ray has the campaign's resources.local_gpus GPUs and this machine's CPUs, and no autoscaler: replicas
+    that ask for more would wait for them forever. A replica's device=cuda needs CUDA here too. (A cluster may
+    add nodes for what it lacks: its replicas are waited for, with Serve's own note of what they wait for.)"""
+    if addr.remote:
+        return
+    gpus = settings.replicas * settings.gpus_per_replica
+    cpus = settings.replicas * settings.cpus_per_replica + settings.router_replicas * settings.router_cpus
+    have_cpus = os.cpu_count() or 1
+    if gpus > cfg.resources.local_gpus + 1e-9:
+        raise SomaError(
+            f"{settings.replicas} replica(s) of {settings.gpus_per_replica:g} GPU(s) need {gpus:g} GPUs; a local Ray "
+            f"has {cfg.resources.local_gpus:g} (the campaign's resources.local_gpus): lower --gpus-per-replica or "
+            "--replicas, or pass --address of a cluster"
+        )
+    if cpus > have_cpus + 1e-9:
+        raise SomaError(
+            f"the replicas need {cpus:g} CPUs (replicas x cpus_per_replica + router_replicas x router_cpus); this "
+            f"machine has {have_cpus}: lower them (--set cpus_per_replica=0.5), or pass --address of a cluster"
+        )
+    if settings.device == "cuda":
+        import torch
+
+        if not torch.cuda.is_available():
+            raise SomaError(
+                "--set device=cuda: this machine has no CUDA device, and without --address the replicas run here; "
+                "leave device auto (or pass --address of a cluster with GPUs)"
+            )
 
 
 def serve_config(settings: ServeSettings, host: str, port: int) -> dict:
@@ -57,7 +118,8 @@ def serve_config(settings: ServeSettings, host: str, port: int) -> dict:
     except UnicodeEncodeError:
         raise SomaError(
             f"{shown(settings.source)}: a Serve config file is UTF-8 text and this path is not; rename the directory, "
-            "or serve it with soma serve (without --dry-run)"
+            "or serve it with soma serve through the GCS or Ray Client (without --dry-run, and not through an http:// "
+            "dashboard address)"
         ) from None
     return {
         "http_options": {"host": host, "port": port},
@@ -73,31 +135,27 @@ def serve_config(settings: ServeSettings, host: str, port: int) -> dict:
 
 
 def serve_campaign(settings: ServeSettings, address: str | None, host: str, port: int, detach: bool, show) -> Served:
-    """Check the source, connect to (or start) Ray, deploy, report with `show(Served)`; then, unless detached,
-    serve until a signal and remove the application."""
-    addr = ray_address(address)
+    """Check the address and the source, connect to (or start) Ray, deploy, report with `show(Served)`; then, unless
+    detached, serve until a signal and remove the application."""
+    addr = ray_address(address, serve=True)
     if detach and not addr.remote:
         raise SomaError("--detach needs --address of a running cluster: a local Ray ends with this command")
     routing = checked_source(settings)
+    check_fits(settings, routing.config, addr)
+    if addr.form is Form.DASHBOARD:
+        return _serve_through_dashboard(settings, routing, addr, host, port, detach, show)
     with ray_session(routing.config, addr):
         from ray import serve
 
         from pipelines.serve_app import build
 
         try:
-            _deploy(serve, build(settings.model_dump()), host, port)
+            host, port = _deploy(serve, build(settings.model_dump()), host, port)
         except SomaError:
             if not detach:
                 _remove(serve, addr.remote)
             raise
-        served = Served(  # shown: a path that is not UTF-8, escaped (--json is text)
-            f"http://{host}:{port}{ROUTE_PREFIX}",
-            APP_NAME,
-            shown(routing.source),
-            routing.config.n_experts,
-            settings.replicas,
-            detach,
-        )
+        served = served_as(settings, routing, host, port, detach)
         show(served)
         if detach:
             return served
@@ -108,10 +166,57 @@ def serve_campaign(settings: ServeSettings, address: str | None, host: str, port
             _remove(serve, addr.remote)
 
 
-def _deploy(serve, app, host: str, port: int) -> None:
-    """Serve's proxies on host:port, then the application; a proxy that cannot bind (the port is taken) or a
-    replica that cannot load its models is one line, not a traceback."""
+def _serve_through_dashboard(
+    settings: ServeSettings, routing: Routing, addr: Address, host: str, port: int, detach: bool, show
+) -> Served:
+    """Deploy with the REST API, wait until it runs, report; then, unless detached, serve until a signal and remove
+    the application (the other applications' configs sent alone)."""
+    api = Dashboard(addr)
+    details = api.details()
+    kept = others(details, addr)
+    http = details.get("http_options") or {}
+    if details.get("proxies") and http.get("port") is not None:  # Serve runs: it keeps its proxies' options
+        running = (str(http.get("host", host)), int(http["port"]))
+        if running != (host, port):
+            proxy_moved(running, (host, port))
+        host, port = running
+    config = serve_config(settings, host, port)
+    config["applications"] = kept + config["applications"]
+    api.call("PUT", config)
+    try:
+        wait_deployed(api.app_state)
+    except SomaError:
+        if not detach:
+            remove(api, config, kept)
+        raise
+    served = served_as(settings, routing, host, port, detach)
+    show(served)
+    if detach:
+        return served
+    try:
+        while True:  # until a signal: Stopped unwinds from the sleep
+            time.sleep(1.0)
+    finally:
+        remove(api, config, kept)
+
+
+def served_as(settings: ServeSettings, routing: Routing, host: str, port: int, detach: bool) -> Served:
+    return Served(  # shown: a path that is not UTF-8, escaped (--json is text)
+        f"http://{host}:{port}{ROUTE_PREFIX}",
+        APP_NAME,
+        shown(routing.source),
+        routing.config.n_experts,
+        settings.replicas,
+        detach,
+    )
+
+
+def _deploy(serve, app, host: str, port: int) -> tuple[str, int]:
+    """Serve's proxies on host:port, then the application, waited for until it runs; a proxy that cannot bind (the
+    port is taken) or a replica that cannot load its models is one line, not a traceback. The (host, port) Serve's
+    proxies listen on: a Serve already running on the cluster keeps its own, said on stderr."""
     from ray.exceptions import RayError
+    from ray.serve.api import RunTarget
     from ray.serve.exceptions import RayServeException
 
     try:
@@ -120,10 +225,68 @@ def _deploy(serve, app, host: str, port: int) -> None:
         raise SomaError(
             f"Serve's HTTP proxy did not start on {host}:{port}: {_cause(exc)}; pass another --port (or --host)"
         ) from None
+    host, port = running_proxy(host, port)
     try:
-        serve.run(app, name=APP_NAME, route_prefix=ROUTE_PREFIX, blocking=False)
+        serve.run_many([RunTarget(app, name=APP_NAME, route_prefix=ROUTE_PREFIX)], wait_for_applications_running=False)
     except (RayError, RayServeException, RuntimeError, TimeoutError) as exc:
         raise SomaError(f"the application did not deploy: {_cause(exc)}") from None
+    wait_deployed(lambda: _app_state(serve))
+    return host, port
+
+
+def running_proxy(host: str, port: int) -> tuple[str, int]:
+    """Where the cluster's Serve proxies really listen: a Serve started earlier keeps the HTTP options it started
+    with (Serve ignores new ones with a log line), so the URL printed is its own, and stderr says so."""
+    try:
+        from ray.serve.context import _get_global_client
+
+        http = _get_global_client().http_config
+        running = (str(http.host), int(http.port))
+    except Exception:  # noqa: BLE001 - a private API of Serve's: without it, the options given are reported
+        return host, port
+    if running != (host, port):
+        proxy_moved(running, (host, port))
+    return running
+
+
+def proxy_moved(running: tuple[str, int], asked: tuple[str, int]) -> None:
+    print(
+        f"soma serve: Serve already runs on this cluster with its proxies on {running[0]}:{running[1]}; it keeps "
+        f"them (--host/--port {asked[0]}:{asked[1]} apply only to a Serve that starts now)",
+        file=sys.stderr,
+    )
+
+
+def _app_state(serve) -> AppState | None:
+    app = serve.status().applications.get(APP_NAME)
+    if app is None:
+        return None
+    deps = {n: (str(d.status.value), d.message) for n, d in app.deployments.items()}
+    return AppState.of(str(app.status.value), app.message, deps)
+
+
+def wait_deployed(read) -> None:
+    """Until `read()` (the application's AppState) says it runs; one SomaError line when it fails, at a replica's
+    first soma error (servestate.py). No time limit, as Serve's own `serve.run` has none (a cluster may be adding
+    the nodes the replicas need); what Serve notes meanwhile is printed once, and a signal stops the wait."""
+    said: set[str] = set()
+    listed_by = time.monotonic() + APPEAR_S
+    while True:
+        app = read()
+        if app is None and time.monotonic() < listed_by:  # a config Serve has taken but not listed yet
+            time.sleep(POLL_DEPLOY_S)
+            continue
+        listed_by = 0.0  # listed once: gone later is a deletion
+        state, why = verdict(app)
+        if state is Verdict.RUNNING:
+            return
+        if state is Verdict.FAILED:
+            raise SomaError(f"the application did not deploy: {why}")
+        for note in notes(app):
+            if note not in said:
+                said.add(note)
+                print(f"soma serve: {note}", file=sys.stderr, flush=True)
+        time.sleep(POLL_DEPLOY_S)
 
 
 def _cause(exc: BaseException) -> str:

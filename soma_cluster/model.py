@@ -91,6 +91,45 @@ class Layout:
         """(P, M) -> {name: (P, *shape)} views (no copies)."""
         return {s.name: flat[:, slice(*self.offsets[s.name])].view(flat.shape[0], *s.shape) for s in self.specs}
 
+    def named(self, body: torch.Tensor) -> dict[str, torch.Tensor]:
+        """One body (M,) as its tensors under their public names (tensor_name: `blocks.0.lstm.weight_ih`, ...), in
+        layout order: what `soma export` writes, for readers outside soma. Views (no copies)."""
+        return {tensor_name(s.name): body[slice(*self.offsets[s.name])].view(s.shape) for s in self.specs}
+
+    def flat(self, tensors: dict[str, torch.Tensor]) -> torch.Tensor:
+        """`named`'s inverse: the body (M,) from its public tensors, each checked for its shape; KeyError naming a
+        missing tensor, ValueError naming one of another shape."""
+        parts = []
+        for s in self.specs:
+            name = tensor_name(s.name)
+            t = tensors[name]
+            if tuple(t.shape) != s.shape:
+                raise ValueError(f"{name} has shape {tuple(t.shape)}, not {s.shape}")
+            parts.append(t.reshape(-1))
+        return torch.cat(parts)
+
+
+# The body's tensors as a reader outside soma names them (torch's conventions: `weight`, nn.LSTM's weight_ih and
+# weight_hh in its gate order i, f, g, o, no biases): Layout's names are short for its own flat vector.
+_BLOCK_TENSORS = {
+    "ln1": "ln1.weight",
+    "w_ih": "lstm.weight_ih",
+    "w_hh": "lstm.weight_hh",
+    "ln2": "ln2.weight",
+    "w1": "mlp.fc1.weight",
+    "w2": "mlp.fc2.weight",
+}
+_TENSORS = {"proj_in": "proj_in.weight", "lnf": "ln_f.weight", "proj_out": "proj_out.weight"}
+EMBED_TENSOR = "embed.weight"  # the tied byte embedding and decoder E (256, e): logits = h E^T
+
+
+def tensor_name(spec: str) -> str:
+    """A Layout name's public one: b3.w_ih -> blocks.3.lstm.weight_ih, lnf -> ln_f.weight."""
+    block, _, part = spec.partition(".")
+    if part:
+        return f"blocks.{int(block[1:])}.{_BLOCK_TENSORS[part]}"
+    return _TENSORS[spec]
+
 
 def body_param_count(cfg: ModelConfig) -> int:
     return Layout(cfg).size

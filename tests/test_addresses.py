@@ -97,6 +97,16 @@ def forms(servers) -> dict[str, tuple[str, str]]:
     }
 
 
+# soma serve takes a dashboard's http(s):// and Ray Client: it probes them (nothing there, or a web server that is
+# not Ray's dashboard) where every other command refuses them by their text
+SERVE_NEEDLES = {
+    "jobs-url": "not a Ray dashboard",
+    "jobs-url-tls": "not a Ray dashboard",
+    "ray-client": "cannot reach",
+    "ray-client-uppercase": "cannot reach",
+}
+
+
 def quiet(name: str) -> list[str]:
     cmd = typer.main.get_command(app).commands[name]
     return ["--no-progress"] if any("--no-progress" in getattr(p, "opts", ()) for p in cmd.params) else []
@@ -134,6 +144,7 @@ def test_every_address_command_refuses_every_wrong_address_fast_and_writes_nothi
     rows = []
     for name, args in commands.items():
         for form, (address, needle) in forms(servers).items():
+            needle = SERVE_NEEDLES.get(form, needle) if name == "serve" else needle
             if form == "silent-port":
                 continue  # the same probe for every command, 10 s each: one command below
             for via in ("--address", "RAY_ADDRESS"):
@@ -250,3 +261,48 @@ def test_auto_with_no_ray_on_this_machine_is_one_line(tmp_path, monkeypatch):
     monkeypatch.setenv("RAY_TMPDIR", str(tmp_path))  # where Ray looks for a running cluster's address
     with pytest.raises(SomaError, match="no Ray runs on this machine"):
         ray_address("auto")
+
+
+@pytest.mark.parametrize(
+    "text,url",
+    [
+        ("http://h:8265", "http://h:8265"),
+        ("HTTPS://h", "https://h:443"),
+        ("http://h", "http://h:80"),
+        ("http://[fd00::1]:8265/", "http://[fd00::1]:8265"),
+        (" http://10.0.0.5:08265 ", "http://10.0.0.5:8265"),
+    ],
+)
+def test_soma_serve_takes_a_dashboard_address(text, url):
+    """soma serve deploys through Serve's REST API at a dashboard (RAY_ADDRESS=http://HOST:8265, as operators set it
+    for ray job submit); every other command refuses that form by its text, as before."""
+    addr = parse(text, {}, serve=True)
+    assert addr.form is Form.DASHBOARD and addr.text == url
+    assert parse(None, {"RAY_ADDRESS": text}, serve=True).named() == f"RAY_ADDRESS={url}"
+    with pytest.raises(SomaError, match="Ray Jobs"):
+        parse(text, {})
+
+
+@pytest.mark.parametrize("text", ["http://h:8265/dash", "http://:8265", "http://h:0", "https://h:65536", "http://a b"])
+def test_a_dashboard_address_soma_serve_cannot_use_is_one_line(text):
+    with pytest.raises(SomaError, match="not a dashboard address"):
+        parse(text, {}, serve=True)
+
+
+def test_ray_client_is_soma_serve_s_alone():
+    """A Serve application's actors are started by Serve's controller, not by the driver: over Ray Client the driver
+    only deploys (tests/test_serve.py deploys that way), so soma serve takes ray://; every other command refuses it."""
+    from pipelines.rayaddress import check_form
+
+    addr = parse("ray://head:10001", {}, serve=True)
+    check_form(addr, serve=True)
+    with pytest.raises(SomaError, match="cannot run over Ray Client"):
+        check_form(addr)
+
+
+def test_a_dashboard_address_with_nothing_there_is_one_line_within_the_probe_bound():
+    port = free_port()
+    t0 = time.monotonic()
+    with pytest.raises(SomaError, match=rf"--address http://127.0.0.1:{port} is not a Ray dashboard"):
+        ray_address(f"http://127.0.0.1:{port}", serve=True)
+    assert time.monotonic() - t0 < PROBE_S + 5

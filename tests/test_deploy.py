@@ -215,7 +215,7 @@ def test_the_checker_catches_a_wrong_command_or_option():
 
 
 # -- the docs' examples, through the real parser -------------------------------------------------------
-EXAMPLE = re.compile(r"^\s*(?:\$\s+)?(?:[A-Z_]+=\S+\s+)*(soma\s.*)$")  # `soma ...`, `$ soma ...`, `VAR=x soma ...`
+EXAMPLE = re.compile(r"^\s*(?:\$\s+)?((?:[A-Z_]+=\S+\s+)*soma\s.*)$")  # `soma ...`, `$ soma ...`, `VAR=x soma ...`
 SYNOPSIS = re.compile(r"[\[\]|]|\.\.\.")  # `[--json]`, `small|paper`, `...`: a usage line, not an example
 SETS_CONFIG = {"prepare", "demo", "fork", "experiment"}  # their --set items are config overrides
 
@@ -231,7 +231,8 @@ def example_blocks() -> list[tuple[str, list[str]]]:
                 if m := EXAMPLE.match(line):
                     lines += [c.strip() for c in re.split(r"\s(?:&&|;)\s", m.group(1).split("  #")[0])]
             if lines:
-                out.append((str(path.relative_to(ROOT)), [c for c in lines if c.startswith("soma ")]))
+                commands = [c for c in lines if _env_prefix(c)[1].startswith("soma ")]
+                out.append((str(path.relative_to(ROOT)), commands))
     deploy = [(path, [line]) for path, line in soma_command_lines() if path.startswith("deploy/")]
     return out + deploy
 
@@ -244,6 +245,7 @@ def check_example(line: str, group, configs: dict[str, object]) -> None:
     from soma_cluster.config import parse_overrides, resolve
     from soma_cluster.revisions import check as check_revision
 
+    env, line = _env_prefix(line)
     if SYNOPSIS.search(line):
         return check_command(line, group)  # names only: its values are placeholders
     args = shlex.split(line)[1:]
@@ -256,6 +258,7 @@ def check_example(line: str, group, configs: dict[str, object]) -> None:
         check_pairs(ctx)
     except (click_exceptions.ClickException, typer.Exit) as exc:
         raise AssertionError(f"{line!r}: {getattr(exc, 'message', exc)!r}") from None
+    check_address(args[0], ctx.params.get("address"), env)
     where = ctx.params.get("campaign")
     base = configs.get(where) or resolve("tiny")
     if args[0] in SETS_CONFIG and ctx.params.get("set") and not ctx.params.get("config"):
@@ -265,6 +268,26 @@ def check_example(line: str, group, configs: dict[str, object]) -> None:
         check_revision(base, list(ctx.params["changes"]), driver_running=False)
     if args[0] == "resume" and ctx.params.get("set"):
         check_revision(base, list(ctx.params["set"]), driver_running=False, origin="--set")
+
+
+def _env_prefix(line: str) -> tuple[dict[str, str], str]:
+    """`VAR=x VAR2=y soma ...` -> ({VAR: x, VAR2: y}, `soma ...`)."""
+    env = {}
+    while m := re.match(r"([A-Z_]+)=(\S+)\s+", line):
+        env[m.group(1)] = m.group(2)
+        line = line[m.end() :]
+    return env, line
+
+
+def check_address(command: str, address: str | None, env: dict[str, str]) -> None:
+    """The example's --address (else its RAY_ADDRESS=) in a form that command takes: the command's own parse and
+    form check, without the network (soma serve alone takes ray:// and http:// forms)."""
+    from pipelines.rayaddress import check_form, parse
+
+    if address is None and "RAY_ADDRESS" not in env:
+        return
+    serve = command == "serve"
+    check_form(parse(address, env, serve=serve), serve=serve)
 
 
 def test_every_example_in_the_docs_parses_with_its_values():
@@ -283,6 +306,8 @@ def test_every_example_in_the_docs_parses_with_its_values():
 def test_the_example_checker_catches_a_wrong_value():
     group = typer.main.get_command(app)
     check_example("soma prepare c --preset paper-small --set n_experts=8", group, {})
+    check_example("soma serve s3://b/x --address ray://head:10001 --detach", group, {})
+    check_example("RAY_ADDRESS=http://127.0.0.1:8265 soma serve s3://b/x --detach", group, {})
     for bad in (
         "soma plan c --gpus K",  # not a number
         "soma prepare c --preset huge",  # not a preset
@@ -290,6 +315,9 @@ def test_the_example_checker_catches_a_wrong_value():
         "soma prepare c --set n_experts=0",  # out of the setting's bounds
         "soma set c train.method=bptt",  # not revisable
         "soma eval c --stride 0",  # below the option's bound
+        "soma launch c --address ray://head:10001",  # Ray Client: soma serve's only
+        "RAY_ADDRESS=http://head:8265 soma launch c",  # a dashboard: soma serve's only
+        "soma serve c --address ray://head",  # no port
     ):
         with pytest.raises((AssertionError, SomaError)):
             check_example(bad, group, {})
@@ -306,8 +334,9 @@ def test_the_docs_read_only_examples_run_on_a_tiny_campaign(trained):
     ran = []
     for path, lines in example_blocks():
         for line in lines:
+            env, line = _env_prefix(line)
             args = shlex.split(line)[1:]
-            if args[0] not in RUNNABLE or SYNOPSIS.search(line):
+            if args[0] not in RUNNABLE or SYNOPSIS.search(line) or env:
                 continue
             if args[0] != "--version" and args[0] != "presets":
                 args[1] = str(trained.camp)  # the campaign the docs name: runs/demo, s3://...

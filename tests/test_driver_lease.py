@@ -227,6 +227,7 @@ def test_sigkilled_driver_is_replaced_at_once_and_its_leftovers_cleaned(seeded, 
     print(f"\nresume after SIGKILL: {time.monotonic() - t0:.1f} s")
 
 
+@pytest.mark.slow  # ~65 s on 2 cores: a SIGSTOPped driver outliving its ttl (the SIGKILL case runs in make test)
 def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seeded, reference, tmp_path):
     camp = clone(seeded, tmp_path / "c")
     ttl = {"SOMA_LEASE_TTL_S": "10"}
@@ -282,6 +283,7 @@ def test_paused_driver_replaced_after_expiry_writes_nothing_once_continued(seede
     assert_as_if_never_stopped(camp, reference)
 
 
+@pytest.mark.slow  # ~46 s on 2 cores: a launch and a resume around a damaged lease file
 def test_a_lease_overwritten_mid_run_stops_the_driver_and_loses_nothing(seeded, reference, tmp_path):
     """Someone overwrites (or deletes) driver-lease.json while a launch trains: no driver can show it holds the
     campaign, so the driver stops (exit 4) without failing any expert; once the damaged file is deleted, resume

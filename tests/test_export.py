@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import hashlib
 import json
 import os
 import random
@@ -19,6 +20,7 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+import yaml
 from conftest import assert_one_line_error, fill_up, soma, soma_here
 from hypothesis import HealthCheck, given, settings
 from test_lm import cases, partial, rescored
@@ -54,7 +56,7 @@ def test_an_export_loads_without_the_campaign_and_scores_the_same(trained_campai
     for words in ("## Data", "| source | bytes | share |", "## Training", "## Compute", "## Limits", "backpropagation"):
         assert words in card, words
     manifest = Store(str(moved)).read_json(EXPORT_FILE)
-    assert manifest["version"] == 1 and set(manifest["steps"]) == {"expert-0000", "expert-0001", "expert-0002"}
+    assert manifest["version"] == 2 and set(manifest["steps"]) == {"expert-0000", "expert-0001", "expert-0002"}
 
 
 def test_a_16_bit_export_is_smaller_and_close(trained_campaign, exported, tmp_path):
@@ -281,3 +283,200 @@ def test_an_export_onto_a_mount_point_and_onto_a_full_disk(trained_campaign, tmp
     finally:
         for mnt in (roomy, tiny):
             subprocess.run(["umount", str(mnt)], check=False)
+
+
+# -- an export people can host ---------------------------------------------------------------------------------------
+OUTSIDE = r"""
+import json, sys
+import torch
+import torch.nn.functional as F
+from safetensors import safe_open
+
+path, expert, window = sys.argv[1], sys.argv[2], bytes.fromhex(sys.argv[3])
+with safe_open(path, "pt") as f:
+    meta = f.metadata()
+    t = {k: f.get_tensor(k).float() for k in f.keys()}
+shape = json.loads(meta["soma.model"])
+eps = float(meta["soma.layer_norm_eps"])
+w = {k[len(expert) + 1 :]: v for k, v in t.items() if k.startswith(expert + ".")}
+E = w.get("embed.weight", t.get("embed.weight"))
+
+
+def ln(h, g):
+    return F.layer_norm(h, h.shape[-1:], eps=eps) * g
+
+
+lstm = torch.nn.LSTM(shape["d"], shape["d"], bias=False, batch_first=True)
+x = torch.tensor(list(window[:-1]))[None]
+with torch.no_grad():
+    h = E[x]
+    if "proj_in.weight" in w:
+        h = h @ w["proj_in.weight"].T
+    for b in range(shape["depth"]):
+        lstm.weight_ih_l0.copy_(w[f"blocks.{b}.lstm.weight_ih"])
+        lstm.weight_hh_l0.copy_(w[f"blocks.{b}.lstm.weight_hh"])
+        h = h + lstm(ln(h, w[f"blocks.{b}.ln1.weight"]))[0]
+        u = ln(h, w[f"blocks.{b}.ln2.weight"])
+        h = h + F.gelu(u @ w[f"blocks.{b}.mlp.fc1.weight"].T) @ w[f"blocks.{b}.mlp.fc2.weight"].T
+    h = ln(h, w["ln_f.weight"])
+    if "proj_out.weight" in w:
+        h = h @ w["proj_out.weight"].T
+    logp = torch.log_softmax((h @ E.T).double(), dim=-1)[0]
+assert not [m for m in sys.modules if m.split(".")[0] in ("soma_cluster", "pipelines", "workers")]
+print(json.dumps(logp.tolist()))
+"""
+
+
+def test_the_weights_read_outside_soma_give_each_expert_s_log_probabilities(exported, tmp_path):
+    """A reader with safetensors and torch alone (a process with no soma on its path) finds each expert's tensors by
+    name, rebuilds its forward with torch.nn.LSTM from the card's description and the file's metadata, and gets the
+    log-probabilities RoutedLM's forward gives for that expert alone (the same maths; soma's own LSTM kernel rounds
+    differently, hence a tolerance)."""
+    from soma_cluster.inference.routing import Routes
+
+    lm = RoutedLM.load(str(exported), device="cpu")
+    window = ("def f(x):\n    return x * 2  # " + "naïve café " * 20).encode()
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    for expert in range(3):
+        proc = subprocess.run(
+            [sys.executable, "-I", "-c", OUTSIDE, str(exported / WEIGHTS), f"expert-{expert:04d}", window.hex()],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            cwd=tmp_path,
+            env=env,
+        )
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        outside = np.array(json.loads(proc.stdout))
+        (want,) = lm.forward([window], Routes(np.array([[expert]]), np.array([[1.0]])), every_byte=True)
+        assert outside.shape == want.shape == (len(window) - 1, 256)
+        np.testing.assert_allclose(outside, want, rtol=0, atol=2e-4)
+        assert (outside.argmax(-1) == want.argmax(-1)).mean() > 0.99
+
+
+def test_an_export_written_before_the_tensors_had_names_still_loads_and_scores_the_same(exported, tmp_path):
+    """Format 1 (flat vectors, soma-cluster before this one) is still read: exports made then load, score and serve
+    as they did. Made here from the new export by the goldens' own reconstruction of format 1."""
+    from support.inference_golden import flat_weights
+
+    old = Path(shutil.copytree(exported, tmp_path / "format1"))
+    blob = flat_weights(exported)
+    (old / WEIGHTS).write_bytes(blob)
+    store = Store(str(old))
+    manifest = store.read_json(EXPORT_FILE)
+    manifest["version"] = 1
+    manifest["files"][WEIGHTS] = hashlib.sha256(blob).hexdigest()
+    store.write_json(EXPORT_FILE, manifest)
+    new, was = RoutedLM.load(str(exported)), RoutedLM.load(str(old))
+    for doc in DOCS:
+        assert was.score(doc, per_byte=True) == new.score(doc, per_byte=True)
+    assert was.generate("def ", max_bytes=40, seed=2) == new.generate("def ", max_bytes=40, seed=2)
+
+
+def test_weights_without_a_tensor_or_with_a_wrong_shape_are_one_line_naming_it(exported, tmp_path):
+    from safetensors.torch import load, save
+
+    def damaged(name: str, change) -> Path:
+        d = Path(shutil.copytree(exported, tmp_path / name))
+        tensors = dict(load((d / WEIGHTS).read_bytes()))
+        change(tensors)
+        blob = save(tensors)
+        (d / WEIGHTS).write_bytes(blob)
+        store = Store(str(d))
+        manifest = store.read_json(EXPORT_FILE)
+        manifest["files"][WEIGHTS] = hashlib.sha256(blob).hexdigest()  # a whole file, of the wrong tensors
+        store.write_json(EXPORT_FILE, manifest)
+        return d
+
+    missing = damaged("missing", lambda t: t.pop("expert-0001.blocks.1.lstm.weight_hh"))
+    assert_one_line_error(
+        soma_here("score", missing, "-", input_text="x"), "lacks expert-0001.blocks.1.lstm.weight_hh", WEIGHTS
+    )
+    shape = damaged("shape", lambda t: t.update({"seed.ln_f.weight": t["seed.ln_f.weight"][:-1].clone()}))
+    assert_one_line_error(soma_here("sample", shape, "--prompt", "a"), "ln_f.weight has shape (31,), not (32,)")
+    stranger = damaged("stranger", lambda t: t.update({"expert-0009.ln_f.weight": t["seed.ln_f.weight"].clone()}))
+    assert_one_line_error(soma_here("score", stranger, "-", input_text="x"), "expert-0009", WEIGHTS)
+
+
+def test_the_model_card_is_a_hugging_face_card_with_the_eval_s_metrics(trained_campaign, tmp_path):
+    """The card starts with the Hub's YAML metadata, as huggingface_hub's own ModelCard and ModelCardData parse it
+    (offline: validate() asks the Hub): license, library_name, tags, datasets, and model-index with the test losses
+    of the campaign's eval and the compute it cost, dollars and the GPU-hours no price covered included."""
+    hub = pytest.importorskip("huggingface_hub")
+    from soma_cluster.ledger import Ledger
+
+    camp = Path(shutil.copytree(trained_campaign, tmp_path / "camp"))
+    proc = soma("eval", str(camp))
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    # a priced record, as a resume under prices.* writes it: the campaign now has dollars and unpriced hours
+    Ledger(Store(str(camp))).record(
+        category="expert_training", gpu_seconds=360.0, wall_seconds=360.0, expert=0, attempt=9, usd_per_hour=2.5
+    )
+    out = tmp_path / "card-export"
+    assert soma_here("export", camp, out, "--license", "apache-2.0").returncode == 0
+    text = (out / "README.md").read_text()
+    assert text.startswith("---\n")
+    card = hub.ModelCard.load(out / "README.md")  # a local file: no network
+    data = card.data
+    assert data.license == "apache-2.0" and data.library_name == "soma-cluster"
+    assert {"soma", "byte-level", "mixture-of-experts"} <= set(data.tags)
+    corpus = yaml.safe_load((camp / "campaign.yaml").read_text())["corpus"]["source"]
+    assert data.datasets == [f"local/{Path(corpus).name}"]  # a local corpus by its name, never its path
+    assert data.model_name == "micro" and card.text.lstrip().startswith("# micro: a SOMA routed ensemble")
+    metrics = json.loads((camp / "eval" / "metrics.json").read_text())
+    results = {(r.metric_type, r.metric_name): r for r in data.eval_results}
+    test_loss = results[("nats_per_byte", "Test loss (nats/byte)")]
+    assert test_loss.metric_value == metrics["ensemble"]["nats_per_byte"] and test_loss.dataset_split == "test"
+    assert test_loss.task_type == "text-generation" and test_loss.metric_args["ci95"] == metrics["ensemble"]["ci95"]
+    assert (
+        results[("seed_nats_per_byte", "Seed model test loss (nats/byte)")].metric_value
+        == (metrics["seed"]["nats_per_byte"])
+    )
+    totals = Ledger(Store(str(camp))).totals()
+    assert results[("usd", "Cost (USD)")].metric_value == pytest.approx(0.25)  # 0.1 h at $2.50
+    unpriced = [r for (kind, _), r in results.items() if kind == "unpriced_gpu_hours"]
+    assert unpriced and unpriced[0].metric_value == pytest.approx(totals.unpriced_gpu_seconds / 3600)
+    assert "$0.25 at the prices in force" in card.text
+    # parsed again from its own metadata, the card data round-trips
+    again = hub.ModelCardData(**yaml.safe_load(text.split("---\n")[1]))
+    assert again.to_dict() == data.to_dict()
+    # without an eval (the session's campaign) there is no model-index; --license other names the data's terms
+    bare = tmp_path / "bare"
+    assert soma_here("export", trained_campaign, bare).returncode == 0
+    data = hub.ModelCard.load(bare / "README.md").data
+    assert data.license == "other" and data.license_name == "training-data-terms" and data.eval_results is None
+    assert_one_line_error(
+        soma_here("export", trained_campaign, tmp_path / "x", "--license", "MIT License"), "--license"
+    )
+    assert not (tmp_path / "x").exists()
+
+
+@pytest.mark.parametrize("d,embed_dim,depth", [(48, 32, 3), (16, 64, 1)])
+def test_wide_and_narrow_experts_read_outside_soma_as_soma_computes_them(tmp_path, d, embed_dim, depth):
+    """The names cover every layout (proj_in and proj_out where d != embed_dim, any depth): a body of each written
+    under its names (Layout.named), read back by the outside reader, gives soma's own forward (no training needed:
+    an initialised body, scaled so the prediction is far from uniform)."""
+    import torch
+    from safetensors.torch import save
+
+    from soma_cluster.config import ModelConfig
+    from soma_cluster.model import EMBED_TENSOR, LN_EPS, Layout, body_forward, init_body, init_head
+
+    cfg = ModelConfig(d=d, embed_dim=embed_dim, depth=depth)
+    g = torch.Generator().manual_seed(1)
+    layout, body, head = Layout(cfg), init_body(cfg, g) * 3, init_head(cfg, g) * 40
+    assert torch.equal(layout.flat(layout.named(body)), body)
+    tensors = {f"expert-0000.{k}": v.clone() for k, v in layout.named(body).items()}
+    tensors[EMBED_TENSOR] = head
+    meta = {"soma.model": json.dumps(cfg.model_dump(mode="json")), "soma.layer_norm_eps": repr(LN_EPS)}
+    (tmp_path / WEIGHTS).write_bytes(save(tensors, metadata=meta))
+    window = b"The LSTM reads one byte at a time. " * 4
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    argv = [sys.executable, "-I", "-c", OUTSIDE, str(tmp_path / WEIGHTS), "expert-0000", window.hex()]
+    proc = subprocess.run(argv, capture_output=True, text=True, timeout=120, cwd=tmp_path, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    x = torch.tensor(list(window[:-1]), dtype=torch.uint8)[None]  # (B=1, T)
+    with torch.no_grad():
+        h = body_forward(cfg, body[None], head, x)[0, :, 0]  # (T, e)
+        want = torch.log_softmax((h @ head.T).double(), dim=-1).numpy()
+    np.testing.assert_allclose(np.array(json.loads(proc.stdout)), want, rtol=0, atol=2e-4)

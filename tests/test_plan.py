@@ -124,6 +124,7 @@ def test_soma_plan_on_a_prepared_campaign(tmp_path, text_corpus, micro_yaml):
     assert bad.returncode == 2 and bad.stderr.startswith("error: --gpus 0.5")
 
 
+@pytest.mark.slow  # ~74 s on 2 cores: a Ray head and a worker (test_soma_plan_on_a_prepared_campaign: local)
 def test_soma_plan_calibrates_on_a_worker_of_the_cluster(tmp_path, text_corpus, micro_yaml, monkeypatch):
     """With --address the calibration is a Ray task holding an actor's resources (a KubeRay head has no GPU to
     time), reused only for cluster plans; GPUs default to the cluster's; a cluster without them is an error."""

@@ -1,7 +1,9 @@
 """soma serve on a real Ray Serve: a Ray head of this test's own, the application deployed by the CLI, real HTTP.
 
 One application serves the module's cases in order: what it answers (equal to the in-process API, byte for byte),
-what it refuses, back-pressure, an expert replica SIGKILLed under load, then a rolling update to an export.
+what it refuses, back-pressure, an expert replica SIGKILLed under load, then a rolling update to an export through
+Ray Client (ray://), and one back to the campaign through the head's dashboard (Serve's REST API): each address
+form soma serve takes deploys the same application.
 """
 
 from __future__ import annotations
@@ -60,28 +62,26 @@ def score_until_done(url: str, body: dict, tries: int = 40) -> tuple[dict, int]:
 
 @pytest.fixture(scope="module")
 def head():
-    metrics = free_port()
-    args = ("--num-cpus=4", f"--metrics-export-port={metrics}", '--system-config={"metrics_report_interval_ms": 500}')
+    metrics, client, dashboard = free_port(), free_port(), free_port()
+    args = (
+        "--num-cpus=4",
+        f"--metrics-export-port={metrics}",
+        '--system-config={"metrics_report_interval_ms": 500}',
+        f"--ray-client-server-port={client}",
+        "--include-dashboard=true",  # overrides RayHead's false: Serve's REST API is the dashboard's
+        f"--dashboard-port={dashboard}",
+        "--dashboard-host=127.0.0.1",
+    )
     with RayHead(args=args) as h:
-        h.metrics_port = metrics
+        h.metrics_port, h.client_port, h.dashboard_port = metrics, client, dashboard
         yield h
 
 
-def _serve(source: str | Path, head: RayHead, port: int, *extra: str) -> dict:
-    proc = soma(
-        "serve",
-        str(source),
-        "--address",
-        head.address,
-        "--port",
-        str(port),
-        "--detach",
-        "--json",
-        *extra,
-        timeout=300,
-    )
+def _serve(source: str | Path, head: RayHead, port: int, *extra: str, address: str | None = None, env=None) -> dict:
+    where = () if address == "" else ("--address", address or head.address)
+    proc = soma("serve", str(source), *where, "--port", str(port), "--detach", "--json", *extra, timeout=300, env=env)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(proc.stdout)
+    return {**json.loads(proc.stdout), "stderr": proc.stderr}
 
 
 SETTINGS = (
@@ -127,6 +127,9 @@ def test_scores_over_http_equal_the_in_process_api(served, lm):
     raw = bytes(range(256)) * 3  # not UTF-8: sent as base64
     data, _ = score_until_done(url, {"text": base64.b64encode(raw).decode(), "encoding": "base64"})
     assert data["scores"][0]["nats"] == lm.score(raw).nats
+    latin = "caf\udce9 au lait"  # a lone surrogate escape \udce9 is the byte 0xe9, as RoutedLM reads a str
+    data, _ = score_until_done(url, {"text": latin})
+    assert data["scores"][0]["nats"] == lm.score(latin).nats == lm.score(b"caf\xe9 au lait").nats
 
 
 @settings(max_examples=6, deadline=None, derandomize=True, database=None, suppress_health_check=list(HealthCheck))
@@ -214,55 +217,76 @@ def test_concurrent_streams_decode_together_each_its_own_seeded_bytes(served, lm
     assert _stream_body(url, {"prompt": "def ", "max_bytes": 150, "seed": 1}) == results[0]
 
 
-BAD = [  # (body, status, field named); the settings of the module's application
-    (b"", 400, None),
-    (b"not json", 400, None),
-    (b"[1, 2]", 400, None),
-    ({"text": "ab", "colour": 1}, 422, "colour"),
-    ({}, 422, "text"),
-    ({"text": "ab", "texts": ["cd"]}, 422, "text"),
-    ({"text": 5}, 422, "text"),
-    ({"text": ""}, 422, "text"),
-    ({"text": "a"}, 422, "text"),
-    ({"texts": []}, 422, "texts"),
-    ({"texts": ["ok text", None]}, 422, "texts.1"),
-    ({"texts": "not a list"}, 422, "texts"),
-    ({"texts": ["abc", "def"], "prefix": ["one"]}, 422, "prefix"),
-    ({"text": "abc", "prefix": 3}, 422, "prefix"),
-    ({"text": "abc", "per_byte": "yes"}, 422, "per_byte"),
-    ({"text": "abc", "routes": 1}, 422, "routes"),
-    ({"text": "!!!", "encoding": "base64"}, 422, "text"),
-    ({"text": "abc", "encoding": "latin-1"}, 422, "encoding"),
-    ({"text": "x" * 250_000}, 413, None),
-    ({"texts": ["ab"] * 1025}, 413, "texts"),
+BAD = [  # (body, status, field named, what the error says: its true reason); the settings of the module's application
+    (b"", 400, None, "empty"),
+    (b"not json", 400, None, "not JSON (Expecting value at line 1 column 1)"),
+    (b"[1, 2]", 400, None, "an array, not a JSON object"),
+    (b"null", 400, None, "null, not a JSON object"),
+    (b'"text"', 400, None, "a string, not a JSON object"),
+    (b'{"text": "caf\xe9"}', 400, None, "not UTF-8 (byte 0xe9 at offset 13)"),
+    (b'\xef\xbb\xbf{"text": "ab"}', 400, None, "BOM"),
+    (b'{"text": "ab",}', 400, None, "not JSON"),
+    (b"[" * 100_000, 400, None, "nests too deeply"),
+    ({"text": "ab", "colour": 1}, 422, "colour", "not a field of this request; its fields are text, texts"),
+    ({}, 422, "text", "text: missing"),
+    ({"prefix": "ab"}, 422, "text", "text: missing"),
+    ({"text": None}, 422, "text", "text: null"),
+    ({"texts": None}, 422, "texts", "texts: null"),
+    ({"text": "ab", "texts": ["cd"]}, 422, "text", "give one of them"),
+    (b'{"text": "ab", "text": "cd"}', 422, "text", "text: given twice"),
+    ({"text": 5}, 422, "text", "valid string"),
+    ({"text": ""}, 422, "text", "empty (a document needs 2 bytes"),
+    ({"text": "", "prefix": "ab"}, 422, "text", "empty (the prefix is not scored)"),
+    ({"text": "a"}, 422, "text", "text: 1 byte, and a document needs 2"),
+    ({"texts": ["ab", "x"]}, 422, "texts.1", "texts.1: 1 byte"),
+    ({"text": "YQ==", "encoding": "base64"}, 422, "text", "text: 1 byte"),  # base64 of one byte
+    ({"texts": []}, 422, "texts", "the list is empty"),
+    ({"texts": ["ok text", None]}, 422, "texts.1", "valid string"),
+    ({"texts": "not a list"}, 422, "texts", "valid list"),
+    ({"texts": ["abc", "def"], "prefix": ["one"]}, 422, "prefix", "1 prefix for 2 texts"),
+    ({"text": "abc", "prefix": 3}, 422, "prefix", "valid string"),
+    ({"text": "abc", "per_byte": "yes"}, 422, "per_byte", "valid boolean"),
+    ({"text": "abc", "routes": 1}, 422, "routes", "valid boolean"),
+    ({"text": "!!!", "encoding": "base64"}, 422, "text", "'!' at character 0 is not a base64 character"),
+    ({"text": "YWJ", "encoding": "base64"}, 422, "text", "3 characters, not a multiple of 4"),
+    ({"text": "YW Jj", "encoding": "base64"}, 422, "text", "a space or line break at character 2"),
+    ({"text": "-_-_", "encoding": "base64"}, 422, "text", "URL-safe alphabet"),
+    ({"text": "YQ==YQ==", "encoding": "base64"}, 422, "text", "'=' inside it"),
+    (b'{"text": "\\ud800ab"}', 422, "text", "lone surrogate \\ud800 at character 0"),
+    ({"text": "abc", "encoding": "latin-1"}, 422, "encoding", "'utf-8' or 'base64'"),
+    ({"text": "x" * 250_000}, 413, None, "over the limit of 200000"),
+    ({"texts": ["ab"] * 1025}, 413, "texts", "1025 documents, over the limit of 1024"),
 ]
 BAD_GENERATE = [
-    ({"max_bytes": 5000}, 422, "max_bytes"),
-    ({"max_bytes": -1}, 422, "max_bytes"),
-    ({"max_bytes": 1.5}, 422, "max_bytes"),
-    ({"max_bytes": "10"}, 422, "max_bytes"),
-    ({"temperature": 0}, 422, "temperature"),
-    ({"temperature": -1.0}, 422, "temperature"),
-    ({"temperature": "hot"}, 422, "temperature"),
-    ({"temperature": 1e400}, 422, "temperature"),
-    ({"top_k": 0}, 422, "top_k"),
-    ({"top_k": 257}, 422, "top_k"),
-    ({"seed": -1}, 422, "seed"),
-    ({"seed": 2**63}, 422, "seed"),
-    ({"prompt": ["a"]}, 422, "prompt"),
-    ({"stream": "no"}, 422, "stream"),
-    ({"prompt": "x" * 250_000}, 413, None),
+    ({"max_bytes": 5000}, 422, "max_bytes", "5000, over the limit of 4096"),
+    ({"max_bytes": -1}, 422, "max_bytes", "-1 is not a whole number"),
+    ({"max_bytes": None}, 422, "max_bytes", "null is not a whole number"),
+    ({"max_bytes": 1.5}, 422, "max_bytes", "1.5 is not a whole number"),
+    ({"max_bytes": "10"}, 422, "max_bytes", "'10' is not a whole number"),
+    ({"temperature": 0}, 422, "temperature", "0 is not a number > 0"),
+    ({"temperature": -1.0}, 422, "temperature", "-1.0 is not a number > 0"),
+    ({"temperature": "hot"}, 422, "temperature", "'hot' is not a number"),
+    ({"temperature": 1e400}, 422, "temperature", "inf is not a number"),
+    ({"top_k": 0}, 422, "top_k", "0 is not a whole number >= 1"),
+    ({"top_k": 257}, 422, "top_k", "257 is not a whole number"),
+    ({"seed": -1}, 422, "seed", "-1 is not a whole number"),
+    ({"seed": True}, 422, "seed", "true is not a whole number"),
+    ({"seed": 2**63}, 422, "seed", "is not a whole number"),
+    ({"prompt": ["a"]}, 422, "prompt", "valid string"),
+    ({"prompt": "!!", "encoding": "base64"}, 422, "prompt", "not base64"),
+    ({"stream": "no"}, 422, "stream", "valid boolean"),
+    ({"prompt": "x" * 250_000}, 413, None, "over the limit"),
 ]
 
 
 def test_bad_requests_get_a_4xx_naming_the_field(served):
     url = served["url"]
     cases = [("v1/score", *c) for c in BAD] + [("v1/generate", *c) for c in BAD_GENERATE]
-    for path, body, status, field in cases:
+    for path, body, status, field, says in cases:
         got, _, data = http(url + path, body)
         err = json.loads(data)
         assert (got, err["field"]) == (status, field), (path, str(body)[:80], got, err)
-        assert err["error"] and "\n" not in err["error"]
+        assert says in err["error"] and "\n" not in err["error"], (path, str(body)[:80], err["error"])
     status, _, data = http(url + "v1/score", b"x" * 300_000)  # the body itself over max_request_bytes: 413 early
     assert status == 413, data[:200]
     assert http(url + "v1/nothing", {"text": "ab"})[0] == 404
@@ -392,7 +416,9 @@ def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, traine
     want = {d: lm.score(d).nats for d in docs}  # an f32 export scores as the campaign does
     with under_load(url, docs, want, clients=3) as (failures, counts):
         port = int(url.rsplit(":", 1)[1].strip("/"))
-        info = _serve(export, head, port, *SETTINGS)
+        other = free_port()  # Serve runs with its proxies on `port`: it keeps them, and the URL printed says so
+        info = _serve(export, head, other, *SETTINGS, address=f"ray://127.0.0.1:{head.client_port}")
+        assert info["url"] == url and f"proxies on 127.0.0.1:{port}" in info["stderr"], info
         deadline = time.monotonic() + 180
         while time.monotonic() < deadline:  # bounded: the new version takes over
             status, _, data = http(url + "healthz")
@@ -403,6 +429,36 @@ def test_a_rolling_update_to_an_export_fails_no_request(served, head, lm, traine
     assert json.loads(http(url + "healthz")[2])["source"] == info["source"]
     assert not failures, failures[:5]
     assert len(counts) > 10
+
+
+def test_a_dashboard_address_deploys_through_serves_rest_api(served, head, lm, trained_campaign):
+    """RAY_ADDRESS=http://HOST:8265 (as operators set it for ray job submit): the same application, from the Serve
+    config --dry-run prints, deployed by Serve's REST API over the one a driver deployed; it answers as the API."""
+    url, port = served["url"], int(served["url"].rsplit(":", 1)[1].strip("/"))
+    dashboard = f"http://127.0.0.1:{head.dashboard_port}"
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # bounded: the dashboard starts after the GCS
+        try:
+            urllib.request.urlopen(dashboard + "/api/serve/applications/", timeout=5).read()
+            break
+        except OSError:
+            time.sleep(1)
+    info = _serve(
+        trained_campaign,
+        head,
+        port,
+        *SETTINGS,
+        "--set",
+        "max_batch_windows=32",
+        address="",
+        env={"RAY_ADDRESS": dashboard},
+    )
+    assert info["url"] == url and info["source"] == str(trained_campaign)
+    apps = json.loads(urllib.request.urlopen(dashboard + "/api/serve/applications/", timeout=30).read())
+    soma_app = apps["applications"]["soma"]
+    assert soma_app["status"] == "RUNNING" and soma_app["deployed_app_config"]["args"]["max_batch_windows"] == 32
+    data, _ = score_until_done(url, {"texts": DOCS})
+    assert [s["nats"] for s in data["scores"]] == [lm.score(d).nats for d in DOCS]
 
 
 # -- the command itself ------------------------------------------------------------------------------------------
@@ -417,6 +473,25 @@ def test_serve_refuses_bad_input_with_one_line(tmp_path, trained_campaign):
         (("serve", str(trained_campaign), "--replicas", "0"), ("--replicas",)),
     ]
     for args, needles in cases:  # in this process: each is refused before Ray or Serve is imported
+        assert_one_line_error(soma_here(*args), *needles)
+    # what the replicas would load, checked here first (issue 49: a damaged export started Ray and Serve, then
+    # failed in the replicas after 30 s with a line that never named the file)
+    export = tmp_path / "export"
+    assert soma_here("export", str(trained_campaign), str(export)).returncode == 0
+    damaged = Path(shutil.copytree(export, tmp_path / "damaged"))
+    blob = bytearray((damaged / "weights.safetensors").read_bytes())
+    blob[-100] ^= 1
+    (damaged / "weights.safetensors").write_bytes(bytes(blob))
+    gone = Path(shutil.copytree(export, tmp_path / "gone"))
+    (gone / "router" / "vocabulary.json").unlink()
+    for args, needles in [
+        (("serve", str(damaged)), (f"{damaged}/weights.safetensors fails its checksum", "export again")),
+        (("serve", str(gone), "--dry-run"), ("router/vocabulary.json is missing", "export again")),
+        (("serve", str(export), "--step", "6"), ("is an export", "leave out step")),
+        (("serve", str(trained_campaign), "--step", "999"), ("no checkpoint of step 999", "it has 6, 12")),
+        (("serve", str(trained_campaign), "--gpus-per-replica", "2", "--replicas", "3"), ("need 6 GPUs", "has 4")),
+        (("serve", str(trained_campaign), "--set", "device=cuda"), ("device cuda needs gpus_per_replica",)),
+    ]:
         assert_one_line_error(soma_here(*args), *needles)
     camp = tmp_path / "untrained"  # as if never launched: no expert has a checkpoint, nothing to serve
     shutil.copytree(trained_campaign, camp)
@@ -434,6 +509,44 @@ def test_a_taken_port_is_one_line(trained_campaign):
         port = taken.getsockname()[1]
         proc = soma("serve", str(trained_campaign), "--port", str(port), timeout=300)
     assert_one_line_error(proc, f"did not start on 127.0.0.1:{port}", "pass another --port")
+
+
+@pytest.mark.slow
+def test_a_replica_that_cannot_load_what_was_checked_is_one_line_naming_the_file(trained_campaign, tmp_path):
+    """The export is whole when soma serve checks it and damaged by the time its replica loads it (as a replica on
+    another node may see another file): the replica's own error, one line naming the file, at its first try (Serve
+    would try 3 times, about 20 s, and say only "Failed to update the deployments")."""
+    from pipelines.raysession import OWNER, PREFIX, RAY_TMP
+
+    export = tmp_path / "export"
+    assert soma("export", str(trained_campaign), str(export)).returncode == 0
+    cmd = [sys.executable, "-m", "pipelines.cli", "serve", str(export), "--port", str(free_port())]
+    proc = subprocess.Popen(cmd, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    try:
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline:  # bounded: checked, the command makes its local Ray's directory
+            owners = list(Path(RAY_TMP).glob(f"{PREFIX}*/{OWNER}"))
+            if any(_owned_by(p, proc.pid) for p in owners) or proc.poll() is not None:
+                break
+            time.sleep(0.05)
+        weights = export / "weights.safetensors"
+        blob = bytearray(weights.read_bytes())
+        blob[-64] ^= 0xFF
+        weights.write_bytes(bytes(blob))
+        out, err = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    errors = [line for line in err.splitlines() if line.startswith("error:")]
+    assert proc.returncode == 2 and out == "" and len(errors) == 1, err[-3000:]
+    assert "SomaExperts replica could not start" in errors[0] and f"{weights} fails its checksum" in errors[0]
+
+
+def _owned_by(owner: Path, pid: int) -> bool:
+    try:
+        return json.loads(owner.read_text()).get("pid") == pid
+    except (OSError, ValueError):
+        return False
 
 
 def test_dry_run_refuses_a_path_a_config_file_cannot_hold(trained_campaign, tmp_path):

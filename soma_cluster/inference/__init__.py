@@ -15,6 +15,7 @@ The modules, lowest first (each imports only those before it, and the flat core 
     lm          RoutedLM: the forward, scoring, generation (batched by distinct expert)
     batching    Batcher: continuous batching, streams joining and leaving a running batch (soma serve's)
     serveinput  what `soma serve` accepts: its settings and the HTTP requests' bodies
+    servestate  what `soma serve` reads of Serve's status while it deploys: running, waiting, or why it failed
     lmeval      the model "soma" of EleutherAI's lm-evaluation-harness (the optional `lmeval` extra)
 
 Nothing below this package imports it (tests/test_layering.py checks it). The names here are imported when first

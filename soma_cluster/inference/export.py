@@ -3,12 +3,19 @@ and without Ray (routing.open_source tells it from a campaign).
 
     <dir>/soma-export.json     format and version, the campaign's config, each expert's step, the experts the seed
                                stands in for, the dtype, and the sha256 of every other file (checksummed itself)
-    <dir>/weights.safetensors  experts.index (P,) int64, experts.body (P, M), experts.head (1 or P, 256, e): one
-                               head when every expert shares it; seed.body (M,), seed.head (256, e). Weights only:
-                               no Adam moments, no schedule state
+    <dir>/weights.safetensors  each expert's tensors under their names (soma_cluster/model.py's Layout and
+                               tensor_name): expert-0007.blocks.0.lstm.weight_ih (4d, d), ..., expert-0007.ln_f.weight;
+                               its head expert-0007.embed.weight (256, e), or one embed.weight when every expert shares
+                               it; the seed model's as seed.*. The file's metadata says the model's shape (soma.model)
+                               and which experts it holds. Weights only: no Adam moments, no schedule state
     <dir>/router/              the campaign's router files, as they are (router.json, arrays.safetensors,
                                vocabulary.json)
-    <dir>/README.md            the model card: data by source, recipe, test losses, compute, limits
+    <dir>/README.md            the model card: Hugging Face metadata (license, library_name, tags, datasets,
+                               model-index with the test metrics and the compute), then data by source, recipe, test
+                               losses, compute, limits, and how to read the weights without soma
+
+Format 1 (soma-cluster before the tensors had names) held flat vectors: experts.index, experts.body (P, M),
+experts.head, seed.body, seed.head. It is still read (read_export), so an export made then loads and serves.
 
 A local export is written into a hidden sibling directory and renamed into place at the end, so a killed export
 leaves no directory a reader could take for an export (the next export removes the hidden one of a dead process).
@@ -17,6 +24,7 @@ On S3 the files are written first and soma-export.json last: without it there is
 
 from __future__ import annotations
 
+import json
 import math
 import os
 import re
@@ -25,6 +33,7 @@ import uuid
 from dataclasses import dataclass
 
 import torch
+import yaml
 from safetensors import SafetensorError
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
@@ -36,35 +45,51 @@ from soma_cluster.errors import ChecksumError, SomaError
 from soma_cluster.jobs import SEED_JOB, Job, expert_name
 from soma_cluster.lease import LEASE_FILES
 from soma_cluster.ledger import Ledger
+from soma_cluster.model import EMBED_TENSOR, LN_EPS, Layout, tensor_name
 from soma_cluster.revisions import revisions
 from soma_cluster.router import Router, load_router
 from soma_cluster.storage import Store, pid_alive, sha256
 
 EXPORT_FILE = "soma-export.json"
 FORMAT = "soma-export"
-VERSION = 1  # what this code writes and the newest it reads
+VERSION = 2  # what this code writes and the newest it reads (1: flat vectors, read too)
 WEIGHTS = "weights.safetensors"
 ROUTER_FILES = ("router/router.json", "router/arrays.safetensors", "router/vocabulary.json")
 CARD = "README.md"
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 TMP_MARK = ".soma-export-"  # hidden sibling: .<name>.soma-export-<pid>-<hex>
+SEED = "seed"  # the seed model's tensors: seed.blocks.0.lstm.weight_ih, ..., seed.embed.weight
 
 
 def _tensors(cfg: CampaignConfig, models: CampaignModels, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+    """Every expert's and the seed's tensors under their public names (module docstring), in `dtype`."""
+    layout = Layout(cfg.model)
     present = sorted(models.checkpoints)
-    bodies = [models.checkpoints[e].tensors["body"] for e in present]
     heads = [models.checkpoints[e].tensors["head"] for e in present]
-    shared = all(torch.equal(h, heads[0]) for h in heads)
+    shared = bool(heads) and all(torch.equal(h, heads[0]) for h in heads)
+    out: dict[str, torch.Tensor] = {}
+    for e in present:
+        out.update({f"{expert_name(e)}.{k}": v for k, v in layout.named(models.checkpoints[e].tensors["body"]).items()})
+        if not shared:
+            out[f"{expert_name(e)}.{EMBED_TENSOR}"] = models.checkpoints[e].tensors["head"]
+    if shared:
+        out[EMBED_TENSOR] = heads[0]
     seed = models.seed.tensors
-    out = {
-        "experts.index": torch.tensor(present, dtype=torch.int64),
-        "experts.body": torch.stack(bodies) if bodies else seed["body"].new_zeros(0, seed["body"].numel()),
-        "experts.head": (torch.stack(heads[:1] if shared else heads) if heads else seed["head"][None]),
-        "seed.body": seed["body"],
-        "seed.head": seed["head"],
+    out.update({f"{SEED}.{k}": v for k, v in layout.named(seed["body"]).items()})
+    out[f"{SEED}.{EMBED_TENSOR}"] = seed["head"]
+    # copies: views of one vector (and a head shared with the seed's) cannot be saved beside each other
+    return {k: v.to(dtype).clone().contiguous() for k, v in out.items()}
+
+
+def _metadata(cfg: CampaignConfig, models: CampaignModels) -> dict[str, str]:
+    """The safetensors header's metadata (text only): enough for a reader outside soma to rebuild the forward."""
+    return {
+        "format": "pt",
+        "soma.export": str(VERSION),
+        "soma.model": json.dumps(cfg.model.model_dump(mode="json"), sort_keys=True),
+        "soma.experts": ",".join(expert_name(e) for e in sorted(models.checkpoints)),
+        "soma.layer_norm_eps": repr(LN_EPS),
     }
-    # copies: a tensor that is a view of another (a seed-only campaign's head) cannot be saved beside it
-    return {k: v if k == "experts.index" else v.to(dtype).clone().contiguous() for k, v in out.items()}
 
 
 def checkpoint_bytes(store: Store, models: CampaignModels) -> int:
@@ -78,12 +103,16 @@ def checkpoint_bytes(store: Store, models: CampaignModels) -> int:
     return total
 
 
-def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store, dtype: str = "float32") -> dict:
-    """Write the export of `models` (load_models of `src`) to `dest`, which must not hold anything yet."""
+def export(
+    src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store, dtype: str = "float32", license: str = "other"
+) -> dict:
+    """Write the export of `models` (load_models of `src`) to `dest`, which must not hold anything yet; `license`:
+    the model card's (a Hugging Face license identifier; `other` says the training data's terms apply)."""
     if dtype not in DTYPES:
         raise SomaError(f"dtype {dtype!r}: choose one of {', '.join(DTYPES)}")
+    check_license(license)
     check_target(dest)
-    blobs = {WEIGHTS: st_save(_tensors(cfg, models, DTYPES[dtype]))}
+    blobs = {WEIGHTS: st_save(_tensors(cfg, models, DTYPES[dtype]), metadata=_metadata(cfg, models))}
     for rel in ROUTER_FILES:
         blobs[rel] = src.read_bytes(rel)
     metrics = src.read_json("eval/metrics.json") if src.exists("eval/metrics.json") else None
@@ -107,7 +136,8 @@ def export(src: Store, cfg: CampaignConfig, models: CampaignModels, dest: Store,
             for s in models.substituted.values()
         ],
     }
-    card = model_card(cfg, manifest, sources, metrics, Ledger(src).totals().as_dict())
+    totals = Ledger(src).totals()
+    card = model_card(cfg, manifest, sources, metrics, {**totals.as_dict(), "usd_priced": totals.usd_priced}, license)
     blobs[CARD] = card.encode("utf-8", "backslashreplace")  # a path that is not UTF-8 shows as \\xNN
     manifest["files"] = {rel: sha256(b) for rel, b in blobs.items()}
     _write(dest, blobs, manifest)
@@ -288,16 +318,18 @@ def read_export(store: Store, manifest: dict | None = None) -> Exported:
         if rel != WEIGHTS:  # read (and checked) below; the router's files are read again by load_router
             read_blob(store, manifest, rel)
     cfg = export_config(store, manifest)
+    blob = read_blob(store, manifest, WEIGHTS)
     try:
-        t = st_load(read_blob(store, manifest, WEIGHTS))
-        index = [int(e) for e in t["experts.index"].tolist()]
-        heads = t["experts.head"]
-        experts = {e: (t["experts.body"][i], heads[i if len(heads) > 1 else 0]) for i, e in enumerate(index)}
-        seed = (t["seed.body"], t["seed.head"])
+        t = st_load(blob)
     except SafetensorError:
         raise ChecksumError(f"{store.url}/{WEIGHTS} is not a safetensors file; export again") from None
-    except (KeyError, IndexError):
-        raise SomaError(f"{store.url}/{WEIGHTS} does not hold an export's tensors; export again") from None
+    try:
+        index, experts, seed = (_named if manifest["version"] >= 2 else _flat)(t, cfg)
+    except (KeyError, IndexError, ValueError) as exc:
+        said = (
+            f" (it lacks {exc.args[0]})" if isinstance(exc, KeyError) and exc.args else f" ({exc})" if exc.args else ""
+        )
+        raise SomaError(f"{store.url}/{WEIGHTS} does not hold an export's tensors{said}; export again") from None
     try:
         subs = {}
         for s in manifest["substituted"]:
@@ -311,6 +343,45 @@ def read_export(store: Store, manifest: dict | None = None) -> Exported:
     return Exported(cfg, load_router(store), experts, seed, subs, steps)
 
 
+_EXPERT_TENSOR = re.compile(r"^(expert-\d{4,})\.(.+)$")
+
+
+def _named(t: dict[str, torch.Tensor], cfg: CampaignConfig) -> tuple[list[int], dict, tuple]:
+    """Format 2: each expert's body rebuilt from its named tensors (Layout.flat), its head its own or the shared one.
+    KeyError naming a missing tensor, ValueError one of another shape (or a name no expert has)."""
+    layout = Layout(cfg.model)
+    by_expert: dict[str, dict[str, torch.Tensor]] = {}
+    for key, value in t.items():
+        if m := _EXPERT_TENSOR.match(key):
+            by_expert.setdefault(m.group(1), {})[m.group(2)] = value
+    experts = {}
+    for name, tensors in sorted(by_expert.items()):
+        head = tensors.pop(EMBED_TENSOR, None)
+        if head is None:
+            head = t[EMBED_TENSOR]
+        try:
+            body = layout.flat(tensors)
+        except KeyError as exc:
+            raise KeyError(f"{name}.{exc.args[0]}") from None
+        if extra := sorted(set(tensors) - set(layout.named(body))):
+            raise ValueError(f"{name}.{extra[0]} is no tensor of this model")
+        experts[_expert_number(name, cfg.n_experts)] = (body, head)
+    seed_tensors = {k[len(SEED) + 1 :]: v for k, v in t.items() if k.startswith(f"{SEED}.")}
+    try:
+        seed = (layout.flat(seed_tensors), seed_tensors[EMBED_TENSOR])
+    except KeyError as exc:
+        raise KeyError(f"{SEED}.{exc.args[0]}") from None
+    return sorted(experts), experts, seed
+
+
+def _flat(t: dict[str, torch.Tensor], cfg: CampaignConfig) -> tuple[list[int], dict, tuple]:
+    """Format 1: flat vectors, experts.index naming the rows of experts.body and experts.head."""
+    index = [int(e) for e in t["experts.index"].tolist()]
+    heads = t["experts.head"]
+    experts = {e: (t["experts.body"][i], heads[i if len(heads) > 1 else 0]) for i, e in enumerate(index)}
+    return index, experts, (t["seed.body"], t["seed.head"])
+
+
 def _expert_number(name: str, n_experts: int) -> int:
     """expert-0007 -> 7, refused unless it is one of the campaign's experts."""
     m = re.fullmatch(r"expert-(\d{4,})", name)
@@ -320,6 +391,114 @@ def _expert_number(name: str, n_experts: int) -> int:
 
 
 # -- the model card ---------------------------------------------------------------------------------------------
+LICENSE = re.compile(r"^[a-z0-9][a-z0-9.+-]{0,63}$")  # a Hugging Face license identifier: apache-2.0, cc-by-4.0
+TAGS = ["soma", "byte-level", "lstm", "mixture-of-experts", "routed-ensemble", "zero-order", "spsa"]
+
+
+def check_license(license: str) -> None:
+    if not isinstance(license, str) or not LICENSE.match(license):
+        raise SomaError(
+            f"--license {license!r}: give a license identifier as Hugging Face lists them (apache-2.0, mit, "
+            "cc-by-4.0, ...), or other (the training data's terms)"
+        )
+
+
+def dataset_id(cfg: CampaignConfig) -> str:
+    """The card's name for the training corpus: the built-in one's, else local/<its directory's name> (a path is
+    this machine's: the card names no path in its metadata)."""
+    source = cfg.corpus.source
+    if source == "builtin":
+        return "soma-cluster/builtin-corpus"
+    base = re.sub(r"[^A-Za-z0-9._-]+", "-", os.path.basename(source.rstrip("/"))).strip("-.")
+    return f"local/{base or 'corpus'}"
+
+
+def card_metadata(cfg: CampaignConfig, metrics: dict | None, ledger: dict, license: str) -> dict:
+    """The YAML a Hugging Face model card starts with: license, library_name, tags, datasets, and (once the campaign
+    was evaluated) model-index with the test losses and the compute spent (dollars, and the GPU-hours no price
+    covered, where the campaign has prices)."""
+    meta: dict = {"license": license}
+    if license == "other":
+        meta["license_name"] = "training-data-terms"  # the Hub asks other licenses for a name
+    meta |= {"library_name": "soma-cluster", "pipeline_tag": "text-generation", "tags": TAGS}
+    meta["datasets"] = [dataset_id(cfg)]
+    if metrics and metrics.get("ensemble"):
+        meta["model-index"] = [
+            {
+                "name": cfg.name,
+                "results": [
+                    {
+                        "task": {"type": "text-generation", "name": "Byte-level language modeling"},
+                        "dataset": {
+                            "type": dataset_id(cfg),
+                            "name": f"{cfg.name}: held-out test documents",
+                            "split": "test",
+                        },
+                        "metrics": _card_metrics(metrics, ledger),
+                    }
+                ],
+            }
+        ]
+    return meta
+
+
+def _card_metrics(metrics: dict, ledger: dict) -> list[dict]:
+    ens, seed = metrics["ensemble"], metrics.get("seed") or {}
+    lo, hi = ens.get("ci95", [None, None])
+    bits = float(ens["nats_per_byte"]) / math.log(2)
+    out = [
+        {"type": "nats_per_byte", "value": float(ens["nats_per_byte"]), "name": "Test loss (nats/byte)"},
+        {"type": "bits_per_byte", "value": float(ens.get("bits_per_byte", bits)), "name": "Test loss (bits/byte)"},
+    ]
+    if lo is not None:
+        out[0]["args"] = {"ci95": [float(lo), float(hi)], "windows": metrics.get("windows")}
+    if seed.get("nats_per_byte") is not None:
+        out.append(
+            {
+                "type": "seed_nats_per_byte",
+                "value": float(seed["nats_per_byte"]),
+                "name": "Seed model test loss (nats/byte)",
+            }
+        )
+    unit = ledger.get("unit", "GPU-hours")
+    out.append({"type": "gpu_hours", "value": float(ledger.get("gpu_hours_total", 0.0)), "name": f"Compute ({unit})"})
+    if ledger.get("usd_priced"):
+        out.append({"type": "usd", "value": float(ledger.get("usd_total", 0.0)), "name": "Cost (USD)"})
+        if ledger.get("unpriced_gpu_hours"):
+            out.append(
+                {
+                    "type": "unpriced_gpu_hours",
+                    "value": float(ledger["unpriced_gpu_hours"]),
+                    "name": f"Unpriced compute ({unit})",
+                }
+            )
+    return out
+
+
+def _dollars(ledger: dict) -> str:
+    if not ledger.get("usd_priced"):
+        return " No prices were set (`prices.*`): no dollars."
+    unpriced = ledger.get("unpriced_gpu_hours") or 0.0
+    rest = f"; {unpriced:.4f} GPU-hours ran without a price and are not in it" if unpriced else ""
+    return f" ${ledger.get('usd_total', 0.0):,.2f} at the prices in force when each record was written{rest}."
+
+
+def _weight_rows(cfg: CampaignConfig) -> str:
+    layout = Layout(cfg.model)
+    rows = [(tensor_name(s.name), s.shape) for s in layout.specs if not s.name.startswith("b") or s.name[1] == "0"]
+    rows = [(n.replace("blocks.0.", "blocks.B."), shape) for n, shape in rows] + [
+        (EMBED_TENSOR, (256, cfg.model.embed_dim))
+    ]
+    text = [f"| `{n}` | {' x '.join(map(str, shape))} |" for n, shape in rows]
+    return "\n".join(text) + f"\n\n(B = 0 .. {cfg.model.depth - 1}.)"
+
+
+def _head_text(cfg: CampaignConfig) -> str:
+    if cfg.model.head == "shared_frozen":
+        return "Every expert shares one, `embed.weight` (the seed model's is `seed.embed.weight`)."
+    return "Each expert has its own, `expert-E.embed.weight` (the seed model's is `seed.embed.weight`)."
+
+
 def _loss(m: dict | None) -> str:
     if not m:
         return "n/a"
@@ -330,8 +509,11 @@ def _loss(m: dict | None) -> str:
 CARD_SOURCES = 20  # the model card's table of sources lists the largest this many (10,000 labels are not a table)
 
 
-def model_card(cfg: CampaignConfig, manifest: dict, corpus: dict, metrics: dict | None, ledger: dict) -> str:
-    """README.md of an export: what the model is, its data, how it was trained, how good it is, what it cost."""
+def model_card(
+    cfg: CampaignConfig, manifest: dict, corpus: dict, metrics: dict | None, ledger: dict, license: str = "other"
+) -> str:
+    """README.md of an export: Hugging Face's metadata (card_metadata) between --- lines, then what the model is,
+    its data, how it was trained, how good it is, what it cost, and how to read its weights."""
     sources = corpus.get("sources") or {}
     total = sum(sources.values()) or 1
     ranked = sorted(sources.items(), key=lambda kv: (-kv[1], kv[0]))  # the largest CARD_SOURCES, the rest in a row
@@ -362,7 +544,11 @@ def model_card(cfg: CampaignConfig, manifest: dict, corpus: dict, metrics: dict 
         evaluation = "Not evaluated: `soma eval CAMPAIGN` before exporting puts the test losses here.\n"
     steps = manifest["steps"].values()
     gpu = ledger.get("gpu_hours", {})
-    return f"""# {cfg.name}: a SOMA routed ensemble of {cfg.n_experts} byte-level LSTM experts
+    meta = yaml.safe_dump(card_metadata(cfg, metrics, ledger, license), sort_keys=False, allow_unicode=True, width=1000)
+    return f"""---
+{meta}---
+
+# {cfg.name}: a SOMA routed ensemble of {cfg.n_experts} byte-level LSTM experts
 
 Exported by soma-cluster {manifest["written_by"].get("soma-cluster", "?")} from `{manifest["campaign"]["url"]}`
 (config digest {manifest["campaign"]["config_digest"]}), weights in {manifest["dtype"]}.
@@ -408,7 +594,25 @@ bytes, Adam, eps = lr = {cfg.spsa.lr}), no backpropagation; experts never commun
 ## Compute (from the campaign's ledger)
 
 {ledger.get("gpu_hours_total", 0.0):.4f} aggregate {ledger.get("unit", "GPU-hours")}:
-{", ".join(f"{k} {v:.4f}" for k, v in gpu.items())}.
+{", ".join(f"{k} {v:.4f}" for k, v in gpu.items())}.{_dollars(ledger)}
+
+## Weights
+
+`weights.safetensors` names every tensor (PyTorch's conventions; read it with `safetensors` alone). Expert E's are
+`expert-{{E:04d}}.<name>`, the seed model's `seed.<name>`:
+
+| name | shape |
+|---|---|
+{_weight_rows(cfg)}
+
+The byte embedding is tied: logits = h E^T. {_head_text(cfg)} The forward of one expert, reading bytes x:
+h = E[x]{" proj_in^T" if cfg.model.d != cfg.model.embed_dim else ""}; in each block, h += LSTM(LN(h) g1) (one layer, no
+biases, gates i, f, g, o as `torch.nn.LSTM`), then h += fc2(GELU(fc1(LN(h) g2))); then h = LN(h) g_f
+{"proj_out^T " if cfg.model.d != cfg.model.embed_dim else ""}and the next byte's distribution is softmax(h E^T). LN is a
+gain-only LayerNorm (eps {LN_EPS:g}, no bias; its gains g1, g2, g_f are `ln1`, `ln2`, `ln_f`); GELU is the exact
+(erf) one. The router in `router/` picks each
+window's top {cfg.top_k()} experts from its first {cfg.router.prefix_bytes} bytes; their distributions are mixed
+({cfg.router.weighting} weights). The file's metadata holds the model's shape (`soma.model`).
 
 ## Limits
 

@@ -5,14 +5,17 @@ answers a bad one with a 4xx whose JSON names the field:
 
     {"error": "max_bytes: Input should be less than or equal to 4096", "field": "max_bytes"}
 
-400: the body is not JSON (or not an object); 413: the body or its documents are over the limits of ServeSettings;
-422: a field is missing, of the wrong type, out of range or empty. docs/serving.md lists the endpoints.
+400: the body is empty, not UTF-8, not JSON, or JSON but not an object; 413: the body or its documents are over
+the limits of ServeSettings; 422: a field is missing, given twice, unknown, of the wrong type, out of range, too
+short (a document needs 2 bytes), not base64 under encoding base64, or a lone surrogate that stands for no byte.
+Each message says which of these it is. docs/serving.md lists the endpoints.
 """
 
 from __future__ import annotations
 
 import base64
 import binascii
+import json
 from dataclasses import dataclass
 from enum import IntEnum, StrEnum
 from typing import Annotated, Literal
@@ -46,7 +49,7 @@ class Status(IntEnum):
 
 
 class Encoding(StrEnum):
-    UTF8 = "utf-8"  # JSON strings, encoded as UTF-8 (lone surrogates as the bytes they escape)
+    UTF8 = "utf-8"  # JSON strings, encoded as UTF-8 (a lone surrogate \\udc80-\\udcff as the byte it escapes)
     BASE64 = "base64"  # any bytes (a byte model reads any), as standard base64
 
 
@@ -90,6 +93,8 @@ class ServeSettings(BaseModel):
     def _replicas_in_order(self) -> "ServeSettings":
         if self.max_replicas is not None and self.max_replicas < self.replicas:
             raise ValueError(f"max_replicas ({self.max_replicas}) is below replicas ({self.replicas})")
+        if self.device == "cuda" and self.gpus_per_replica == 0:  # Ray hides every GPU from an actor that asks none
+            raise ValueError("device cuda needs gpus_per_replica above 0 (Ray gives a replica a GPU only if it asks)")
         return self
 
     def memory_bound_bytes(self) -> int:
@@ -197,23 +202,66 @@ def _type_tag(part) -> bool:
     return isinstance(part, str) and (part in _TAGS or "[" in part or part.startswith(("function-", "constrained-")))
 
 
+BASE64_ALPHABET = frozenset("ABCDEFGHIJKLMNOPQRSTUVWXYZabcdefghijklmnopqrstuvwxyz0123456789+/")
+
+
 def decode(text: str, encoding: Encoding, field: str) -> bytes:
+    """A field's bytes: standard base64, or the JSON string as UTF-8 (a lone surrogate \\udc80-\\udcff as the byte
+    it escapes, as RoutedLM reads a str); one RequestError naming what is wrong, else."""
     if encoding is Encoding.BASE64:
         try:
             return base64.b64decode(text, validate=True)
         except (binascii.Error, ValueError):
-            raise RequestError(Status.INVALID, f"{field}: not base64 (encoding is base64)", field) from None
-    return text.encode("utf-8", "surrogatepass")
+            raise RequestError(Status.INVALID, f"{field}: not base64: {_not_base64(text)}", field) from None
+    try:
+        return text.encode("utf-8", "surrogateescape")
+    except UnicodeEncodeError as exc:
+        raise RequestError(
+            Status.INVALID,
+            f"{field}: a lone surrogate \\u{ord(text[exc.start]):04x} at character {exc.start} is not text (only "
+            "\\udc80-\\udcff, standing for the bytes 0x80-0xff, are read); send bytes as base64 (encoding base64)",
+            field,
+        ) from None
+
+
+def _not_base64(text: str) -> str:
+    """Why `text` is not standard base64, for its error line."""
+    for i, c in enumerate(text):
+        if c in BASE64_ALPHABET or c == "=":
+            continue
+        if c in "-_":
+            return f"{c!r} at character {i} is of the URL-safe alphabet; encode with standard base64 ('+' and '/')"
+        if c.isspace():
+            return f"a space or line break at character {i}; send it without them"
+        return f"{c!r} at character {i} is not a base64 character (A-Z, a-z, 0-9, '+', '/', '=' at the end)"
+    if "=" in text.rstrip("="):
+        return "'=' inside it; padding goes only at the end"
+    return f"{len(text)} characters, not a multiple of 4: its padding ('=') is missing or it is cut short"
+
+
+def _documents(req: ScoreRequest) -> tuple[list[str], str]:
+    """The request's documents as given, and the field they came in; `null` is a field left out."""
+    if req.text is not None and req.texts is not None:
+        raise RequestError(
+            Status.INVALID, "text and texts: give one of them (text: one document, texts: a list)", "text"
+        )
+    if req.texts is not None:
+        return req.texts, "texts"
+    if req.text is not None:
+        return [req.text], "text"
+    given = sorted(f for f in ("text", "texts") if f in req.model_fields_set)  # explicitly null
+    if given:
+        raise RequestError(
+            Status.INVALID, f"{given[0]}: null; give text (a string) or texts (a list of strings)", given[0]
+        )
+    raise RequestError(Status.INVALID, "text: missing; give text (one document) or texts (a list of documents)", "text")
 
 
 def parse_score(body: bytes, limits: ServeSettings) -> ScoreInput:
     """A score request's documents and prefixes as bytes, per_byte and routes; RequestError on anything else."""
     req = _parse(ScoreRequest, body)
-    if (req.text is None) == (req.texts is None):
-        raise RequestError(Status.INVALID, "give text (one document) or texts (a list), not both or neither", "text")
-    many = req.texts is not None
-    raw = req.texts if many else [req.text]
-    field = "texts" if many else "text"
+    raw, field = _documents(req)
+    many = field == "texts"
     if not raw:
         raise RequestError(Status.INVALID, "texts: the list is empty; give at least one document", "texts")
     if len(raw) > limits.max_documents:
@@ -223,17 +271,28 @@ def parse_score(body: bytes, limits: ServeSettings) -> ScoreInput:
     docs = [decode(t, req.encoding, f"{field}.{i}" if many else field) for i, t in enumerate(raw)]
     if isinstance(req.prefix, list):
         if len(req.prefix) != len(docs):
-            raise RequestError(Status.INVALID, f"prefix: {len(req.prefix)} prefixes for {len(docs)} texts", "prefix")
+            n, m = len(req.prefix), len(docs)
+            raise RequestError(
+                Status.INVALID,
+                f"prefix: {n} prefix{'es' if n != 1 else ''} for {m} text{'s' if m != 1 else ''}; give one per text, "
+                "or one string for all",
+                "prefix",
+            )
         pre = [decode(p, req.encoding, f"prefix.{i}") for i, p in enumerate(req.prefix)]
     else:
         pre = [decode(req.prefix, req.encoding, "prefix")] * len(docs)
     for i, (p, d) in enumerate(zip(pre, docs, strict=True)):
-        if len(p) + len(d) < 2:  # nothing to predict: the first byte has no prediction
-            where = f"{field}.{i}" if many else field
-            raise RequestError(Status.INVALID, f"{where}: empty (a document needs 2 bytes to score one)", where)
+        where = f"{field}.{i}" if many else field
         if not d:
-            where = f"{field}.{i}" if many else field
-            raise RequestError(Status.INVALID, f"{where}: empty (the prefix is not scored)", where)
+            why = "the prefix is not scored" if p else "a document needs 2 bytes to score one"
+            raise RequestError(Status.INVALID, f"{where}: empty ({why})", where)
+        if len(p) + len(d) < 2:  # nothing to predict: the first byte has no prediction
+            raise RequestError(
+                Status.INVALID,
+                f"{where}: 1 byte, and a document needs 2 to score one (its first byte has no prediction); give a "
+                "longer text, or a prefix before it",
+                where,
+            )
     total = sum(len(d) + len(p) for d, p in zip(docs, pre, strict=True))
     if total > limits.max_request_bytes:
         raise RequestError(
@@ -258,13 +317,59 @@ def parse_generate(body: bytes, limits: ServeSettings) -> tuple[GenerateRequest,
     return req, prompt
 
 
+class _Repeated(Exception):
+    def __init__(self, key: str):
+        self.key = key
+
+
+def _no_repeats(pairs: list[tuple[str, object]]) -> dict:
+    """A JSON object whose keys are each given once (JSON parsers keep the last of a repeated one, silently)."""
+    out: dict = {}
+    for key, value in pairs:
+        if key in out:
+            raise _Repeated(key)
+        out[key] = value
+    return out
+
+
+_JSON_TYPES = {list: "an array", str: "a string", int: "a number", float: "a number", bool: "a boolean"}
+
+
 def _parse(model: type[BaseModel], body: bytes):
+    """The body as `model`: UTF-8 JSON text holding one object (Python's json, which reads the lone surrogate escapes
+    that decode() gives meaning to), then the model's own validation."""
     if not body.strip():
         raise RequestError(Status.BAD_JSON, "the body is empty; send a JSON object")
     try:
-        return model.model_validate_json(body)
+        text = body.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RequestError(
+            Status.BAD_JSON,
+            f"the body is not UTF-8 (byte 0x{body[exc.start]:02x} at offset {exc.start}); JSON is UTF-8 text: send "
+            "other bytes as base64 (encoding base64)",
+        ) from None
+    try:
+        doc = json.loads(text, object_pairs_hook=_no_repeats)
+    except json.JSONDecodeError as exc:
+        raise RequestError(
+            Status.BAD_JSON, f"the body is not JSON ({exc.msg} at line {exc.lineno} column {exc.colno})"
+        ) from None
+    except RecursionError:
+        raise RequestError(Status.BAD_JSON, "the body is not a JSON object (it nests too deeply to read)") from None
+    except _Repeated as exc:
+        raise RequestError(Status.INVALID, f"{exc.key}: given twice; give each field once", exc.key) from None
+    if not isinstance(doc, dict):
+        what = "null" if doc is None else _JSON_TYPES.get(type(doc), type(doc).__name__)
+        raise RequestError(
+            Status.BAD_JSON, f'the body is {what}, not a JSON object; send an object, e.g. {{"text": ...}}'
+        )
+    try:
+        return model.model_validate(doc)
     except ValidationError as exc:
         msg, where = first_error(exc)
-        if exc.errors()[0]["type"] in ("json_invalid", "model_type"):
-            raise RequestError(Status.BAD_JSON, f"the body is not a JSON object ({msg})") from None
+        err = exc.errors()[0]
+        if err["type"] == "extra_forbidden":
+            msg = f"{where}: not a field of this request; its fields are {', '.join(model.model_fields)}"
+        elif err.get("input") is None or isinstance(err.get("input"), bool):  # said as JSON says it, not Python
+            msg = msg.replace(f": {err.get('input')!r} ", f": {json.dumps(err.get('input'))} ", 1)
         raise RequestError(Status.INVALID, msg, where) from None

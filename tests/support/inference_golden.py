@@ -118,7 +118,9 @@ def api_outputs(lm) -> dict:
 
 def export_outputs(campaign: str) -> dict:
     """The sha256 of an export's weights and router files, float32 and bfloat16 (the model card and the manifest
-    name the campaign's path and the code's version: not compared), written by soma export's own flow."""
+    name the campaign's path and the code's version: not compared), written by soma export's own flow. The weights
+    are hashed as format 1 wrote them (flat_weights): an export of either format that reads back to the same
+    tensors, bit for bit, hashes the same."""
     from pipelines.inference import export_campaign
 
     out = {}
@@ -127,12 +129,38 @@ def export_outputs(campaign: str) -> dict:
             dest = Path(tmp) / dtype
             export_campaign(campaign, str(dest), dtype)
             out[dtype] = {
-                str(f.relative_to(dest)): hashlib.sha256(f.read_bytes()).hexdigest()
+                str(f.relative_to(dest)): hashlib.sha256(
+                    flat_weights(dest) if f.name == "weights.safetensors" else f.read_bytes()
+                ).hexdigest()
                 for f in sorted(dest.rglob("*"))
                 if f.is_file() and f.name not in ("README.md", "soma-export.json")
             }
             shutil.rmtree(dest)
     return out
+
+
+def flat_weights(export: Path) -> bytes:
+    """An export's weights, as read back, in format 1's file (soma-cluster before its tensors had names): experts.index,
+    experts.body (P, M), experts.head (1 head when all are equal, else P), seed.body, seed.head."""
+    import torch
+    from safetensors.torch import save
+
+    from soma_cluster.inference.export import read_export
+    from soma_cluster.storage import Store
+
+    x = read_export(Store(str(export)))
+    present = sorted(x.experts)
+    bodies = [x.experts[e][0] for e in present]
+    heads = [x.experts[e][1] for e in present]
+    shared = all(torch.equal(h, heads[0]) for h in heads)
+    tensors = {
+        "experts.index": torch.tensor(present, dtype=torch.int64),
+        "experts.body": torch.stack(bodies) if bodies else x.seed[0].new_zeros(0, x.seed[0].numel()),
+        "experts.head": torch.stack(heads[:1] if shared else heads) if heads else x.seed[1][None],
+        "seed.body": x.seed[0],
+        "seed.head": x.seed[1],
+    }
+    return save({k: v.clone().contiguous() for k, v in tensors.items()})
 
 
 def lmeval_outputs(campaign: str) -> dict:
