@@ -532,11 +532,11 @@ class Decoding:
     """Prompts being continued, each under its route: the routed experts' LSTM states after every byte read so far,
     and the mixture's next-byte distribution. RoutedLM.prefill makes one.
 
-    One copy of each distinct expert's weights, however many prompts it reads (the seed model's once for every
-    expert it stands in for): the body's copy axis is the distinct units, and each unit's rows (a prompt's slot
-    routed to it) sit on its batch axis, padded to the most rows one unit has. A row is (unit, position); `index`
-    maps the rows, prompt-major with k slots each, to position unit * B + position of the (U, B) state. At N = 8 a
-    batch of 32 prompts (128 rows) reads 8 copies of the weights a step instead of 128.
+    One copy of each distinct expert's weights per B rows it reads, not one per row (the seed model's for every
+    expert it stands in for): the body's copy axis is the copies, and each copy's rows (prompts' slots routed to
+    its unit) sit on its batch axis, B = the rows per distinct unit rounded up (_place). A row is (copy, position);
+    `index` maps the rows, prompt-major with k slots each, to copy * B + position of the (copies, B) state. At N = 8
+    a batch of 32 prompts (128 rows) reads ~12 copies of the weights a step instead of 128.
 
     The prompts are read together (the prefill): padded at the end to the longest, time cut at each prompt's
     length, and the states of the rows whose prompt ends there kept (the LSTM is causal: padding after a row's
@@ -549,10 +549,6 @@ class Decoding:
         self._place([lm.unit(int(e)) for e in routes.experts.reshape(-1)])
         if prompts:
             self._prefill(prompts)
-
-    @property
-    def prompts(self) -> int:
-        return self.weights.shape[0]
 
     def _place(self, units_of_rows: list[int]) -> None:
         """Lay the rows out over copies of their units (in order of first use) and build the state over them: a
@@ -634,7 +630,7 @@ class Decoding:
             h = self.state.advance(embed(self.unit_heads, x.view(u, b, 1), u))  # (U, 1, B, e)
             self._read(h[:, 0])
 
-    # -- prompts joining and leaving (continuous batching: RoutedLM.batcher) ----------------------------------
+    # -- prompts joining and leaving (continuous batching: batching.Batcher) ----------------------------------
     def _rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
         """Each layer's (h, c) per row, (P*k, d), prompt-major."""
         return [
