@@ -26,6 +26,7 @@ from pipelines.cli_harness import (
     SetOpt,
     StepOpt,
     TakeOverOpt,
+    ThreadsOpt,
     check_every_command,
     check_jobs,
     check_positive,
@@ -571,6 +572,7 @@ def score(
     routes: bool = typer.Option(False, "--routes", help="list every segment's route in each record (json.md)"),
     step: Optional[int] = StepOpt,
     device: Optional[str] = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
 ) -> None:
     """Score documents with the routed ensemble (a campaign or a soma export): one JSON line per document on stdout
     (bytes, scored_bytes, nats, nats/byte, bits/byte, windows, experts, and the routing that produced them), any
@@ -580,7 +582,7 @@ def score(
         from pipelines.inference import Listed
         from pipelines.inference import score as run
 
-        t = run(campaign, list(inputs or []), lines, device, step, Listed(per_byte, routes))
+        t = run(campaign, list(inputs or []), lines, device, step, Listed(per_byte, routes), threads)
         per = f": {t['nats'] / t['scored_bytes']:.4f} nats/byte" if t["scored_bytes"] else ""
         print(
             f"scored {t['documents']} document(s), {t['scored_bytes']:,} of {t['bytes']:,} bytes{per}", file=sys.stderr
@@ -601,6 +603,7 @@ def sample(
     as_json: bool = typer.Option(False, "--json", help="one JSON line per prompt (text, base64, route)"),
     step: Optional[int] = StepOpt,
     device: Optional[str] = DeviceOpt,
+    threads: Optional[int] = ThreadsOpt,
 ) -> None:
     """Generate bytes after a prompt with the routed ensemble (a campaign or a soma export), streamed to stdout as
     they are drawn; the route is fixed on the prompt (docs/inference.md)."""
@@ -611,7 +614,7 @@ def sample(
 
         config = generation_config(max_bytes=max_bytes, temperature=temperature, top_k=top_k, seed=seed)
         texts = prompts(list(prompt or []), prompt_file)
-        lm = load(campaign, device, step)
+        lm = load(campaign, device, step, threads)
         sample(lm, texts, config, as_json, sys.stdout.write_bytes)
 
     run_command(go, "the bytes drawn before it are on stdout; nothing was written anywhere else")

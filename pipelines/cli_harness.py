@@ -391,6 +391,13 @@ StepOpt = typer.Option(
     None, "--step", min=0, help="a campaign's checkpoints of this step (default: each expert's latest)"
 )
 DeviceOpt = typer.Option(None, "--device", help="torch device: cpu, cuda or cuda:N (default: cuda when available)")
+ThreadsOpt = typer.Option(
+    None,
+    "--threads",
+    min=1,
+    max=1024,
+    help="torch intra-op threads (default: chosen per op from its size and the free cores; docs/performance.md)",
+)
 
 
 def check_states(value: Optional[str]) -> Optional[str]:

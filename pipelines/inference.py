@@ -26,10 +26,10 @@ from soma_cluster.storage import Store, storage_options_from_env
 STDIN = "-"
 
 
-def load(url: str, device: str | None, step: int | None = None) -> RoutedLM:
+def load(url: str, device: str | None, step: int | None = None, threads: int | None = None) -> RoutedLM:
     """The ensemble of a campaign or an export, with what qualifies it said on stderr (say_notes)."""
     store = open_store(url)
-    lm = RoutedLM.load(url, device=device, step=step, storage_options=store.storage_options)
+    lm = RoutedLM.load(url, device=device, step=step, storage_options=store.storage_options, threads=threads)
     say_notes(store, lm.substituted, lm.n_experts, lm.experts)
     return lm
 
@@ -201,10 +201,12 @@ class Listed:
     routes: bool = False  # every segment's route
 
 
-def score(url: str, inputs: list[str], lines: bool, device: str | None, step: int | None, listed: Listed) -> dict:
+def score(
+    url: str, inputs: list[str], lines: bool, device: str | None, step: int | None, listed: Listed, threads=None
+) -> dict:
     """JSON Lines on stdout, one record per document as soon as it is scored; the totals returned (for stderr)."""
     srcs = sources(inputs)
-    lm = load(url, device, step)
+    lm = load(url, device, step, threads)
     docs: list[tuple[str, int | None]] = []
 
     def documents() -> Iterator[Iterator[bytes]]:

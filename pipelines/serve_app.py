@@ -3,8 +3,9 @@
     SomaRouter (HTTP ingress, FastAPI)          SomaExperts (replicas: every expert, on a GPU where there is one)
       validate (inference.serveinput)             score: @serve.batch, windows of many requests in one pass
                                                          (Passes: one pass at a time, every queued batch in it)
-      cut documents into soma eval's windows      generate: a streamed generator, the route given by the router
-      and their segments; route each segment on   (both RoutedLM's public calls: window_nats, stream)
+      cut documents into soma eval's windows      generate: a streamed generator, the route given by the router;
+      and their segments; route each segment on   the replica's concurrent streams decode together (Decoder:
+                                                  continuous batching, inference.batching.Batcher)
       the bytes before what it scores (Routing:
       no weights; scoring.Rule)
       -> handle calls, retried on a lost replica
@@ -26,7 +27,8 @@ import base64
 import hashlib
 import json
 import logging
-from collections.abc import AsyncIterator, Callable, Iterator
+import time
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
 
 from fastapi import FastAPI, Request
@@ -40,6 +42,7 @@ from ray.serve.metrics import Counter, Gauge, Histogram
 
 from soma_cluster.corpus import shown
 from soma_cluster.errors import SomaError
+from soma_cluster.inference.batching import Batcher
 from soma_cluster.inference.generation import GenerationConfig
 from soma_cluster.inference.lm import RoutedLM
 from soma_cluster.inference.routing import Route, Routes, Routing
@@ -139,6 +142,111 @@ class Passes:
         return await done
 
 
+@dataclass(eq=False)
+class Ticket:
+    """A stream on its way through a replica's Decoder: the job, its queue of bytes, and its key once it has joined
+    the batch."""
+
+    job: GenerateJob
+    queue: asyncio.Queue
+    key: int | None = None
+    closed: bool = False  # the caller has gone (or has every byte)
+
+
+STEPS_S = 0.02  # a replica's decoding thread hands its bytes over at least this often
+DONE = None  # a stream's queue: bytes (ints) as they are drawn, then DONE, or an exception
+
+
+class Decoder:
+    """Continuous batching on one replica (soma_cluster/inference/batching.py has the rule): one asyncio step loop,
+    running while any stream is in the batch. Streams that arrive wait for the next step boundary, are prefilled
+    together and join the batch; every step draws one byte of each stream, which goes to that stream's queue at
+    once; a stream leaves when it has its bytes or its caller has gone (the generator closed). The model's work
+    runs in a thread (asyncio.to_thread), so the event loop keeps sending bytes and taking requests meanwhile.
+
+    As Text Generation Inference's router (router/src/infer.rs, batching_task: prefill what is queued, concatenate
+    it to the running batch, filter out finished and dropped requests, decode) and vLLM's scheduler (a waiting queue
+    admitted at each step, a running batch). Back-pressure is Serve's, as before: max_ongoing_requests streams per
+    replica, then its queue, then 503."""
+
+    def __init__(self, lm: RoutedLM, interval_s: float = 0.0):
+        self.interval_s = interval_s  # a stream's pieces after its first go at most this often (bytes gather)
+        self.batcher = Batcher(lm)
+        self.arrivals: list[Ticket] = []
+        self.running: dict[int, Ticket] = {}
+        self.task: asyncio.Task | None = None
+
+    async def stream(self, job: GenerateJob) -> AsyncIterator[bytes]:
+        """The job's bytes, each piece every byte drawn since the last one was sent: the first at once, the next ones
+        at most every interval_s (each piece is a message from this replica to the router, and on 2 cores a
+        message a byte for 20 streams costs more than decoding them)."""
+        ticket = Ticket(job, asyncio.Queue())
+        sent = None
+        self.arrivals.append(ticket)
+        if self.task is None or self.task.done():
+            self.task = asyncio.create_task(self._loop())
+        try:
+            while True:
+                items = [await ticket.queue.get()]
+                wait = 0.0 if sent is None else self.interval_s - (time.monotonic() - sent)
+                if wait > 0 and items[0] is not DONE:
+                    await asyncio.sleep(wait)
+                while not ticket.queue.empty():
+                    items.append(ticket.queue.get_nowait())
+                piece = bytes(b for b in items if isinstance(b, int))
+                if piece:
+                    sent = time.monotonic()
+                    yield piece
+                for item in items:
+                    if isinstance(item, BaseException):
+                        raise item
+                if DONE in items:
+                    return
+        finally:
+            ticket.closed = True  # the loop drops it at the next step boundary
+
+    async def _loop(self) -> None:
+        while self.arrivals or self.running:
+            try:
+                await self._step()
+            except Exception as exc:  # noqa: BLE001 - every stream in the batch gets the error
+                for t in [*self.running.values(), *self.arrivals]:
+                    t.queue.put_nowait(exc)
+                self.arrivals, self.running = [], {}
+                self.batcher = Batcher(self.batcher.lm)
+
+    async def _step(self) -> None:
+        arrivals, self.arrivals = [t for t in self.arrivals if not t.closed], []
+        gone = [k for k, t in self.running.items() if t.closed]
+        for key in gone:
+            del self.running[key]
+        keys, drawn = await asyncio.to_thread(self._work, [t.job for t in arrivals], gone)
+        for key, t in zip(keys, arrivals, strict=True):
+            t.key = key
+            if t.job.config.max_bytes == 0:
+                t.queue.put_nowait(DONE)
+            else:
+                self.running[key] = t
+        for key, byte, done in drawn:
+            t = self.running[key]
+            t.queue.put_nowait(byte)
+            if done:
+                t.queue.put_nowait(DONE)
+                del self.running[key]
+
+    def _work(self, jobs: list[GenerateJob], gone: list[int]) -> tuple[list[int], list[tuple[int, int, bool]]]:
+        """Between two steps: the gone leave, the new join (prefilled together); then steps, until a stream
+        arrives or goes, or for STEPS_S (one hop to this thread and back per STEPS_S, not per byte)."""
+        self.batcher.leave(gone)
+        keys = self.batcher.join([j.prompt for j in jobs], [j.config for j in jobs], [j.route for j in jobs])
+        drawn, until = [], time.monotonic() + STEPS_S
+        while len(self.batcher):
+            drawn += self.batcher.step()
+            if self.arrivals or time.monotonic() > until or any(t.closed for t in self.running.values()):
+                break
+        return keys, drawn
+
+
 @serve.deployment(name="SomaExperts", health_check_period_s=5, health_check_timeout_s=30)
 class SomaExperts:
     """Every expert of the ensemble, scoring windows in batched passes and generating bytes."""
@@ -146,7 +254,10 @@ class SomaExperts:
     def __init__(self, args: dict):
         self.cfg = settings(args)
         self.lm = RoutedLM.load(
-            self.cfg.source, device=None if self.cfg.device == "auto" else self.cfg.device, step=self.cfg.step
+            self.cfg.source,
+            device=None if self.cfg.device == "auto" else self.cfg.device,
+            step=self.cfg.step,
+            threads=self.cfg.threads,
         )
         if not self.lm.experts:
             raise SomaError(f"{self.lm.source} has no trained expert (no checkpoint yet); soma launch trains them")
@@ -154,6 +265,7 @@ class SomaExperts:
         self._batched.set_max_batch_size(self.cfg.max_batch_windows)
         self._batched.set_batch_wait_timeout_s(self.cfg.batch_wait_s)
         self.passes = Passes(self._pass, self.cfg.max_batch_windows)
+        self.decoder = Decoder(self.lm, self.cfg.stream_interval_s)
         Gauge("soma_serve_experts_loaded", description="Experts held by this replica (checkpoints, not the seed).").set(
             len(self.lm.experts)
         )
@@ -204,11 +316,12 @@ class SomaExperts:
             at += len(j.windows)
         return out
 
-    def generate(self, job: GenerateJob) -> Iterator[bytes]:
+    async def generate(self, job: GenerateJob) -> AsyncIterator[bytes]:
+        """The job's bytes as they are drawn, decoded together with every other stream on this replica."""
         if job.version != self.version:
             raise VersionMismatch(f"router {job.version}, experts {self.version}")
-        for piece in self.lm.stream(job.prompt, job.config, route=job.route):
-            self.generated.inc(1)
+        async for piece in self.decoder.stream(job):
+            self.generated.inc(len(piece))
             yield piece
 
 

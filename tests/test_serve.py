@@ -178,6 +178,45 @@ def test_generation_streams_the_in_process_bytes(served, lm):
     assert status == 200 and data == b""
 
 
+def _stream_body(url: str, body: dict, hang_up_after: int | None = None) -> bytes:
+    req = urllib.request.Request(url + "v1/generate", data=json.dumps(body).encode(), method="POST")
+    got = bytearray()
+    with urllib.request.urlopen(req, timeout=CLIENT_TIMEOUT_S) as r:
+        while piece := r.read1(65536):
+            got += piece
+            if hang_up_after is not None and len(got) >= hang_up_after:
+                break  # the client goes away mid-stream: the connection is closed here
+    return bytes(got)
+
+
+def test_concurrent_streams_decode_together_each_its_own_seeded_bytes(served, lm):
+    """Clients at once and one after another (joining a running batch at a step), of different lengths and options,
+    one hanging up after a few bytes: every stream is the API's alone for its prompt, options and seed, and the
+    replicas go on serving."""
+    url = served["url"]
+    cases = [
+        ("def ", {"max_bytes": 150, "seed": 1}),
+        ("Once upon", {"max_bytes": 40, "seed": 2, "temperature": 0.8}),
+        ("", {"max_bytes": 90, "seed": 3, "top_k": 5}),
+        ("x" * 2000, {"max_bytes": 60, "seed": 4}),
+        ("The ", {"max_bytes": 1, "seed": 5}),
+        ("é日本", {"max_bytes": 120, "seed": 6}),
+    ]
+
+    def client(i: int) -> bytes:
+        time.sleep(0.1 * i)  # later ones join a batch already decoding
+        prompt, opts = cases[i]
+        return _stream_body(url, {"prompt": prompt, **opts})
+
+    with ThreadPoolExecutor(len(cases) + 1) as pool:
+        gone = pool.submit(_stream_body, url, {"prompt": "abc", "max_bytes": 4000, "seed": 9}, 3)
+        results = list(pool.map(client, range(len(cases))))
+        assert len(gone.result()) >= 3
+    for (prompt, opts), got in zip(cases, results, strict=True):
+        assert got == lm.generate(prompt, **opts), prompt[:10]
+    assert _stream_body(url, {"prompt": "def ", "max_bytes": 150, "seed": 1}) == results[0]
+
+
 BAD = [  # (body, status, field named, what the error says: its true reason); the settings of the module's application
     (b"", 400, None, "empty"),
     (b"not json", 400, None, "not JSON (Expecting value at line 1 column 1)"),

@@ -11,7 +11,9 @@ The modules, lowest first (each imports only those before it, and the flat core 
                 and its record from its segments' nats (no torch)
     export      `soma export`'s directory: written, and read back checked
     routing     Route, Routes, Routing (the router without the experts), and open_source, the one loader
-    lm          RoutedLM: the forward, scoring, generation
+    threads     how many torch threads a piece of inference runs on (chosen per op, or set)
+    lm          RoutedLM: the forward, scoring, generation (batched by distinct expert)
+    batching    Batcher: continuous batching, streams joining and leaving a running batch (soma serve's)
     serveinput  what `soma serve` accepts: its settings and the HTTP requests' bodies
     servestate  what `soma serve` reads of Serve's status while it deploys: running, waiting, or why it failed
     lmeval      the model "soma" of EleutherAI's lm-evaluation-harness (the optional `lmeval` extra)

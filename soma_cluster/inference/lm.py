@@ -75,6 +75,7 @@ from soma_cluster.inference.scoring import (
     merge_runs,
     segments_of,
 )
+from soma_cluster.inference.threads import Threads
 from soma_cluster.model import BodyState, embed
 from soma_cluster.router import Router, load_router
 
@@ -87,6 +88,7 @@ BATCH_WINDOWS = 1024  # windows gathered before a pass (bounded memory on a stre
 # read at most twice its bytes)
 READ_BYTES = 1 << 20  # a file or stream is read in chunks of this size
 TIME_BLOCK = 256  # positions per block when every byte's distribution is read: (rows, block, 256) at a time
+PREFILL_BLOCK = 32  # bytes of the prompts read per call in a prefill (ensemble.TIME_BLOCK's reason)
 MIN_PROB = 1e-300  # log p is log(max(p, MIN_PROB)) in FP64: a byte the mixture underflows on stays finite
 
 
@@ -143,9 +145,11 @@ class RoutedLM:
         source: str = "",
         device: Device = None,
         steps: dict[int, int] | None = None,
+        threads: int | None = None,
     ):
         self.routing = Routing(config, router, source, bool(experts))
         self.device = pick(device)
+        self.threading = Threads(threads)
         if router.n_experts != config.n_experts:
             raise SomaError(f"{source}: the router has {router.n_experts} experts, the config {config.n_experts}")
         self.experts = {
@@ -163,9 +167,12 @@ class RoutedLM:
         device: Device = None,
         step: int | None = None,
         storage_options: dict | None = None,
+        threads: int | None = None,
     ) -> RoutedLM:
         """A campaign directory (local or s3://, its latest checkpoints or those of `step`) or a `soma export`
-        directory. s3:// endpoints and credentials come from the environment as for every soma command."""
+        directory. s3:// endpoints and credentials come from the environment as for every soma command. `threads`:
+        torch's intra-op threads for its calls, None to choose per op (threads.py); the caller's are put back."""
+        Threads(threads)  # a bad value is refused before anything is read
         if step is not None and (not _whole(step) or step < 0):
             raise SomaError(f"step {step!r}: pass a whole number >= 0 (a step the experts have a checkpoint of)")
         src = open_source(url, storage_options)
@@ -173,13 +180,13 @@ class RoutedLM:
             if step is not None:
                 raise SomaError(f"{src.store.url} is an export: it holds one step of each expert; leave out step")
             x = read_export(src.store, src.manifest)
-            return cls(x.config, x.router, x.experts, x.seed, x.substituted, src.store.url, device, x.steps)
+            return cls(x.config, x.router, x.experts, x.seed, x.substituted, src.store.url, device, x.steps, threads)
         models = load_models(src.store, src.config.n_experts, step)
         experts = {e: (ck.tensors["body"], ck.tensors["head"]) for e, ck in models.checkpoints.items()}
         seed = (models.seed.tensors["body"], models.seed.tensors["head"])
         steps = {e: int(ck.meta["state"]["step"]) for e, ck in models.checkpoints.items()}
         router = load_router(src.store)
-        return cls(src.config, router, experts, seed, models.substituted, src.store.url, device, steps)
+        return cls(src.config, router, experts, seed, models.substituted, src.store.url, device, steps, threads)
 
     @property
     def config(self) -> CampaignConfig:
@@ -209,6 +216,19 @@ class RoutedLM:
     @property
     def seed_fallback(self) -> tuple[int, ...]:
         return tuple(sorted(self.substituted))
+
+    @property
+    def threads(self) -> int | None:
+        """torch intra-op threads of this model's calls: None chooses per op (soma_cluster/inference/threads.py)."""
+        return self.threading.threads
+
+    @threads.setter
+    def threads(self, value: int | None) -> None:
+        self.threading = Threads(value)
+
+    def unit(self, expert: int) -> int:
+        """The unit whose weights stand for `expert`: itself, or SEED_UNIT for one without a checkpoint."""
+        return expert if expert in self.experts else SEED_UNIT
 
     def _weights(self, unit: int) -> tuple[torch.Tensor, torch.Tensor]:
         """(body, head) of an expert, or of the seed model for one without a checkpoint (or SEED_UNIT)."""
@@ -243,8 +263,13 @@ class RoutedLM:
         out = [np.zeros((0, 256) if every_byte else 0) for _ in windows]
         live = [i for i, w in enumerate(windows) if len(w) >= 2]
         if live:
-            read = self._distributions if every_byte else self._target_logprobs
-            for i, logp in zip(live, read([windows[i] for i in live], routes.take(live)), strict=True):
+            if every_byte:
+                byte_reads = sum(len(windows[i]) for i in live) * routes.experts.shape[1]
+                with self.threading.using(self._macs(byte_reads)):
+                    read = self._distributions([windows[i] for i in live], routes.take(live))
+            else:
+                read = self._target_logprobs([windows[i] for i in live], routes.take(live))
+            for i, logp in zip(live, read, strict=True):
                 out[i] = logp
         return out
 
@@ -263,20 +288,28 @@ class RoutedLM:
             for i, r in enumerate(rows):
                 data[i, : lengths[r]] = np.frombuffer(windows[r], dtype=np.uint8)
             mine = routes.take(rows)
-            res = evaluate_ensemble(
-                self.router,
-                self.config.model,
-                self.experts,
-                Windows(data, np.zeros(len(rows), dtype=np.int64)),
-                0,
-                self.config.eval.batch * max(1, self.window_bytes // int(length)),
-                self.device,
-                seed=self.seed,
-                routed=(mine.experts, mine.weights),
-            )
+            with self.threading.using(self._macs(len(rows) * int(length) * routes.experts.shape[1])):
+                res = self._evaluate(data, mine, length)
             for i, r in enumerate(rows):
                 out[r] = -res.nats[i, : lengths[r] - 1]
         return out
+
+    def _macs(self, byte_reads: int) -> int:
+        """Multiply-adds of one body op over `byte_reads` (expert, byte) pairs: a 4d x d matrix each."""
+        return byte_reads * 4 * self.config.model.d**2
+
+    def _evaluate(self, data: np.ndarray, mine: Routes, length: int):
+        return evaluate_ensemble(
+            self.router,
+            self.config.model,
+            self.experts,
+            Windows(data, np.zeros(len(data), dtype=np.int64)),
+            0,
+            self.config.eval.batch * max(1, self.window_bytes // int(length)),
+            self.device,
+            seed=self.seed,
+            routed=(mine.experts, mine.weights),
+        )
 
     @torch.no_grad()
     def _distributions(self, windows: list[bytes], routes: Routes) -> list[np.ndarray]:
@@ -486,38 +519,103 @@ class RoutedLM:
             return
         with torch.no_grad():
             decoding = self.prefill(kept, routes)
-            gen = torch.Generator(device=self.device)
-            gen.manual_seed(cfg.seed) if cfg.seed is not None else gen.seed()
+            gen = generator(self.device, cfg.seed)
             for n in range(cfg.max_bytes):
-                nxt = sample(decoding.logprobs(), cfg, gen)  # (P,)
+                with self.threading.using(len(kept)):  # a few rows of 256: one thread
+                    nxt = sample(decoding.logprobs(), cfg, gen)  # (P,)
                 yield nxt.tolist()
                 if n + 1 < cfg.max_bytes:
                     decoding.advance(nxt)
 
 
 class Decoding:
-    """Prompts being continued, each under its route: the routed experts' LSTM states after every byte read so far
-    (rows prompt-major, k slots each), and the mixture's next-byte distribution. RoutedLM.prefill makes one."""
+    """Prompts being continued, each under its route: the routed experts' LSTM states after every byte read so far,
+    and the mixture's next-byte distribution. RoutedLM.prefill makes one.
 
-    def __init__(self, lm: RoutedLM, prompts: list[bytes], routes: Routes):
-        bodies, self.heads, self.weights = lm._slots(routes)
+    One copy of each distinct expert's weights per B rows it reads, not one per row (the seed model's for every
+    expert it stands in for): the body's copy axis is the copies, and each copy's rows (prompts' slots routed to
+    its unit) sit on its batch axis, B = the rows per distinct unit rounded up (_place). A row is (copy, position);
+    `index` maps the rows, prompt-major with k slots each, to copy * B + position of the (copies, B) state. At N = 8
+    a batch of 32 prompts (128 rows) reads ~12 copies of the weights a step instead of 128.
+
+    The prompts are read together (the prefill): padded at the end to the longest, time cut at each prompt's
+    length, and the states of the rows whose prompt ends there kept (the LSTM is causal: padding after a row's
+    last byte never reaches its state). One prompt reads exactly as it always did: its k units, one row each."""
+
+    def __init__(self, lm: RoutedLM, prompts: list[bytes], routes: Routes, threads: Threads | None = None):
+        self.lm, self.threads = lm, threads or lm.threading
         self.k = routes.experts.shape[1]
-        cfg = lm.config.model
-        self.state = BodyState(cfg, bodies, 1)
-        last = torch.empty(len(bodies), self.heads.shape[-1], device=lm.device)
-        for i, data in enumerate(prompts):  # one prompt at a time (their lengths differ), the states gathered
-            rows = slice(i * self.k, (i + 1) * self.k)
-            sub = BodyState(cfg, bodies[rows], 1)
-            x = torch.tensor(bytearray(data), dtype=torch.uint8, device=lm.device)
-            h = sub.advance(embed(self.heads[rows], x.view(1, 1, -1).expand(self.k, 1, -1), self.k))  # (k, T, 1, e)
-            last[rows] = h[:, -1, 0]
-            for big, small in zip(self.state.lstm, sub.lstm, strict=True):
-                big.h[rows], big.c[rows] = small.h, small.c
-        self._read(last)
+        self.weights = torch.as_tensor(routes.weights, dtype=torch.float32, device=lm.device)
+        self._place([lm.unit(int(e)) for e in routes.experts.reshape(-1)])
+        if prompts:
+            self._prefill(prompts)
 
-    def _read(self, last: torch.Tensor) -> None:
-        """h of each row's newest byte (P*k, e) -> the mixture after it, (P, 256) float32."""
-        self.probs = mixture(last[:, None], self.heads, self.weights)[:, 0]
+    def _place(self, units_of_rows: list[int]) -> None:
+        """Lay the rows out over copies of their units (in order of first use) and build the state over them: a
+        unit's rows fill copies of `batch` rows each, batch the rows per distinct unit rounded up, so that the
+        padding stays under one copy per unit (at N = 256 one expert may get 19 of 128 rows while most get 3)."""
+        lm = self.lm
+        self.row_units = units_of_rows
+        distinct = list(dict.fromkeys(units_of_rows))
+        self.batch = max(1, -(-len(units_of_rows) // max(1, len(distinct))))
+        copy_of: dict[int, int] = {}  # unit -> its copy being filled
+        filled: list[int] = []  # rows in each copy
+        self.units, flat = [], []
+        for u in units_of_rows:
+            c = copy_of.get(u)
+            if c is None or filled[c] == self.batch:
+                c = copy_of[u] = len(self.units)
+                self.units.append(u)
+                filled.append(0)
+            flat.append(c * self.batch + filled[c])
+            filled[c] += 1
+        self.index = torch.tensor(flat, dtype=torch.long, device=lm.device)
+        self.unit_heads = torch.stack([lm._weights(u)[1] for u in self.units]) if self.units else None
+        bodies = torch.stack([lm._weights(u)[0] for u in self.units]) if self.units else None
+        self.state = BodyState(lm.config.model, bodies, self.batch) if self.units else None
+        self.probs = torch.empty(0, 256, device=lm.device)
+
+    def _macs(self, steps: int = 1) -> int:
+        """Multiply-adds of one body op over `steps` bytes: every (unit, position) of the state, a 4d x d matrix."""
+        d = self.lm.config.model.d
+        return len(self.units) * self.batch * steps * 4 * d * d
+
+    def _prefill(self, prompts: list[bytes]) -> None:
+        lm, k, b = self.lm, self.k, self.batch
+        lengths = [len(p) for p in prompts]
+        x = torch.zeros(len(self.units) * b, max(lengths), dtype=torch.uint8)
+        for r, pos in enumerate(self.index.tolist()):
+            x[pos, : lengths[r // k]] = torch.frombuffer(bytearray(prompts[r // k]), dtype=torch.uint8)
+        x = x.to(lm.device).view(len(self.units), b, -1)
+        cuts = sorted(set(lengths))
+        layers = self.state.lstm if len(cuts) > 1 else []  # one length: the states at the end are the ones
+        kept = [(torch.zeros_like(s.h), torch.zeros_like(s.c)) for s in layers]
+        last = torch.zeros(len(self.units) * b, lm.config.model.embed_dim, device=lm.device)
+        rows_of = torch.tensor(lengths, device=lm.device).repeat_interleave(k)
+        t0 = 0
+        with self.threads.using(self._macs(max(lengths))):
+            for t1 in cuts:  # time cut where a prompt ends: its rows' states are kept there
+                for a in range(t0, t1, PREFILL_BLOCK):  # blocks of time: the gates of a block stay in cache
+                    emb = embed(self.unit_heads, x[..., a : min(t1, a + PREFILL_BLOCK)], len(self.units))
+                    h = self.state.advance(emb)  # (U, Tb, B, e)
+                ending = self.index[rows_of == t1]
+                last[ending] = h[:, -1].reshape(-1, h.shape[-1])[ending]
+                for (kh, kc), s in zip(kept, layers, strict=True):
+                    kh.view(-1, kh.shape[-1])[ending] = s.h.reshape(-1, kh.shape[-1])[ending]
+                    kc.view(-1, kc.shape[-1])[ending] = s.c.reshape(-1, kc.shape[-1])[ending]
+                t0 = t1
+            for (kh, kc), s in zip(kept, layers, strict=True):
+                s.h, s.c = kh, kc
+            self._read(last.view(len(self.units), b, -1))
+
+    def _read(self, h: torch.Tensor) -> None:
+        """h of each (unit, position)'s newest byte (U, B, e) -> the mixture after it, (P, 256) float32:
+        p = sum_k w_k softmax(h_k E_k^T), each unit's head applied once to its rows."""
+        logits = torch.bmm(h, self.unit_heads.transpose(1, 2))  # (U, B, 256)
+        rows = logits.view(-1, logits.shape[-1])[self.index][:, None]  # (P*k, 1, 256), prompt-major
+        probs = torch.softmax(rows, dim=-1)
+        p, k = self.weights.shape
+        self.probs = (probs.view(p, k, *probs.shape[1:]) * self.weights.view(p, k, 1, 1)).sum(dim=1)[:, 0]
 
     def logprobs(self) -> torch.Tensor:
         """log p of every next byte (P, 256) float64, as forward gives them."""
@@ -525,8 +623,47 @@ class Decoding:
 
     def advance(self, nxt: torch.Tensor) -> None:
         """Read one more byte of each prompt: nxt (P,) byte values."""
-        x = nxt.repeat_interleave(self.k).view(-1, 1, 1).to(torch.uint8)  # (P*k, 1, 1): its prompt's byte
-        self._read(self.state.advance(embed(self.heads, x, len(self.heads)))[:, 0, 0])
+        u, b = len(self.units), self.batch
+        x = torch.zeros(u * b, dtype=torch.uint8, device=self.lm.device)
+        x[self.index] = nxt.to(self.lm.device).repeat_interleave(self.k).to(torch.uint8)  # its prompt's byte
+        with self.threads.using(self._macs()):
+            h = self.state.advance(embed(self.unit_heads, x.view(u, b, 1), u))  # (U, 1, B, e)
+            self._read(h[:, 0])
+
+    # -- prompts joining and leaving (continuous batching: batching.Batcher) ----------------------------------
+    def _rows(self) -> list[tuple[torch.Tensor, torch.Tensor]]:
+        """Each layer's (h, c) per row, (P*k, d), prompt-major."""
+        return [
+            (s.h.reshape(-1, s.h.shape[-1])[self.index], s.c.reshape(-1, s.c.shape[-1])[self.index])
+            for s in self.state.lstm
+        ]
+
+    def keep(self, prompts: list[int]) -> None:
+        """Only these prompts (their numbers, in the new order) go on; the rest leave."""
+        rows = torch.tensor([p * self.k + j for p in prompts for j in range(self.k)], dtype=torch.long)
+        states = self._rows() if self.state is not None else []
+        probs, weights = self.probs[prompts], self.weights[prompts]
+        self._place([self.row_units[r] for r in rows.tolist()])
+        self.weights = weights
+        self._restore([(h[rows], c[rows]) for h, c in states], probs)
+
+    def join(self, other: Decoding) -> None:
+        """The prompts of `other` (prefilled, the same k) go on after these."""
+        mine = self._rows() if self.state is not None else []
+        theirs = other._rows()
+        probs = torch.cat([self.probs, other.probs])
+        self.weights = torch.cat([self.weights, other.weights])
+        self._place(self.row_units + other.row_units)
+        both = [(torch.cat([a[0], b[0]]), torch.cat([a[1], b[1]])) for a, b in zip(mine, theirs, strict=True)] or theirs
+        self._restore(both, probs)
+
+    def _restore(self, states: list[tuple[torch.Tensor, torch.Tensor]], probs: torch.Tensor) -> None:
+        self.probs = probs
+        if self.state is None:
+            return
+        for (h, c), s in zip(states, self.state.lstm, strict=True):
+            s.h.view(-1, s.h.shape[-1])[self.index] = h
+            s.c.view(-1, s.c.shape[-1])[self.index] = c
 
 
 def _log(probs: torch.Tensor) -> torch.Tensor:
@@ -538,6 +675,13 @@ def _whole(value) -> bool:
     return isinstance(value, numbers.Integral) and not isinstance(value, bool)
 
 
+def generator(device: torch.device, seed: int | None) -> torch.Generator:
+    """The sampling generator of one call (or one request of a batch): seeded, or from fresh entropy."""
+    gen = torch.Generator(device=device)
+    gen.manual_seed(seed) if seed is not None else gen.seed()
+    return gen
+
+
 def sample(logp: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> torch.Tensor:
     """One byte per row of logp (P, 256) float64: p^(1/temperature) over the top_k most likely bytes, renormalised."""
     logp = (logp - logp.max(dim=-1, keepdim=True).values) / cfg.temperature  # <= 0, the likeliest byte at 0
@@ -545,3 +689,23 @@ def sample(logp: torch.Tensor, cfg: GenerationConfig, gen: torch.Generator) -> t
         cut = torch.topk(logp, cfg.top_k, dim=-1).values[:, -1:]
         logp = logp.masked_fill(logp < cut, -math.inf)
     return torch.multinomial(torch.softmax(logp, dim=-1), 1, generator=gen)[:, 0]
+
+
+def sample_each(logp: torch.Tensor, cfgs: Sequence[GenerationConfig], gens: Sequence[torch.Generator]) -> list[int]:
+    """One byte per row of logp (P, 256) float64, row i under cfgs[i] drawn with gens[i]: what sample(logp[i : i + 1],
+    cfgs[i], gens[i]) draws, in a few ops for all rows. torch.multinomial draws one sample as argmax(p / q), q
+    exponential draws of the row's shape from its generator (aten's multinomial, 'fast path' for one sample); here
+    each row's q is drawn from its own generator the same way, and the rest runs on all rows at once
+    (tests/test_inference_speed.py checks the bytes against stream()'s)."""
+    temperature = torch.tensor([c.temperature for c in cfgs], dtype=logp.dtype, device=logp.device)[:, None]
+    logp = (logp - logp.max(dim=-1, keepdim=True).values) / temperature
+    ks = [c.top_k if c.top_k is not None and c.top_k < logp.shape[-1] else 0 for c in cfgs]
+    if any(ks):
+        top = torch.topk(logp, max(ks), dim=-1).values  # (P, kmax), descending
+        at = torch.tensor([max(k, 1) - 1 for k in ks], device=logp.device)[:, None]
+        cut = torch.where(torch.tensor(ks, device=logp.device)[:, None] > 0, top.gather(1, at), -math.inf)
+        logp = logp.masked_fill(logp < cut, -math.inf)
+    probs = torch.softmax(logp, dim=-1)
+    n, dev = probs.shape[-1], probs.device
+    q = torch.stack([torch.empty(n, dtype=probs.dtype, device=dev).exponential_(generator=g) for g in gens])
+    return (probs / q).argmax(dim=-1).tolist()

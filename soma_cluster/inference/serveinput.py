@@ -78,6 +78,8 @@ class ServeSettings(BaseModel):
     cpus_per_replica: Annotated[float, Field(ge=0, le=1024, allow_inf_nan=False)] = 1.0  # of an expert replica
     router_cpus: Annotated[float, Field(ge=0, le=1024, allow_inf_nan=False)] = 0.5  # of a router replica
     device: Literal["auto", "cpu", "cuda"] = "auto"  # auto: CUDA where the replica has a GPU, else the CPU
+    threads: Annotated[StrictInt, Field(ge=1, le=1024)] | None = None  # torch threads of a replica (none: per op)
+    stream_interval_s: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 0.05  # between a stream's pieces
     max_batch_windows: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 256  # windows in one pass of a replica
     batch_wait_s: Annotated[float, Field(ge=0, le=10, allow_inf_nan=False)] = 0.005  # wait to fill a pass
     max_ongoing_requests: Annotated[StrictInt, Field(ge=1, le=1 << 16)] = 64  # per replica, in progress
