@@ -18,6 +18,7 @@ from __future__ import annotations
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass
 
 from pipelines.common import emit_json
@@ -149,21 +150,14 @@ def serve_campaign(settings: ServeSettings, address: str | None, host: str, port
 
         from pipelines.serve_app import build
 
-        try:
-            host, port = _deploy(serve, build(settings.model_dump()), host, port)
-        except SomaError:
-            if not detach:
-                _remove(serve, addr.remote)
-            raise
-        served = served_as(settings, routing, host, port, detach)
-        show(served)
-        if detach:
-            return served
-        try:
-            while True:  # until a signal: Stopped unwinds from the sleep
-                time.sleep(1.0)
-        finally:
-            _remove(serve, addr.remote)
+        return _hold(
+            lambda: _deploy(serve, build(settings.model_dump()), host, port),
+            lambda: _remove(serve, addr.remote),
+            settings,
+            routing,
+            detach,
+            show,
+        )
 
 
 def _serve_through_dashboard(
@@ -183,21 +177,40 @@ def _serve_through_dashboard(
     config = serve_config(settings, host, port)
     config["applications"] = kept + config["applications"]
     api.call("PUT", config)
-    try:
+
+    def deployed() -> tuple[str, int]:
         wait_deployed(api.app_state)
+        return host, port
+
+    return _hold(deployed, lambda: remove(api, config, kept), settings, routing, detach, show)
+
+
+def _hold(
+    deploy: Callable[[], tuple[str, int]],
+    undeploy: Callable[[], None],
+    settings: ServeSettings,
+    routing: Routing,
+    detach: bool,
+    show,
+) -> Served:
+    """The deployment both ways share: `deploy` (it returns the host and port served), undone by `undeploy` if it
+    fails unless detached; report with `show(Served)`; then, unless detached, serve until a signal (Stopped unwinds
+    from the sleep) and `undeploy`."""
+    try:
+        host, port = deploy()
     except SomaError:
         if not detach:
-            remove(api, config, kept)
+            undeploy()
         raise
     served = served_as(settings, routing, host, port, detach)
     show(served)
     if detach:
         return served
     try:
-        while True:  # until a signal: Stopped unwinds from the sleep
+        while True:
             time.sleep(1.0)
     finally:
-        remove(api, config, kept)
+        undeploy()
 
 
 def served_as(settings: ServeSettings, routing: Routing, host: str, port: int, detach: bool) -> Served:
