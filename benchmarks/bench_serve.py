@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import argparse
 import base64
+import contextlib
 import http.client
 import json
 import os
@@ -38,6 +39,7 @@ import tempfile
 import threading
 import time
 import urllib.parse
+from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -72,6 +74,30 @@ def write_export(lm: RoutedLM, root: str) -> str:
     if not Store(dest).exists(EXPORT_FILE):
         raise RuntimeError(f"no export was written to {dest}")
     return dest
+
+
+@contextlib.contextmanager
+def local_serve(prefix: str, num_cpus: int, port: int) -> Iterator[str]:
+    """A local Ray (its own temp dir under /tmp, no dashboard, quiet) with Serve's proxy on 127.0.0.1:`port`, and a
+    scratch directory (`prefix`) for the exports: yielded, then Serve, Ray and both directories are gone."""
+    import ray
+    from ray import serve
+
+    root = tempfile.mkdtemp(prefix=prefix)
+    tmp_ray = tempfile.mkdtemp(prefix="soma-ray-", dir="/tmp")
+    try:
+        ray.init(
+            num_cpus=num_cpus, include_dashboard=False, _temp_dir=tmp_ray, logging_level="WARNING", log_to_driver=False
+        )
+        serve.start(http_options={"host": "127.0.0.1", "port": port})
+        yield root
+    finally:
+        try:
+            serve.shutdown()
+        finally:
+            ray.shutdown()
+            shutil.rmtree(root, ignore_errors=True)
+            shutil.rmtree(tmp_ray, ignore_errors=True)
 
 
 def request_bodies(docs: list[tuple[bytes, bytes]], per_request: int) -> list[bytes]:
@@ -159,7 +185,6 @@ def main() -> None:
     if args.device == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
     os.environ.setdefault("RAY_USAGE_STATS_ENABLED", "0")
-    import ray
     from ray import serve
 
     from pipelines.serve_app import build as build_app
@@ -170,22 +195,12 @@ def main() -> None:
     bodies = request_bodies(docs, args.docs)
     as_sent = docs
     tokens = len(rows) * 1024
-    root = tempfile.mkdtemp(prefix="soma-bench-serve-")
-    tmp_ray = tempfile.mkdtemp(prefix="soma-ray-b-", dir="/tmp")
     print(
         f"{len(rows)} windows, {len(bodies)} requests of {args.docs} documents, batch {args.batch_windows}, "
         f"concurrency {levels}, {os.cpu_count()} CPUs; load average {os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    try:
-        ray.init(
-            num_cpus=os.cpu_count(),
-            include_dashboard=False,
-            _temp_dir=tmp_ray,
-            logging_level="WARNING",
-            log_to_driver=False,
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    with local_serve("soma-bench-serve-", os.cpu_count() or 1, args.port) as root:
         setups = {}
         for n, d, head in ENSEMBLES:
             lm = build(n, d, head, fit, 128)
@@ -256,13 +271,6 @@ def main() -> None:
             print(f"N={n}: service at {levels[-1]} clients / API throughput = {ratio:.2f} (goal >= 0.8)")
         print(f"service against API: largest relative difference of a document's nats {max(agree):.1e}")
         print(f"device {args.device}; torch threads {torch.get_num_threads()}; load average {os.getloadavg()[0]:.2f}")
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(tmp_ray, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -52,9 +52,7 @@ A smoke run (2.5 minutes on a loaded 2-core host, most of it Ray and Serve start
 import argparse
 import asyncio
 import os
-import shutil
 import sys
-import tempfile
 import time
 from dataclasses import dataclass
 
@@ -70,7 +68,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, HERE)
 from bench_inference import corpus_chunks  # noqa: E402
 from bench_lm import ENSEMBLES, build  # noqa: E402
-from bench_serve import PREFIX, load, post, request_bodies, write_export  # noqa: E402
+from bench_serve import PREFIX, load, local_serve, post, request_bodies, write_export  # noqa: E402
 
 from pipelines.serve_app import Passes, _error, _read_body  # noqa: E402
 from soma_cluster.corpus import shown  # noqa: E402
@@ -310,7 +308,6 @@ def main() -> None:
     # the replicas import this module (its deployments) by name: benchmarks/ on their path, as on ours
     os.environ["PYTHONPATH"] = os.pathsep.join(x for x in (HERE, os.environ.get("PYTHONPATH", "")) if x)
     import bench_serve_placement as me  # the deployments by module name, not __main__'s copies
-    import ray
 
     fit, data = corpus_chunks(a.fit_chunks, a.windows)
     rows = [bytes(w) for w in data]
@@ -318,23 +315,13 @@ def main() -> None:
     bodies = request_bodies(docs, a.docs)
     tokens = len(rows) * 1024
     arms = ["all experts", *(f"multiplexed {g}:{m}" for g, m in mux)]
-    root = tempfile.mkdtemp(prefix="soma-bench-place-")
-    tmp_ray = tempfile.mkdtemp(prefix="soma-ray-p-", dir="/tmp")
     print(
         f"{len(rows)} windows, {len(bodies)} requests of {a.docs} documents, batch {a.batch_windows}, concurrency "
         f"{levels}, {a.replicas} replicas of {cpus:g} CPUs, arms {arms}; {os.cpu_count()} CPUs here, load average "
         f"{os.getloadavg()[0]:.2f}",
         flush=True,
     )
-    try:
-        ray.init(
-            num_cpus=max(os.cpu_count() or 1, int(np.ceil(a.cpus))),
-            include_dashboard=False,
-            _temp_dir=tmp_ray,
-            logging_level="WARNING",
-            log_to_driver=False,
-        )
-        serve.start(http_options={"host": "127.0.0.1", "port": a.port})
+    with local_serve("soma-bench-place-", max(os.cpu_count() or 1, int(np.ceil(a.cpus))), a.port) as root:
         url = f"http://127.0.0.1:{a.port}/v1/score"
         setups, runs, agree, api = {}, {}, {}, {}
         for n, d, head in ensembles:
@@ -406,13 +393,6 @@ def main() -> None:
         for (n, arm), diff in agree.items():
             print(f"N={n} {arm}: largest relative difference of a document's nats from the API's {diff:.1e}")
         print(f"device {a.device}; load average {os.getloadavg()[0]:.2f}")
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(tmp_ray, ignore_errors=True)
 
 
 if __name__ == "__main__":

@@ -30,10 +30,8 @@ import argparse
 import base64
 import json
 import os
-import shutil
 import subprocess
 import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
@@ -141,23 +139,17 @@ def stream_client(url: str, body: dict) -> tuple[float, float, bytes]:
 def section_serve(lms: dict[int, RoutedLM], prompts: list[bytes], args) -> None:
     """soma serve's application (pipelines.serve_app.build) on a local Ray started here, against in-process
     generate() of the same prompts, alternating, --repeats each, the fastest of each kept."""
-    import ray
-    from bench_serve import write_export
+    from bench_serve import local_serve, write_export
     from ray import serve
 
     from pipelines.serve_app import build as build_app
 
     c, nbytes = args.clients, args.serve_bytes
     ps = [prompts[i % len(prompts)] for i in range(c)]
-    root = tempfile.mkdtemp(prefix="soma-bench-speed-")
-    tmp_ray = tempfile.mkdtemp(prefix="soma-ray-s-", dir="/tmp")
     print(f"\n## serve: {c} concurrent clients, {nbytes} B each, against generate([{c} prompts]) (load {load()})")
     print("\n| ensemble | in-process B/s | service B/s | ratio | p50 first byte | p99 request |")
     print("|---|---|---|---|---|---|")
-    try:
-        ray.init(num_cpus=cpus(), include_dashboard=False, _temp_dir=tmp_ray, logging_level="WARNING",
-                 log_to_driver=False)  # fmt: skip
-        serve.start(http_options={"host": "127.0.0.1", "port": args.port})
+    with local_serve("soma-bench-speed-", cpus(), args.port) as root:
         url = f"http://127.0.0.1:{args.port}/"
         for n, lm in lms.items():
             path = write_export(lm, os.path.join(root, f"n{n}"))
@@ -188,13 +180,6 @@ def section_serve(lms: dict[int, RoutedLM], prompts: list[bytes], args) -> None:
                 f"{1000 * float(np.median(firsts)):.0f} ms | {1000 * float(np.percentile(totals, 99)):.0f} ms |"
             )
             serve.delete("soma")
-    finally:
-        try:
-            serve.shutdown()
-        finally:
-            ray.shutdown()
-            shutil.rmtree(root, ignore_errors=True)
-            shutil.rmtree(tmp_ray, ignore_errors=True)
     print(f"\nload average after: {load()}")
 
 
