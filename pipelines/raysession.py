@@ -39,23 +39,64 @@ REAP_GRACE_S = 5.0  # Ray's processes get this long to exit after ray.shutdown()
 KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays after the command, for debugging
 
 
+# A ray:// head starts one client server process per connection and waits RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S
+# (30 s by default, the head's setting) for it. A busy head can miss that once: Ray then answers "Initialization
+# failure from server" with one of these reasons, and a new connection starts a fresh server. Other reasons (a
+# runtime_env the head refuses, ray.init failing on the head) stand: trying again cannot change them.
+CLIENT_START_FAILED = (
+    "Starting Ray client server failed",
+    "Proxy failed to Connect to backend",
+    "in start_specific_server",
+)
+CLIENT_TRIES = 3
+CLIENT_RETRY_S = 2.0
+
+
+def _reason(exc: BaseException) -> str:
+    """The line of a connection error that says why: Ray's client puts the head's traceback after its first line
+    ("Initialization failure from server:"), whose last line is the cause."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    if not lines:
+        return type(exc).__name__
+    return (lines[-1] if lines[0].endswith(":") and len(lines) > 1 else lines[0])[:300]
+
+
 def _connect(addr: Address) -> None:
     import ray
 
-    try:
-        ray.init(address=addr.text, log_to_driver=True, logging_level="WARNING")
-    except ValueError as exc:  # a form Ray refuses (parse() lets through only what Ray accepts: belt and braces)
-        raise SomaError(f"{addr.named()}: {str(exc).splitlines()[0][:200]}; {FORMS_HINT}") from None
-    except ConnectionError as exc:
-        if addr.form is Form.AUTO:
+    for attempt in range(1, CLIENT_TRIES + 1):
+        try:
+            ray.init(address=addr.text, log_to_driver=True, logging_level="WARNING")
+            return
+        except ValueError as exc:  # a form Ray refuses (parse() lets through only what Ray accepts: belt and braces)
+            raise SomaError(f"{addr.named()}: {str(exc).splitlines()[0][:200]}; {FORMS_HINT}") from None
+        except ConnectionError as exc:
+            if addr.form is Form.AUTO:
+                raise SomaError(
+                    "no Ray runs on this machine for address auto; start one (ray start --head), give the "
+                    "cluster's address, or no address for a local Ray"
+                ) from None
+            reason = _reason(exc)
+            start_failed = any(mark in str(exc) for mark in CLIENT_START_FAILED)
+            if start_failed and attempt == CLIENT_TRIES:
+                raise SomaError(
+                    f"Ray at {addr.text} did not start a Ray Client server for this connection in {CLIENT_TRIES} "
+                    f"tries ({reason}); the head is busy or short of memory: try again later, or give its client "
+                    f"servers longer to start (RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S on the head, 30 s by default)"
+                ) from None
+            if start_failed:
+                print(
+                    f"warning: Ray at {addr.text} did not start this connection's client server ({reason}); "
+                    f"trying again ({attempt + 1} of {CLIENT_TRIES})",
+                    file=sys.stderr,
+                )
+                time.sleep(CLIENT_RETRY_S * attempt)
+                STOP.check()
+                continue
             raise SomaError(
-                "no Ray runs on this machine for address auto; start one (ray start --head), give the cluster's "
-                "address, or no address for a local Ray"
+                f"Ray at {addr.text} refused the connection ({reason}); if the cluster uses token authentication, "
+                f"{token_hint()}"
             ) from None
-        raise SomaError(
-            f"Ray at {addr.text} refused the connection ({str(exc).splitlines()[0][:160]}); if the cluster uses "
-            f"token authentication, {token_hint()}"
-        ) from None
 
 
 @contextmanager

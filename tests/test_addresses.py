@@ -217,13 +217,16 @@ def test_other_forms_are_refused_by_their_text(text):
 def test_a_gcs_and_a_ray_client_port_each_given_in_the_other_form_are_named(tmp_path):
     """A real head with its Ray Client server: ray:// for the GCS port (Ray waited 30 s for a client handshake,
     then blamed the token) and the client port as a GCS address are one line each, saying which form fits; both
-    right forms pass the probe."""
+    right forms pass the probe. A client server the head fails to start is tried again, then named as such."""
     from support.rayhead import RayHead
 
     from pipelines.rayaddress import probe
 
     client = free_port()
-    with RayHead({}, ("--num-cpus=1", f"--ray-client-server-port={client}")) as head:
+    # the head gives each Ray Client connection's server no time to start: every connection fails as one does on a
+    # busy head (CI, 2026-12-07), which soma serve tries again, then names
+    slow = {"RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S": "0"}
+    with RayHead(slow, ("--num-cpus=1", f"--ray-client-server-port={client}")) as head:
         deadline = time.monotonic() + 30
         while time.monotonic() < deadline:  # bounded: the client server starts just after the head
             try:
@@ -239,6 +242,19 @@ def test_a_gcs_and_a_ray_client_port_each_given_in_the_other_form_are_named(tmp_
             probe(parse(f"127.0.0.1:{client}", {}))
         with pytest.raises(SomaError, match=r"Ray Client address; soma's driver cannot run over Ray Client"):
             ray_address(f"ray://127.0.0.1:{client}")
+        code = (
+            "import sys; from pipelines.raysession import _connect; from pipelines.rayaddress import parse; "
+            "from soma_cluster.errors import SomaError\n"
+            f"try: _connect(parse('ray://127.0.0.1:{client}', {{}}, serve=True))\n"
+            "except SomaError as e: print(e); sys.exit(2)"
+        )
+        env = {**os.environ, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "0"}  # else each failed try waits 30 s more
+        proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=240, env=env)
+        assert proc.returncode == 2, proc.stderr[-2000:]
+        assert "did not start a Ray Client server for this connection in 3 tries (RuntimeError: " in proc.stdout
+        assert "RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S on the head" in proc.stdout, proc.stdout
+        assert proc.stderr.count("did not start this connection's client server") == 2, proc.stderr[-2000:]
+        assert "trying again (3 of 3)" in proc.stderr
 
 
 def test_an_empty_or_blank_address_means_a_local_ray_and_overrides_ray_address(monkeypatch):
