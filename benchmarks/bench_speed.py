@@ -19,7 +19,7 @@ Sections (--only picks some):
            in byte-tokens/s, alternating; the goal: >= 0.9.
 
   PYTHONPATH=. python benchmarks/bench_speed.py [--only threads,batch,serve,score] [--runs 10] [--repeats 3]
-      [--gen-bytes 500] [--fit-chunks 2000] [--clients 20] [--serve-bytes 200] [--score-mb 4]
+      [--gen-bytes 500] [--fit-chunks 2000] [--clients 20] [--serve-bytes 200] [--score-mb 4] [--intervals 0.05]
 
 Measurement records: docs/results/benchmarks/bench_speed.md (with the load average of each run: the host is shared).
 """
@@ -147,39 +147,42 @@ def section_serve(lms: dict[int, RoutedLM], prompts: list[bytes], args) -> None:
     c, nbytes = args.clients, args.serve_bytes
     ps = [prompts[i % len(prompts)] for i in range(c)]
     print(f"\n## serve: {c} concurrent clients, {nbytes} B each, against generate([{c} prompts]) (load {load()})")
-    print("\n| ensemble | in-process B/s | service B/s | ratio | p50 first byte | p99 request |")
-    print("|---|---|---|---|---|---|")
+    print("\n| ensemble | stream_interval_s | in-process B/s | service B/s | ratio | p50 first byte | p99 request |")
+    print("|---|---|---|---|---|---|---|")
+    intervals = [float(x) for x in args.intervals.split(",")]
     with local_serve("soma-bench-speed-", cpus(), args.port) as root:
         url = f"http://127.0.0.1:{args.port}/"
         for n, lm in lms.items():
             path = write_export(lm, os.path.join(root, f"n{n}"))
-            app = {"source": path, "cpus_per_replica": cpus(), "router_cpus": 0, "max_ongoing_requests": 256,
-                   "max_queued_requests": 4096}  # fmt: skip
-            serve.run(build_app(app), name="soma", route_prefix="/")
-            stream_client(url, {"prompt": "warm", "max_bytes": 2, "seed": 0})
             api_lm = RoutedLM.load(path)
-            api, svc = [], []
-            for _ in range(args.repeats):
-                api.append(rate(lambda api_lm=api_lm: api_lm.generate(ps, max_bytes=nbytes, seed=0), c * nbytes))
-                bodies = [
-                    {"prompt": base64.b64encode(p).decode(), "encoding": "base64", "max_bytes": nbytes, "seed": i}
-                    for i, p in enumerate(ps)
-                ]
-                t = time.perf_counter()
-                with ThreadPoolExecutor(c) as pool:
-                    res = list(pool.map(lambda b: stream_client(url, b), bodies))
-                svc.append((c * nbytes / (time.perf_counter() - t), res))
-            best_svc, res = max(svc, key=lambda x: x[0])
-            for i in range(min(3, c)):  # a stream is the API's alone, byte for byte
-                want = api_lm.generate(ps[i], max_bytes=nbytes, seed=i)
-                assert res[i][2] == want, f"N={n}: stream {i} differs from the API's"
-            firsts = [r[0] for r in res]
-            totals = [r[1] for r in res]
-            print(
-                f"| N={n} | {max(api):,.0f} | {best_svc:,.0f} | {best_svc / max(api):.2f} (goal >= 0.8) | "
-                f"{1000 * float(np.median(firsts)):.0f} ms | {1000 * float(np.percentile(totals, 99)):.0f} ms |"
-            )
-            serve.delete("soma")
+            bodies = [
+                {"prompt": base64.b64encode(p).decode(), "encoding": "base64", "max_bytes": nbytes, "seed": i}
+                for i, p in enumerate(ps)
+            ]
+            api, svc = [], {x: [] for x in intervals}
+            for _ in range(args.repeats):  # the in-process run and each interval's service, alternating
+                for interval in intervals:
+                    api.append(rate(lambda api_lm=api_lm: api_lm.generate(ps, max_bytes=nbytes, seed=0), c * nbytes))
+                    app = {"source": path, "cpus_per_replica": cpus(), "router_cpus": 0, "max_ongoing_requests": 256,
+                           "max_queued_requests": 4096, "stream_interval_s": interval}  # fmt: skip
+                    serve.run(build_app(app), name="soma", route_prefix="/")
+                    stream_client(url, {"prompt": "warm", "max_bytes": 2, "seed": 0})
+                    t = time.perf_counter()
+                    with ThreadPoolExecutor(c) as pool:
+                        res = list(pool.map(lambda b: stream_client(url, b), bodies))
+                    svc[interval].append((c * nbytes / (time.perf_counter() - t), res))
+                    serve.delete("soma")
+            for interval in intervals:
+                best_svc, res = max(svc[interval], key=lambda x: x[0])
+                for i in range(min(3, c)):  # a stream is the API's alone, byte for byte
+                    want = api_lm.generate(ps[i], max_bytes=nbytes, seed=i)
+                    assert res[i][2] == want, f"N={n}: stream {i} differs from the API's"
+                first_ms = 1000 * float(np.median([r[0] for r in res]))
+                p99_ms = 1000 * float(np.percentile([r[1] for r in res], 99))
+                print(
+                    f"| N={n} | {interval:g} s | {max(api):,.0f} | {best_svc:,.0f} | {best_svc / max(api):.2f} "
+                    f"(goal >= 0.8) | {first_ms:.0f} ms | {p99_ms:.0f} ms |"
+                )
     print(f"\nload average after: {load()}")
 
 
@@ -219,6 +222,7 @@ def main() -> None:
     p.add_argument("--serve-bytes", type=int, default=200)
     p.add_argument("--score-mb", type=float, default=4.0)
     p.add_argument("--port", type=int, default=18766)
+    p.add_argument("--intervals", default="0.05", help="serve: stream_interval_s values, comma-separated, each a row")
     args = p.parse_args()
     only = [s.strip() for s in args.only.split(",") if s.strip()]
     if bad := sorted(set(only) - set(SECTIONS)):

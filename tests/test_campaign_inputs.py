@@ -4,6 +4,7 @@ the thing and a fix, nothing is written, and following the fix works."""
 import json
 import shutil
 
+import pytest
 import yaml
 from conftest import MICRO, assert_one_line_error, soma
 
@@ -101,6 +102,15 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, trained_campaign):
     assert len(_events(camp)) == n_events
     assert soma("eval", str(camp)).returncode == 0
 
+
+@pytest.mark.slow  # two more retrains from the seed (~30 s on 2 cores); the resume of a lost checkpoint is above
+def test_an_expert_with_no_checkpoint_left_is_retrained_bitwise(tmp_path, trained_campaign):
+    camp = tmp_path / "camp"
+    shutil.copytree(trained_campaign, camp)
+    ck = camp / "experts" / "expert-0001"
+    final = json.loads((ck / "latest.json").read_text())["name"]
+    good = (ck / f"{final}.safetensors").read_bytes()
+
     # every checkpoint of an expert is corrupt: it retrains from the seed, to the same result
     for f in ck.glob("step-*.safetensors"):
         f.write_bytes(b"junk")
@@ -110,7 +120,7 @@ def test_edited_config_and_corrupt_final_checkpoint(tmp_path, trained_campaign):
         (proc.stdout + proc.stderr).split()
     )
     assert (ck / f"{final}.safetensors").read_bytes() == good
-    shutil.rmtree(camp / "eval")
+    shutil.rmtree(camp / "eval", ignore_errors=True)
     assert soma("eval", str(camp)).returncode == 0
 
     # a finished expert's whole directory removed (a cleanup script, a lost volume): resume retrains it too

@@ -163,6 +163,7 @@ def test_experiment_bad_input_is_one_line(tmp_path):
     assert not (tmp_path / "x").exists()
 
 
+@pytest.mark.slow  # ~41 s; a fork of a trained campaign: test_set.py (warm fork); its refusals: test_refusals.py
 def test_fork_cli_shares_data_and_seed_and_refuses_what_it_cannot_share(tmp_path, text_corpus, micro_yaml):
     parent, child = str(tmp_path / "parent"), str(tmp_path / "child")
     assert soma("prepare", parent, "--config", micro_yaml, "--corpus", str(text_corpus)).returncode == 0

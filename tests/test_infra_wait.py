@@ -195,6 +195,7 @@ def test_full_disk_mid_launch_spends_no_retry_stops_with_4_and_resume_finishes(s
         unmount(mnt)
 
 
+@pytest.mark.slow  # ~33 s; reopen_failed and its events: tests/test_failures.py; its refusals: test_refusals.py
 def test_retry_failed_reopens_an_expert_that_failed_for_its_own_reason(seeded, tmp_path, text_corpus):
     cfg = infra_config(text_corpus)
     store = clone(seeded, tmp_path / "c", cfg)

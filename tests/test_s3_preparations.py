@@ -119,6 +119,7 @@ def _until(pred, timeout_s: float, what: str) -> None:
         time.sleep(0.05)
 
 
+@pytest.mark.slow  # ~46 s; the lease through an outage: above; a campaign through one: test_s3_outage.py
 def test_launch_outage_in_its_preparations(s3, proxy, text_corpus, tmp_path):  # noqa: F811
     """Cut once the lease is written (before Ray starts): past retry.infra_wait_s, exit 4 with one `error:` line
     and nothing half-written; then `soma resume` with the store cut again as it takes the lease, and back while a

@@ -120,6 +120,7 @@ def launch_killing_the_server(campaign: str, server: MlflowServer) -> subprocess
     return subprocess.CompletedProcess(proc.args, proc.returncode, out, err)
 
 
+@pytest.mark.slow  # ~62 s; outage and backfill: test_tracking_tb.py (a campaign), test_tracking.py (the rules)
 def test_tiny_campaign_tracked_through_an_outage_and_backfilled(server, micro_yaml, tmp_path, monkeypatch):
     monkeypatch.setenv("MLFLOW_TRACKING_URI", server.uri)
     campaign = str(tmp_path / "c")
