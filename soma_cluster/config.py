@@ -6,6 +6,8 @@ truth afterwards (workers and `soma resume` read it back from there).
 
 from __future__ import annotations
 
+import copy
+import functools
 import hashlib
 import json
 import os
@@ -491,10 +493,17 @@ def preset_names() -> list[str]:
 
 
 def preset_tree(name: str) -> dict[str, Any]:
-    path = resources.files("soma_cluster") / "presets" / f"{name}.yaml"
-    if not path.is_file():
+    tree = _preset_file(name)
+    if tree is None:
         raise SomaError(f"unknown preset {name!r}; choose one of {', '.join(preset_names())}")
-    return yaml.safe_load(path.read_text()) or {}
+    return copy.deepcopy(tree)  # the caller's to change
+
+
+@functools.cache
+def _preset_file(name: str) -> dict[str, Any] | None:
+    """A preset file of the package, parsed once per process (a config resolves it two or three times)."""
+    path = resources.files("soma_cluster") / "presets" / f"{name}.yaml"
+    return (yaml.safe_load(path.read_text()) or {}) if path.is_file() else None
 
 
 def setting_origin(cfg: CampaignConfig, dotted: str) -> str:

@@ -18,7 +18,24 @@ for _k, _v in {
     os.environ.setdefault(_k, _v)
 
 import pytest  # noqa: E402
+import typer.testing  # noqa: E402
 import yaml  # noqa: E402
+
+# typer's CliRunner builds the whole click command tree from the app's signatures on every invoke (~12 ms of a
+# refusal's ~20 ms): the suite's in-process CLI cases (thousands: test_config_inputs, test_refusals,
+# test_command_targets) build it once per app. A click command holds no state between invocations.
+_built_commands: dict[int, tuple[object, object]] = {}
+
+
+def _get_command_once(app):
+    key = id(app)
+    if key not in _built_commands or _built_commands[key][0] is not app:
+        _built_commands[key] = (app, _typer_get_command(app))
+    return _built_commands[key][1]
+
+
+_typer_get_command = typer.testing._get_command
+typer.testing._get_command = _get_command_once
 
 from soma_cluster.config import resolve  # noqa: E402
 from soma_cluster.textsources import builtin_documents  # noqa: E402
