@@ -323,3 +323,23 @@ def test_a_dashboard_address_with_nothing_there_is_one_line_within_the_probe_bou
     with pytest.raises(SomaError, match=rf"--address http://127.0.0.1:{port} is not a Ray dashboard"):
         ray_address(f"http://127.0.0.1:{port}", serve=True)
     assert time.monotonic() - t0 < PROBE_S + 5
+
+
+@pytest.mark.parametrize(
+    "text,reason",
+    [
+        (
+            "Initialization failure from server:\nTraceback (most recent call last):\n  File x\nRuntimeError: cause",
+            "RuntimeError: cause",
+        ),
+        ("Failed to connect to the GCS at h:6379", "Failed to connect to the GCS at h:6379"),
+        ("first line\nsecond line", "first line"),
+        ("Initialization failure from server:\n", "Initialization failure from server:"),
+        ("", "ConnectionError"),
+    ],
+)
+def test_a_connection_error_is_named_by_its_cause(text, reason):
+    """Ray's client puts the head's traceback after its first line: the error names the traceback's last line."""
+    from pipelines.raysession import _reason
+
+    assert _reason(ConnectionError(text)) == reason
