@@ -125,7 +125,7 @@ def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
     except (OSError, UnicodeError, ValueError) as exc:  # UnicodeError: a host name IDNA cannot encode
         raise SomaError(
             f"cannot reach a Ray cluster at {addr.text} ({exc.__class__.__name__}: {exc}); check --address / "
-            f"RAY_ADDRESS (the head's GCS, host:6379 by default)"
+            f"RAY_ADDRESS ({_expected(addr)})"
         ) from None
     if os.environ.get("RAY_USE_TLS", "0").lower() in ("1", "true"):
         return  # a TLS cluster's handshake needs its certificates: ray.init checks it
@@ -139,7 +139,14 @@ def probe(addr: Address, timeout_s: float = PROBE_S) -> None:
         what = "something accepts connections there but refuses Ray's protocol (gRPC)"
     else:
         what = f"something accepts connections there but does not answer as Ray (gRPC) within {timeout_s:.0f} s"
-    raise SomaError(f"{addr.named()} is not a Ray cluster: {what}; pass the head's GCS address (HOST:6379 by default)")
+    raise SomaError(f"{addr.named()} is not a Ray cluster: {what}; pass {_expected(addr)}")
+
+
+def _expected(addr: Address) -> str:
+    """What the address should name, for its form: soma serve's ray:// names the head's Ray Client server."""
+    if addr.form is Form.CLIENT:
+        return "the head's Ray Client server, ray://HOST:10001 by default"
+    return "the head's GCS, HOST:6379 by default"
 
 
 def _probe_dashboard(addr: Address, timeout_s: float) -> None:
