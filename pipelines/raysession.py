@@ -41,12 +41,14 @@ KEEP_ENV = "SOMA_KEEP_RAY_LOGS"  # =1: a local Ray's directory (its logs) stays 
 
 # A ray:// head starts one client server process per connection and waits RAY_CLIENT_SERVER_CHECK_CHANNEL_TIMEOUT_S
 # (30 s by default, the head's setting) for it. A busy head can miss that once: Ray then answers "Initialization
-# failure from server" with one of these reasons, and a new connection starts a fresh server. Other reasons (a
-# runtime_env the head refuses, ray.init failing on the head) stand: trying again cannot change them.
+# failure from server" with one of these reasons, or closes the connection before the answer (the client then says
+# it was disconnected), and a new connection starts a fresh server. Other reasons (a runtime_env the head refuses,
+# ray.init failing on the head) stand: trying again cannot change them.
 CLIENT_START_FAILED = (
     "Starting Ray client server failed",
     "Proxy failed to Connect to backend",
     "in start_specific_server",
+    "the Ray client has already been disconnected",
 )
 CLIENT_TRIES = 3
 CLIENT_RETRY_S = 2.0
