@@ -160,6 +160,7 @@ def section_serve(lms: dict[int, RoutedLM], prompts: list[bytes], args) -> None:
                 {"prompt": base64.b64encode(p).decode(), "encoding": "base64", "max_bytes": nbytes, "seed": i}
                 for i, p in enumerate(ps)
             ]
+            ones = [{**b, "max_bytes": 1} for b in bodies]  # what the requests cost apart from their bytes
             api, svc = [], {x: [] for x in intervals}
             for _ in range(args.repeats):  # the in-process run and each interval's service, alternating
                 for interval in intervals:
@@ -168,9 +169,8 @@ def section_serve(lms: dict[int, RoutedLM], prompts: list[bytes], args) -> None:
                            "max_queued_requests": 4096, "stream_interval_s": interval}  # fmt: skip
                     serve.run(build_app(app), name="soma", route_prefix="/")
                     stream_client(url, {"prompt": "warm", "max_bytes": 2, "seed": 0})
-                    ones = [{**b, "max_bytes": 1} for b in bodies]
                     t = time.perf_counter()
-                    with ThreadPoolExecutor(c) as pool:  # what the requests cost apart from their bytes
+                    with ThreadPoolExecutor(c) as pool:
                         list(pool.map(lambda b: stream_client(url, b), ones))
                     fixed = time.perf_counter() - t
                     t = time.perf_counter()

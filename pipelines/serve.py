@@ -135,7 +135,9 @@ def serve_config(settings: ServeSettings, host: str, port: int) -> dict:
     }
 
 
-def serve_campaign(settings: ServeSettings, address: str | None, host: str, port: int, detach: bool, show) -> Served:
+def serve_campaign(
+    settings: ServeSettings, address: str | None, host: str, port: int, detach: bool, show: Callable[[Served], None]
+) -> Served:
     """Check the address and the source, connect to (or start) Ray, deploy, report with `show(Served)`; then, unless
     detached, serve until a signal and remove the application."""
     addr = ray_address(address, serve=True)
@@ -161,7 +163,13 @@ def serve_campaign(settings: ServeSettings, address: str | None, host: str, port
 
 
 def _serve_through_dashboard(
-    settings: ServeSettings, routing: Routing, addr: Address, host: str, port: int, detach: bool, show
+    settings: ServeSettings,
+    routing: Routing,
+    addr: Address,
+    host: str,
+    port: int,
+    detach: bool,
+    show: Callable[[Served], None],
 ) -> Served:
     """Deploy with the REST API, wait until it runs, report; then, unless detached, serve until a signal and remove
     the application (the other applications' configs sent alone)."""
@@ -191,7 +199,7 @@ def _hold(
     settings: ServeSettings,
     routing: Routing,
     detach: bool,
-    show,
+    show: Callable[[Served], None],
 ) -> Served:
     """The deployment both ways share: `deploy` (it returns the host and port served), undone by `undeploy` if it
     fails unless detached; report with `show(Served)`; then, unless detached, serve until a signal (Stopped unwinds

@@ -243,10 +243,10 @@ def test_a_gcs_and_a_ray_client_port_each_given_in_the_other_form_are_named(tmp_
         with pytest.raises(SomaError, match=r"Ray Client address; soma's driver cannot run over Ray Client"):
             ray_address(f"ray://127.0.0.1:{client}")
         code = (
-            "import sys; from pipelines.raysession import _connect; from pipelines.rayaddress import parse; "
-            "from soma_cluster.errors import SomaError; import pipelines.raysession as rs\n"
+            "import sys; import pipelines.raysession as rs; from pipelines.rayaddress import parse; "
+            "from soma_cluster.errors import SomaError\n"
             "rs.CLIENT_RETRY_S, rs.CLIENT_TRIES = 0.1, 2\n"  # one try again is the mechanism, at a third of the cost
-            f"try: _connect(parse('ray://127.0.0.1:{client}', {{}}, serve=True))\n"
+            f"try: rs._connect(parse('ray://127.0.0.1:{client}', {{}}, serve=True))\n"
             "except SomaError as e: print(e); sys.exit(2)"
         )
         env = {**os.environ, "RAY_CLIENT_RECONNECT_GRACE_PERIOD": "0"}  # else each failed try waits 30 s more
